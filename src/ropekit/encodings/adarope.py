@@ -1,0 +1,276 @@
+"""Learnable rotary encodings: AdaRoPE (AdaFreq + AdaScale) and tuned-yarn.
+
+Shape legend: B batch · H query heads · K key/value heads · g = H/K query heads per key head ·
+T length · D head dim · F rotary pairs · L layers (1 when shared).
+
+AdaRoPE (Wang et al. 2026, "Not All Attention Heads Should Rotate and Scale Equally"):
+- AdaFreq, sec. 3.2: theta_f^(l,k) = exp(xi[l, k, f]), initialised from a base schedule (plain
+  RoPE for pretraining; YaRN/PI/NTK/Llama-3 for extension). Frequencies live per key/value
+  head: with grouped-query attention a key is rotated once and read by g query heads, and
+  relative-position invariance needs a query and its key rotated alike.
+- AdaScale, sec. 3.3: lambda_h(L) = (1/tau_h) * ln(1 + max(L, L_ref)/L_ref)^gamma_h multiplies
+  the query of head h, with L = position + 1, the number of keys a causal query sees, so
+  training, packing and cached decoding agree. tau = exp(log_tau) with log_tau = 0 and
+  gamma = 0 at init, so lambda = 1 and AdaRoPE equals its base schedule exactly.
+
+tuned-yarn: YaRN's global knobs (scale factor, beta_fast, beta_slow, attention factor) made
+learnable, stored as logs to stay positive: the "tuned global schedule" control the AdaRoPE
+review asks for.
+
+Holds: AdaRoPEConfig, AdaRoPE, TunedYarnConfig, TunedYarn, yarn_inv_freq (differentiable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from . import schedules
+from .base import EncodingConfig, PositionEncoding, check_choice, check_positions, check_positive
+from .rope import (
+    LinearConfig,
+    Llama3Config,
+    NTKConfig,
+    RopeConfig,
+    YarnConfig,
+)
+from .rotary import angles, rotate, tables
+
+# Static schedules AdaFreq can start from (dynamic ones have no single set of frequencies).
+INIT_SCHEDULES: dict[str, type[RopeConfig]] = {
+    "rope": RopeConfig,
+    "linear": LinearConfig,
+    "ntk": NTKConfig,
+    "yarn": YarnConfig,
+    "llama3": Llama3Config,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaRoPEConfig(EncodingConfig):
+    """AdaRoPE options; every option it does not own goes to the ``init`` schedule."""
+
+    name: ClassVar[str] = "adarope"
+    init: str = "rope"  # base schedule theta starts from: rope, linear, ntk, yarn, llama3
+    l_ref: int | None = None  # L_ref (tokens): default the init's original_length, else 64 (paper)
+    share_heads: bool = False  # one schedule/temperature per layer (the review's global control)
+    share_layers: bool = False  # one schedule/temperature for all layers
+    freq: bool = True  # AdaFreq: learn log-frequencies xi (False: ablation "w/o AdaFreq")
+    scale: bool = True  # AdaScale: learn tau, gamma (False: ablation "w/o AdaScale")
+    schedule: RopeConfig = dataclasses.field(default_factory=RopeConfig)  # parsed init options
+
+    CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = RopeConfig.CONTEXT_FIELDS
+    PAPER_PRETRAIN_L_REF: ClassVar[int] = 64
+
+    def __post_init__(self) -> None:
+        check_choice("init", self.init, tuple(INIT_SCHEDULES))
+        if not isinstance(self.schedule, INIT_SCHEDULES[self.init]):
+            raise ValueError(
+                f"schedule {type(self.schedule).__name__} does not match init={self.init!r}"
+            )
+        if self.l_ref is None:
+            default = getattr(self.schedule, "original_length", None) or self.PAPER_PRETRAIN_L_REF
+            object.__setattr__(self, "l_ref", int(default))
+        check_positive("l_ref", self.l_ref, minimum=1, strict=False)
+
+    @classmethod
+    def from_options(cls, options: dict[str, str], context: dict[str, Any] | None = None):
+        own_types = {k: v for k, v in cls.field_types().items() if k != "schedule"}
+        own = {k: v for k, v in options.items() if k in own_types}
+        rest = {k: v for k, v in options.items() if k not in own_types}
+        init = own.get("init", "rope")
+        check_choice("init", init, tuple(INIT_SCHEDULES))
+        try:
+            schedule = INIT_SCHEDULES[init].from_options(rest, context)
+        except ValueError as e:
+            allowed = ", ".join([*own_types, *INIT_SCHEDULES[init].field_types()])
+            raise ValueError(f"{e} (adarope with init={init} allows: {allowed})") from None
+        kwargs = {k: cls.parse_value(k, v, own_types[k]) for k, v in own.items()}
+        return cls(schedule=schedule, **kwargs)
+
+    def options(self) -> dict[str, Any]:
+        own = {k: v for k, v in super().options().items() if k != "schedule"}
+        if self.l_ref == (
+            getattr(self.schedule, "original_length", None) or self.PAPER_PRETRAIN_L_REF
+        ):
+            own.pop("l_ref", None)
+        return {**own, **self.schedule.options()}
+
+
+def _check_layer(layer: int, n_layers: int) -> None:
+    if not 0 <= layer < n_layers:
+        raise ValueError(f"layer={layer} is out of range; this model has layers 0..{n_layers - 1}")
+
+
+class _LearnedRotary(PositionEncoding):
+    """Shared machinery: per-(layer, key-head) tables and grouped query rotation."""
+
+    pairing: str
+    rotary_dim: int
+    n_pairs: int
+
+    def _setup_dims(self, schedule: RopeConfig) -> None:
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim={self.head_dim} is not allowed; rotary encodings need it even"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        self.rotary_dim = schedule.rotary_dim(self.head_dim)
+        if self.rotary_dim < 2:
+            raise ValueError(f"fraction={schedule.fraction} rotates fewer than 2 channels")
+        self.n_pairs = schedules.n_pairs(self.rotary_dim)
+        self.pairing = schedule.pairing
+
+    def inv_freq(self, layer: int) -> tuple[Tensor, Tensor | float]:
+        """theta (K|1, F) for one layer and the cos/sin attention factor."""
+        raise NotImplementedError
+
+    def _tables(self, positions: Tensor, layer: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        theta, factor = self.inv_freq(layer)  # (K|1, F)
+        phi = angles(positions[:, None, :], theta[None])  # (B, K|1, T, F)
+        return tables(phi, factor, dtype)
+
+    def _check_heads(self, x: Tensor, expected: int, what: str) -> None:
+        if x.shape[1] != expected:
+            raise ValueError(
+                f"{what} has {x.shape[1]} heads (x {tuple(x.shape)}); expected {expected}"
+            )
+
+    def rotate_k(self, k: Tensor, positions: Tensor, layer: int = 0) -> Tensor:
+        check_positions(k, positions, "key")
+        self._check_heads(k, self.n_kv_heads, "key")
+        dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+        return rotate(k, *self._tables(positions, layer, dtype), self.pairing)
+
+    def rotate_q(self, q: Tensor, positions: Tensor, layer: int = 0) -> Tensor:
+        check_positions(q, positions, "query")
+        self._check_heads(q, self.n_heads, "query")
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        cos, sin = self._tables(positions, layer, dtype)  # (B, K|1, T, F)
+        grouped = q.unflatten(1, (cos.shape[1], -1))  # (B, K, g, T, D): the heads of one key
+        out = rotate(grouped, cos[:, :, None], sin[:, :, None], self.pairing).flatten(1, 2)
+        return self.scale_q(out, positions, layer)
+
+    def scale_q(self, q: Tensor, positions: Tensor, layer: int) -> Tensor:
+        return q
+
+
+class AdaRoPE(_LearnedRotary):
+    config: AdaRoPEConfig
+
+    def __init__(self, config: AdaRoPEConfig, **dims: int) -> None:
+        super().__init__(config, **dims)
+        self._setup_dims(config.schedule)
+        inv_freq, attention_factor = config.schedule.schedule(self.rotary_dim)
+        self.attention_factor = float(attention_factor)  # the init schedule's (YaRN mscale)
+        n_layers = 1 if config.share_layers else self.n_layers
+        n_kv = 1 if config.share_heads else self.n_kv_heads
+        n_q = 1 if config.share_heads else self.n_heads
+        xi0 = inv_freq.log().float().expand(n_layers, n_kv, self.n_pairs).clone()  # (L, K, F)
+        self.register_buffer("xi_init", xi0)
+        if config.freq:
+            self.xi = nn.Parameter(xi0.clone())
+        else:
+            self.register_buffer("xi", xi0.clone())
+        if config.scale:
+            self.log_tau = nn.Parameter(torch.zeros(n_layers, n_q))  # (L, H)
+            self.gamma = nn.Parameter(torch.zeros(n_layers, n_q))  # (L, H)
+        self.l_ref = config.l_ref
+
+    def _row(self, layer: int) -> int:
+        _check_layer(layer, self.n_layers)
+        return 0 if self.config.share_layers else layer
+
+    def inv_freq(self, layer: int) -> tuple[Tensor, float]:
+        return self.xi[self._row(layer)].exp(), self.attention_factor
+
+    def temperature(self, positions: Tensor, layer: int) -> Tensor:
+        """lambda_h(L) for L = position + 1: (B, H|1, T, 1)."""
+        row = self._row(layer)
+        log_tau, gamma = self.log_tau[row], self.gamma[row]  # (H|1,)
+        length = (positions + 1).clamp(min=self.l_ref).to(gamma.dtype)
+        loglog = torch.log(torch.log1p(length / self.l_ref))  # (B, T); ln(1 + x) >= ln 2 > 0
+        return torch.exp(gamma[None, :, None] * loglog[:, None, :] - log_tau[None, :, None])[
+            ..., None
+        ]
+
+    def scale_q(self, q: Tensor, positions: Tensor, layer: int) -> Tensor:
+        if not self.config.scale:
+            return q
+        return q * self.temperature(positions, layer).to(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TunedYarnConfig(YarnConfig):
+    """YaRN whose global knobs train; starts at ``yarn:...,truncate=false`` with these values."""
+
+    name: ClassVar[str] = "tuned-yarn"
+    truncate: bool = False  # must stay False: whole-pair rounding has no gradient
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.truncate:
+            raise ValueError(
+                "truncate=true is not allowed for tuned-yarn; the ramp ends must stay continuous "
+                "to be learned (use yarn:truncate=true for the fixed schedule)"
+            )
+
+
+def yarn_inv_freq(
+    dim: int,
+    base: float,
+    original_length: int,
+    factor: Tensor,
+    beta_fast: Tensor,
+    beta_slow: Tensor,
+) -> Tensor:
+    """YaRN's frequencies (schedules.yarn, truncate=False) as a differentiable function of its
+    knobs; float64 (F,)."""
+
+    def correction(rotations: Tensor) -> Tensor:
+        return dim * torch.log(original_length / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction(beta_fast).clamp(min=0)
+    high = correction(beta_slow).clamp(max=dim - 1)
+    pair = torch.arange(schedules.n_pairs(dim), dtype=torch.float64, device=factor.device)
+    ramp = ((pair - low) / (high - low)).clamp(0, 1)
+    extrapolated = schedules.rope(dim, base)[0].to(factor.device)
+    return extrapolated / factor * ramp + extrapolated * (1 - ramp)
+
+
+class TunedYarn(_LearnedRotary):
+    config: TunedYarnConfig
+
+    def __init__(self, config: TunedYarnConfig, **dims: int) -> None:
+        super().__init__(config, **dims)
+        self._setup_dims(config)
+        factor = schedules.yarn_attention_factor(
+            config.factor, config.mscale, config.mscale_all_dim, config.attention_factor
+        )
+
+        def log_param(value: float) -> nn.Parameter:
+            return nn.Parameter(torch.tensor(math.log(value), dtype=torch.float64))
+
+        self.log_factor = log_param(config.factor)
+        self.log_beta_fast = log_param(config.beta_fast)
+        self.log_beta_slow = log_param(config.beta_slow)
+        self.log_attention_factor = log_param(factor)
+
+    def inv_freq(self, layer: int) -> tuple[Tensor, Tensor]:
+        _check_layer(layer, self.n_layers)
+        theta = yarn_inv_freq(
+            self.rotary_dim,
+            self.config.base,
+            self.config.original_length,
+            self.log_factor.double().exp(),
+            self.log_beta_fast.double().exp(),
+            self.log_beta_slow.double().exp(),
+        )
+        return theta[None], self.log_attention_factor.double().exp()

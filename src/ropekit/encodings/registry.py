@@ -1,0 +1,225 @@
+"""Spec strings and the registry that turns them into encoding modules.
+
+A spec names an encoding and its options: ``rope:base=10000``,
+``yarn:factor=8,original_length=512``, ``adarope:init=yarn,factor=8,l_ref=512``,
+``longrope:long_factor=[1,1.5,2],factor=4,original_length=512``. Bad specs raise ValueError
+naming the field, the value and what is allowed.
+
+Holds: Entry, REGISTRY, parse_spec, names, describe, build.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from .absolute import Learned, LearnedConfig, NoPE, NoPEConfig, Sinusoidal, SinusoidalConfig
+from .adarope import AdaRoPE, AdaRoPEConfig, TunedYarn, TunedYarnConfig
+from .alibi import ALiBi, ALiBiConfig
+from .base import EncodingConfig, PositionEncoding
+from .rope import (
+    DynamicNTKConfig,
+    LinearConfig,
+    Llama3Config,
+    LongRopeConfig,
+    NTKConfig,
+    RopeConfig,
+    RotaryEncoding,
+    YarnConfig,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A registered encoding: its module class, config class, one-line summary and source."""
+
+    module: type[PositionEncoding]
+    config: type[EncodingConfig]
+    summary: str
+    source: str
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+REGISTRY: dict[str, Entry] = {
+    e.name: e
+    for e in [
+        Entry(NoPE, NoPEConfig, "no positional encoding", "Haviv et al. 2022"),
+        Entry(
+            Sinusoidal,
+            SinusoidalConfig,
+            "fixed sinusoids added to embeddings",
+            "Vaswani et al. 2017",
+        ),
+        Entry(Learned, LearnedConfig, "learned absolute position table", "GPT-2 (2019)"),
+        Entry(ALiBi, ALiBiConfig, "linear distance penalty per head", "Press et al. 2022"),
+        Entry(
+            RotaryEncoding,
+            RopeConfig,
+            "rotary embedding; fraction<1 = partial RoPE",
+            "Su et al. 2021",
+        ),
+        Entry(
+            RotaryEncoding,
+            LinearConfig,
+            "position interpolation (PI)",
+            "Chen et al. 2023",
+        ),
+        Entry(RotaryEncoding, NTKConfig, "NTK-aware base rescaling", "bloc97 2023"),
+        Entry(
+            RotaryEncoding,
+            DynamicNTKConfig,
+            "NTK base following the length",
+            "emozilla 2023",
+        ),
+        Entry(
+            RotaryEncoding,
+            YarnConfig,
+            "NTK-by-parts + attention temperature",
+            "Peng et al. 2023",
+        ),
+        Entry(RotaryEncoding, Llama3Config, "Llama 3.1 band-wise scaling", "Meta 2024"),
+        Entry(
+            RotaryEncoding,
+            LongRopeConfig,
+            "searched per-pair rescale factors",
+            "Ding et al. 2024",
+        ),
+        Entry(
+            AdaRoPE,
+            AdaRoPEConfig,
+            "per-head learnable frequencies (AdaFreq) and temperature (AdaScale)",
+            "Wang et al. 2026",
+        ),
+        Entry(
+            TunedYarn,
+            TunedYarnConfig,
+            "YaRN with learnable global knobs",
+            "ropekit (review's control)",
+        ),
+    ]
+}
+
+_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
+
+
+def _split_options(body: str, spec: str) -> list[str]:
+    """Split on commas outside brackets, so lists like [1,2,3] stay whole."""
+    parts, depth, current = [], 0, []
+    for ch in body:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"spec {spec!r} has an unmatched ']'")
+        if ch == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    if depth:
+        raise ValueError(f"spec {spec!r} has an unmatched '['")
+    parts.append("".join(current))
+    return parts
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``"name:k=v,k=v"`` -> (name, {k: v}) with values still strings."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(
+            f"encoding spec {spec!r} is empty; e.g. 'rope' or 'yarn:factor=8,original_length=512'"
+        )
+    name, _, body = spec.strip().partition(":")
+    name = name.strip().lower()
+    if not _NAME.match(name):
+        raise ValueError(
+            f"encoding name {name!r} in spec {spec!r} is malformed; known: {', '.join(names())}"
+        )
+    if name not in REGISTRY:
+        raise ValueError(f"unknown encoding {name!r}; known: {', '.join(names())}")
+    options: dict[str, str] = {}
+    if body.strip():
+        for part in _split_options(body, spec):
+            key, eq, value = part.partition("=")
+            key = key.strip()
+            if not eq or not key or not value.strip():
+                raise ValueError(f"option {part!r} in spec {spec!r} must look like key=value")
+            if key in options:
+                raise ValueError(f"option {key!r} appears twice in spec {spec!r}")
+            options[key] = value.strip()
+    return name, options
+
+
+def names() -> list[str]:
+    """Every registered encoding name."""
+    return list(REGISTRY)
+
+
+def describe(name: str) -> list[tuple[str, str, Any]]:
+    """(option, type, default) for each option of an encoding (AdaRoPE lists its own)."""
+    entry = REGISTRY[name]
+    out = []
+    for field in dataclasses.fields(entry.config):
+        if field.name == "schedule":
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else None
+        out.append((field.name, str(field.type), default))
+    return out
+
+
+def config_from_spec(spec: str, **context: Any) -> tuple[Entry, EncodingConfig]:
+    """Parse and validate a spec, filling context fields (base, original_length...) the spec
+    leaves out."""
+    name, options = parse_spec(spec)
+    entry = REGISTRY[name]
+    try:
+        config = entry.config.from_options(options, context)
+    except TypeError as e:  # a required dataclass field missing
+        raise ValueError(f"spec {spec!r}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"spec {spec!r}: {e}") from None
+    return entry, config
+
+
+def build(
+    spec: str,
+    *,
+    n_heads: int,
+    head_dim: int,
+    n_kv_heads: int | None = None,
+    n_layers: int = 1,
+    d_model: int | None = None,
+    **context: Any,
+) -> PositionEncoding:
+    """The encoding module named by ``spec`` for a model of the given shape.
+
+    ``context`` supplies defaults the spec may omit, e.g. ``base=`` and ``original_length=``
+    of a Hugging Face model being patched.
+    """
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    for field, value in (
+        ("n_heads", n_heads),
+        ("head_dim", head_dim),
+        ("n_kv_heads", n_kv_heads),
+        ("n_layers", n_layers),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field}={value!r} is not allowed; it must be an integer >= 1")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
+    entry, config = config_from_spec(spec, **context)
+    try:
+        return entry.module(
+            config,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            n_layers=n_layers,
+            d_model=d_model or n_heads * head_dim,
+        )
+    except ValueError as e:
+        raise ValueError(f"spec {spec!r}: {e}") from None

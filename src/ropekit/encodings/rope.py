@@ -1,0 +1,276 @@
+"""Rotary encodings with a fixed schedule: rope, linear (PI), ntk, dynamic-ntk, yarn, llama3,
+longrope; all with either pairing and partial rotation.
+
+Shape legend: B batch · H query heads · K key/value heads · T length · D head dim ·
+F rotary pairs.
+
+One module, ``RotaryEncoding``, serves every schedule: the config names the schedule
+function (see ``schedules.py``), the module turns it into cos/sin tables once per forward
+(cached on the positions tensor, so every layer reuses them) and rotates q and k.
+
+Holds: RopeConfig and one subclass per schedule, RotaryEncoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from . import schedules
+from .base import EncodingConfig, PositionEncoding, check_choice, check_positions, check_positive
+from .rotary import PAIRINGS, angles, rotate, tables
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig(EncodingConfig):
+    """Plain RoPE (Su et al. 2021)."""
+
+    name: ClassVar[str] = "rope"
+    base: float = 10000.0  # b in theta_f = b^(-2f/d); Llama 2: 1e4, Llama 3: 5e5, Qwen2: 1e6
+    pairing: str = "half"  # "half" (NeoX/Llama rotate_half) or "interleaved" (GPT-J, RoPE paper)
+    fraction: float = 1.0  # partial RoPE: share of head_dim that rotates (GPT-NeoX rotary_pct)
+
+    CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = ("base", "pairing", "fraction", "original_length")
+    dynamic: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        check_positive("base", self.base, minimum=1.0)
+        check_choice("pairing", self.pairing, PAIRINGS)
+        if not 0 < self.fraction <= 1:
+            raise ValueError(f"fraction={self.fraction!r} is not allowed; it must lie in (0, 1]")
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """Rotated channels, as transformers computes them: int(head_dim * fraction)."""
+        return int(head_dim * self.fraction)
+
+    def schedule(self, dim: int, length: int | None = None) -> schedules.Schedule:
+        return schedules.rope(dim, self.base)
+
+
+def _require(config: EncodingConfig, name: str, minimum: float, strict: bool = False) -> None:
+    value = getattr(config, name)
+    if value is None:
+        raise ValueError(f"{name} is required for {type(config).__name__}; e.g. {name}=4")
+    check_positive(name, value, minimum=minimum, strict=strict)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearConfig(RopeConfig):
+    """Position interpolation (Chen et al. 2023): every frequency divided by ``factor``."""
+
+    name: ClassVar[str] = "linear"
+    factor: float | None = None  # s = target length / original length; s >= 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self, "factor", 1.0)
+
+    def schedule(self, dim: int, length: int | None = None) -> schedules.Schedule:
+        return schedules.linear(dim, self.base, self.factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class NTKConfig(LinearConfig):
+    """NTK-aware scaling (bloc97 2023): base * s^(d/(d-2))."""
+
+    name: ClassVar[str] = "ntk"
+
+    def schedule(self, dim: int, length: int | None = None) -> schedules.Schedule:
+        return schedules.ntk(dim, self.base, self.factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicNTKConfig(LinearConfig):
+    """Dynamic NTK (transformers' "dynamic"): the base follows the current length."""
+
+    name: ClassVar[str] = "dynamic-ntk"
+    original_length: int | None = None  # L0: the context the model was trained at (tokens)
+
+    dynamic: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self, "original_length", 1)
+
+    def schedule(self, dim: int, length: int | None = None) -> schedules.Schedule:
+        length = self.original_length if length is None else length
+        return schedules.dynamic_ntk(dim, self.base, self.factor, self.original_length, length)
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnConfig(LinearConfig):
+    """YaRN (Peng et al. 2023); defaults and attention-factor rules as in transformers."""
+
+    name: ClassVar[str] = "yarn"
+    original_length: int | None = None  # L0 (tokens)
+    beta_fast: float = 32.0  # pairs with more rotations than this within L0 extrapolate
+    beta_slow: float = 1.0  # pairs with fewer rotations than this interpolate by 1/s
+    mscale: float | None = None  # DeepSeek-style temperature numerator (used with mscale_all_dim)
+    mscale_all_dim: float | None = None  # DeepSeek-style temperature denominator
+    attention_factor: float | None = None  # explicit cos/sin scale; default 0.1 ln s + 1
+    truncate: bool = True  # round the ramp ends to whole pairs (transformers' default)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self, "original_length", 1)
+        check_positive("beta_slow", self.beta_slow)
+        if self.beta_fast <= self.beta_slow:
+            raise ValueError(
+                f"beta_fast={self.beta_fast!r} is not allowed; "
+                f"it must exceed beta_slow={self.beta_slow!r}"
+            )
+        if self.attention_factor is not None:
+            check_positive("attention_factor", self.attention_factor)
+
+    def schedule(self, dim: int, length: int | None = None) -> schedules.Schedule:
+        return schedules.yarn(
+            dim,
+            self.base,
+            self.factor,
+            self.original_length,
+            beta_fast=self.beta_fast,
+            beta_slow=self.beta_slow,
+            mscale=self.mscale,
+            mscale_all_dim=self.mscale_all_dim,
+            attention_factor=self.attention_factor,
+            truncate=self.truncate,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3Config(LinearConfig):
+    """Llama 3.1 frequency-band scaling (Meta 2024); paper values s=8, 1, 4, L0=8192."""
+
+    name: ClassVar[str] = "llama3"
+    original_length: int | None = None  # L0 (tokens)
+    low_freq_factor: float = 1.0  # wavelengths above L0 / low_freq_factor are divided by s
+    high_freq_factor: float = 4.0  # wavelengths below L0 / high_freq_factor are kept
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self, "original_length", 1)
+        check_positive("low_freq_factor", self.low_freq_factor)
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor={self.high_freq_factor!r} is not allowed; it must exceed "
+                f"low_freq_factor={self.low_freq_factor!r}"
+            )
+
+    def schedule(self, dim: int, length: int | None = None) -> schedules.Schedule:
+        return schedules.llama3(
+            dim,
+            self.base,
+            self.factor,
+            self.original_length,
+            self.low_freq_factor,
+            self.high_freq_factor,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class LongRopeConfig(RopeConfig):
+    """LongRoPE (Ding et al. 2024): per-pair rescale factors, short below L0, long above.
+
+    A single number broadcasts to every pair: ``long_factor=[4]``.
+    """
+
+    name: ClassVar[str] = "longrope"
+    short_factor: tuple[float, ...] | None = None  # lambda_f used while length <= L0
+    long_factor: tuple[float, ...] | None = None  # lambda_f used once length > L0
+    original_length: int | None = None  # L0 (tokens)
+    factor: float | None = None  # s = target / L0, sets the default attention factor
+    attention_factor: float | None = None  # default sqrt(1 + ln s / ln L0)
+
+    dynamic: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self, "original_length", 1)
+        _require(self, "factor", 1.0)
+        for name in ("short_factor", "long_factor"):
+            for v in getattr(self, name) or ():
+                check_positive(name, v)
+        if self.attention_factor is not None:
+            check_positive("attention_factor", self.attention_factor)
+
+    def factors(self, name: str, n: int) -> tuple[float, ...]:
+        values = getattr(self, name) or (1.0,)  # unset: no rescaling
+        if len(values) == 1:
+            return values * n
+        if len(values) != n:
+            raise ValueError(f"{name} has {len(values)} values; this model has {n} rotary pairs")
+        return values
+
+    def schedule(self, dim: int, length: int | None = None) -> schedules.Schedule:
+        n = schedules.n_pairs(dim)
+        return schedules.longrope(
+            dim,
+            self.base,
+            self.factors("short_factor", n),
+            self.factors("long_factor", n),
+            self.original_length,
+            self.factor,
+            self.attention_factor,
+            length,
+        )
+
+
+class RotaryEncoding(PositionEncoding):
+    """Rotary position embedding with a fixed (or length-following) schedule."""
+
+    config: RopeConfig
+
+    def __init__(self, config: RopeConfig, **dims: int) -> None:
+        super().__init__(config, **dims)
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head_dim={self.head_dim} is not allowed; rotary encodings need it even"
+            )
+        self.rotary_dim = config.rotary_dim(self.head_dim)
+        if self.rotary_dim < 2:
+            raise ValueError(
+                f"fraction={config.fraction} of head_dim={self.head_dim} rotates {self.rotary_dim} "
+                "channels; at least 2 are needed"
+            )
+        self.n_pairs = schedules.n_pairs(self.rotary_dim)
+        self.pairing = config.pairing
+        self.dynamic = config.dynamic
+        # Validate the schedule now (e.g. LongRoPE factor counts) rather than at first forward.
+        self.frequencies(None)
+        self._cache: list[tuple[Tensor, torch.dtype, tuple[Tensor, Tensor]]] = []
+
+    def frequencies(self, length: int | None) -> schedules.Schedule:
+        """(inv_freq (F,), attention_factor) for a sequence of ``length`` positions."""
+        return self.config.schedule(self.rotary_dim, length if self.dynamic else None)
+
+    def tables(
+        self, positions: Tensor, dtype: torch.dtype = torch.float32
+    ) -> tuple[Tensor, Tensor]:
+        """cos, sin (B|1, 1, T, F) for positions (B|1, T); cached for reuse by every layer.
+
+        A dynamic schedule takes its length from the positions seen in this call
+        (max + 1, as transformers does), so queries and their keys agree.
+        """
+        for cached_positions, cached_dtype, result in self._cache:
+            if cached_positions is positions and cached_dtype == dtype:
+                return result
+        length = int(positions.max()) + 1 if self.dynamic else None
+        inv_freq, attention_factor = self.frequencies(length)
+        phi = angles(positions, inv_freq.to(positions.device))  # (B, T, F)
+        cos, sin = tables(phi[:, None], attention_factor, dtype)  # (B, 1, T, F)
+        self._cache = [(positions, dtype, (cos, sin)), *self._cache[:1]]
+        return cos, sin
+
+    def _rotate(self, x: Tensor, positions: Tensor, what: str) -> Tensor:
+        check_positions(x, positions, what)
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return rotate(x, *self.tables(positions, dtype), self.pairing)
+
+    def rotate_q(self, q: Tensor, positions: Tensor, layer: int = 0) -> Tensor:
+        return self._rotate(q, positions, "query")
+
+    def rotate_k(self, k: Tensor, positions: Tensor, layer: int = 0) -> Tensor:
+        return self._rotate(k, positions, "key")

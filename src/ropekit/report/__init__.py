@@ -1,0 +1,1 @@
+"""ropekit.report: plots and Markdown/HTML reports assembled from result JSON."""

@@ -1,0 +1,119 @@
+"""Compare frequency schedules side by side: numbers as JSON, a picture as PNG.
+
+Holds: compare_schedules (pure: spec list -> per-pair inverse frequencies and wavelengths),
+plot_schedules (PNG), write_schedules (both files, atomically).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ropekit.encodings import config_from_spec
+from ropekit.encodings.adarope import AdaRoPEConfig
+from ropekit.utils import atomic_write_text, run_metadata
+
+DEFAULT_METHODS = ("rope", "linear", "ntk", "yarn", "llama3")
+
+
+def method_spec(method: str, factor: float, original_length: int) -> str:
+    """A bare method name gets the comparison's factor and original length."""
+    if ":" in method or method == "rope":
+        return method
+    if method == "longrope":
+        return (
+            f"longrope:factor={factor:g},original_length={original_length},long_factor=[{factor:g}]"
+        )
+    if method in ("linear", "ntk"):
+        return f"{method}:factor={factor:g}"
+    return f"{method}:factor={factor:g},original_length={original_length}"
+
+
+def compare_schedules(
+    methods: list[str] | tuple[str, ...] = DEFAULT_METHODS,
+    *,
+    head_dim: int = 64,
+    base: float = 10000.0,
+    factor: float = 8.0,
+    original_length: int = 512,
+) -> dict[str, Any]:
+    """Inverse frequency and wavelength per rotary pair for each method.
+
+    Dynamic schedules are evaluated at the target length ``factor * original_length``.
+    """
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim={head_dim} is not allowed; it must be an even integer >= 2")
+    target = int(factor * original_length)
+    rows = []
+    for method in methods:
+        spec = method_spec(method, factor, original_length)
+        entry, config = config_from_spec(spec, base=base, original_length=original_length)
+        if isinstance(config, AdaRoPEConfig):
+            config = config.schedule  # at init AdaRoPE is its base schedule
+        if not hasattr(config, "schedule"):
+            raise ValueError(
+                f"{entry.name!r} is not a rotary schedule; compare rotary methods only"
+            )
+        dim = config.rotary_dim(head_dim)
+        inv_freq, attention_factor = config.schedule(dim, target if config.dynamic else None)
+        rows.append(
+            {
+                "method": method,
+                "spec": spec,
+                "inv_freq": [float(v) for v in inv_freq],
+                "wavelength": [2 * math.pi / float(v) for v in inv_freq],
+                "attention_factor": float(attention_factor),
+            }
+        )
+    return {
+        "head_dim": head_dim,
+        "base": base,
+        "factor": factor,
+        "original_length": original_length,
+        "target_length": target,
+        "methods": rows,
+    }
+
+
+def plot_schedules(result: dict[str, Any], path: Path) -> None:
+    """Two panels, one line per method: inverse frequency and wavelength per pair, with the
+    original and target lengths marked on the wavelength panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_f, ax_w) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for row in result["methods"]:
+        pairs = range(len(row["inv_freq"]))
+        ax_f.plot(pairs, row["inv_freq"], label=row["spec"], lw=1.6)
+        ax_w.plot(pairs, row["wavelength"], label=row["method"], lw=1.6)
+    ax_f.set(yscale="log", xlabel="rotary pair f", ylabel="inverse frequency θ_f (rad/token)")
+    ax_f.set_title("frequencies")
+    ax_w.set(yscale="log", xlabel="rotary pair f", ylabel="wavelength 2π/θ_f (tokens)")
+    ax_w.set_title("wavelengths")
+    ax_w.axhline(result["original_length"], color="k", ls="--", lw=1, label="original length")
+    ax_w.axhline(result["target_length"], color="gray", ls=":", lw=1, label="target length")
+    ax_f.legend(fontsize=7)
+    ax_w.legend(fontsize=7)
+    fig.suptitle(
+        f"RoPE schedules: head dim {result['head_dim']}, base {result['base']:g}, "
+        f"factor {result['factor']:g}, original length {result['original_length']}"
+    )
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def write_schedules(result: dict[str, Any], out_dir: Path, command: str = "") -> dict[str, Path]:
+    """schedules.json and schedules.png in ``out_dir``; returns their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "schedules.json", "png": out_dir / "schedules.png"}
+    payload = {**result, "meta": run_metadata(command)}
+    atomic_write_text(paths["json"], json.dumps(payload, indent=2))
+    plot_schedules(result, paths["png"])
+    return paths
