@@ -5,7 +5,12 @@ T length · D head dim · F rotary pairs · L layers (1 when shared).
 
 AdaRoPE (Wang et al. 2026, "Not All Attention Heads Should Rotate and Scale Equally"):
 - AdaFreq, sec. 3.2: theta_f^(l,k) = exp(xi[l, k, f]), initialised from a base schedule (plain
-  RoPE for pretraining; YaRN/PI/NTK/Llama-3 for extension). Frequencies live per key/value
+  RoPE for pretraining; YaRN/PI/NTK/Llama-3 for extension). The parameter is the change
+  ``dxi = xi - xi_init`` (init 0) on top of the base schedule's log-frequencies, which are
+  recomputed in float64 from the config rather than stored: AdaRoPE then equals its base
+  schedule bit for bit at init in any dtype (a float32 xi would be off by ~5e-7 relative, 3e-3
+  rad at position 5,000), and weight decay pulls towards the base schedule, not towards
+  theta = 1. Frequencies live per key/value
   head: with grouped-query attention a key is rotated once and read by g query heads, and
   relative-position invariance needs a query and its key rotated alike.
 - AdaScale, sec. 3.3: lambda_h(L) = (1/tau_h) * ln(1 + max(L, L_ref)/L_ref)^gamma_h multiplies
@@ -30,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from . import schedules
-from .base import EncodingConfig, PositionEncoding, check_choice, check_positions, check_positive
+from .base import EncodingConfig, PositionEncoding, check_choice, check_positive, resolve_positions
 from .rope import (
     LinearConfig,
     Llama3Config,
@@ -143,14 +148,14 @@ class _LearnedRotary(PositionEncoding):
                 f"{what} has {x.shape[1]} heads (x {tuple(x.shape)}); expected {expected}"
             )
 
-    def rotate_k(self, k: Tensor, positions: Tensor, layer: int = 0) -> Tensor:
-        check_positions(k, positions, "key")
+    def rotate_k(self, k: Tensor, positions: Tensor | None = None, layer: int = 0) -> Tensor:
+        positions = resolve_positions(k, positions, "key")
         self._check_heads(k, self.n_kv_heads, "key")
         dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
         return rotate(k, *self._tables(positions, layer, dtype), self.pairing)
 
-    def rotate_q(self, q: Tensor, positions: Tensor, layer: int = 0) -> Tensor:
-        check_positions(q, positions, "query")
+    def rotate_q(self, q: Tensor, positions: Tensor | None = None, layer: int = 0) -> Tensor:
+        positions = resolve_positions(q, positions, "query")
         self._check_heads(q, self.n_heads, "query")
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         cos, sin = self._tables(positions, layer, dtype)  # (B, K|1, T, F)
@@ -169,16 +174,13 @@ class AdaRoPE(_LearnedRotary):
         super().__init__(config, **dims)
         self._setup_dims(config.schedule)
         inv_freq, attention_factor = config.schedule.schedule(self.rotary_dim)
+        self._xi_init = inv_freq.log()  # (F,) float64, derived from the config, never cast
         self.attention_factor = float(attention_factor)  # the init schedule's (YaRN mscale)
         n_layers = 1 if config.share_layers else self.n_layers
         n_kv = 1 if config.share_heads else self.n_kv_heads
         n_q = 1 if config.share_heads else self.n_heads
-        xi0 = inv_freq.log().float().expand(n_layers, n_kv, self.n_pairs).clone()  # (L, K, F)
-        self.register_buffer("xi_init", xi0)
         if config.freq:
-            self.xi = nn.Parameter(xi0.clone())
-        else:
-            self.register_buffer("xi", xi0.clone())
+            self.dxi = nn.Parameter(torch.zeros(n_layers, n_kv, self.n_pairs))  # (L, K, F)
         if config.scale:
             self.log_tau = nn.Parameter(torch.zeros(n_layers, n_q))  # (L, H)
             self.gamma = nn.Parameter(torch.zeros(n_layers, n_q))  # (L, H)
@@ -188,8 +190,19 @@ class AdaRoPE(_LearnedRotary):
         _check_layer(layer, self.n_layers)
         return 0 if self.config.share_layers else layer
 
+    def xi_init(self, device: torch.device | None = None) -> Tensor:
+        """The base schedule's log-frequencies (F,), float64."""
+        return self._xi_init.to(device)
+
+    def xi(self, layer: int) -> Tensor:
+        """Learned log-frequencies (K|1, F) of one layer, float64."""
+        row = self._row(layer)
+        if not self.config.freq:
+            return self._xi_init[None]
+        return self._xi_init.to(self.dxi.device) + self.dxi[row].double()
+
     def inv_freq(self, layer: int) -> tuple[Tensor, float]:
-        return self.xi[self._row(layer)].exp(), self.attention_factor
+        return self.xi(layer).exp(), self.attention_factor
 
     def temperature(self, positions: Tensor, layer: int) -> Tensor:
         """lambda_h(L) for L = position + 1: (B, H|1, T, 1)."""
@@ -246,31 +259,41 @@ def yarn_inv_freq(
 
 
 class TunedYarn(_LearnedRotary):
+    """Learnable knobs, each stored as a log-ratio to its configured value (init 0), so at init
+    the schedule equals ``yarn:truncate=false`` exactly in any dtype."""
+
     config: TunedYarnConfig
+    KNOBS: ClassVar[tuple[str, ...]] = ("factor", "beta_fast", "beta_slow", "attention_factor")
 
     def __init__(self, config: TunedYarnConfig, **dims: int) -> None:
         super().__init__(config, **dims)
         self._setup_dims(config)
-        factor = schedules.yarn_attention_factor(
-            config.factor, config.mscale, config.mscale_all_dim, config.attention_factor
-        )
+        self._init = {
+            "factor": config.factor,
+            "beta_fast": config.beta_fast,
+            "beta_slow": config.beta_slow,
+            "attention_factor": schedules.yarn_attention_factor(
+                config.factor, config.mscale, config.mscale_all_dim, config.attention_factor
+            ),
+        }
+        for knob in self.KNOBS:
+            self.register_parameter(f"log_{knob}_ratio", nn.Parameter(torch.zeros(())))
 
-        def log_param(value: float) -> nn.Parameter:
-            return nn.Parameter(torch.tensor(math.log(value), dtype=torch.float64))
-
-        self.log_factor = log_param(config.factor)
-        self.log_beta_fast = log_param(config.beta_fast)
-        self.log_beta_slow = log_param(config.beta_slow)
-        self.log_attention_factor = log_param(factor)
+    def knobs(self) -> dict[str, Tensor]:
+        """Current values of the four knobs (float64 scalars)."""
+        return {
+            k: self._init[k] * getattr(self, f"log_{k}_ratio").double().exp() for k in self.KNOBS
+        }
 
     def inv_freq(self, layer: int) -> tuple[Tensor, Tensor]:
         _check_layer(layer, self.n_layers)
+        knobs = self.knobs()
         theta = yarn_inv_freq(
             self.rotary_dim,
             self.config.base,
             self.config.original_length,
-            self.log_factor.double().exp(),
-            self.log_beta_fast.double().exp(),
-            self.log_beta_slow.double().exp(),
+            knobs["factor"],
+            knobs["beta_fast"],
+            knobs["beta_slow"],
         )
-        return theta[None], self.log_attention_factor.double().exp()
+        return theta[None], knobs["attention_factor"]

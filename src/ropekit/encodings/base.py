@@ -182,11 +182,11 @@ class PositionEncoding(nn.Module):
         """Add absolute position information to token states h (B, T, d)."""
         return h
 
-    def rotate_q(self, q: Tensor, positions: Tensor, layer: int = 0) -> Tensor:
-        """q (B, H, T, D) -> (B, H, T, D)."""
+    def rotate_q(self, q: Tensor, positions: Tensor | None = None, layer: int = 0) -> Tensor:
+        """q (B, H, T, D) -> (B, H, T, D); positions (B|1, T), default 0..T-1."""
         return q
 
-    def rotate_k(self, k: Tensor, positions: Tensor, layer: int = 0) -> Tensor:
+    def rotate_k(self, k: Tensor, positions: Tensor | None = None, layer: int = 0) -> Tensor:
         """k (B, K, S, D) -> (B, K, S, D); keys are cached after this."""
         return k
 
@@ -199,8 +199,10 @@ class PositionEncoding(nn.Module):
         return {n: p for n, p in self.named_parameters() if p.requires_grad}
 
 
-def check_positions(x: Tensor, positions: Tensor, what: str) -> None:
-    """positions must be an integer (B|1, T) tensor matching x's length dim."""
+def resolve_positions(x: Tensor, positions: Tensor | None, what: str) -> Tensor:
+    """The (B|1, T) integer positions for x (B, H, T, D); None means 0..T-1."""
+    if positions is None:
+        return torch.arange(x.shape[-2], device=x.device)[None]
     if positions.dtype.is_floating_point or positions.dtype == torch.bool:
         raise ValueError(f"positions must be an integer tensor, got {positions.dtype}")
     if positions.dim() != 2 or positions.shape[-1] != x.shape[-2]:
@@ -208,3 +210,4 @@ def check_positions(x: Tensor, positions: Tensor, what: str) -> None:
             f"positions {tuple(positions.shape)} must be (B, T) with T = {what} length "
             f"{x.shape[-2]} (x {tuple(x.shape)})"
         )
+    return positions

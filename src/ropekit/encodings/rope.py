@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import schedules
-from .base import EncodingConfig, PositionEncoding, check_choice, check_positions, check_positive
+from .base import EncodingConfig, PositionEncoding, check_choice, check_positive, resolve_positions
 from .rotary import PAIRINGS, angles, rotate, tables
 
 
@@ -264,13 +264,13 @@ class RotaryEncoding(PositionEncoding):
         self._cache = [(positions, dtype, (cos, sin)), *self._cache[:1]]
         return cos, sin
 
-    def _rotate(self, x: Tensor, positions: Tensor, what: str) -> Tensor:
-        check_positions(x, positions, what)
+    def _rotate(self, x: Tensor, positions: Tensor | None, what: str) -> Tensor:
+        positions = resolve_positions(x, positions, what)
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         return rotate(x, *self.tables(positions, dtype), self.pairing)
 
-    def rotate_q(self, q: Tensor, positions: Tensor, layer: int = 0) -> Tensor:
+    def rotate_q(self, q: Tensor, positions: Tensor | None = None, layer: int = 0) -> Tensor:
         return self._rotate(q, positions, "query")
 
-    def rotate_k(self, k: Tensor, positions: Tensor, layer: int = 0) -> Tensor:
+    def rotate_k(self, k: Tensor, positions: Tensor | None = None, layer: int = 0) -> Tensor:
         return self._rotate(k, positions, "key")

@@ -1,0 +1,166 @@
+"""Schedule laws, then parity with transformers' rope-init functions on a grid."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from ropekit.encodings import schedules
+
+DIM, BASE, L0 = 64, 10000.0, 512
+
+
+# ----------------------------------------------------------------------------- laws
+def test_pi_keeps_slowest_angle_inside_trained_range():
+    for factor in (2, 4, 8, 16):
+        trained_max = L0 * schedules.rope(DIM, BASE)[0][-1]
+        scaled = schedules.linear(DIM, BASE, factor)[0][-1]
+        assert factor * L0 * scaled <= trained_max * (1 + 1e-12)
+
+
+def test_ntk_keeps_the_fastest_frequency_and_interpolates_the_slowest():
+    rope = schedules.rope(DIM, BASE)[0]
+    for factor in (2, 8, 32):
+        ntk = schedules.ntk(DIM, BASE, factor)[0]
+        assert abs(ntk[0] / rope[0] - 1) < 1e-3  # fastest pair changes < 0.1%
+        # the slowest pair is exactly PI: b^(-(d-2)/d) / s
+        torch.testing.assert_close(ntk[-1], rope[-1] / factor, rtol=1e-12, atol=0)
+
+
+def test_yarn_frequencies_lie_between_pi_and_rope():
+    rope = schedules.rope(DIM, BASE)[0]
+    for factor, truncate in itertools.product((2, 8, 32), (True, False)):
+        yarn = schedules.yarn(DIM, BASE, factor, L0, truncate=truncate)[0]
+        assert torch.all(yarn <= rope * (1 + 1e-12))
+        assert torch.all(yarn >= rope / factor * (1 - 1e-12))
+        assert yarn[0] == rope[0] and torch.isclose(yarn[-1], rope[-1] / factor)
+
+
+@pytest.mark.parametrize("name", ["linear", "ntk", "dynamic", "yarn", "llama3", "longrope"])
+def test_factor_one_is_plain_rope(name):
+    rope = schedules.rope(DIM, BASE)[0]
+    inv_freq, attention_factor = {
+        "linear": lambda: schedules.linear(DIM, BASE, 1.0),
+        "ntk": lambda: schedules.ntk(DIM, BASE, 1.0),
+        # Dynamic NTK's alpha = s L / L0 - (s - 1) is L / L0 at s = 1: past L0 it still
+        # stretches by its formula (transformers' too), so the law holds within the window.
+        "dynamic": lambda: schedules.dynamic_ntk(DIM, BASE, 1.0, L0, L0),
+        "yarn": lambda: schedules.yarn(DIM, BASE, 1.0, L0),
+        "llama3": lambda: schedules.llama3(DIM, BASE, 1.0, L0),
+        "longrope": lambda: schedules.longrope(DIM, BASE, [1.0] * 32, [1.0] * 32, L0, 1.0),
+    }[name]()
+    torch.testing.assert_close(inv_freq, rope, rtol=1e-12, atol=0)
+    assert attention_factor == 1.0
+
+
+def test_dynamic_ntk_is_plain_rope_within_the_original_window_and_grows_after():
+    rope = schedules.rope(DIM, BASE)[0]
+    inside = schedules.dynamic_ntk(DIM, BASE, 4.0, L0, L0)[0]
+    torch.testing.assert_close(inside, rope, rtol=1e-12, atol=0)
+    slow = [schedules.dynamic_ntk(DIM, BASE, 4.0, L0, n)[0][-1] for n in (L0, 2 * L0, 8 * L0)]
+    assert slow[0] > slow[1] > slow[2]
+
+
+def test_partial_rope_has_fewer_pairs_with_transformers_exponents():
+    inv_freq = schedules.rope(int(64 * 0.25), BASE)[0]
+    assert inv_freq.shape == (8,)
+    torch.testing.assert_close(inv_freq[1], torch.tensor(BASE ** (-2 / 16), dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------- parity
+def _hf(rope_type: str, head_dim: int, base: float, max_len: int, seq_len=None, **params):
+    config = LlamaConfig(
+        hidden_size=head_dim * 2,
+        num_attention_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=max_len,
+        rope_parameters={"rope_type": rope_type, "rope_theta": base, **params},
+    )
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
+    return inv_freq.double(), factor
+
+
+GRID = list(itertools.product((32, 64, 128), (1e4, 5e5, 1e6), (2.0, 4.0, 8.0, 16.0, 32.0)))
+# transformers computes in float32; ropekit in float64: agree to float32 rounding.
+TOL = {"rtol": 2e-6, "atol": 0.0}
+
+
+@pytest.mark.parametrize(("head_dim", "base", "factor"), GRID)
+def test_linear_dynamic_llama3_match_transformers(head_dim, base, factor):
+    ours = schedules.linear(head_dim, base, factor)
+    theirs = _hf("linear", head_dim, base, 4096, factor=factor)
+    torch.testing.assert_close(ours[0], theirs[0], **TOL)
+    for seq_len in (1000, 4096, 30_000):
+        ours = schedules.dynamic_ntk(head_dim, base, factor, 4096, seq_len)
+        theirs = _hf("dynamic", head_dim, base, 4096, seq_len=seq_len, factor=factor)
+        torch.testing.assert_close(ours[0], theirs[0], **TOL)
+    ours = schedules.llama3(head_dim, base, factor, 8192, 1.0, 4.0)
+    theirs = _hf(
+        "llama3",
+        head_dim,
+        base,
+        8192 * int(factor),
+        factor=factor,
+        original_max_position_embeddings=8192,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+    )
+    torch.testing.assert_close(ours[0], theirs[0], **TOL)
+    assert ours[1] == theirs[1]
+
+
+YARN_VARIANTS = [
+    {},
+    {"mscale": 1.0, "mscale_all_dim": 0.707},
+    {"mscale": 0.707, "mscale_all_dim": 0.707},
+    {"mscale": 1.0},  # transformers ignores mscale unless mscale_all_dim is set too
+    {"attention_factor": 1.3},
+    {"beta_fast": 16.0, "beta_slow": 2.0},
+    {"truncate": False},
+]
+
+
+@pytest.mark.parametrize(("head_dim", "base", "factor"), GRID)
+@pytest.mark.parametrize("variant", YARN_VARIANTS, ids=lambda v: ",".join(v) or "default")
+def test_yarn_matches_transformers(head_dim, base, factor, variant):
+    ours = schedules.yarn(head_dim, base, factor, 4096, **variant)
+    theirs = _hf(
+        "yarn",
+        head_dim,
+        base,
+        int(4096 * factor),
+        factor=factor,
+        original_max_position_embeddings=4096,
+        **variant,
+    )
+    torch.testing.assert_close(ours[0], theirs[0], **TOL)
+    assert math.isclose(ours[1], theirs[1], rel_tol=1e-12)
+
+
+@pytest.mark.parametrize(("head_dim", "base", "factor"), GRID)
+def test_longrope_matches_transformers(head_dim, base, factor):
+    g = torch.Generator().manual_seed(head_dim)
+    n = head_dim // 2
+    short = (1 + torch.rand(n, generator=g)).tolist()
+    long = (1 + factor * torch.rand(n, generator=g)).tolist()
+    for seq_len in (None, 2048, 4097):
+        ours = schedules.longrope(head_dim, base, short, long, 4096, factor, None, seq_len)
+        theirs = _hf(
+            "longrope",
+            head_dim,
+            base,
+            int(4096 * factor),
+            seq_len=seq_len,
+            factor=factor,
+            original_max_position_embeddings=4096,
+            short_factor=short,
+            long_factor=long,
+        )
+        torch.testing.assert_close(ours[0], theirs[0], **TOL)
+        assert math.isclose(ours[1], theirs[1], rel_tol=1e-12)
+        assert math.isclose(ours[1], math.sqrt(1 + math.log(factor) / math.log(4096)))

@@ -1,0 +1,170 @@
+"""Spec strings: parsing, round trips, clear errors, and property-based fuzzing of the parser
+and of build."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ropekit.encodings import build, config_from_spec, describe, names, parse_spec
+
+SHAPE = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "n_layers": 2}
+
+
+def test_parse_spec_splits_name_and_options_keeping_lists_whole():
+    assert parse_spec("rope") == ("rope", {})
+    assert parse_spec(" yarn:factor=8, original_length=512 ") == (
+        "yarn",
+        {"factor": "8", "original_length": "512"},
+    )
+    _, opts = parse_spec("longrope:long_factor=[1,1.5,2],factor=4,original_length=64")
+    assert opts["long_factor"] == "[1,1.5,2]"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "rope",
+        "rope:base=500000,pairing=interleaved,fraction=0.5",
+        "linear:factor=4",
+        "yarn:factor=8,original_length=512,beta_fast=16,attention_factor=1.2",
+        "llama3:factor=8,original_length=8192,high_freq_factor=8",
+        "longrope:short_factor=[1,1,1,1,1,1,1,1],long_factor=[2],original_length=64,factor=4",
+        "adarope:init=yarn,factor=8,original_length=512,l_ref=512,share_heads=true",
+        "adarope:scale=false,freq=true,base=1000",
+        "tuned-yarn:factor=4,original_length=128",
+        "alibi",
+        "learned:max_length=64",
+    ],
+)
+def test_spec_round_trips_through_build(spec):
+    enc = build(spec, **SHAPE)
+    again = build(enc.spec, **SHAPE)
+    assert again.spec == enc.spec
+    assert again.config == enc.config
+
+
+def test_context_fills_what_the_spec_leaves_out_and_the_spec_wins():
+    _, config = config_from_spec("yarn:factor=4", base=5e5, original_length=8192)
+    assert (config.base, config.original_length) == (5e5, 8192)
+    _, config = config_from_spec("yarn:factor=4,base=1000", base=5e5, original_length=8192)
+    assert config.base == 1000
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ("", ["empty"]),
+        ("ropee", ["unknown encoding", "rope"]),
+        ("rope:base", ["key=value"]),
+        ("rope:base=1e4,base=2", ["twice"]),
+        ("rope:bsae=10", ["unknown option", "bsae", "base"]),
+        ("rope:base=abc", ["base", "abc", "number"]),
+        ("rope:pairing=diagonal", ["pairing", "diagonal", "half", "interleaved"]),
+        ("rope:fraction=0", ["fraction", "(0, 1]"]),
+        ("rope:fraction=1.5", ["fraction", "(0, 1]"]),
+        ("linear", ["factor is required"]),
+        ("linear:factor=0.5", ["factor", "0.5", ">= 1"]),
+        ("linear:factor=-2", ["factor", ">= 1"]),
+        ("ntk:factor=nan", ["factor", "finite"]),
+        ("yarn:factor=4", ["original_length is required"]),
+        ("yarn:factor=4,original_length=512,beta_fast=1,beta_slow=2", ["beta_fast", "exceed"]),
+        ("yarn:factor=4,original_length=5.5", ["original_length", "integer"]),
+        (
+            "longrope:factor=4,original_length=64,long_factor=[1,2,3]",
+            ["long_factor", "3 values", "8"],
+        ),
+        ("longrope:factor=4,original_length=64,long_factor=[1,2", ["unmatched"]),
+        ("adarope:init=dynamic-ntk", ["init", "rope", "yarn"]),
+        ("adarope:share_heads=maybe", ["share_heads", "boolean"]),
+        ("adarope:init=yarn,factor=8", ["original_length is required"]),
+        ("tuned-yarn:factor=4,original_length=64,truncate=true", ["truncate", "tuned-yarn"]),
+        ("learned:max_length=0", ["max_length", ">= 1"]),
+    ],
+)
+def test_bad_specs_raise_value_errors_that_name_the_problem(spec, words):
+    with pytest.raises(ValueError) as info:
+        build(spec, **SHAPE)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize(
+    ("shape", "words"),
+    [
+        ({"n_heads": 4, "head_dim": 15}, ["head_dim=15", "even"]),
+        ({"n_heads": 4, "n_kv_heads": 3, "head_dim": 16}, ["multiple"]),
+        ({"n_heads": 0, "head_dim": 16}, ["n_heads"]),
+    ],
+)
+def test_bad_shapes_raise(shape, words):
+    with pytest.raises(ValueError) as info:
+        build("rope", **shape)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_every_registered_encoding_is_described_and_builds_with_defaults_or_says_why():
+    for name in names():
+        assert isinstance(describe(name), list)
+        try:
+            enc = build(name, **SHAPE)
+        except ValueError as e:
+            assert "required" in str(e)
+        else:
+            assert enc.spec.split(":")[0] == name
+
+
+# ----------------------------------------------------------------------------- fuzzing
+_values = st.one_of(
+    st.integers(-10, 10**6).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(["true", "false", "half", "interleaved", "yarn", "[1,2]", "[", "", "x=y"]),
+    st.text(max_size=6),
+)
+_keys = st.sampled_from(
+    [
+        "base",
+        "factor",
+        "original_length",
+        "fraction",
+        "pairing",
+        "beta_fast",
+        "beta_slow",
+        "init",
+        "l_ref",
+        "share_heads",
+        "long_factor",
+        "short_factor",
+        "max_length",
+        "truncate",
+        "bogus",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from([*names(), "nonsense"]),
+    options=st.dictionaries(_keys, _values, max_size=4),
+)
+def test_fuzzed_specs_build_or_raise_value_error(name, options):
+    spec = name + (":" + ",".join(f"{k}={v}" for k, v in options.items()) if options else "")
+    try:
+        enc = build(spec, **SHAPE)
+    except ValueError:
+        return
+    q = torch.randn(1, 4, 3, 16)
+    out = enc.rotate_q(q, torch.tensor([[0, 1, 2]]), 1)
+    assert out.shape == q.shape
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=40))
+def test_parse_spec_never_raises_anything_but_value_error(text):
+    with contextlib.suppress(ValueError):
+        parse_spec(text)

@@ -1,0 +1,52 @@
+"""End-to-end tests of the command line on tiny inputs."""
+
+from __future__ import annotations
+
+import json
+
+from ropekit.cli import main
+
+
+def test_encodings_lists_every_encoding_with_options(capsys):
+    from ropekit.encodings import names
+
+    assert main(["encodings"]) == 0
+    out = capsys.readouterr().out
+    for name in names():
+        assert f"\n{name} " in "\n" + out
+    assert "original_length" in out and "required" in out
+
+
+def test_schedules_writes_png_and_json(tmp_path, capsys):
+    code = main(
+        [
+            "schedules",
+            "--methods",
+            "rope,linear,ntk,yarn,llama3",
+            "--head-dim",
+            "64",
+            "--base",
+            "10000",
+            "--factor",
+            "8",
+            "--original-length",
+            "512",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "schedules.json").read_text())
+    assert [m["method"] for m in data["methods"]] == ["rope", "linear", "ntk", "yarn", "llama3"]
+    assert all(len(m["inv_freq"]) == 32 for m in data["methods"])
+    assert data["meta"]["versions"]["torch"]
+    png = (tmp_path / "schedules.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert str(tmp_path / "schedules.png") in capsys.readouterr().out
+
+
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
+    assert main(["schedules", "--methods", "yarn:factor=0.5", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "factor=0.5" in err and ">= 1" in err
+    assert not (tmp_path / "schedules.json").exists()
