@@ -1,0 +1,344 @@
+"""The training loop shared by pretraining and context extension.
+
+Holds:
+    train                run (or resume) a training run and return its TrainResult.
+    TrainResult          final loss, steps, tokens, time and where the outputs are.
+    NonFiniteLossError   raised when a step's loss or gradient norm is NaN or infinite.
+
+One optimizer step: every process takes its share of the global batch (see sampling.py), runs
+forward and backward on its micro-batches, and the loss sums and token counts are added over
+all of them. The gradient is then divided by the global token count, which makes it the
+gradient of the token-weighted mean loss of the whole global batch on 1 or N processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ropekit import __version__
+from ropekit.train.checkpoint import (
+    CHECKPOINTS,
+    CheckpointState,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
+from ropekit.train.config import RUN_CONTROL, TrainConfig
+from ropekit.train.loss import LossFn, causal_lm_loss
+from ropekit.train.optim import build_optimizer, lr_factor
+from ropekit.train.sampling import collate, global_batch, local_batches
+
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+
+
+class TrainDataset(Protocol):
+    """What `train` needs from a dataset: a length and items by index.
+
+    `dataset[i]` must return the same dict of tensors every time it is asked (resuming and
+    multi-process runs rely on it): `input_ids` (T,) long, `labels` (T,) long (-100 = no loss),
+    optionally `loss_weight` (T,) float and `position_ids` (T,) long, all items one length T.
+    """
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> dict[str, Tensor]: ...
+
+
+class NonFiniteLossError(RuntimeError):
+    """A step's loss or gradient norm was NaN or infinite; its update was not applied."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, checkpoint: Path | None):
+        self.step, self.loss, self.grad_norm, self.checkpoint = step, loss, grad_norm, checkpoint
+        kept = f"last good checkpoint: {checkpoint}" if checkpoint else "no checkpoint yet"
+        super().__init__(
+            f"training stopped at step {step}: loss={loss}, grad_norm={grad_norm} "
+            f"(must be finite); the step was not applied; {kept}"
+        )
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """The outcome of `train`; the same numbers are in `summary`."""
+
+    final_loss: float  # loss of the last step
+    steps: int  # optimizer steps completed
+    tokens: int  # input tokens trained on, all processes and sessions together
+    elapsed_s: float  # wall-clock seconds of training, all sessions together
+    tokens_per_s: float  # tokens / elapsed_s
+    checkpoint: Path  # the final checkpoint
+    summary: Path  # the run summary JSON
+
+
+def train(
+    model: nn.Module,
+    dataset: TrainDataset,
+    config: TrainConfig,
+    *,
+    loss_fn: LossFn | None = None,
+    accelerator: Accelerator | None = None,
+) -> TrainResult:
+    """Train `model` in place on `dataset`; checkpoints, metrics and summary go to out_dir.
+
+    Only parameters with requires_grad=True are trained or saved (unless save_frozen). The
+    loss defaults to `causal_lm_loss`; pass `loss_fn` for another (e.g. chunked) loss.
+    Launched by `accelerate launch` or `torchrun`, every process calls `train` alike and the
+    run is data parallel; `accelerator` defaults to `Accelerator()` (one you pass must leave
+    gradient accumulation to `config.grad_accum`). With `config.resume`,
+    a run continues from its latest checkpoint exactly as if it had never stopped.
+
+    Raises NonFiniteLossError when a loss or gradient norm is not finite, FileExistsError
+    when out_dir already holds files and neither resume nor overwrite is set.
+    """
+    accelerator = accelerator or Accelerator()
+    loss_fn = loss_fn or causal_lm_loss
+    _check_setup(dataset, config, accelerator)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    main = accelerator.is_main_process
+
+    checkpoint = _claim_out_dir(config, accelerator)
+    set_seed(config.seed + rank)  # own streams per process, e.g. for dropout
+    optimizer, scheduler = build_optimizer(model, config)
+    state = CheckpointState(
+        step=0,
+        samples_seen=0,
+        tokens=0,
+        loss=math.nan,
+        elapsed_s=0.0,
+        num_processes=world,
+        dataset_len=len(dataset),
+        config=config.to_dict(),
+    )
+    if checkpoint is not None:
+        state = load_checkpoint(checkpoint, model, optimizer, scheduler)
+        _check_resumable(checkpoint, state, config, len(dataset))
+    wrapped, optimizer = accelerator.prepare(model, optimizer)  # e.g. in DDP, on the device
+    if checkpoint is not None:
+        restore_rng(checkpoint, rank)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    step, tokens, elapsed_before = state.step, state.tokens, state.elapsed_s
+    start = time.perf_counter()
+    logged = (start, tokens)  # time and tokens at the last log line, for tokens/s
+    metrics = _open_metrics(config.out_dir / METRICS, step) if main else None
+    bar = tqdm(total=config.steps, initial=step, desc="train", unit="step", disable=not main)
+    wrapped.train()
+    try:
+        while step < config.steps:
+            indices = global_batch(step, config.batch_size, len(dataset), config.seed)
+            batches = local_batches(indices, rank, world, config.grad_accum)
+            totals = _forward_backward(wrapped, dataset, batches, loss_fn, accelerator, config.bf16)
+            # A global batch with no scored token gives 0/0 = NaN here, caught below.
+            loss = float(totals[0] / totals[1])
+            # DDP averaged the summed-loss gradients over processes; this makes them the
+            # gradient of the mean over every scored token of the global batch.
+            scale = float(world / totals[1])
+            for p in trainable:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+            grad_norm = float(accelerator.clip_grad_norm_(trainable, config.grad_clip or math.inf))
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise NonFiniteLossError(step + 1, loss, grad_norm, checkpoint)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens += int(totals[2])
+            bar.update()
+
+            now = time.perf_counter()
+            elapsed = elapsed_before + now - start
+            if step % config.log_interval == 0 or step == config.steps:
+                tokens_per_s = (tokens - logged[1]) / (now - logged[0])
+                logged = (now, tokens)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+                if metrics is not None:
+                    record = {
+                        "step": step,
+                        "loss": loss,
+                        "lr": config.lr * lr_factor(step - 1, config),  # times any lr_scale
+                        "grad_norm": grad_norm,  # before clipping
+                        "tokens": tokens,
+                        "tokens_per_s": tokens_per_s,  # since the previous line
+                        "elapsed": elapsed,
+                    }
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
+            if step % config.checkpoint_interval == 0 or step == config.steps:
+                state = dataclasses.replace(
+                    state,
+                    step=step,
+                    samples_seen=step * config.batch_size,
+                    tokens=tokens,
+                    loss=loss,
+                    elapsed_s=elapsed,
+                    num_processes=world,
+                    config=config.to_dict(),  # run-control fields may have changed on resume
+                )
+                checkpoint = save_checkpoint(
+                    config.out_dir,
+                    state,
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    accelerator=accelerator,
+                    save_frozen=config.save_frozen,
+                    keep_last=config.keep_last,
+                )
+    finally:
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+
+    result = TrainResult(
+        final_loss=state.loss,
+        steps=state.step,
+        tokens=state.tokens,
+        elapsed_s=state.elapsed_s,
+        tokens_per_s=state.tokens / state.elapsed_s,
+        checkpoint=checkpoint,
+        summary=config.out_dir / SUMMARY,
+    )
+    if main:
+        _write_summary(result, config, world)
+    accelerator.wait_for_everyone()
+    return result
+
+
+def _forward_backward(
+    model: nn.Module,
+    dataset: TrainDataset,
+    batches: list[list[int]],
+    loss_fn: LossFn,
+    accelerator: Accelerator,
+    bf16: bool,
+) -> Tensor:
+    """Accumulate gradients of this process's micro-batches.
+
+    Returns float64 [loss sum, scored tokens, input tokens] summed over all processes.
+    """
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+    for i, indices in enumerate(batches):
+        batch = collate([dataset[j] for j in indices])
+        batch = {key: value.to(accelerator.device) for key, value in batch.items()}
+        # DDP all-reduces gradients once per step, after the last micro-batch.
+        last = i == len(batches) - 1
+        with nullcontext() if last else accelerator.no_sync(model):
+            with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss_sum, n_scored = loss_fn(model, batch)
+            accelerator.backward(loss_sum)
+        totals[0] += loss_sum.detach().double()
+        totals[1] += n_scored
+        totals[2] += batch["input_ids"].numel()
+    return accelerator.reduce(totals, reduction="sum")
+
+
+def _check_setup(dataset: TrainDataset, config: TrainConfig, accelerator: Accelerator) -> None:
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        # Each process would train alone and they would overwrite each other's checkpoints.
+        raise RuntimeError(
+            f"launched as {launched} processes but the Accelerator sees "
+            f"{accelerator.num_processes}; on a machine without GPUs set ACCELERATE_USE_CPU=1 "
+            "(with `accelerate launch --multi_gpu` or `torchrun`)"
+        )
+    share = accelerator.num_processes * config.grad_accum
+    if config.batch_size % share:
+        raise ValueError(
+            f"TrainConfig.batch_size={config.batch_size} is invalid for "
+            f"{accelerator.num_processes} processes: a multiple of processes x "
+            f"grad_accum={config.grad_accum} = {share} is allowed"
+        )
+    if len(dataset) == 0:
+        raise ValueError("the training dataset is empty")
+
+
+def _claim_out_dir(config: TrainConfig, accelerator: Accelerator) -> Path | None:
+    """Make out_dir ready; returns the checkpoint to resume from, if any."""
+    out = config.out_dir
+    occupied = out.is_dir() and any(out.iterdir())
+    if occupied and not (config.resume or config.overwrite):
+        raise FileExistsError(
+            f"{out} already holds files (another run?); pass resume=True to continue the run "
+            "in it or overwrite=True to replace its checkpoints, metrics and summary"
+        )
+    checkpoint = latest_checkpoint(out) if config.resume else None
+    accelerator.wait_for_everyone()  # every process has looked before anything is deleted
+    if accelerator.is_main_process:
+        if occupied and config.overwrite:
+            # Only what a run writes: out_dir may also hold files the user put there.
+            shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
+            (out / METRICS).unlink(missing_ok=True)
+            (out / SUMMARY).unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    return checkpoint
+
+
+def _check_resumable(
+    checkpoint: Path, state: CheckpointState, config: TrainConfig, dataset_len: int
+) -> None:
+    now = config.to_dict()
+    changed = sorted(k for k in now.keys() - RUN_CONTROL if now[k] != state.config.get(k))
+    if changed:
+        was = ", ".join(f"{k}={state.config.get(k)!r}" for k in changed)
+        new = ", ".join(f"{k}={now[k]!r}" for k in changed)
+        raise ValueError(f"cannot resume {checkpoint}: it was trained with {was}, not {new}")
+    if state.dataset_len != dataset_len:
+        raise ValueError(
+            f"cannot resume {checkpoint}: its dataset had {state.dataset_len} items, this one "
+            f"has {dataset_len}, and the data order depends on it"
+        )
+
+
+def _open_metrics(path: Path, step: int) -> IO[str]:
+    """Open the metrics log for writing, keeping only lines up to `step` (those a resumed run
+    does not redo)."""
+    kept = []
+    if step and path.is_file():
+        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+    file = path.open("w")
+    file.writelines(line + "\n" for line in kept)
+    return file
+
+
+def _write_summary(result: TrainResult, config: TrainConfig, num_processes: int) -> None:
+    summary: dict[str, Any] = {
+        "final_loss": result.final_loss,
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "elapsed_s": result.elapsed_s,
+        "tokens_per_s": result.tokens_per_s,
+        "checkpoint": str(result.checkpoint),
+        "num_processes": num_processes,
+        "versions": _versions(),
+        "config": config.to_dict(),
+    }
+    result.summary.write_text(json.dumps(summary, indent=2))
+
+
+def _versions() -> dict[str, str]:
+    packages = ("torch", "transformers", "accelerate", "safetensors", "numpy")
+    return {
+        "python": platform.python_version(),
+        "ropekit": __version__,
+        **{name: importlib.metadata.version(name) for name in packages},
+    }

@@ -1,0 +1,91 @@
+"""train() across processes: data parallel under `accelerate launch`, and SIGKILL then resume.
+
+Both launch tests/train/tiny.py in fresh Python processes (one thread each, as in-process
+tests run), so each pays a few seconds of imports.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ropekit.train import latest_checkpoint, train
+
+from .test_loop import assert_same_tensors, metrics, optimizer_state
+from .tiny import CountingData, tiny_config, tiny_llama
+
+SCRIPT = Path(__file__).with_name("tiny.py")
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+
+
+def environment() -> dict[str, str]:
+    return os.environ | {"OMP_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_train_like_one_on_the_same_global_batch(tmp_path):
+    one = tiny_llama()
+    train(one, CountingData(), tiny_config(tmp_path / "one", steps=6, grad_accum=2))
+
+    # `accelerate launch --cpu --num_processes 2` starts a single process (accelerate issue
+    # #2741); multi-process CPU runs take the multi-GPU launcher with ACCELERATE_USE_CPU=1.
+    command = [
+        str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()),
+        str(SCRIPT), str(tmp_path / "two"), "--steps", "6", "--grad-accum", "1",
+    ]  # fmt: skip
+    env = environment() | {"ACCELERATE_USE_CPU": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["num_processes"] == 2
+    final = latest_checkpoint(tmp_path / "two")
+    assert {p.name for p in final.glob("rng-*.pt")} == {"rng-0.pt", "rng-1.pt"}
+    # Same micro-batches, summed in another order across processes: equal up to rounding.
+    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 * a["loss"]
+        assert a["tokens"] == b["tokens"]
+    two = load_file(final / "model.safetensors")
+    for name, param in one.named_parameters():
+        torch.testing.assert_close(two[name], param.detach(), rtol=0, atol=1e-5)
+
+
+def test_killed_with_sigkill_then_resumed_is_bit_identical(tmp_path):
+    reference = tiny_llama(dropout=0.1)
+    result = train(reference, CountingData(), tiny_config(tmp_path / "reference", steps=16))
+
+    out = tmp_path / "killed"
+    args = [sys.executable, str(SCRIPT), str(out), "--steps", "16", "--dropout", "0.1"]
+    # Slow steps (0.1 s a batch) leave time to kill the run between checkpoints 4 and 16.
+    run = subprocess.Popen([*args, "--sleep", "0.1"], env=environment(), stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while latest_checkpoint(out) is None and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    run.send_signal(signal.SIGKILL)
+    assert run.wait() == -signal.SIGKILL, run.stderr.read().decode()[-3000:]
+    assert latest_checkpoint(out).name < "step-00000016"
+    assert not (out / "summary.json").exists()
+
+    done = subprocess.run([*args, "--resume"], env=environment(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    final = latest_checkpoint(out)
+    assert final.name == result.checkpoint.name == "step-00000016"
+    resumed = load_file(final / "model.safetensors")
+    for name, param in reference.named_parameters():
+        assert torch.equal(resumed[name], param.detach()), name
+    assert_same_tensors(optimizer_state(result.checkpoint), optimizer_state(final))
+    assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(tmp_path / "reference")]
