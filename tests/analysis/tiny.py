@@ -1,0 +1,91 @@
+"""Tiny models and data for the analysis tests.
+
+Holds:
+    tiny_decoder    a 2-layer ropekit Decoder (4 query heads over 2 kv heads, head dim 8),
+                    initialised with a large std so attention is peaked, not uniform.
+    tiny_llama      a 2-layer randomly initialised Hugging Face Llama (4 query heads over 2 kv
+                    heads, head dim 16, vocabulary LLAMA_VOCAB), unpatched.
+    perturb         moves AdaRoPE's parameters off init, like a trained adapter.
+    windows         seeded random token windows (N, T).
+    attention       the chunks of ``iter_log_attention`` joined into full weights (B, H, T, S).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ropekit.analysis.metrics import iter_log_attention
+from ropekit.encodings import AdaRoPE
+from ropekit.model import Decoder, DecoderConfig
+
+VOCAB = 256  # byte-level
+LLAMA_VOCAB = 97
+
+
+def tiny_decoder(
+    encoding: str = "adarope:l_ref=16",
+    *,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    d_model: int = 32,
+    seed: int = 0,
+) -> Decoder:
+    torch.manual_seed(seed)
+    config = DecoderConfig(
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        encoding=encoding,
+        context_length=64,
+        init_std=0.3,  # peaked attention, so heads differ and reverting a head shows
+    )
+    return Decoder(config).eval()
+
+
+def tiny_llama(*, attn_implementation: str = "sdpa", seed: int = 0) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM  # slow import, only where needed
+
+    config = LlamaConfig(
+        vocab_size=LLAMA_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention: 2 query heads per kv head
+        head_dim=16,
+        max_position_embeddings=32,
+        initializer_range=0.08,  # peaked attention
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def perturb(encoding: AdaRoPE, *, seed: int = 0) -> AdaRoPE:
+    """Trained-looking AdaRoPE: dxi ~ N(0, 0.3), gamma ~ U(0, 0.4), log_tau ~ N(0, 0.2)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        encoding.dxi.copy_(0.3 * torch.randn(encoding.dxi.shape, generator=g))
+        encoding.gamma.copy_(0.4 * torch.rand(encoding.gamma.shape, generator=g))
+        encoding.log_tau.copy_(0.2 * torch.randn(encoding.log_tau.shape, generator=g))
+    return encoding
+
+
+def windows(n: int, length: int, *, vocab: int = VOCAB, seed: int = 1) -> Tensor:
+    return torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def attention(q: Tensor, k: Tensor, **kwargs) -> Tensor:
+    """Attention weights (B, H, T, S) float64 from the chunks of ``iter_log_attention``, each
+    padded with zeros for the keys its queries cannot see."""
+    S = k.shape[2]
+    rows = []
+    for _, log_alpha in iter_log_attention(q, k, **kwargs):  # (B, H, Tc, S_c)
+        alpha = log_alpha.double().exp()
+        rows.append(torch.nn.functional.pad(alpha, (0, S - alpha.shape[-1])))
+    return torch.cat(rows, dim=2)
