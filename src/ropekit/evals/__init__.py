@@ -1,0 +1,80 @@
+"""ropekit.evals: what a model can read. Perplexity vs length, needle/passkey, RULER-style tasks.
+
+Modules:
+- `adapters`: `LanguageModel` (token_nll, greedy) over ropekit Decoders and Hugging Face LMs.
+- `prompts`: `PromptFormat`, plain or chat-template prompts, token positions of characters.
+- `haystack`: haystacks (noise, essays, any corpus), needle insertion, keys and values.
+- `tasks`: base tasks, the registry of named variants (`TASKS`), `generate_sample`.
+- `scoring`: RULER's string_match_all / string_match_part, `effective_length`.
+- `perplexity`: `evaluate_perplexity`, `run_perplexity` (`ropekit eval ppl`).
+- `runner`: `run_needle`, `run_passkey`, `run_ruler`, `run_tasks`: staged, resumable.
+- `plots`, `store`: pictures and atomic JSON/JSONL files.
+"""
+
+from ropekit.evals.adapters import (
+    DecoderLM,
+    HFCausalLM,
+    LanguageModel,
+    as_language_model,
+    newline_ids,
+)
+from ropekit.evals.perplexity import PerplexityConfig, evaluate_perplexity, run_perplexity
+from ropekit.evals.prompts import PromptFormat
+from ropekit.evals.runner import (
+    EvalConfig,
+    evaluate_tasks,
+    run_needle,
+    run_passkey,
+    run_ruler,
+    run_tasks,
+)
+from ropekit.evals.scoring import (
+    effective_length,
+    match_all,
+    match_part,
+    string_match_all,
+    string_match_part,
+)
+from ropekit.evals.tasks import (
+    ALIASES,
+    RULER_TASKS,
+    TASKS,
+    Sample,
+    TaskDoesNotFit,
+    TaskSpec,
+    generate_sample,
+    get_task,
+    register_task,
+)
+
+__all__ = [
+    "ALIASES",
+    "RULER_TASKS",
+    "TASKS",
+    "DecoderLM",
+    "EvalConfig",
+    "HFCausalLM",
+    "LanguageModel",
+    "PerplexityConfig",
+    "PromptFormat",
+    "Sample",
+    "TaskDoesNotFit",
+    "TaskSpec",
+    "as_language_model",
+    "effective_length",
+    "evaluate_perplexity",
+    "evaluate_tasks",
+    "generate_sample",
+    "get_task",
+    "match_all",
+    "match_part",
+    "newline_ids",
+    "register_task",
+    "run_needle",
+    "run_passkey",
+    "run_perplexity",
+    "run_ruler",
+    "run_tasks",
+    "string_match_all",
+    "string_match_part",
+]

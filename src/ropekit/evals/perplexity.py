@@ -1,0 +1,244 @@
+"""Perplexity and bits per byte against context length, and NLL against token position.
+
+Holds:
+- `PerplexityConfig`: lengths, how many tokens to score, sliding-window stride, batching.
+- `evaluate_perplexity(lm, stream, config)`: the numbers, as a JSON-ready dict.
+- `run_perplexity(model, tokenizer, out_dir, ...)`: held-out data in, `ppl.json` and
+  `ppl.png` out (`ropekit eval ppl`).
+
+Every length scores the SAME target tokens: one span of `n_tokens` tokens cut from a fixed
+held-out stream, a multiple of every length, tiled by non-overlapping windows of each length.
+A window of length L reads L tokens and is scored on L targets (the token before the window,
+or BOS, is its first input), so lengths differ only in how much context each target sees.
+With `stride`, windows overlap (sliding evaluation): each scores only its last `stride`
+targets, which then all see at least L - stride tokens of context.
+
+Units: NLL in nats per token. Bits per byte = total NLL / ln 2 / UTF-8 bytes of the targets;
+for a byte tokenizer this is exactly bits per token. Token models report perplexity as the
+headline and bits per byte beside it (comparable across tokenizers). "Last quarter" is the
+mean NLL of each window's last L/4 targets: where extra context can help most, so it is where
+long-context gains and failures show first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ropekit.data.streams import TokenStream
+from ropekit.data.tokenizers import ByteTokenizer, Tokenizer
+from ropekit.evals.adapters import LanguageModel, as_language_model
+from ropekit.evals.prompts import default_prefix
+
+# Default number of windows of the longest length that the scored span holds.
+WINDOWS_AT_MAX = 4
+
+
+@dataclass(frozen=True)
+class PerplexityConfig:
+    """What to score. Lengths are in the model's tokens (bytes for byte models)."""
+
+    lengths: tuple[int, ...]  # context lengths to evaluate, e.g. (256, 512, 1024, 2048)
+    # Targets scored at every length; a multiple of lcm(lengths). None: the smallest multiple
+    # of lcm(lengths) that holds WINDOWS_AT_MAX windows of the longest length.
+    n_tokens: int | None = None
+    stride: int | None = None  # sliding windows: new targets per window; None: no overlap
+    batch_tokens: int = 8192  # tokens per forward: batch = max(1, batch_tokens // length)
+    position_bins: int = 48  # log-spaced bins of the NLL-vs-position curve kept in the JSON
+    seed: int = 0  # picks where the span starts in the held-out stream
+    bos: bool | None = None  # windows start with BOS; None: if the tokenizer adds one itself
+
+    def __post_init__(self) -> None:
+        lengths = tuple(self.lengths)
+        if not lengths or any(not isinstance(n, int) or n < 2 for n in lengths):
+            raise ValueError(
+                f"lengths={self.lengths!r} is not allowed; allowed: one or more integers >= 2"
+            )
+        object.__setattr__(self, "lengths", tuple(sorted(set(lengths))))
+        lcm = math.lcm(*self.lengths)
+        if self.n_tokens is None:
+            n = lcm * math.ceil(WINDOWS_AT_MAX * max(self.lengths) / lcm)
+            object.__setattr__(self, "n_tokens", n)
+        elif not isinstance(self.n_tokens, int) or self.n_tokens < 1 or self.n_tokens % lcm:
+            raise ValueError(
+                f"n_tokens={self.n_tokens!r} is not allowed; allowed: a positive multiple of "
+                f"lcm(lengths)={lcm}, so that every length scores the same tokens"
+            )
+        if self.stride is not None and not 1 <= self.stride <= min(self.lengths):
+            raise ValueError(
+                f"stride={self.stride!r} is not allowed; allowed: None or 1..{min(self.lengths)} "
+                "(the shortest length)"
+            )
+        for name in ("batch_tokens", "position_bins"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; allowed: >= 1")
+
+
+def _windows(start: int, span: int, length: int, stride: int | None) -> list[tuple[int, int]]:
+    """(target_end, n_scored) of each window over targets [start, start + span): the window
+    covers targets [end - length, end) and scores the last n_scored of them."""
+    if stride is None:
+        return [(start + (i + 1) * length, length) for i in range(span // length)]
+    windows, end = [(start + length, length)], start + length
+    while end < start + span:
+        new_end = min(end + stride, start + span)
+        windows.append((new_end, new_end - end))
+        end = new_end
+    return windows
+
+
+def _bin_edges(length: int, bins: int) -> np.ndarray:
+    """Log-spaced bin edges over positions [0, length): fine near the start, where NLL falls
+    fastest, and coarse far out."""
+    edges = np.unique(np.round(np.geomspace(1, length + 1, bins + 1)).astype(int) - 1)
+    edges[0], edges[-1] = 0, length
+    return np.unique(edges)
+
+
+def evaluate_perplexity(
+    lm: LanguageModel, stream: TokenStream, config: PerplexityConfig, progress: bool = True
+) -> dict[str, Any]:
+    """Score `lm` on `stream` at every length of `config` (see the module docstring)."""
+    if stream.tokenizer != lm.tokenizer.name:
+        raise ValueError(
+            f"stream tokenizer={stream.tokenizer!r} is not allowed for a model read with "
+            f"{lm.tokenizer.name!r}; allowed: a stream encoded with the model's tokenizer"
+        )
+    bos = default_prefix(lm.tokenizer)
+    use_bos = bool(bos) if config.bos is None else config.bos
+    if use_bos and len(bos) != 1:
+        raise ValueError(
+            f"bos=True is not allowed for tokenizer {lm.tokenizer.name!r}: it adds {list(bos)} "
+            "by default, not a single BOS id; allowed: bos=False"
+        )
+    span = config.n_tokens
+    need = span + (0 if use_bos else 1)  # without BOS, the first target's input precedes it
+    if len(stream) < need:
+        raise ValueError(
+            f"n_tokens={span} is not allowed: the held-out stream holds {len(stream)} tokens "
+            f"and {need} are needed; allowed: n_tokens <= {len(stream) - need + span}, or more "
+            "held-out data"
+        )
+    rng = np.random.default_rng(config.seed)
+    start = (0 if use_bos else 1) + int(rng.integers(0, len(stream) - need + 1))
+    n_bytes = stream.n_bytes(start, start + span)
+    ids = stream.ids
+
+    plan = {L: _windows(start, span, L, config.stride) for L in config.lengths}
+    bar = tqdm(
+        total=sum(len(w) for w in plan.values()),
+        desc="perplexity",
+        unit="window",
+        disable=not progress,
+    )
+    results = []
+    for length, windows in plan.items():
+        batch = max(1, config.batch_tokens // length)
+        total = 0.0
+        position_sum = torch.zeros(length, dtype=torch.float64)
+        last_quarter: list[float] = []
+        for b in range(0, len(windows), batch):
+            chunk = windows[b : b + batch]
+            rows = []
+            for end, _ in chunk:
+                if use_bos:
+                    rows.append(torch.cat([torch.tensor(bos), ids[end - length : end]]))
+                else:
+                    rows.append(ids[end - length - 1 : end])
+            nll = lm.token_nll(torch.stack(rows)).double()  # (B, length)
+            for row, (_, scored) in zip(nll, chunk, strict=True):
+                total += float(row[length - scored :].sum())
+            if config.stride is None:
+                position_sum += nll.sum(0)
+                quarter = length - length // 4
+                last_quarter += nll[:, quarter:].mean(1).tolist()
+            bar.update(len(chunk))
+        mean = total / span
+        result: dict[str, Any] = {
+            "length": length,
+            "windows": len(windows),
+            "tokens": span,
+            "bytes": n_bytes,
+            "nll": mean,
+            "perplexity": math.exp(mean),
+            "bits_per_token": mean / math.log(2),
+            "bits_per_byte": total / math.log(2) / n_bytes,
+            "last_quarter_nll": None,
+            "last_quarter_nll_std": None,
+            "last_quarter_nll_windows": None,
+            "position_nll": None,
+        }
+        if config.stride is None:
+            curve = (position_sum / len(windows)).numpy()
+            edges = _bin_edges(length, config.position_bins)
+            result.update(
+                last_quarter_nll=float(np.mean(last_quarter)),
+                last_quarter_nll_std=float(np.std(last_quarter)),
+                last_quarter_nll_windows=last_quarter,
+                position_nll={
+                    "start": edges[:-1].tolist(),
+                    "stop": edges[1:].tolist(),
+                    "nll": [float(curve[a:b].mean()) for a, b in itertools.pairwise(edges)],
+                },
+            )
+        results.append(result)
+    bar.close()
+    return {
+        "kind": "perplexity",
+        "metric": "bits_per_byte" if isinstance(lm.tokenizer, ByteTokenizer) else "perplexity",
+        "tokenizer": lm.tokenizer.name,
+        "bos": use_bos,
+        "start": start,
+        "config": asdict(config),
+        "results": results,
+    }
+
+
+def run_perplexity(
+    model: Any,
+    tokenizer: Tokenizer | str | os.PathLike[str] | None,
+    out_dir: str | os.PathLike[str],
+    *,
+    lengths: tuple[int, ...] | list[int],
+    data: str | list[str] = "shakespeare",
+    n_tokens: int | None = None,
+    stride: int | None = None,
+    seed: int = 0,
+    batch_tokens: int = 8192,
+    spec: str | None = None,
+    command: str = "",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Evaluate on the held-out documents of `data` and write `ppl.json` and `ppl.png` into
+    `out_dir`. `model` is a Decoder, a Hugging Face causal LM or a `LanguageModel`; `spec`
+    names its encoding in the result. Returns the result, with `paths`."""
+    from ropekit.data import heldout_stream
+    from ropekit.evals.plots import plot_perplexity
+    from ropekit.evals.store import write_json
+    from ropekit.utils import run_metadata
+
+    config = PerplexityConfig(
+        lengths=tuple(lengths),
+        n_tokens=n_tokens,
+        stride=stride,
+        seed=seed,
+        batch_tokens=batch_tokens,
+    )
+    lm = as_language_model(model, tokenizer)
+    stream = heldout_stream(data, lm.tokenizer)
+    result = evaluate_perplexity(lm, stream, config, progress)
+    result.update(data=data, spec=spec, seed=seed, model=lm.describe(), **run_metadata(command))
+    out = Path(out_dir)
+    paths = {"json": out / "ppl.json", "png": out / "ppl.png"}
+    write_json(paths["json"], result)
+    plot_perplexity(result, paths["png"])
+    result["paths"] = {k: str(v) for k, v in paths.items()}
+    return result

@@ -1,0 +1,512 @@
+"""The task runner: generate samples, predict greedily, score, summarize, plot; resumable.
+
+Holds:
+- `EvalConfig`: lengths, samples, depths, seed, batching, answer budget, chat, thresholds.
+- `evaluate_tasks(lm, tasks, config, out_dir)`: the pipeline for an adapted model.
+- Entry points: `run_tasks`, `run_needle`, `run_passkey`, `run_ruler`
+  (`ropekit eval needle|passkey|ruler`).
+
+Output layout (stages talk through files, as in RULER):
+
+    out_dir/
+      summary.json                 every task and length, effective lengths, spec, seed, versions
+      accuracy_vs_length.png       one line per task, the average in bold
+      <task>/heatmap.png           needle tasks: accuracy over length x depth
+      <task>/<length>/data.jsonl   the samples (`Sample` records)
+      <task>/<length>/pred.jsonl   one prediction per sample, rewritten after every batch
+      <task>/<length>/summary.json score of the stage, by depth for needle tasks
+
+Resuming: each record carries the stage's fingerprint (generator version, task arguments,
+length, seed, sample plan, tokenizer, prompt format, answer budget). A rerun reuses matching
+samples and predictions and computes only what is missing: a finished run does no model call
+at all. A stage whose files were made with other settings is an error, unless
+`overwrite=True`, which redoes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ropekit.data.tokenizers import Tokenizer
+from ropekit.evals.adapters import LanguageModel, as_language_model, newline_ids
+from ropekit.evals.prompts import PromptFormat
+from ropekit.evals.scoring import (
+    RELATIVE_THRESHOLD,
+    SCORERS,
+    THRESHOLD,
+    clean_prediction,
+    effective_length,
+)
+from ropekit.evals.store import read_jsonl, to_json, write_json, write_jsonl
+from ropekit.evals.tasks import (
+    GENERATOR_VERSION,
+    RULER_TASKS,
+    Sample,
+    TaskDoesNotFit,
+    TaskSpec,
+    generate_sample,
+    get_task,
+)
+
+DEFAULT_DEPTHS: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Settings of one task evaluation. Lengths count the model's tokens, answer included."""
+
+    lengths: tuple[int, ...]
+    samples: int = 10  # per length; for needle tasks with `depths`, per length and depth
+    # Needle depths (0 = start of the haystack, 1 = end). None: each needle task spreads its
+    # samples evenly over [0, 1] (RULER-style, one depth per sample).
+    depths: tuple[float, ...] | None = None
+    seed: int = 0
+    batch_size: int = 4  # prompts per generation batch
+    max_new_tokens: int | None = None  # None: each sample's answer length plus slack
+    chat: bool = False  # wrap prompts in the tokenizer's chat template (instruction models)
+    threshold: float = THRESHOLD  # effective length: absolute score bar
+    relative_threshold: float = RELATIVE_THRESHOLD  # ... and share of the shortest-length score
+
+    def __post_init__(self) -> None:
+        lengths = tuple(self.lengths)
+        if not lengths or any(not isinstance(n, int) or n < 1 for n in lengths):
+            raise ValueError(
+                f"lengths={self.lengths!r} is not allowed; allowed: one or more integers >= 1"
+            )
+        object.__setattr__(self, "lengths", tuple(sorted(set(lengths))))
+        if self.depths is not None:
+            depths = tuple(float(d) for d in self.depths)
+            if not depths or any(not 0.0 <= d <= 1.0 for d in depths):
+                raise ValueError(
+                    f"depths={self.depths!r} is not allowed; allowed: None or values in [0, 1]"
+                )
+            object.__setattr__(self, "depths", tuple(sorted(set(depths))))
+        for name in ("samples", "batch_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; allowed: >= 1")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens!r} is not allowed; allowed: None or >= 1"
+            )
+        for name in ("threshold", "relative_threshold"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not allowed; allowed: 0 < value <= 1"
+                )
+
+    def plan(self, spec: TaskSpec) -> list[tuple[int, float | None, int]]:
+        """(index, depth, draw) of each sample of `spec` at one length. A draw number fixes
+        the needles, so every depth and length of a heatmap row uses the same needle."""
+        if not spec.needle:
+            return [(k, None, k) for k in range(self.samples)]
+        if self.depths is None:
+            spread = self.samples - 1
+            return [(k, k / spread if spread else 0.5, k) for k in range(self.samples)]
+        return [
+            (i * self.samples + k, depth, k)
+            for i, depth in enumerate(self.depths)
+            for k in range(self.samples)
+        ]
+
+
+@dataclass
+class _Stage:
+    spec: TaskSpec
+    length: int
+    directory: Path
+    fingerprint: str
+    samples: list[Sample] | None = None
+    skipped: str | None = None
+    predictions: dict[int, dict[str, Any]] | None = None
+
+
+def _fingerprint(spec: TaskSpec, length: int, config: EvalConfig, fmt: PromptFormat) -> str:
+    identity = {
+        "generator": GENERATOR_VERSION,
+        "task": spec.to_json(),
+        "length": length,
+        "seed": config.seed,
+        "plan": config.plan(spec),
+        "tokenizer": fmt.tokenizer.name,
+        "format": fmt.name,
+        "max_new_tokens": config.max_new_tokens,
+    }
+    return hashlib.blake2b(to_json(identity, None).encode(), digest_size=8).hexdigest()
+
+
+def _prepare(stage: _Stage, config: EvalConfig, fmt: PromptFormat, overwrite: bool) -> None:
+    """Load the stage's samples and predictions, or generate the samples."""
+    data_path = stage.directory / "data.jsonl"
+    records = read_jsonl(data_path)
+    if records and any(r.get("stage") != stage.fingerprint for r in records):
+        if not overwrite:
+            raise ValueError(
+                f"{data_path} was made with other settings (task arguments, seed, samples, "
+                "depths, tokenizer, prompt format or answer budget); allowed: the same "
+                "settings, another out_dir, or overwrite=True"
+            )
+        shutil.rmtree(stage.directory)
+        records = []
+    if records:
+        stage.samples = [Sample.from_json(r) for r in records]
+    else:
+        try:
+            stage.samples = [
+                generate_sample(
+                    stage.spec,
+                    fmt,
+                    stage.length,
+                    index,
+                    config.seed,
+                    depth,
+                    config.max_new_tokens,
+                    draw,
+                )
+                for index, depth, draw in config.plan(stage.spec)
+            ]
+        except TaskDoesNotFit as e:
+            stage.skipped = str(e)
+            return
+        write_jsonl(data_path, [{**s.to_json(), "stage": stage.fingerprint} for s in stage.samples])
+    stage.predictions = {
+        r["index"]: r
+        for r in read_jsonl(stage.directory / "pred.jsonl")
+        if r.get("stage") == stage.fingerprint
+    }
+
+
+def _predict(
+    stage: _Stage,
+    lm: LanguageModel,
+    fmt: PromptFormat,
+    config: EvalConfig,
+    stop: frozenset[int],
+    bar: tqdm,
+) -> None:
+    assert stage.samples is not None and stage.predictions is not None
+    pending = [s for s in stage.samples if s.index not in stage.predictions]
+    # Longest first: a batch holds similar lengths (less padding, more equal-length groups).
+    pending.sort(key=lambda s: (-s.n_tokens, s.index))
+    bar.set_postfix_str(f"{stage.spec.name} @ {stage.length}")
+    for b in range(0, len(pending), config.batch_size):
+        batch = pending[b : b + config.batch_size]
+        prompts = [fmt.encode(s.input) for s in batch]
+        for s, ids in zip(batch, prompts, strict=True):
+            if len(ids) != s.n_tokens:
+                raise ValueError(
+                    f"{stage.directory}: sample {s.index} encodes to {len(ids)} tokens, not the "
+                    f"{s.n_tokens} it was made with; the tokenizer changed: use another out_dir"
+                )
+        outputs = lm.greedy(prompts, max(s.max_new_tokens for s in batch), stop)
+        for s, out in zip(batch, outputs, strict=True):
+            out = out[: s.max_new_tokens]
+            text = lm.tokenizer.decode(out)
+            stage.predictions[s.index] = {
+                "index": s.index,
+                "stage": stage.fingerprint,
+                "pred": clean_prediction(text),
+                "generated": text,
+                "n_generated": len(out),
+            }
+        write_jsonl(
+            stage.directory / "pred.jsonl",
+            [stage.predictions[i] for i in sorted(stage.predictions)],
+        )
+        bar.update(len(batch))
+
+
+def _score(stage: _Stage) -> dict[str, Any]:
+    base = {"task": stage.spec.name, "length": stage.length, "stage": stage.fingerprint}
+    if stage.skipped is not None:
+        summary = {**base, "skipped": stage.skipped}
+        write_json(stage.directory / "summary.json", summary)
+        return summary
+    assert stage.samples is not None and stage.predictions is not None
+    scorer = SCORERS[stage.spec.metric]
+    rows = [
+        {
+            "index": s.index,
+            "depth": s.depth,
+            "score": scorer(stage.predictions[s.index]["pred"], s.outputs),
+            "n_tokens": s.n_tokens,
+            "needle_depth": s.needle_depth,
+        }
+        for s in stage.samples
+        if s.index in stage.predictions
+    ]
+    summary: dict[str, Any] = {
+        **base,
+        "metric": stage.spec.metric,
+        "n": len(rows),
+        "complete": len(rows) == len(stage.samples),
+        "score": sum(r["score"] for r in rows) / len(rows) if rows else None,
+        "mean_prompt_tokens": sum(s.n_tokens for s in stage.samples) / len(stage.samples),
+    }
+    if stage.spec.needle and rows:
+        by_depth: dict[float, list[float]] = {}
+        for r in rows:
+            by_depth.setdefault(r["depth"], []).append(r["score"])
+        summary["by_depth"] = [
+            {"depth": d, "score": sum(v) / len(v), "n": len(v)} for d, v in sorted(by_depth.items())
+        ]
+    write_json(stage.directory / "summary.json", summary)
+    return summary
+
+
+def evaluate_tasks(
+    lm: LanguageModel,
+    tasks: list[str | TaskSpec] | tuple[str | TaskSpec, ...],
+    config: EvalConfig,
+    out_dir: str | os.PathLike[str],
+    *,
+    kind: str = "tasks",
+    spec: str | None = None,
+    command: str = "",
+    progress: bool = True,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Run every task at every length of `config` into `out_dir` (see the module docstring);
+    return the overall summary (also written to `out_dir/summary.json`)."""
+    from ropekit.evals.plots import plot_accuracy_vs_length, plot_heatmap
+    from ropekit.utils import run_metadata
+
+    specs = [get_task(t) for t in tasks]
+    if not specs:
+        raise ValueError("tasks=[] is not allowed; allowed: one or more task names")
+    if len({s.name for s in specs}) != len(specs):
+        raise ValueError(f"tasks={[s.name for s in specs]} is not allowed: a task appears twice")
+    out = Path(out_dir)
+    fmt = PromptFormat(lm.tokenizer, chat=config.chat)
+    stop = newline_ids(lm.tokenizer) | lm.eos_ids
+    stages = [
+        _Stage(s, n, out / s.name / str(n), _fingerprint(s, n, config, fmt))
+        for s in specs
+        for n in config.lengths
+    ]
+    for stage in tqdm(stages, desc="samples", unit="stage", disable=not progress):
+        _prepare(stage, config, fmt, overwrite)
+    pending = sum(
+        len(s.samples) - len(s.predictions)
+        for s in stages
+        if s.samples is not None and s.predictions is not None
+    )
+    with tqdm(total=pending, desc="predictions", unit="sample", disable=not progress) as bar:
+        for stage in stages:
+            if stage.skipped is None:
+                _predict(stage, lm, fmt, config, stop, bar)
+    stage_summaries = [_score(stage) for stage in stages]
+
+    tasks_out: dict[str, Any] = {}
+    scores: dict[str, dict[int, float]] = {}
+    paths: dict[str, str] = {}
+    for task in specs:
+        mine = [s for s in stage_summaries if s["task"] == task.name]
+        done = [s for s in mine if s.get("score") is not None]
+        by_length = {s["length"]: s["score"] for s in done}
+        scores[task.name] = by_length
+        entry: dict[str, Any] = {
+            "spec": task.to_json(),
+            "scores": [{"length": s["length"], "score": s["score"], "n": s["n"]} for s in done],
+            "skipped": [
+                {"length": s["length"], "reason": s["skipped"]} for s in mine if "skipped" in s
+            ],
+            "effective_length": effective_length(by_length, config.threshold)
+            if by_length
+            else None,
+            "effective_length_relative": effective_length(
+                by_length, config.relative_threshold, relative=True
+            )
+            if by_length
+            else None,
+        }
+        if task.needle:
+            cells = [
+                {"length": s["length"], **cell} for s in done for cell in s.get("by_depth", [])
+            ]
+            entry["cells"] = cells
+            if cells:
+                heatmap = plot_heatmap(
+                    cells,
+                    out / task.name / "heatmap.png",
+                    title=" ".join(filter(None, [task.name, spec])),
+                )
+                paths[f"heatmap_{task.name}"] = str(heatmap)
+        tasks_out[task.name] = entry
+
+    # The task average exists only where every task was scored, so skipped tasks never make
+    # a length look better or worse than its neighbours.
+    average = {
+        n: sum(scores[t.name][n] for t in specs) / len(specs)
+        for n in config.lengths
+        if all(n in scores[t.name] for t in specs)
+    }
+    curve = plot_accuracy_vs_length(
+        scores,
+        out / "accuracy_vs_length.png",
+        config.threshold,
+        average if len(specs) > 1 else None,
+        title=f"{kind}: {spec or lm.tokenizer.name}",
+    )
+    paths["accuracy_vs_length"] = str(curve)
+    paths["summary"] = str(out / "summary.json")
+    summary = {
+        "kind": kind,
+        "spec": spec,
+        "seed": config.seed,
+        "format": fmt.name,
+        "config": asdict(config),
+        "tasks": tasks_out,
+        "average": [{"length": n, "score": s} for n, s in average.items()],
+        "effective_length": {
+            "rule": (
+                "longest evaluated length L such that every length <= L scores >= the bar; "
+                "absolute bar = threshold, relative bar = relative_threshold x the score at "
+                "the shortest length"
+            ),
+            "threshold": config.threshold,
+            "relative_threshold": config.relative_threshold,
+            "average": effective_length(average, config.threshold) if average else None,
+            "average_relative": effective_length(average, config.relative_threshold, relative=True)
+            if average
+            else None,
+        },
+        "model": lm.describe(),
+        "paths": paths,
+        **run_metadata(command),
+    }
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+def run_tasks(
+    model: Any,
+    tokenizer: Tokenizer | str | os.PathLike[str] | None,
+    tasks: list[str | TaskSpec] | tuple[str | TaskSpec, ...],
+    out_dir: str | os.PathLike[str],
+    *,
+    lengths: list[int] | tuple[int, ...],
+    samples: int = 10,
+    depths: list[float] | tuple[float, ...] | None = None,
+    seed: int = 0,
+    batch_size: int = 4,
+    max_new_tokens: int | None = None,
+    chat: bool = False,
+    threshold: float = THRESHOLD,
+    relative_threshold: float = RELATIVE_THRESHOLD,
+    kind: str = "tasks",
+    spec: str | None = None,
+    command: str = "",
+    progress: bool = True,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Evaluate `model` (a Decoder, a Hugging Face causal LM or a `LanguageModel`) on `tasks`;
+    see `EvalConfig` for the settings and the module docstring for the files."""
+    config = EvalConfig(
+        lengths=tuple(lengths),
+        samples=samples,
+        depths=None if depths is None else tuple(depths),
+        seed=seed,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        chat=chat,
+        threshold=threshold,
+        relative_threshold=relative_threshold,
+    )
+    lm = as_language_model(model, tokenizer)
+    return evaluate_tasks(
+        lm,
+        tasks,
+        config,
+        out_dir,
+        kind=kind,
+        spec=spec,
+        command=command,
+        progress=progress,
+        overwrite=overwrite,
+    )
+
+
+def run_needle(
+    model: Any,
+    tokenizer: Tokenizer | str | os.PathLike[str] | None,
+    lengths: list[int] | tuple[int, ...],
+    depths: list[float] | tuple[float, ...] = DEFAULT_DEPTHS,
+    samples: int = 5,
+    out_dir: str | os.PathLike[str] = "runs/needle",
+    seed: int = 0,
+    *,
+    task: str = "niah_single_2",
+    **options: Any,
+) -> dict[str, Any]:
+    """Needle in a haystack over length x depth (default: a number in Paul Graham essays)."""
+    return run_tasks(
+        model,
+        tokenizer,
+        [task],
+        out_dir,
+        lengths=lengths,
+        samples=samples,
+        depths=depths,
+        seed=seed,
+        kind="needle",
+        **options,
+    )
+
+
+def run_passkey(
+    model: Any,
+    tokenizer: Tokenizer | str | os.PathLike[str] | None,
+    lengths: list[int] | tuple[int, ...],
+    depths: list[float] | tuple[float, ...] = DEFAULT_DEPTHS,
+    samples: int = 5,
+    out_dir: str | os.PathLike[str] = "runs/passkey",
+    seed: int = 0,
+    *,
+    task: str = "passkey",
+    **options: Any,
+) -> dict[str, Any]:
+    """Pass-key retrieval over length x depth, in the retrieval mixture's format."""
+    return run_tasks(
+        model,
+        tokenizer,
+        [task],
+        out_dir,
+        lengths=lengths,
+        samples=samples,
+        depths=depths,
+        seed=seed,
+        kind="passkey",
+        **options,
+    )
+
+
+def run_ruler(
+    model: Any,
+    tokenizer: Tokenizer | str | os.PathLike[str] | None,
+    lengths: list[int] | tuple[int, ...],
+    samples: int = 10,
+    out_dir: str | os.PathLike[str] = "runs/ruler",
+    seed: int = 0,
+    *,
+    tasks: list[str] | tuple[str, ...] = RULER_TASKS,
+    **options: Any,
+) -> dict[str, Any]:
+    """RULER's synthetic tasks (all of them by default), needle depths spread per sample."""
+    return run_tasks(
+        model,
+        tokenizer,
+        list(tasks),
+        out_dir,
+        lengths=lengths,
+        samples=samples,
+        seed=seed,
+        kind="ruler",
+        **options,
+    )

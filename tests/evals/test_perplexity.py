@@ -1,0 +1,151 @@
+"""Perplexity vs length: the bits-per-byte identity, the same targets at every length (plain and
+sliding windows, with and without BOS), the position curve, the files."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from ropekit.data import heldout_stream
+from ropekit.evals import (
+    DecoderLM,
+    HFCausalLM,
+    PerplexityConfig,
+    evaluate_perplexity,
+    run_perplexity,
+)
+
+from .models import ConstantLM, tiny_decoder, tiny_llama
+
+# ln(256) is not exact in float32: the uniform model's NLL carries a relative error ~3e-9.
+FP32_REL = 1e-7
+
+
+@pytest.fixture(scope="module")
+def stream(byte_tok):
+    return heldout_stream("shakespeare", byte_tok)
+
+
+@pytest.mark.parametrize("stride", [None, 24])
+def test_uniform_model_gives_exactly_8_bits_per_byte(stream, byte_tok, stride):
+    config = PerplexityConfig(lengths=(32, 64, 128), stride=stride)
+    result = evaluate_perplexity(DecoderLM(ConstantLM(), byte_tok), stream, config, False)
+    assert result["metric"] == "bits_per_byte"
+    for row in result["results"]:
+        assert row["bits_per_byte"] == pytest.approx(8.0, rel=FP32_REL)
+        assert row["bits_per_token"] == pytest.approx(8.0, rel=FP32_REL)
+        assert row["perplexity"] == pytest.approx(256.0, rel=1e-6)
+
+
+def test_uniform_hugging_face_model_gives_8_bits_per_byte(stream, byte_tok):
+    model = tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every logit 0: the uniform distribution over bytes
+    config = PerplexityConfig(lengths=(16, 48), n_tokens=96)
+    result = evaluate_perplexity(HFCausalLM(model, byte_tok), stream, config, False)
+    assert [r["bits_per_byte"] for r in result["results"]] == pytest.approx([8.0, 8.0], rel=1e-7)
+
+
+def _direct_nll(bias, ids):
+    """Total NLL of `ids` under a context-free model with logits `bias`."""
+    return float(-torch.log_softmax(bias.double(), -1)[ids].sum())
+
+
+@pytest.mark.parametrize("stride", [None, 1, 20])
+def test_every_length_scores_the_same_targets(stream, byte_tok, stride):
+    # A context-free model gives each target the same NLL wherever it sits, so equal totals
+    # at every length mean equal target sets; the direct sum pins down which targets.
+    bias = torch.randn(256, generator=torch.Generator().manual_seed(0)) * 3
+    config = PerplexityConfig(lengths=(20, 40, 60), n_tokens=240, stride=stride, seed=3)
+    result = evaluate_perplexity(DecoderLM(ConstantLM(bias=bias), byte_tok), stream, config, False)
+    start = result["start"]
+    expected = _direct_nll(bias, stream.ids[start : start + 240])
+    for row in result["results"]:
+        assert row["nll"] * row["tokens"] == pytest.approx(expected, rel=1e-6)
+        assert row["bytes"] == stream.n_bytes(start, start + 240) == 240
+    if stride is None:
+        assert [r["windows"] for r in result["results"]] == [12, 6, 4]
+    # Another seed, another span.
+    other = evaluate_perplexity(
+        DecoderLM(ConstantLM(bias=bias), byte_tok), stream, PerplexityConfig((20,), 240), False
+    )
+    assert other["start"] != start
+
+
+def test_bos_windows_score_the_same_targets_and_bytes(bpe_tok):
+    stream = heldout_stream("essays", bpe_tok)
+    model = tiny_llama(vocab_size=bpe_tok.vocab_size)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0, 1.0)  # logits depend on the input; BOS changes them
+    lm = HFCausalLM(model, bpe_tok)
+    config = PerplexityConfig(lengths=(16, 32), n_tokens=64)
+    result = evaluate_perplexity(lm, stream, config, False)
+    assert result["bos"] is True and result["metric"] == "perplexity"
+    start = result["start"]
+    for row in result["results"]:
+        assert row["bytes"] == stream.n_bytes(start, start + 64)
+        assert row["bits_per_byte"] == pytest.approx(row["nll"] * 64 / math.log(2) / row["bytes"])
+    # Window i of length 16 reads [BOS] + its first 15 targets and scores its 16 targets: the
+    # curve's first bin is the mean, over windows, of the NLL of each window's first target.
+    bos = bpe_tok.tokenizer.bos_token_id
+    windows = [
+        torch.cat([torch.tensor([bos]), stream.ids[start + 16 * i : start + 16 * (i + 1)]])
+        for i in range(4)
+    ]
+    first_targets = lm.token_nll(torch.stack(windows))[:, 0]
+    curve = result["results"][0]["position_nll"]
+    assert curve["start"][0] == 0 and curve["stop"][0] == 1
+    assert curve["nll"][0] == pytest.approx(float(first_targets.mean()), rel=1e-6)
+
+
+def test_position_curve_and_last_quarter_agree_with_the_mean(stream, byte_tok):
+    config = PerplexityConfig(lengths=(32, 64), n_tokens=256, position_bins=10)
+    result = evaluate_perplexity(DecoderLM(tiny_decoder(), byte_tok), stream, config, False)
+    for row in result["results"]:
+        curve = row["position_nll"]
+        widths = [b - a for a, b in zip(curve["start"], curve["stop"], strict=True)]
+        assert curve["start"][0] == 0 and curve["stop"][-1] == row["length"]
+        weighted = sum(w * v for w, v in zip(widths, curve["nll"], strict=True)) / row["length"]
+        assert weighted == pytest.approx(row["nll"], rel=1e-9)
+        assert len(row["last_quarter_nll_windows"]) == row["windows"]
+        assert row["last_quarter_nll"] == pytest.approx(
+            sum(row["last_quarter_nll_windows"]) / row["windows"]
+        )
+
+
+def test_config_errors_name_what_is_allowed(stream, byte_tok):
+    with pytest.raises(ValueError, match="lcm"):
+        PerplexityConfig(lengths=(32, 48), n_tokens=100)
+    with pytest.raises(ValueError, match="stride="):
+        PerplexityConfig(lengths=(32, 64), stride=40)
+    with pytest.raises(ValueError, match="lengths="):
+        PerplexityConfig(lengths=())
+    assert PerplexityConfig(lengths=(64, 32, 64)).lengths == (32, 64)
+    assert PerplexityConfig(lengths=(32, 48)).n_tokens == 192  # 4 windows of 48, lcm 96
+    short = stream.head(100)
+    with pytest.raises(ValueError, match="held-out stream holds 100"):
+        evaluate_perplexity(DecoderLM(ConstantLM(), byte_tok), short, PerplexityConfig((64,)))
+
+
+def test_run_perplexity_writes_json_and_png(tmp_path):
+    result = run_perplexity(
+        tiny_decoder(),
+        None,
+        tmp_path,
+        lengths=[32, 64],
+        n_tokens=128,
+        spec="rope",
+        seed=1,
+        command="ropekit eval ppl --test",
+        progress=False,
+    )
+    saved = json.loads((tmp_path / "ppl.json").read_text())
+    assert saved["spec"] == "rope" and saved["seed"] == 1 and saved["data"] == "shakespeare"
+    assert saved["command"] == "ropekit eval ppl --test"
+    assert {"torch", "transformers", "ropekit"} <= set(saved["versions"])
+    assert [r["length"] for r in saved["results"]] == [32, 64]
+    assert (tmp_path / "ppl.png").read_bytes()[:4] == b"\x89PNG"
+    assert result["paths"]["json"] == str(tmp_path / "ppl.json")
