@@ -1,0 +1,121 @@
+"""Context extension on a tiny pretrained decoder: what trains, what stays bit-identical, that
+positional training helps at the target length, adapters and recipes round-trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ropekit.data import heldout_stream
+from ropekit.model import Decoder, DecoderConfig
+from ropekit.train import TrainConfig
+from ropekit.train.extend import (
+    ExtendConfig,
+    encoding_of,
+    extend,
+    load_adapter,
+    run_extension,
+)
+from ropekit.train.pretrain import pretrain
+
+CONTEXT, TARGET = 32, 128
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A tiny RoPE decoder pretrained briefly at CONTEXT bytes on Shakespeare."""
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("base")
+    model = DecoderConfig(d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, context_length=CONTEXT)
+    pretrain(
+        out,
+        model=model,
+        train_config=TrainConfig(
+            out_dir=out, steps=300, batch_size=16, lr=3e-3, warmup_steps=10, log_interval=50
+        ),
+    )
+    return out / "model"
+
+
+def _base(base_dir) -> Decoder:
+    return Decoder.load(base_dir).eval()
+
+
+def _heldout_loss(model: Decoder, length: int) -> float:
+    ids = heldout_stream("shakespeare", "bytes", n_tokens=4 * length + 1).ids
+    windows = torch.as_tensor(ids[: 4 * length + 1])
+    x = torch.stack([windows[i * length : (i + 1) * length] for i in range(4)])
+    y = torch.stack([windows[i * length + 1 : (i + 1) * length + 1] for i in range(4)])
+    with torch.no_grad():
+        logits = model(x).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+
+
+def test_positional_mode_trains_only_the_encoding_and_keeps_the_backbone_bit_identical(
+    base_dir, tmp_path, capsys
+):
+    model = _base(base_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = ExtendConfig("adarope:init=yarn,factor=4", TARGET, samples=8, batch_size=4)
+    result = extend(model, config, tmp_path / "ext")
+    # 2 layers x 2 kv heads x 6 pairs of AdaFreq + 2 layers x 4 heads x 2 of AdaScale
+    assert result.trainable == {"positional": 2 * 2 * 6 + 2 * 4 * 2, "lora": 0, "total": 40}
+    assert "training 40 positional parameters; backbone frozen" in capsys.readouterr().out
+    after = model.state_dict()
+    for name, tensor in before.items():
+        assert torch.equal(tensor, after[name]), name
+    assert encoding_of(model).dxi.abs().sum() > 0  # the encoding did train
+    assert (tmp_path / "ext" / "adapter" / "adapter.safetensors").exists()
+
+
+def test_positional_extension_beats_the_untuned_schedule_at_the_target_length(base_dir, tmp_path):
+    untuned = _base(base_dir)
+    extend(untuned, ExtendConfig("yarn:factor=4", TARGET), tmp_path / "yarn")
+    tuned = _base(base_dir)
+    config = ExtendConfig(
+        "adarope:init=yarn,factor=4", TARGET, samples=32, epochs=2, batch_size=4, lr=3e-2
+    )
+    extend(tuned, config, tmp_path / "ada")
+    assert _heldout_loss(tuned, TARGET) < _heldout_loss(untuned, TARGET)
+
+
+def test_adapter_round_trip_reproduces_logits_exactly(base_dir, tmp_path):
+    model = _base(base_dir)
+    extend(model, ExtendConfig("adarope", TARGET, samples=4, batch_size=2), tmp_path / "ext")
+    x = torch.randint(0, 256, (2, TARGET))
+    with torch.no_grad():
+        expected = model(x).logits
+    fresh = _base(base_dir)
+    load_adapter(fresh, tmp_path / "ext")
+    with torch.no_grad():
+        assert torch.equal(fresh(x).logits, expected)
+
+
+def test_two_stage_recipe_loads_back_with_its_lora(base_dir, tmp_path):
+    model = _base(base_dir)
+    config = ExtendConfig("adarope:init=yarn,factor=4", TARGET, samples=4, batch_size=2)
+    first, last = run_extension(model, config, tmp_path / "run", recipe="adarope->lora")
+    assert first.trainable["positional"] > 0 and first.trainable["lora"] == 0
+    assert last.trainable["lora"] > 0 and last.trainable["positional"] == 0
+    x = torch.randint(0, 256, (1, TARGET))
+    with torch.no_grad():
+        expected = model(x).logits
+    fresh = _base(base_dir)
+    load_adapter(fresh, tmp_path / "run")
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x).logits, expected, rtol=0, atol=0)
+
+
+def test_bad_requests_are_refused_and_lose_nothing(base_dir, tmp_path):
+    model = _base(base_dir)
+    with pytest.raises(ValueError, match="below the model's training length"):
+        extend(model, ExtendConfig("yarn:factor=4", CONTEXT // 2), tmp_path / "a")
+    extend(model, ExtendConfig("yarn:factor=4", TARGET), tmp_path / "b")
+    with pytest.raises(FileExistsError, match="already holds an extension run"):
+        extend(_base(base_dir), ExtendConfig("linear:factor=4", TARGET), tmp_path / "b")
+    with pytest.raises(ValueError, match="mode="):
+        ExtendConfig("yarn:factor=4", TARGET, mode="full")
+    with pytest.raises(ValueError, match="recipe"):
+        run_extension(
+            model, ExtendConfig("yarn:factor=4", TARGET), tmp_path / "c", recipe="adarope->lora"
+        )
