@@ -1,0 +1,68 @@
+"""The key/value cache for incremental decoding.
+
+Shape legend: B batch · K key/value heads · T new tokens · S cached + new tokens · D head dim.
+
+What the keys hold depends on the encoding (the decoder decides, this class only stores):
+- static encodings (``encoding.dynamic`` False): keys are stored *rotated*, once, since a
+  key's rotation depends only on its own position;
+- dynamic encodings (dynamic NTK, LongRoPE): the frequencies follow the current length
+  L = max(position) + 1, so keys are stored *unrotated* and every step rotates all of them
+  again at the current L. Every layer's attention for the new tokens is then exactly what a
+  full forward at length L computes from the same layer inputs (caching keys rotated at their
+  own step's length, as transformers does, would pair new-frequency queries with
+  old-frequency keys). What no cache can revisit are the past tokens' hidden states: in layers
+  above the first, an earlier token's keys and values were computed at the length of its own
+  step. So a one-layer model decodes exactly as full forwards over each prefix; a deeper one
+  differs from them past the original length (recomputing the prefix is the only cure), as
+  ``ropekit.hf``'s patched models do too.
+
+Positions of every cached key are kept too: bias encodings (ALiBi) need them, dynamic
+encodings re-rotate with them, and packed rows (positions that restart) need them to mask
+across documents.
+
+Holds: KVCache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _cat(a: Tensor, b: Tensor, dim: int) -> Tensor:
+    """Concatenate along ``dim`` after broadcasting a batch of 1 (dim 0) against B."""
+    batch = max(a.shape[0], b.shape[0])
+    return torch.cat((a.expand(batch, *a.shape[1:]), b.expand(batch, *b.shape[1:])), dim=dim)
+
+
+class KVCache:
+    """Per-layer keys and values of every token seen so far, and their positions.
+
+    Start empty (``KVCache()``), pass it to ``Decoder.forward(..., cache=cache)`` and keep
+    passing it: each call appends the new tokens. One cache serves one model and one batch.
+    A forward that raises midway leaves the cache unusable.
+    """
+
+    def __init__(self) -> None:
+        self.keys: dict[int, Tensor] = {}  # layer -> (B, K, S, D): rotated, unrotated if dynamic
+        self.values: dict[int, Tensor] = {}  # layer -> (B, K, S, D)
+        self.positions: Tensor | None = None  # (B|1, S) absolute position of each cached key
+
+    def __len__(self) -> int:
+        """S: number of cached tokens."""
+        return 0 if self.positions is None else self.positions.shape[-1]
+
+    def append_positions(self, positions: Tensor) -> Tensor:
+        """Record the new tokens' positions (B|1, T); return those of all keys (B|1, S)."""
+        if self.positions is not None:
+            positions = _cat(self.positions, positions, dim=-1)  # (B|1, S)
+        self.positions = positions
+        return positions
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append k, v (B, K, T, D) to ``layer``; return all keys and values (B, K, S, D)."""
+        if layer in self.keys:
+            k = _cat(self.keys[layer], k, dim=-2)
+            v = _cat(self.values[layer], v, dim=-2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
