@@ -139,7 +139,7 @@ class _LearnedRotary(PositionEncoding):
 
     def _tables(self, positions: Tensor, layer: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         theta, factor = self.inv_freq(layer)  # (K|1, F)
-        phi = angles(positions[:, None, :], theta[None])  # (B, K|1, T, F)
+        phi = angles(positions[:, None, :], theta[None].to(positions.device))  # (B, K|1, T, F)
         return tables(phi, factor, dtype)
 
     def _check_heads(self, x: Tensor, expected: int, what: str) -> None:

@@ -1,0 +1,285 @@
+"""Export a patched model as a plain Hugging Face folder that serves without ropekit.
+
+The folder holds the backbone weights (the encoding's parameters left out), the tokenizer when
+one is known, a ``config.json`` whose ``rope_parameters`` make transformers compute what the
+ropekit encoding computes, and ``ropekit_export.json`` recording the spec, the rule applied and
+what, if anything, the export approximates.
+
+Rules, by encoding:
+
+- Fixed schedules map to transformers' own rope types (``rope_config.rope_parameters_for``):
+  rope -> default, linear -> linear, ntk -> default at the NTK base, dynamic-ntk -> dynamic
+  (max_position_embeddings = original length), yarn, llama3, longrope -> the same type.
+- A learned schedule (AdaRoPE, tuned-yarn) whose frequencies are one set for every layer and
+  key/value head exports as ``longrope`` with per-pair factors
+  lambda_f = theta_rope_f / theta_learned_f (``_compute_longrope_parameters`` computes
+  inv_freq = theta_rope / lambda) and short_factor = long_factor, so no switch happens at the
+  original length; ``attention_factor`` carries the init schedule's cos/sin scale (YaRN's
+  mscale) or tuned-yarn's learned one.
+- AdaScale multiplies each query by lambda_h(L) = (1/tau) ln(1 + max(L, L_ref)/L_ref)^gamma.
+  When it is one constant c for every head, layer and length (gamma = 0 everywhere, tau
+  shared, including the identity at init) it folds exactly into the attention factor, which
+  scales both q and k: af' = af * sqrt(c) gives logits * af^2 * c. With gamma != 0 the
+  temperature grows with the query's position, and no rope type has a position-dependent query
+  scale: export refuses, or with ``temperature_at=L`` freezes lambda at length L (exact for
+  queries at L, and for all queries whose L <= L_ref when L <= L_ref; recorded as approximate).
+- Frequencies or temperatures that differ across heads or layers are refused: rope_parameters
+  holds one frequency per rotary pair for the whole model.
+
+Holds: export, export_rope_parameters, EXPORT_RECORD.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ropekit import __version__
+from ropekit.encodings import AdaRoPE, PositionEncoding, RotaryEncoding, TunedYarn, schedules
+
+from .adapter import load_adapter
+from .archs import base_model, original_length, unwrap
+from .models import load_model, load_tokenizer, resolve_model
+from .patching import ENCODING_ATTR, encoding_of, patch
+from .rope_config import ExportRefused, rope_parameters_for
+
+EXPORT_RECORD = "ropekit_export.json"
+
+# Learned frequencies count as shared when every row equals the first to this relative
+# precision: rows computed from identical parameters agree exactly; trained rows differ by far
+# more (float32 parameters move theta by at least ~1e-7 relative per step).
+_SHARED_RTOL = 1e-9
+
+
+def _learned_frequencies(encoding: PositionEncoding) -> tuple[torch.Tensor, float]:
+    """The one theta (F,) float64 shared by all layers and kv heads, and the cos/sin factor;
+    ExportRefused naming the first layer/head that differs."""
+    rows, factors = [], []
+    with torch.no_grad():
+        for layer in range(encoding.n_layers):
+            theta, factor = encoding.inv_freq(layer)  # (K|1, F)
+            rows.append(theta.double().cpu().expand(encoding.n_kv_heads, -1))
+            factors.append(float(factor))
+    theta = torch.stack(rows)  # (L, K, F)
+    ref = theta[0, 0]
+    spread = (theta / ref - 1).abs().amax(dim=-1)  # (L, K)
+    if spread.max() > _SHARED_RTOL:
+        layer, head = divmod(int(spread.argmax()), encoding.n_kv_heads)
+        raise ExportRefused(
+            f"{encoding.spec!r}: learned frequencies differ across "
+            f"{'kv heads' if layer == 0 else 'layers or kv heads'} (layer {layer}, kv head "
+            f"{head} vs layer 0, head 0: max |dtheta/theta| = {float(spread.max()):.2e}). "
+            "rope_parameters holds one frequency per rotary pair for the whole model, so "
+            "transformers, vLLM and llama.cpp cannot serve a per-head or per-layer schedule. "
+            "Serving it needs attention code with per-(layer, kv head) inv_freq: ropekit.hf "
+            "(load_model + load_adapter), or custom modeling code loaded with "
+            "trust_remote_code that does the same; or retrain with "
+            "share_heads=true,share_layers=true."
+        )
+    if max(factors) != min(factors):
+        raise ExportRefused(f"{encoding.spec!r}: the attention factor differs across layers")
+    return ref, factors[0]
+
+
+def _temperature(encoding: AdaRoPE, temperature_at: int | None) -> tuple[float, list[str]]:
+    """AdaScale's query multiplier as one constant, if it is one (see the module docstring)."""
+    l_ref = int(encoding.l_ref)
+    # Lengths L = position + 1 that probe both regimes: below L_ref the log-log term is
+    # constant (ln ln 2), above it grows with L.
+    lengths = sorted({1, l_ref, l_ref + 1, 2 * l_ref, 16 * l_ref, 256 * l_ref})
+    if temperature_at is not None:
+        lengths = sorted({*lengths, int(temperature_at)})
+    positions = torch.tensor([lengths]) - 1  # (1, T)
+    with torch.no_grad():
+        temps = torch.stack(
+            [
+                encoding.temperature(positions.to(encoding.log_tau.device), layer)[0, ..., 0]
+                .double()
+                .cpu()
+                .expand(encoding.n_heads, -1)
+                for layer in range(encoding.n_layers)
+            ]
+        )  # (L, H, T)
+    per_length = temps[0, 0]  # (T,)
+    if ((temps / per_length - 1).abs() > 1e-6).any():
+        raise ExportRefused(
+            f"{encoding.spec!r}: AdaScale temperatures differ across heads or layers; "
+            "rope_parameters has one attention factor for the whole model. Serving it needs "
+            "per-head query scales (ropekit.hf, or folding 1/tau_h into each head's q_proj "
+            "rows when gamma = 0, which this export does not do)."
+        )
+    notes: list[str] = []
+    if ((per_length / per_length[0] - 1).abs() > 1e-6).any():
+        if temperature_at is None:
+            raise ExportRefused(
+                f"{encoding.spec!r}: AdaScale's temperature grows with the query position "
+                f"(gamma != 0: lambda(L) = {float(per_length[0]):.4f} at L <= {l_ref}, "
+                f"{float(per_length[-1]):.4f} at L = {lengths[-1]}); no rope type scales "
+                "queries by position, so the export would lose this length-dependence. Pass "
+                "temperature_at=L to freeze lambda at length L (an approximation), or serve "
+                "with ropekit.hf."
+            )
+        value = float(per_length[lengths.index(int(temperature_at))])
+        notes.append(
+            f"approximate: AdaScale's length-dependent temperature frozen at L={temperature_at} "
+            f"(lambda = {value:.6f}); queries at other lengths above L_ref={l_ref} differ"
+        )
+        return value, notes
+    value = float(per_length[0])
+    if value != 1.0:
+        notes.append(
+            f"AdaScale's constant temperature {value:.6f} folded into attention_factor "
+            "(exact: af' = af * sqrt(lambda))"
+        )
+    return value, notes
+
+
+def _learned_rope_parameters(
+    encoding: AdaRoPE | TunedYarn, config: Any, temperature_at: int | None
+) -> tuple[dict[str, Any], list[str]]:
+    if encoding.pairing != "half" or encoding.rotary_dim != encoding.head_dim:
+        raise ExportRefused(
+            f"{encoding.spec!r}: {config.model_type} attention in transformers rotates the whole "
+            "head with rotate_half; this encoding pairs or rotates channels otherwise"
+        )
+    schedule = encoding.config.schedule if isinstance(encoding, AdaRoPE) else encoding.config
+    base = float(schedule.base)
+    theta, factor = _learned_frequencies(encoding)
+    notes: list[str] = []
+    temperature = 1.0
+    if isinstance(encoding, AdaRoPE) and encoding.config.scale:
+        temperature, notes = _temperature(encoding, temperature_at)
+    rope_theta, _ = schedules.rope(encoding.rotary_dim, base)
+    lam = (rope_theta / theta).tolist()
+    params = {
+        "rope_type": "longrope",
+        "rope_theta": base,
+        "short_factor": lam,
+        "long_factor": lam,
+        "original_max_position_embeddings": int(
+            getattr(schedule, "original_length", None) or original_length(config)
+        ),
+        # Only feeds transformers' default attention factor, which is set explicitly below.
+        "factor": float(getattr(schedule, "factor", None) or 1.0),
+        "attention_factor": factor * math.sqrt(temperature),
+    }
+    return params, notes
+
+
+def export_rope_parameters(
+    encoding: PositionEncoding, config: Any, *, temperature_at: int | None = None
+) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """(rope_parameters, other config fields, notes) expressing ``encoding`` for plain
+    transformers; ExportRefused (a ValueError) says why when none can."""
+    if isinstance(encoding, RotaryEncoding):
+        params, extra = rope_parameters_for(encoding, config)
+        return params, extra, []
+    if isinstance(encoding, (AdaRoPE, TunedYarn)):
+        params, notes = _learned_rope_parameters(encoding, config, temperature_at)
+        return params, {}, notes
+    raise ExportRefused(
+        f"{encoding.spec!r}: only rotary encodings export to rope_parameters; "
+        f"{type(encoding).__name__} has no rope type in transformers"
+    )
+
+
+def _backbone_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    marker = f"{ENCODING_ATTR}."
+    return {
+        k: v
+        for k, v in model.state_dict().items()
+        if not (k.startswith(marker) or f".{marker}" in k)
+    }
+
+
+def export(
+    model_or_path: nn.Module | str | os.PathLike[str],
+    adapter: str | os.PathLike[str] | None,
+    out_dir: str | os.PathLike[str],
+    *,
+    spec: str | None = None,
+    tokenizer: Any = None,
+    temperature_at: int | None = None,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+) -> Path:
+    """Write a plain HF folder that serves the model with its ropekit encoding; returns it.
+
+    ``model_or_path``: a model (patched or not) or what ``load_model`` opens (a folder or an
+    installed model name; its tokenizer is copied too). The encoding is, in order: the
+    ``adapter`` folder (loaded into the model, which is patched in place), else ``spec`` (the
+    model is patched with it), else the one the model is already patched with. Refused
+    encodings raise ExportRefused before anything is written. The folder is assembled under a
+    temporary name and renamed into place; an existing ``out_dir`` is replaced only with
+    ``overwrite``.
+    """
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
+    if isinstance(model_or_path, nn.Module):
+        model = model_or_path
+        if unwrap(model) is not model:
+            raise ValueError(
+                "the model is wrapped by PEFT; merge its LoRA weights first "
+                "(model = model.merge_and_unload()), then export the merged model"
+            )
+    else:
+        model = load_model(model_or_path, trust_remote_code=trust_remote_code)
+        if tokenizer is None and any(
+            (resolve_model(model_or_path) / f).is_file()
+            for f in ("tokenizer.json", "tokenizer_config.json")
+        ):
+            tokenizer = load_tokenizer(model_or_path, trust_remote_code=trust_remote_code)
+    if adapter is not None and spec is not None:
+        raise ValueError("give an adapter or a spec, not both")
+    if adapter is not None:
+        encoding = load_adapter(model, adapter)
+    elif spec is not None:
+        encoding = patch(model, spec)
+    else:
+        found = encoding_of(model)
+        if found is None:
+            raise ValueError("the model is not patched; give an adapter folder or a spec")
+        encoding = found
+    params, extra, notes = export_rope_parameters(
+        encoding, model.config, temperature_at=temperature_at
+    )
+
+    config = copy.deepcopy(model.config)
+    config.rope_parameters = params
+    for key, value in extra.items():
+        setattr(config, key, value)
+    base_model(model)  # fails early on models ropekit cannot patch
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        model.save_pretrained(tmp, state_dict=_backbone_state(model))
+        config.save_pretrained(tmp)  # replaces the config save_pretrained wrote
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        record = {
+            "spec": encoding.spec,
+            "rope_parameters": params,
+            "config_changes": extra,
+            "notes": notes,
+            "ropekit": __version__,
+        }
+        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        for path in tmp.iterdir():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,161 @@
+"""save_adapter / load_adapter: exact round trips, refusals that name the mismatch, corruption."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from ropekit.hf import AdapterError, encoding_of, load_adapter, patch, read_adapter, save_adapter
+from ropekit.hf.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+from .tiny import VOCAB, perturb, tiny_model
+
+IDS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
+
+
+@torch.no_grad()
+def _logits(model) -> torch.Tensor:
+    return model(IDS, use_cache=False).logits
+
+
+@pytest.fixture
+def trained(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
+    """A patched Llama with trained-looking AdaRoPE parameters, and its saved adapter."""
+    model = tiny_model("llama")
+    perturb(patch(model, "adarope:init=yarn,factor=2"))
+    return model, save_adapter(model, tmp_path / "adapter")
+
+
+def test_round_trip_reproduces_logits_exactly(trained) -> None:
+    model, folder = trained
+    fresh = tiny_model("llama")  # same backbone, unpatched
+    encoding = load_adapter(fresh, folder)
+    assert encoding.spec == encoding_of(model).spec
+    assert torch.equal(_logits(fresh), _logits(model))
+
+
+def test_loading_into_a_model_patched_with_the_same_spec_replaces_its_values(trained) -> None:
+    model, folder = trained
+    other = tiny_model("llama")
+    perturb(patch(other, "adarope:init=yarn,factor=2"), seed=9)
+    assert not torch.equal(_logits(other), _logits(model))
+    load_adapter(other, folder)
+    assert torch.equal(_logits(other), _logits(model))
+
+
+def test_adapter_holds_only_the_positional_parameters(trained) -> None:
+    model, folder = trained
+    assert sorted(p.name for p in folder.iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+    meta, tensors = read_adapter(folder)
+    encoding = encoding_of(model)
+    assert set(tensors) == {n for n, _ in encoding.named_parameters()}
+    assert sum(t.numel() for t in tensors.values()) == sum(p.numel() for p in encoding.parameters())
+    assert meta["fingerprint"] == {
+        "architecture": "llama",
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "head_dim": 16,
+        "base": 10000.0,
+        "original_length": 32,
+    }
+    assert meta["spec"] == encoding.spec
+
+
+def test_frozen_parameters_are_saved_too(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    perturb(patch(model, "adarope"))
+    model.requires_grad_(False)  # an evaluation setup
+    save_adapter(model, tmp_path)
+    _, tensors = read_adapter(tmp_path)
+    assert {"log_tau", "gamma"} <= set(tensors)
+
+
+def test_fixed_schedule_adapter_carries_only_the_spec(tmp_path: Path) -> None:
+    model = tiny_model("qwen3")
+    patch(model, "yarn:factor=4")
+    save_adapter(model, tmp_path)
+    _, tensors = read_adapter(tmp_path)
+    assert tensors == {}
+    fresh = tiny_model("qwen3")
+    load_adapter(fresh, tmp_path)
+    assert torch.equal(_logits(fresh), _logits(model))
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "message"),
+    [
+        ("llama", {"num_key_value_heads": 4}, "n_kv_heads: expected 2, got 4"),
+        ("llama", {"num_hidden_layers": 3}, "n_layers: expected 2, got 3"),
+        ("qwen2", {}, "architecture: expected 'llama', got 'qwen2'"),
+        ("llama", {"max_position_embeddings": 64}, "original_length: expected 32, got 64"),
+    ],
+)
+def test_a_different_model_is_refused_naming_the_mismatch(
+    trained, arch: str, overrides: dict, message: str
+) -> None:
+    _, folder = trained
+    other = tiny_model(arch, **overrides)
+    with pytest.raises(AdapterError, match=message):
+        load_adapter(other, folder)
+    assert encoding_of(other) is None
+
+
+def test_a_different_base_is_refused(trained) -> None:
+    _, folder = trained
+    other = tiny_model("llama", {"rope_type": "default", "rope_theta": 5e5})
+    with pytest.raises(AdapterError, match=r"base: expected 10000(\.0)?, got 500000\.0"):
+        load_adapter(other, folder)
+
+
+def test_corrupted_weights_are_reported(trained) -> None:
+    _, folder = trained
+    weights = folder / ADAPTER_WEIGHTS
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(AdapterError, match="corrupted"):
+        load_adapter(tiny_model("llama"), folder)
+
+
+def test_unreadable_weights_with_a_matching_checksum_are_reported(trained) -> None:
+    _, folder = trained
+    (folder / ADAPTER_WEIGHTS).write_bytes(b"not a safetensors file")
+    meta = json.loads((folder / ADAPTER_CONFIG).read_text())
+    meta["sha256"] = hashlib.sha256(b"not a safetensors file").hexdigest()
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(meta))
+    with pytest.raises(AdapterError, match="not a safetensors file"):
+        load_adapter(tiny_model("llama"), folder)
+
+
+def test_truncated_json_and_missing_files_are_reported(trained) -> None:
+    _, folder = trained
+    config = folder / ADAPTER_CONFIG
+    config.write_text(config.read_text()[:50])
+    with pytest.raises(AdapterError, match="not valid JSON"):
+        read_adapter(folder)
+    config.unlink()
+    with pytest.raises(AdapterError, match="missing"):
+        read_adapter(folder)
+
+
+def test_weights_that_do_not_fit_the_spec_are_reported(trained) -> None:
+    _, folder = trained
+    meta, tensors = read_adapter(folder)
+    tensors["log_tau"] = torch.zeros(3, 3)
+    data = safetensors.torch.save(tensors)
+    (folder / ADAPTER_WEIGHTS).write_bytes(data)
+    meta["sha256"] = hashlib.sha256(data).hexdigest()
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(meta))
+    with pytest.raises(AdapterError, match=r"log_tau has shape \(3, 3\)"):
+        load_adapter(tiny_model("llama"), folder)
+
+
+def test_saving_an_unpatched_model_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(AdapterError, match="not patched"):
+        save_adapter(tiny_model("llama"), tmp_path)

@@ -1,0 +1,189 @@
+"""export: plain transformers reloads the folder and computes the patched model's logits.
+
+Reloads use ``AutoModelForCausalLM.from_pretrained`` with nothing from ropekit; fp32
+tolerance as in test_patch (transformers forms angles in float32)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from transformers import AutoModelForCausalLM
+
+from ropekit.hf import (
+    ExportRefused,
+    encoding_of,
+    export,
+    load_adapter,
+    patch,
+    save_adapter,
+)
+from ropekit.hf.exporting import EXPORT_RECORD
+
+from .tiny import VOCAB, perturb, tiny_model
+
+ATOL = 1e-5
+
+
+def _ids(length: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(5))
+
+
+@torch.no_grad()
+def _logits(model, length: int) -> torch.Tensor:
+    return model(_ids(length), use_cache=False).logits
+
+
+def _reload(folder: Path):
+    return AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+
+
+def _assert_serves_like(model, folder: Path, lengths=(24, 56)) -> None:
+    for length in lengths:
+        # A fresh load per length: transformers' dynamic/longrope frequencies remember the
+        # longest sequence a model has seen.
+        torch.testing.assert_close(
+            _logits(_reload(folder), length), _logits(model, length), atol=ATOL, rtol=0
+        )
+
+
+STATIC_SPECS = [
+    "rope:base=500000",
+    "linear:factor=4",
+    "ntk:factor=4",
+    "dynamic-ntk:factor=4",
+    "yarn:factor=4",
+    "yarn:factor=4,attention_factor=1.3,beta_fast=16,beta_slow=2,truncate=false",
+    "yarn:factor=4,mscale=1,mscale_all_dim=0.707",
+    "llama3:factor=4,low_freq_factor=1,high_freq_factor=4",
+    "longrope:factor=4,short_factor=[1.1],long_factor=[1,1.2,1.5,2,2.5,3,3.5,4]",
+]
+
+
+@pytest.mark.parametrize("spec", STATIC_SPECS)
+def test_fixed_schedules_export_to_transformers_rope_types(spec: str, tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    patch(model, spec)
+    out = export(model, None, tmp_path / "out")
+    _assert_serves_like(model, out)
+    record = json.loads((out / EXPORT_RECORD).read_text())
+    assert record["spec"] == encoding_of(model).spec
+    weights = safetensors.torch.load_file(out / "model.safetensors")
+    assert not any("ropekit" in k for k in weights)
+
+
+def test_export_writes_rope_parameters_by_name(tmp_path: Path) -> None:
+    model = tiny_model("qwen2")
+    patch(model, "ntk:factor=4")
+    config = json.loads((export(model, None, tmp_path / "o") / "config.json").read_text())
+    # NTK is plain RoPE at base * s^(d/(d-2)) (bloc97 2023): d = 16, s = 4.
+    assert config["rope_parameters"] == {
+        "rope_type": "default",
+        "rope_theta": pytest.approx(10000.0 * 4 ** (16 / 14), rel=1e-12),
+    }
+    patch(model, "dynamic-ntk:factor=2,original_length=16")
+    config = json.loads((export(model, None, tmp_path / "d") / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "dynamic"
+    assert config["max_position_embeddings"] == 16  # transformers' dynamic measures against it
+
+
+# --------------------------------------------------------------------------- learned schedules
+SHARED = "adarope:init=yarn,factor=2,share_heads=true,share_layers=true"
+
+
+@pytest.mark.parametrize(
+    ("spec", "scale"),
+    [
+        (SHARED.replace("share_heads", "scale=false,share_heads"), True),  # no AdaScale
+        (SHARED, False),  # AdaScale at its identity
+        ("adarope:init=linear,factor=2", False),  # per-head parameters, all still equal
+    ],
+)
+def test_shared_learned_frequencies_export_as_longrope(
+    spec: str, scale: bool, tmp_path: Path
+) -> None:
+    model = tiny_model("llama")
+    encoding = patch(model, spec)
+    if encoding.config.share_heads:
+        perturb(encoding, scale=scale)
+    out = export(model, None, tmp_path / "out")
+    params = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert params["rope_type"] == "longrope"
+    assert params["short_factor"] == params["long_factor"]
+    _assert_serves_like(model, out)
+
+
+def test_a_constant_adascale_temperature_folds_into_the_attention_factor(tmp_path: Path) -> None:
+    model = tiny_model("mistral")
+    encoding = patch(model, SHARED)
+    perturb(encoding, scale=False)
+    with torch.no_grad():
+        encoding.log_tau.fill_(-0.4)  # tau = e^-0.4: logits x 1.49 at every length; gamma = 0
+    out = export(model, None, tmp_path / "out")
+    assert any("folded" in note for note in json.loads((out / EXPORT_RECORD).read_text())["notes"])
+    _assert_serves_like(model, out)
+
+
+def test_a_length_dependent_temperature_is_refused_or_frozen_on_request(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    encoding = patch(model, SHARED)
+    perturb(encoding)  # gamma > 0
+    with pytest.raises(ExportRefused, match="grows with the query position"):
+        export(model, None, tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    out = export(model, None, tmp_path / "frozen", temperature_at=64)
+    notes = json.loads((out / EXPORT_RECORD).read_text())["notes"]
+    assert any(note.startswith("approximate") for note in notes)
+
+
+def test_per_head_frequencies_are_refused_with_the_reason(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    perturb(patch(model, "adarope:init=yarn,factor=2"))
+    with pytest.raises(ExportRefused, match="differ across") as info:
+        export(model, None, tmp_path / "out")
+    message = str(info.value)
+    assert "one frequency per rotary pair" in message
+    assert "share_heads=true,share_layers=true" in message
+
+
+def test_per_head_temperatures_are_refused(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    encoding = patch(model, "adarope:freq=false")
+    with torch.no_grad():
+        encoding.log_tau.copy_(
+            torch.linspace(-0.3, 0.3, encoding.log_tau.numel()).view_as(encoding.log_tau)
+        )
+    with pytest.raises(ExportRefused, match="differ across heads or layers"):
+        export(model, None, tmp_path / "out")
+
+
+def test_tuned_yarn_exports_exactly(tmp_path: Path) -> None:
+    model = tiny_model("qwen3")
+    perturb(patch(model, "tuned-yarn:factor=4"))
+    _assert_serves_like(model, export(model, None, tmp_path / "out"))
+
+
+@pytest.mark.parametrize("spec", ["rope:pairing=interleaved", "rope:fraction=0.5", "nope"])
+def test_what_llama_attention_cannot_compute_is_refused(spec: str, tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    patch(model, spec)
+    with pytest.raises(ExportRefused):
+        export(model, None, tmp_path / "out")
+
+
+def test_export_from_a_folder_and_an_adapter(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "base")
+    perturb(patch(model, SHARED.replace("share_heads", "scale=false,share_heads")))
+    adapter = save_adapter(model, tmp_path / "adapter")
+    out = export(tmp_path / "base", adapter, tmp_path / "out")
+    _assert_serves_like(model, out)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export(tmp_path / "base", adapter, tmp_path / "out")
+    export(tmp_path / "base", adapter, tmp_path / "out", overwrite=True)
+    fresh = tiny_model("llama")
+    load_adapter(fresh, adapter)
+    _assert_serves_like(fresh, out, lengths=(40,))

@@ -1,0 +1,137 @@
+"""Tiny randomly initialised Llama, Mistral, Qwen2 and Qwen3 models for the hf tests.
+
+Holds:
+    ARCH_NAMES      the four architectures ropekit.hf patches.
+    tiny_config     a small config (4 query heads over 2 kv heads, head dim 16, L0 = 32).
+    tiny_model      a model from that config, the same weights for the same seed; ``like=``
+                    copies another model's weights (same shapes, other RoPE settings).
+    perturb         moves learnable encodings away from init (trained-looking parameters).
+    positions_from_mask  the position_ids generate() derives from a left-padded mask.
+    last_logits, greedy_reference  uncached full forwards: the references generation must match.
+    greedy_cached   model.generate with the KV cache, returning its per-step logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from ropekit.encodings import PositionEncoding
+
+VOCAB = 97
+L0 = 32  # max_position_embeddings: the "original length" of every tiny model
+ARCHS: dict[str, tuple[type, type]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+}
+ARCH_NAMES = tuple(ARCHS)
+
+
+def tiny_config(arch: str = "llama", rope_parameters: dict[str, Any] | None = None, **overrides):
+    config_cls, _ = ARCHS[arch]
+    options: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,  # grouped-query attention: 2 query heads per kv head
+        "head_dim": 16,
+        "max_position_embeddings": L0,
+        # Larger than the default 0.02 so attention is peaked and rotation errors show.
+        "initializer_range": 0.08,
+        "rope_parameters": rope_parameters or {"rope_type": "default", "rope_theta": 10000.0},
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": None,  # generation runs its full length (the references do too)
+        "tie_word_embeddings": False,
+    }
+    if arch == "mistral":
+        options["sliding_window"] = None
+    if arch == "qwen2":
+        options["attention_bias"] = True
+    options.update(overrides)
+    return config_cls(**options)
+
+
+def tiny_model(
+    arch: str = "llama",
+    rope_parameters: dict[str, Any] | None = None,
+    *,
+    seed: int = 0,
+    like: nn.Module | None = None,
+    attn_implementation: str = "sdpa",
+    **overrides: Any,
+) -> nn.Module:
+    """A float32 model in eval mode; with ``like``, a copy of that model's weights."""
+    _, model_cls = ARCHS[arch]
+    config = tiny_config(arch, rope_parameters, **overrides)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    if like is not None:
+        model.load_state_dict(like.state_dict(), strict=True)
+    return model
+
+
+def perturb(encoding: PositionEncoding, *, seed: int = 0, scale: bool = True) -> PositionEncoding:
+    """Move learnable parameters off their initial values. ``scale=False`` leaves AdaScale's
+    log_tau and gamma at init (the identity)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in encoding.named_parameters():
+            if not scale and name in ("log_tau", "gamma"):
+                continue
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+            p.add_(0.5 * noise.abs() if name == "gamma" else 0.2 * noise)
+    return encoding
+
+
+def positions_from_mask(mask: Tensor) -> Tensor:
+    """What generate computes for left padding: cumsum(mask) - 1, pads at 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def last_logits(model: nn.Module, ids: Tensor) -> Tensor:
+    """Logits of the last position of an uncached full forward: (B, V)."""
+    return model(ids, use_cache=False).logits[:, -1]
+
+
+@torch.no_grad()
+def greedy_reference(model: nn.Module, ids: Tensor, steps: int) -> tuple[Tensor, list[Tensor]]:
+    """Greedy decoding by full forwards (no cache): (tokens (B, T + steps), per-step logits)."""
+    logits = []
+    for _ in range(steps):
+        step = last_logits(model, ids)
+        logits.append(step)
+        ids = torch.cat([ids, step.argmax(-1, keepdim=True)], dim=-1)
+    return ids, logits
+
+
+@torch.no_grad()
+def greedy_cached(model: nn.Module, ids: Tensor, steps: int, **kwargs: Any):
+    """model.generate with the KV cache: (tokens, per-step logits)."""
+    out = model.generate(
+        ids,
+        max_new_tokens=steps,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+        **kwargs,
+    )
+    return out.sequences, list(out.logits)
