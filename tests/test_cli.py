@@ -50,3 +50,58 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "factor=0.5" in err and ">= 1" in err
     assert not (tmp_path / "schedules.json").exists()
+
+
+def test_pretrain_resume_and_eval_ppl_on_tiny_settings(tmp_path, capsys):
+    import torch
+
+    torch.set_num_threads(1)
+    out = tmp_path / "run"
+    tiny = [
+        "--context",
+        "32",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--heads",
+        "2",
+        "--batch-size",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "4",
+        "--checkpoint-interval",
+        "2",
+    ]
+    assert main(["pretrain", "--out", str(out), *tiny]) == 0
+    summary = json.loads((out / "pretrain.json").read_text())
+    assert summary["tokens"] == 4 * 2 * 32 and summary["parameters"] > 0
+    weights = (out / "model" / "model.safetensors").read_bytes()
+    # Resuming a finished run trains nothing more and leaves the model as it was.
+    assert main(["pretrain", "--out", str(out), "--resume", *tiny]) == 0
+    assert (out / "model" / "model.safetensors").read_bytes() == weights
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "eval",
+                "ppl",
+                "--model",
+                str(out),
+                "--lengths",
+                "32,64",
+                "--tokens",
+                "128",
+                "--out",
+                str(tmp_path / "ppl"),
+            ]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    result = json.loads((tmp_path / "ppl" / "ppl.json").read_text())
+    assert [r["length"] for r in result["results"]] == [32, 64]
+    assert all(0 < r["bits_per_byte"] < 9 for r in result["results"])
+    assert "ppl.png" in printed
