@@ -1,4 +1,4 @@
-"""Next-token cross-entropy: shift, ignore index, weights, dtype, and what reaches the model."""
+"""Next-token cross-entropy: targets, ignore index, weights, dtype, and what reaches the model."""
 
 import math
 from types import SimpleNamespace
@@ -13,13 +13,13 @@ def test_weighted_loss_by_hand():
     # Three positions, vocabulary 3. Logits log(1, 2, 1) give probabilities (1/4, 1/2, 1/4).
     row = torch.tensor([1.0, 2.0, 1.0]).log()
     logits = row.expand(1, 3, 3)  # (B=1, T=3, V=3)
-    labels = torch.tensor([[2, 1, 0]])  # position 0 scores labels[1] = 1, position 1 labels[2] = 0
-    weight = torch.tensor([[7.0, 0.5, 2.0]])  # weight[0] belongs to no prediction
+    labels = torch.tensor([[2, 1, -100]])  # position t is scored against labels[t]
+    weight = torch.tensor([[7.0, 0.5, 2.0]])  # the ignored label's weight counts for nothing
     loss_sum, n = cross_entropy_sum(logits, labels, weight)
-    # -log p(1) = ln 2 with weight 0.5; -log p(0) = ln 4 with weight 2.
-    assert n.item() == pytest.approx(2.5)
-    assert loss_sum.item() == pytest.approx(0.5 * math.log(2) + 2 * math.log(4))
-    assert (loss_sum / n).item() == pytest.approx((0.5 * math.log(2) + 2 * math.log(4)) / 2.5)
+    # -log p(2) = ln 4 with weight 7; -log p(1) = ln 2 with weight 0.5.
+    assert n.item() == pytest.approx(7.5)
+    assert loss_sum.item() == pytest.approx(7 * math.log(4) + 0.5 * math.log(2))
+    assert (loss_sum / n).item() == pytest.approx((7 * math.log(4) + 0.5 * math.log(2)) / 7.5)
 
 
 def test_ignored_labels_count_for_nothing_whatever_their_weight():
@@ -30,7 +30,7 @@ def test_ignored_labels_count_for_nothing_whatever_their_weight():
     masked[0, 3] = -100
     full_sum, full_n = cross_entropy_sum(logits, labels, weight)
     part_sum, part_n = cross_entropy_sum(logits, masked, weight)
-    nll = -torch.log_softmax(logits[0, 2], -1)[labels[0, 3]]
+    nll = -torch.log_softmax(logits[0, 3], -1)[labels[0, 3]]
     assert part_n.item() == pytest.approx(full_n.item() - weight[0, 3].item())
     assert part_sum.item() == pytest.approx(full_sum.item() - weight[0, 3].item() * nll.item())
 
@@ -41,7 +41,7 @@ def test_unit_weights_equal_no_weights_and_scale_cancels_in_the_mean():
     plain = cross_entropy_sum(logits, labels)
     ones = cross_entropy_sum(logits, labels, torch.ones(3, 6))
     assert torch.equal(plain[0], ones[0]) and torch.equal(plain[1], ones[1])
-    assert plain[1].item() == 3 * 5  # every label but the first of each row is scored
+    assert plain[1].item() == 3 * 6  # every label is scored
     weight = torch.rand(3, 6)
     one = cross_entropy_sum(logits, labels, weight)
     three = cross_entropy_sum(logits, labels, 3 * weight)
@@ -76,4 +76,4 @@ def test_causal_lm_loss_passes_position_ids_only_when_present(with_positions):
         batch["position_ids"] = torch.arange(10, 14)[None]
     loss_sum, n = causal_lm_loss(model, batch)
     assert set(seen) == ({"input_ids", "position_ids"} if with_positions else {"input_ids"})
-    assert n.item() == 3 and loss_sum.item() == pytest.approx(3 * math.log(5))
+    assert n.item() == 4 and loss_sum.item() == pytest.approx(4 * math.log(5))

@@ -71,7 +71,10 @@ class CountingData:
         return len(self.tokens)
 
     def __getitem__(self, index: int) -> dict[str, Tensor]:
-        item = {"input_ids": self.tokens[index], "labels": self.tokens[index].clone()}
+        tokens = self.tokens[index]
+        # Targets are the next tokens; the last position has none here.
+        labels = torch.cat((tokens[1:], torch.full((1,), -100, dtype=tokens.dtype)))
+        item = {"input_ids": tokens, "labels": labels}
         if self.weights is not None:
             item["loss_weight"] = self.weights[index]
         if self.positions is not None:

@@ -35,10 +35,10 @@ def cross_entropy_sum(
 ) -> tuple[Tensor, Tensor]:
     """Summed next-token cross-entropy and the total weight it sums over.
 
-    Labels follow the Hugging Face convention: they are aligned with the inputs, and the
-    logits at position t are scored against `labels[:, t + 1]`. `loss_weight[:, t]` weighs the
-    loss of predicting `labels[:, t]` (so column 0 of both is never used). Tokens labelled
-    IGNORE_INDEX count for nothing whatever their weight.
+    Labels are the targets, already shifted: the logits at position t are scored against
+    `labels[:, t]`, the token that follows input t (ropekit.data's packed samples are cut this
+    way from T + 1 tokens, so every position is trained). `loss_weight[:, t]` weighs that
+    prediction. Tokens labelled IGNORE_INDEX count for nothing whatever their weight.
 
     logits (B, T, V) any float dtype; labels (B, T) long; loss_weight (B, T) float or None.
     Returns (sum_t w_t * nll_t, sum_t w_t), float32 scalars; the weighted mean is their ratio.
@@ -52,17 +52,16 @@ def cross_entropy_sum(
         raise ValueError(f"expected logits (B, T, V) and labels, loss_weight (B, T); got {shapes}")
     # float32 whatever the autocast dtype: log-softmax over a large vocabulary in bf16 loses
     # most of the precision that tells a good prediction from a slightly better one.
-    logits = logits[:, :-1].float()  # (B, T-1, V)
-    target = labels[:, 1:]  # (B, T-1)
+    logits = logits.float()  # (B, T, V)
     nll = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]),  # (B*(T-1), V)
-        target.reshape(-1),
+        logits.reshape(-1, logits.shape[-1]),  # (B*T, V)
+        labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="none",
-    ).view_as(target)  # (B, T-1)
-    weight = (target != IGNORE_INDEX).float()
+    ).view_as(labels)  # (B, T)
+    weight = (labels != IGNORE_INDEX).float()
     if loss_weight is not None:
-        weight = weight * loss_weight[:, 1:].float()
+        weight = weight * loss_weight.float()
     return (nll * weight).sum(), weight.sum()
 
 
