@@ -43,7 +43,7 @@ def test_alibi_bias_is_toeplitz_and_strictly_decreasing_with_distance():
 
 
 def test_sinusoidal_adds_the_vaswani_table():
-    enc = build("sinusoidal", n_heads=2, head_dim=4)
+    enc = build("sinusoidal:scale=1", n_heads=2, head_dim=4)
     h = torch.zeros(1, 3, 8)
     out = enc.embed(h, torch.tensor([[0, 1, 7]]))
     assert torch.allclose(out[0, 0], torch.tensor([0.0, 1.0] * 4))

@@ -33,9 +33,15 @@ class SinusoidalConfig(EncodingConfig):
 
     name: ClassVar[str] = "sinusoidal"
     base: float = 10000.0  # PE(p, 2i) = sin(p / base^(2i/d)), PE(p, 2i+1) = cos(...)
+    # Amplitude of the added table; None = 1/sqrt(d), a position vector of norm ~0.7, the size
+    # of a token embedding at GPT-2 init. Vaswani et al. add PE at amplitude 1 but scale the
+    # embeddings by sqrt(d); ropekit's decoder does not, and amplitude 1 would drown tokens.
+    scale: float | None = None
 
     def __post_init__(self) -> None:
         check_positive("base", self.base, minimum=1.0)
+        if self.scale is not None:
+            check_positive("scale", self.scale)
 
 
 class Sinusoidal(PositionEncoding):
@@ -49,7 +55,8 @@ class Sinusoidal(PositionEncoding):
         )
         phi = positions.to(torch.float64)[..., None] * inv_freq  # (B, T, ceil(d/2))
         pe = torch.stack((phi.sin(), phi.cos()), dim=-1).flatten(-2)[..., :d]  # (B, T, d)
-        return h + pe.to(h.dtype)
+        scale = d**-0.5 if self.config.scale is None else self.config.scale
+        return h + (scale * pe).to(h.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
