@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/ropekit schedules --out runs/demo
+	$(BIN)/ropekit demo
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks experiments

@@ -467,7 +467,74 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- demo, report
+def add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="the main job on an embedded default: train a small byte model at L, extend it to "
+        "8L with every method, evaluate, analyze, report (under 15 min on 2 cores)",
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/demo"))
+    p.add_argument(
+        "--quick", action="store_true", help="smaller settings, under 3 minutes on 2 cores"
+    )
+    # Test-only: the whole pipeline on toy settings in seconds.
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--base-steps", type=int, default=None, help="pretraining steps (default: the preset's)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --out even if it is not a previous demo's folder",
+    )
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from ropekit.demo import PRESETS, run_demo, summary_table
+
+    preset = "tiny" if args.tiny else "quick" if args.quick else "full"
+    config = dataclasses.replace(PRESETS[preset], seed=args.seed)
+    if args.base_steps is not None:
+        config = dataclasses.replace(config, base_steps=args.base_steps)
+    result = run_demo(args.out, config, overwrite=args.overwrite, command=_command())
+    print()
+    for line in summary_table(result):
+        print(line)
+    for note in result["notes"]:
+        print(note)
+    base = result["base"]
+    state = "reused" if base["reused"] else "trained and cached"
+    print(f"base model ({state}): {base['path']}")
+    print(f"wrote {result['report'].markdown} and {result['report'].html} (results in {args.out})")
+    return 0
+
+
+def add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="build report.md and a self-contained report.html from the result JSON in a run "
+        "folder (extend, eval, analyze, pretrain, experiment, demo)",
+    )
+    p.add_argument("run_dir", type=Path, help="folder searched recursively for result JSON")
+    p.add_argument("--title", default=None, help="report title (default: from the folder name)")
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ropekit.report.build import build_report
+
+    paths = build_report(args.run_dir, title=args.title)
+    print(f"wrote {paths.markdown} and {paths.html} from {paths.results} result files")
+    return 0
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_demo,
     add_encodings,
     add_schedules,
     add_pretrain,
@@ -476,6 +543,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_analyze,
     add_export,
     add_models,
+    add_report,
 ]
 
 

@@ -1,0 +1,457 @@
+"""Result JSON found in a run folder, and one report section per kind of result.
+
+Holds:
+- `Result`: one result file (its kind, path relative to the run folder, parsed JSON).
+- `KINDS`: kind -> (file name, title), in report order; `kind_of` tells a file's kind.
+- `discover(root)`: every result JSON under ``root``, recursively.
+- `SECTIONS`: kind -> section builder ``(results, root) -> blocks``; `fmt`, `length_table`.
+
+Kinds and the commands that write them: ``demo.json`` (`ropekit demo`), ``pretrain.json``
+(`ropekit pretrain`), ``extend.json`` (`ropekit extend`), ``ppl.json`` (`ropekit eval ppl`),
+``summary.json`` of a task run (`ropekit eval needle|passkey|ruler`; the per-stage and training
+``summary.json`` files are not results of their own), ``analysis.json`` (`ropekit analyze`),
+``results.json`` (an experiment folder) and ``schedules.json`` (`ropekit schedules`).
+
+A section is a table of every result of its kind (one row per file, labelled by its folder)
+followed by the PNGs written beside those files; when a section holds several results, each
+result's figures are collapsed under its label.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .document import Block, Details, Figure, Heading, Table, Text
+
+# kind -> (file name, section title), in the order sections appear.
+KINDS: dict[str, tuple[str, str]] = {
+    "demo": ("demo.json", "Demo: context extension at a glance"),
+    "pretrain": ("pretrain.json", "Pretraining"),
+    "extend": ("extend.json", "Context extension"),
+    "perplexity": ("ppl.json", "Perplexity and bits per byte vs length"),
+    "tasks": ("summary.json", "Retrieval tasks"),
+    "analysis": ("analysis.json", "Head analysis"),
+    "experiment": ("results.json", "Experiment results"),
+    "schedules": ("schedules.json", "Frequency schedules"),
+}
+_BY_FILE = {file: kind for kind, (file, _) in KINDS.items()}
+# Folders that hold checkpoints or caches, never results.
+_SKIP_DIRS = {"checkpoints", "__pycache__", "adapter", "model"}
+
+
+@dataclass(frozen=True)
+class Result:
+    kind: str
+    path: Path  # relative to the run folder
+    data: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        """The result's folder relative to the run folder ("." for the folder itself)."""
+        return self.path.parent.as_posix()
+
+
+def kind_of(name: str, data: Any) -> str | None:
+    """The kind of a result file from its name and content; None if it is not a result."""
+    kind = _BY_FILE.get(name)
+    if kind is None or not isinstance(data, dict):
+        return None
+    if kind == "tasks":  # a task run's summary, not a stage's or a training run's
+        return kind if isinstance(data.get("tasks"), dict) else None
+    if kind == "demo":
+        return kind if data.get("kind") == "demo" else None
+    return kind
+
+
+def discover(root: str | Path) -> list[Result]:
+    """Every result JSON under ``root`` (recursively), sorted by kind then path."""
+    root = Path(root)
+    found = []
+    for path in root.rglob("*.json"):
+        relative = path.relative_to(root)
+        if any(p in _SKIP_DIRS or p.startswith(".") for p in relative.parts[:-1]):
+            continue
+        if path.name not in _BY_FILE:
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue  # a file being written or not ours: not a result
+        kind = kind_of(path.name, data)
+        if kind is not None:
+            found.append(Result(kind, relative, data))
+    order = list(KINDS)
+    return sorted(found, key=lambda r: (order.index(r.kind), r.path.as_posix()))
+
+
+# ----------------------------------------------------------------------------- formatting
+def fmt(value: Any, digits: int = 3) -> str:
+    """A table cell: numbers with ``digits`` decimals (ints as is), None and NaN as "-"."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f} s"
+
+
+def length_table(
+    labels: Sequence[str],
+    first: Sequence[Sequence[str]],
+    values: Sequence[Mapping[int, Any]],
+    headers: Sequence[str],
+    digits: int = 3,
+    caption: str = "",
+) -> Table:
+    """Rows of leading cells followed by one column per length (the union over rows)."""
+    lengths = sorted({int(n) for row in values for n in row})
+    rows = []
+    for label, cells, by_length in zip(labels, first, values, strict=True):
+        by_int = {int(n): v for n, v in by_length.items()}
+        rows.append([label, *cells, *(fmt(by_int.get(n), digits) for n in lengths)])
+    return Table([*headers, *(str(n) for n in lengths)], rows, caption)
+
+
+def figures_beside(result: Result, root: Path, extra: Iterable[str] = ()) -> list[Figure]:
+    """The PNGs in the result's folder (and ``extra`` paths relative to it), as figures."""
+    folder = root / result.path.parent
+    paths = sorted(folder.glob("*.png")) + [folder / e for e in extra]
+    seen, figures = set(), []
+    for p in paths:
+        if p.is_file() and p not in seen and not p.name.startswith("."):
+            seen.add(p)
+            rel = p.relative_to(root).as_posix()
+            figures.append(Figure(rel, rel))
+    return figures
+
+
+def _figures(results: Sequence[Result], root: Path, extra: Callable[[Result], list[str]]) -> list:
+    """Every result's figures: inline for one result, collapsed per result for several."""
+    per_result = [(r, figures_beside(r, root, extra(r))) for r in results]
+    if len(results) == 1:
+        return per_result[0][1]
+    return [Details(f"figures of {r.label}", figs) for r, figs in per_result if figs]
+
+
+def _no_extra(result: Result) -> list[str]:
+    return []
+
+
+# ----------------------------------------------------------------------------- sections
+def pretrain_section(results: Sequence[Result], root: Path) -> list[Block]:
+    rows = []
+    for r in results:
+        d = r.data
+        loss = d.get("final_loss")
+        rows.append(
+            [
+                r.label,
+                f"`{d.get('encoding')}`",
+                fmt(d.get("parameters")),
+                fmt((d.get("model") or {}).get("context_length")),
+                fmt((d.get("train") or {}).get("steps")),
+                fmt(d.get("tokens")),
+                fmt(loss, 4),
+                fmt(None if loss is None else loss / math.log(2), 3),
+                fmt(d.get("tokens_per_s"), 0),
+                fmt(None if d.get("mfu") is None else 100 * d["mfu"], 1),
+                _seconds(d.get("elapsed_s")),
+            ]
+        )
+    table = Table(
+        [
+            "run",
+            "encoding",
+            "parameters",
+            "context",
+            "steps",
+            "tokens",
+            "final loss (nats)",
+            "bits/token",
+            "tokens/s",
+            "MFU %",
+            "time",
+        ],
+        rows,
+        "Final loss is the (answer-weighted) training loss of the last step.",
+    )
+    return [table, *_figures(results, root, _no_extra)]
+
+
+def extend_section(results: Sequence[Result], root: Path) -> list[Block]:
+    rows = []
+    for r in results:
+        d, c = r.data, r.data.get("config", {})
+        trainable = d.get("trainable") or {}
+        rows.append(
+            [
+                r.label,
+                f"`{d.get('spec')}`",
+                fmt(d.get("trained_at")),
+                fmt(c.get("target_length")),
+                str(c.get("mode")),
+                fmt(c.get("samples")),
+                fmt(trainable.get("total")),
+                fmt(d.get("final_loss"), 4),
+                _seconds(d.get("elapsed_s")),
+            ]
+        )
+    headers = ["run", "encoding", "trained at", "target", "mode", "samples", "trained params"]
+    table = Table([*headers, "final loss", "time"], rows, "Backbone frozen in positional mode.")
+    return [table, *_figures(results, root, _no_extra)]
+
+
+def perplexity_section(results: Sequence[Result], root: Path) -> list[Block]:
+    tables: list[Block] = []
+    for metric in dict.fromkeys(r.data.get("metric", "bits_per_byte") for r in results):
+        mine = [r for r in results if r.data.get("metric", "bits_per_byte") == metric]
+        tables.append(
+            length_table(
+                [r.label for r in mine],
+                [[f"`{r.data.get('spec')}`", fmt(_tokens(r))] for r in mine],
+                [{row["length"]: row.get(metric) for row in r.data["results"]} for r in mine],
+                ["run", "encoding", "targets"],
+                digits=3 if metric == "bits_per_byte" else 2,
+                caption=f"{metric.replace('_', ' ')} by context length (the same held-out "
+                "targets at every length; lower is better)",
+            )
+        )
+    return [*tables, *_figures(results, root, _no_extra)]
+
+
+def _tokens(result: Result) -> int | None:
+    rows = result.data.get("results") or [{}]
+    return rows[0].get("tokens")
+
+
+def tasks_section(results: Sequence[Result], root: Path) -> list[Block]:
+    labels, first, values = [], [], []
+    for r in results:
+        for name, task in r.data["tasks"].items():
+            labels.append(r.label)
+            first.append(
+                [
+                    f"`{r.data.get('spec')}`",
+                    name,
+                    fmt((task.get("scores") or [{}])[0].get("n")),
+                    fmt(task.get("effective_length")),
+                ]
+            )
+            values.append({s["length"]: s["score"] for s in task.get("scores", [])})
+    table = length_table(
+        labels,
+        first,
+        values,
+        ["run", "encoding", "task", "samples/length", "effective length"],
+        digits=2,
+        caption="Accuracy by context length (exact match of the recalled value).",
+    )
+    skipped = [
+        f"{r.label}: {name} skipped at {s['length']} ({s['reason']})"
+        for r in results
+        for name, task in r.data["tasks"].items()
+        for s in task.get("skipped", [])
+    ]
+    blocks: list[Block] = [table]
+    if skipped:
+        blocks.append(Text("Skipped: " + "; ".join(skipped)))
+
+    def heatmaps(r: Result) -> list[str]:
+        return [f"{name}/heatmap.png" for name in r.data["tasks"]]
+
+    return [*blocks, *_figures(results, root, heatmaps)]
+
+
+def analysis_section(results: Sequence[Result], root: Path) -> list[Block]:
+    from ropekit.analysis import summary_lines
+
+    blocks: list[Block] = []
+    for r in results:
+        if len(results) > 1:
+            blocks.append(Heading(r.label, 3))
+        data = {k: v for k, v in r.data.items() if k != "paths"}
+        blocks += [Text(line) for line in summary_lines(data)]
+        influence = r.data.get("influence") or {}
+        rows = [
+            [name, u["label"], fmt(u["delta_nll"], 4)]
+            for kind, name in (("freq", "AdaFreq"), ("scale", "AdaScale"))
+            for u in ((influence.get(kind) or {}).get("top") or [])[:5]
+        ]
+        if rows:
+            blocks.append(
+                Table(
+                    ["parameters reverted", "head", "Δ NLL (nats/token)"],
+                    rows,
+                    f"Most influential heads at {influence.get('target_length')} tokens: NLL "
+                    "increase when one head's learned parameters return to their init.",
+                )
+            )
+    return [*blocks, *_figures(results, root, _no_extra)]
+
+
+def _mean_std_tables(data: Mapping[str, Any]) -> list[Table]:
+    """Tables of {row: {column: {mean, std}}} mappings in an experiment's results."""
+    tables = []
+    for key, value in data.items():
+        if not (isinstance(value, dict) and value):
+            continue
+        inner = list(value.values())
+        if not all(isinstance(v, dict) and v for v in inner):
+            continue
+        cells = [c for v in inner for c in v.values()]
+        if not all(isinstance(c, dict) and "mean" in c for c in cells):
+            continue
+        columns = list(dict.fromkeys(k for v in inner for k in v))
+        rows = []
+        for name, by_column in value.items():
+            row = [name]
+            for col in columns:
+                c = by_column.get(col)
+                row.append("-" if c is None else f"{fmt(c['mean'])} ± {fmt(c.get('std'))}")
+            rows.append(row)
+        tables.append(Table([key, *columns], rows, f"{key.replace('_', ' ')}: mean ± std"))
+    return tables
+
+
+def _record_table(name: str, records: Sequence[Mapping[str, Any]]) -> Table | None:
+    """A list of flat records (every value a scalar) as a table."""
+    if not records or not all(isinstance(r, dict) for r in records):
+        return None
+    columns = list(dict.fromkeys(k for r in records for k in r))
+    if any(isinstance(r.get(c), dict | list) for r in records for c in columns):
+        return None
+    rows = [[fmt(r.get(c)) for c in columns] for r in records]
+    return Table(columns, rows, name)
+
+
+def experiment_section(results: Sequence[Result], root: Path) -> list[Block]:
+    blocks: list[Block] = []
+    for r in results:
+        blocks.append(Heading(r.label, 3))
+        d = r.data
+        config = d.get("config") or {}
+        if isinstance(config.get("description"), str):
+            blocks.append(Text(config["description"]))
+        scalars = [[k, fmt(v, 4)] for k, v in d.items() if isinstance(v, int | float | str)]
+        if scalars:
+            blocks.append(Table(["quantity", "value"], scalars))
+        blocks += _mean_std_tables(d)
+        for key, value in d.items():
+            table = _record_table(key, value) if isinstance(value, list) else None
+            if table is not None:
+                blocks.append(table)
+    return [*blocks, *_figures(results, root, _no_extra)]
+
+
+def schedules_section(results: Sequence[Result], root: Path) -> list[Block]:
+    blocks: list[Block] = []
+    for r in results:
+        d = r.data
+        rows = [
+            [
+                f"`{m['spec']}`",
+                fmt(m["inv_freq"][-1], 6),
+                fmt(m["wavelength"][-1], 0),
+                fmt(m["attention_factor"], 4),
+            ]
+            for m in d.get("methods", [])
+        ]
+        blocks.append(
+            Table(
+                ["method", "slowest θ (rad/token)", "longest wavelength (tokens)", "attn factor"],
+                rows,
+                f"{r.label}: head dim {d.get('head_dim')}, base {fmt(d.get('base'), 0)}, "
+                f"factor {d.get('factor')}, original length {d.get('original_length')}",
+            )
+        )
+    return [*blocks, *_figures(results, root, _no_extra)]
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def demo_section(results: Sequence[Result], root: Path) -> list[Block]:
+    """The demo's comparison: one row per method, every number read from ``demo.json``."""
+    blocks: list[Block] = []
+    for r in results:
+        d = r.data
+        folder = r.path.parent
+        base, lengths = d["base"], [int(n) for n in d["lengths"]]
+        reused = "reused from the cache" if base.get("reused") else "trained by this run"
+        blocks.append(
+            Text(
+                f"A {fmt(base.get('parameters'))}-parameter byte-level decoder "
+                f"(`{base.get('encoding')}`) trained at L = {d['context']} bytes "
+                f"({reused}: {fmt(base.get('steps'))} steps, final training loss "
+                f"{fmt(base.get('final_loss'), 3)} nats) is extended to {d['target_length']} "
+                f"bytes by each method, then evaluated at {', '.join(map(str, lengths))} bytes "
+                f"on held-out text ({d['data']}). Trained methods see the same "
+                f"{d['extend_samples']} samples of {d['target_length']} bytes from the training "
+                "split, with the backbone frozen."
+            )
+        )
+        tasks = list(d.get("tasks") or [])
+        headers = ["method", "trained params"]
+        headers += [f"bpb @{n}" for n in lengths]
+        headers += [f"{t} @{n}" for t in tasks for n in lengths]
+        rows = []
+        for m in d["methods"]:
+            row = [f"{m['name']}", fmt(m.get("trainable"))]
+            row += [fmt((m.get("bpb") or {}).get(str(n))) for n in lengths]
+            scores = m.get("tasks") or {}
+            row += [_pct((scores.get(t) or {}).get(str(n))) for t in tasks for n in lengths]
+            rows.append(row)
+        blocks.append(
+            Table(
+                headers,
+                rows,
+                "Bits per byte (lower is better) and retrieval accuracy by evaluation length "
+                f"(bytes); {d.get('task_samples')} samples per length for each task.",
+            )
+        )
+        blocks += [Text(note) for note in d.get("notes", [])]
+        blocks.append(
+            Table(
+                ["method", "encoding", "extension time"],
+                [[m["name"], f"`{m['spec']}`", _seconds(m.get("extend_s"))] for m in d["methods"]],
+            )
+        )
+        for name, caption in (d.get("figures") or {}).items():
+            path = (folder / name).as_posix()
+            if (root / path).is_file():
+                blocks.append(Figure(path, caption))
+        timings = d.get("timings") or {}
+        if timings:
+            blocks.append(
+                Table(
+                    ["stage", "wall time"],
+                    [[k, _seconds(v)] for k, v in timings.items()],
+                    f"Wall time on {d.get('machine', 'this machine')}.",
+                )
+            )
+    return blocks
+
+
+SECTIONS: dict[str, Callable[[Sequence[Result], Path], list[Block]]] = {
+    "demo": demo_section,
+    "pretrain": pretrain_section,
+    "extend": extend_section,
+    "perplexity": perplexity_section,
+    "tasks": tasks_section,
+    "analysis": analysis_section,
+    "experiment": experiment_section,
+    "schedules": schedules_section,
+}

@@ -1,0 +1,55 @@
+"""docs/cli.md is generated from the parser: it must equal what the code generates now."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ropekit.cli import build_parser
+from ropekit.report.cli_reference import REGENERATE, cli_reference, main
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
+
+
+def test_committed_cli_reference_matches_the_parser():
+    assert DOCS.read_text(encoding="utf-8") == cli_reference(), (
+        f"docs/cli.md is out of date; regenerate it with `{REGENERATE}`"
+    )
+
+
+def _leaves(parser: argparse.ArgumentParser):
+    """Every parser that runs a command (eval ppl, models list, ...), recursively."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield parser
+    for action in subs:
+        for sub in action.choices.values():
+            yield from _leaves(sub)
+
+
+def test_every_command_and_option_is_documented():
+    text = cli_reference()
+    leaves = list(_leaves(build_parser()))
+    assert len(leaves) >= 14
+    for sub in leaves:
+        assert f"## {sub.prog}\n" in text
+        for action in sub._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+                continue
+            for option in action.option_strings:
+                assert f"`{option}`" in text
+    assert "`--tiny`" not in text  # hidden, test-only options stay out
+
+
+def test_reference_does_not_depend_on_the_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "40")
+    narrow = cli_reference()
+    monkeypatch.setenv("COLUMNS", "250")
+    assert cli_reference() == narrow
+
+
+def test_main_writes_the_file(tmp_path, capsys):
+    path = tmp_path / "cli.md"
+    assert main([str(path)]) == 0
+    assert path.read_text() == cli_reference()
+    assert str(path) in capsys.readouterr().out
