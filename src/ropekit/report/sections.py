@@ -151,43 +151,54 @@ def _no_extra(result: Result) -> list[str]:
 
 # ----------------------------------------------------------------------------- sections
 def pretrain_section(results: Sequence[Result], root: Path) -> list[Block]:
-    rows = []
+    rows, stages = [], []
     for r in results:
         d = r.data
-        loss = d.get("final_loss")
         rows.append(
             [
                 r.label,
                 f"`{d.get('encoding')}`",
                 fmt(d.get("parameters")),
                 fmt((d.get("model") or {}).get("context_length")),
-                fmt((d.get("train") or {}).get("steps")),
+                fmt(d.get("steps", (d.get("train") or {}).get("steps"))),
                 fmt(d.get("tokens")),
-                fmt(loss, 4),
-                fmt(None if loss is None else loss / math.log(2), 3),
+                fmt(d.get("final_loss"), 4),
                 fmt(d.get("tokens_per_s"), 0),
                 fmt(None if d.get("mfu") is None else 100 * d["mfu"], 1),
                 _seconds(d.get("elapsed_s")),
             ]
         )
-    table = Table(
-        [
-            "run",
-            "encoding",
-            "parameters",
-            "context",
-            "steps",
-            "tokens",
-            "final loss (nats)",
-            "bits/token",
-            "tokens/s",
-            "MFU %",
-            "time",
-        ],
-        rows,
-        "Final loss is the (answer-weighted) training loss of the last step.",
-    )
-    return [table, *_figures(results, root, _no_extra)]
+        stages += [
+            [
+                r.label,
+                st["name"],
+                fmt(st["context"]),
+                fmt(st["steps"]),
+                fmt(st["batch_size"]),
+                f"{100 * st['retrieval_ratio']:.0f}%",
+                fmt(st["final_loss"], 4),
+                _seconds(st["elapsed_s"]),
+            ]
+            for st in d.get("stages", [])
+        ]
+    headers = ["run", "encoding", "parameters", "context", "steps", "tokens", "final loss"]
+    blocks: list[Block] = [
+        Table(
+            [*headers, "tokens/s", "MFU %", "time"],
+            rows,
+            "Final loss: the training loss of the last step (nats per token, answer-weighted "
+            "when the run mixed in retrieval records).",
+        )
+    ]
+    if stages:
+        blocks.append(
+            Table(
+                ["run", "stage", "context", "steps", "batch", "with records", "loss", "time"],
+                stages,
+                "Pretraining stages, in order, on one model.",
+            )
+        )
+    return [*blocks, *_figures(results, root, _no_extra)]
 
 
 def extend_section(results: Sequence[Result], root: Path) -> list[Block]:
@@ -339,7 +350,7 @@ def _record_table(name: str, records: Sequence[Mapping[str, Any]]) -> Table | No
 def experiment_section(results: Sequence[Result], root: Path) -> list[Block]:
     blocks: list[Block] = []
     for r in results:
-        blocks.append(Heading(r.label, 3))
+        blocks.append(Heading(r.label if r.label != "." else root.resolve().name, 3))
         d = r.data
         config = d.get("config") or {}
         if isinstance(config.get("description"), str):
@@ -391,16 +402,20 @@ def demo_section(results: Sequence[Result], root: Path) -> list[Block]:
         folder = r.path.parent
         base, lengths = d["base"], [int(n) for n in d["lengths"]]
         reused = "reused from the cache" if base.get("reused") else "trained by this run"
+        stages = "; then ".join(
+            f"{fmt(st['steps'])} steps on {st['context']}-byte samples, "
+            f"{100 * st['retrieval_ratio']:.0f}% carrying a retrieval record"
+            for st in base.get("stages", [])
+        )
         blocks.append(
             Text(
                 f"A {fmt(base.get('parameters'))}-parameter byte-level decoder "
-                f"(`{base.get('encoding')}`) trained at L = {d['context']} bytes "
-                f"({reused}: {fmt(base.get('steps'))} steps, final training loss "
-                f"{fmt(base.get('final_loss'), 3)} nats) is extended to {d['target_length']} "
-                f"bytes by each method, then evaluated at {', '.join(map(str, lengths))} bytes "
-                f"on held-out text ({d['data']}). Trained methods see the same "
-                f"{d['extend_samples']} samples of {d['target_length']} bytes from the training "
-                "split, with the backbone frozen."
+                f"(`{base.get('encoding')}`) trained at L = {d['context']} bytes ({reused}: "
+                f"{stages}; final training loss {fmt(base.get('final_loss'), 3)} nats) is "
+                f"extended to {d['target_length']} bytes by each method, then evaluated at "
+                f"{', '.join(map(str, lengths))} bytes on held-out text ({d['data']}). Trained "
+                f"methods see the same {d['extend_samples']} samples of {d['target_length']} "
+                "bytes from the training split, with the backbone frozen."
             )
         )
         tasks = list(d.get("tasks") or [])
