@@ -81,6 +81,7 @@ class DemoConfig:
 
     # Base model: shape and its two-stage pretraining (these, and only these, key the cache).
     context: int = 128  # L, the base model's training length
+    encoding: str = "rope"  # the base model's encoding (experiments train others this way)
     d_model: int = 192
     n_layers: int = 4
     n_heads: int = 6
@@ -162,7 +163,7 @@ class DemoConfig:
             d_model=self.d_model,
             n_layers=self.n_layers,
             n_heads=self.n_heads,
-            encoding="rope",
+            encoding=self.encoding,
             context_length=self.context,
         )
 
