@@ -9,10 +9,13 @@ Adding a command: write ``add_<name>(subparsers)`` that registers the parser and
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def _offline() -> None:
@@ -335,6 +338,25 @@ def add_extend(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--retrieval-ratio", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument(
+        "--pose",
+        action="store_true",
+        help="PoSE (Zhu et al. 2023): train on short windows of each sample whose positions "
+        "jump to cover --target-length; window/target of the tokens and memory",
+    )
+    p.add_argument(
+        "--pose-window",
+        type=int,
+        default=None,
+        help="real tokens per PoSE sample (>= 2, <= --target-length); default: the model's "
+        "training length",
+    )
+    p.add_argument(
+        "--grad-checkpointing",
+        action="store_true",
+        help="recompute each layer in the backward: activation memory of one hidden state "
+        "per layer, for about one extra forward per step",
+    )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
     p.set_defaults(func=cmd_extend)
@@ -360,6 +382,9 @@ def cmd_extend(args: argparse.Namespace) -> int:
         retrieval_ratio=args.retrieval_ratio,
         seed=args.seed,
         bf16=args.bf16,
+        pose=args.pose,
+        pose_window=args.pose_window,
+        grad_checkpointing=args.grad_checkpointing,
     )
     results = run_extension(
         loaded.model,
@@ -374,6 +399,7 @@ def cmd_extend(args: argparse.Namespace) -> int:
     loss = "-" if last.final_loss is None else f"{last.final_loss:.4f}"
     print(
         f"extended to {config.target_length} with {last.spec} (final loss {loss}, "
+        f"{last.tokens:,} tokens{', PoSE windows' if config.pose else ''}, "
         f"{last.elapsed_s:.0f} s)"
     )
     print(f"wrote {args.out} (adapter in {args.out / 'adapter'}, summary {last.summary})")
@@ -577,12 +603,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _report_here() -> contextlib.AbstractContextManager[Any]:
+    """Under `accelerate launch` or `torchrun` every process runs the same command; only the
+    main one (RANK 0) prints its report, so it appears once. Errors reach stderr from any."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return contextlib.nullcontext()
+    return contextlib.redirect_stdout(io.StringIO())
+
+
 def main(argv: list[str] | None = None) -> int:
     _offline()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        with _report_here():
+            return args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"ropekit {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -7,7 +7,6 @@ tests run), so each pays a few seconds of imports.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,21 +18,15 @@ from safetensors.torch import load_file
 
 from ropekit.train import latest_checkpoint, train
 
+from ..processes import ACCELERATE, free_port
 from .test_loop import assert_same_tensors, metrics, optimizer_state
 from .tiny import CountingData, tiny_config, tiny_llama
 
 SCRIPT = Path(__file__).with_name("tiny.py")
-ACCELERATE = Path(sys.executable).with_name("accelerate")
 
 
 def environment() -> dict[str, str]:
     return os.environ | {"OMP_NUM_THREADS": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_train_like_one_on_the_same_global_batch(tmp_path):

@@ -12,6 +12,7 @@ Holds:
 - `HFCausalLM`: a transformers causal LM; unequal prompts are left-padded, with an attention
   mask and positions counted from each row's first real token.
 - `as_language_model(model, tokenizer)`: picks the adapter by the model's class.
+- `place_on(lm, device)`: moves a wrapped model (evaluations under several processes).
 - `newline_ids(tokenizer)`: the token ids whose text holds a newline (where answers stop).
 
 Shape legend: B batch · T tokens · C tokens in one chunk · V vocabulary.
@@ -344,6 +345,15 @@ def as_language_model(
     elif not isinstance(tokenizer, Tokenizer):
         tokenizer = load_tokenizer(tokenizer)
     return (HFCausalLM if is_hf else DecoderLM)(model, tokenizer, chunk_size)
+
+
+def place_on(lm: LanguageModel, device: torch.device | None) -> None:
+    """Move a wrapped model to `device`; None leaves it where the caller put it.
+
+    Evaluations launched as several processes call it with each process's device (its own
+    GPU, or the CPU under ACCELERATE_USE_CPU), so the processes do not all share one."""
+    if device is not None and isinstance(lm, CachedLM) and lm.device != torch.device(device):
+        lm.model.to(device)
 
 
 _NEWLINE_CACHE: weakref.WeakKeyDictionary[Tokenizer, frozenset[int]] = weakref.WeakKeyDictionary()

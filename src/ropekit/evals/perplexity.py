@@ -18,6 +18,10 @@ for a byte tokenizer this is exactly bits per token. Token models report perplex
 headline and bits per byte beside it (comparable across tokenizers). "Last quarter" is the
 mean NLL of each window's last L/4 targets: where extra context can help most, so it is where
 long-context gains and failures show first.
+
+Several processes (`accelerate launch`, `torchrun`) split each length's windows into
+contiguous shares, gather the per-window NLL in order and sum it as one process would; the
+main process writes the files.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from tqdm.auto import tqdm
 
 from ropekit.data.streams import TokenStream
 from ropekit.data.tokenizers import ByteTokenizer, Tokenizer
-from ropekit.evals.adapters import LanguageModel, as_language_model
+from ropekit.distributed import Processes, shard
+from ropekit.distributed import processes as current_processes
+from ropekit.evals.adapters import LanguageModel, as_language_model, place_on
 from ropekit.evals.prompts import default_prefix
 
 # Default number of windows of the longest length that the scored span holds.
@@ -103,10 +109,105 @@ def _bin_edges(length: int, bins: int) -> np.ndarray:
     return np.unique(edges)
 
 
-def evaluate_perplexity(
-    lm: LanguageModel, stream: TokenStream, config: PerplexityConfig, progress: bool = True
+def _score_windows(
+    lm: LanguageModel,
+    ids: torch.Tensor,
+    windows: list[tuple[int, int]],
+    length: int,
+    batch_tokens: int,
+    bos: list[int] | None,
+    bar: tqdm,
+) -> list[torch.Tensor]:
+    """NLL (float64) of the scored targets of each window, `batch_tokens` per forward.
+
+    Without a stride every target of a window is scored, so each row is the whole window's
+    NLL by position, which the position curve and the last-quarter numbers need."""
+    batch = max(1, batch_tokens // length)
+    rows: list[torch.Tensor] = []
+    for b in range(0, len(windows), batch):
+        chunk = windows[b : b + batch]
+        inputs = []
+        for end, _ in chunk:
+            if bos is not None:
+                inputs.append(torch.cat([torch.tensor(bos), ids[end - length : end]]))
+            else:
+                inputs.append(ids[end - length - 1 : end])
+        nll = lm.token_nll(torch.stack(inputs)).double()  # (B, length)
+        # Copies, not views: a view would carry its whole batch along when gathered.
+        rows += [row[length - n :].clone() for row, (_, n) in zip(nll, chunk, strict=True)]
+        bar.update(len(chunk))
+    return rows
+
+
+def _summarize(
+    length: int,
+    windows: list[tuple[int, int]],
+    rows: list[torch.Tensor],
+    span: int,
+    n_bytes: int,
+    config: PerplexityConfig,
 ) -> dict[str, Any]:
-    """Score `lm` on `stream` at every length of `config` (see the module docstring)."""
+    """One length's numbers from the NLL rows of all its windows.
+
+    The sums walk the windows in the batches a single process scores them in, so one or
+    several processes give bit-identical numbers whenever their NLL rows are."""
+    batch = max(1, config.batch_tokens // length)
+    total = 0.0
+    position_sum = torch.zeros(length, dtype=torch.float64)
+    last_quarter: list[float] = []
+    for b in range(0, len(rows), batch):
+        chunk = rows[b : b + batch]
+        for row in chunk:
+            total += float(row.sum())
+        if config.stride is None:
+            nll = torch.stack(chunk)  # (B, length)
+            position_sum += nll.sum(0)
+            quarter = length - length // 4
+            last_quarter += nll[:, quarter:].mean(1).tolist()
+    mean = total / span
+    result: dict[str, Any] = {
+        "length": length,
+        "windows": len(windows),
+        "tokens": span,
+        "bytes": n_bytes,
+        "nll": mean,
+        "perplexity": math.exp(mean),
+        "bits_per_token": mean / math.log(2),
+        "bits_per_byte": total / math.log(2) / n_bytes,
+        "last_quarter_nll": None,
+        "last_quarter_nll_std": None,
+        "last_quarter_nll_windows": None,
+        "position_nll": None,
+    }
+    if config.stride is None:
+        curve = (position_sum / len(windows)).numpy()
+        edges = _bin_edges(length, config.position_bins)
+        result.update(
+            last_quarter_nll=float(np.mean(last_quarter)),
+            last_quarter_nll_std=float(np.std(last_quarter)),
+            last_quarter_nll_windows=last_quarter,
+            position_nll={
+                "start": edges[:-1].tolist(),
+                "stop": edges[1:].tolist(),
+                "nll": [float(curve[a:b].mean()) for a, b in itertools.pairwise(edges)],
+            },
+        )
+    return result
+
+
+def evaluate_perplexity(
+    lm: LanguageModel,
+    stream: TokenStream,
+    config: PerplexityConfig,
+    progress: bool = True,
+    *,
+    processes: Processes | None = None,
+) -> dict[str, Any]:
+    """Score `lm` on `stream` at every length of `config` (see the module docstring).
+
+    Launched as several processes (`accelerate launch`, `torchrun`), each scores a share of
+    the windows and every process returns the whole result. `processes` defaults to the
+    current run's (`ropekit.distributed.processes()`)."""
     if stream.tokenizer != lm.tokenizer.name:
         raise ValueError(
             f"stream tokenizer={stream.tokenizer!r} is not allowed for a model read with "
@@ -133,64 +234,31 @@ def evaluate_perplexity(
     ids = stream.ids
 
     plan = {L: _windows(start, span, L, config.stride) for L in config.lengths}
+    procs = processes if processes is not None else current_processes()
+    place_on(lm, procs.device)
+    # Each process scores a contiguous share of every length's windows; the shares are
+    # gathered in rank order, so every process then sums exactly what one process would.
+    mine = {L: shard(windows, procs.rank, procs.world) for L, windows in plan.items()}
     bar = tqdm(
-        total=sum(len(w) for w in plan.values()),
+        total=sum(len(w) for w in mine.values()),
         desc="perplexity",
         unit="window",
-        disable=not progress,
+        disable=not (progress and procs.is_main),
     )
+    prefix = list(bos) if use_bos else None
+
+    def score_mine() -> dict[int, list[torch.Tensor]]:
+        return {
+            L: _score_windows(lm, ids, windows, L, config.batch_tokens, prefix, bar)
+            for L, windows in mine.items()
+        }
+
+    scored = procs.each(score_mine)
+    bar.close()
     results = []
     for length, windows in plan.items():
-        batch = max(1, config.batch_tokens // length)
-        total = 0.0
-        position_sum = torch.zeros(length, dtype=torch.float64)
-        last_quarter: list[float] = []
-        for b in range(0, len(windows), batch):
-            chunk = windows[b : b + batch]
-            rows = []
-            for end, _ in chunk:
-                if use_bos:
-                    rows.append(torch.cat([torch.tensor(bos), ids[end - length : end]]))
-                else:
-                    rows.append(ids[end - length - 1 : end])
-            nll = lm.token_nll(torch.stack(rows)).double()  # (B, length)
-            for row, (_, scored) in zip(nll, chunk, strict=True):
-                total += float(row[length - scored :].sum())
-            if config.stride is None:
-                position_sum += nll.sum(0)
-                quarter = length - length // 4
-                last_quarter += nll[:, quarter:].mean(1).tolist()
-            bar.update(len(chunk))
-        mean = total / span
-        result: dict[str, Any] = {
-            "length": length,
-            "windows": len(windows),
-            "tokens": span,
-            "bytes": n_bytes,
-            "nll": mean,
-            "perplexity": math.exp(mean),
-            "bits_per_token": mean / math.log(2),
-            "bits_per_byte": total / math.log(2) / n_bytes,
-            "last_quarter_nll": None,
-            "last_quarter_nll_std": None,
-            "last_quarter_nll_windows": None,
-            "position_nll": None,
-        }
-        if config.stride is None:
-            curve = (position_sum / len(windows)).numpy()
-            edges = _bin_edges(length, config.position_bins)
-            result.update(
-                last_quarter_nll=float(np.mean(last_quarter)),
-                last_quarter_nll_std=float(np.std(last_quarter)),
-                last_quarter_nll_windows=last_quarter,
-                position_nll={
-                    "start": edges[:-1].tolist(),
-                    "stop": edges[1:].tolist(),
-                    "nll": [float(curve[a:b].mean()) for a, b in itertools.pairwise(edges)],
-                },
-            )
-        results.append(result)
-    bar.close()
+        rows = [row for share in scored for row in share[length]]  # every window, in order
+        results.append(_summarize(length, windows, rows, span, n_bytes, config))
     return {
         "kind": "perplexity",
         "metric": "bits_per_byte" if isinstance(lm.tokenizer, ByteTokenizer) else "perplexity",
@@ -216,10 +284,15 @@ def run_perplexity(
     spec: str | None = None,
     command: str = "",
     progress: bool = True,
+    processes: Processes | None = None,
 ) -> dict[str, Any]:
     """Evaluate on the held-out documents of `data` and write `ppl.json` and `ppl.png` into
     `out_dir`. `model` is a Decoder, a Hugging Face causal LM or a `LanguageModel`; `spec`
-    names its encoding in the result. Returns the result, with `paths`."""
+    names its encoding in the result. Returns the result, with `paths`.
+
+    Under `accelerate launch` or `torchrun` the processes share the windows (see
+    `evaluate_perplexity`), all return the result and the main process writes the files;
+    `processes` defaults to the current run's."""
     from ropekit.data import heldout_stream
     from ropekit.evals.plots import plot_perplexity
     from ropekit.evals.store import write_json
@@ -234,11 +307,15 @@ def run_perplexity(
     )
     lm = as_language_model(model, tokenizer)
     stream = heldout_stream(data, lm.tokenizer)
-    result = evaluate_perplexity(lm, stream, config, progress)
+    procs = processes if processes is not None else current_processes()
+    result = evaluate_perplexity(lm, stream, config, progress, processes=procs)
     result.update(data=data, spec=spec, seed=seed, model=lm.describe(), **run_metadata(command))
     out = Path(out_dir)
     paths = {"json": out / "ppl.json", "png": out / "ppl.png"}
-    write_json(paths["json"], result)
-    plot_perplexity(result, paths["png"])
+    # Every process holds the whole result; one writes it, the others wait for the files.
+    if procs.is_main:
+        write_json(paths["json"], result)
+        plot_perplexity(result, paths["png"])
+    procs.barrier()
     result["paths"] = {k: str(v) for k, v in paths.items()}
     return result

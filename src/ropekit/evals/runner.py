@@ -21,10 +21,17 @@ length, seed, sample plan, tokenizer, prompt format, answer budget). A rerun reu
 samples and predictions and computes only what is missing: a finished run does no model call
 at all. A stage whose files were made with other settings is an error, unless
 `overwrite=True`, which redoes it.
+
+Several processes (`accelerate launch`, `torchrun`): the main process reads or makes the
+stage files and hands the samples to the others; the processes take the prediction batches
+in turns (the same batches one process would run, so the same greedy answers), every process
+gets every prediction, and only the main process writes files. The summary is the one a
+single process writes.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -35,7 +42,9 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ropekit.data.tokenizers import Tokenizer
-from ropekit.evals.adapters import LanguageModel, as_language_model, newline_ids
+from ropekit.distributed import Processes
+from ropekit.distributed import processes as current_processes
+from ropekit.evals.adapters import LanguageModel, as_language_model, newline_ids, place_on
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.scoring import (
     RELATIVE_THRESHOLD,
@@ -189,44 +198,71 @@ def _predict(
     config: EvalConfig,
     stop: frozenset[int],
     bar: tqdm,
+    procs: Processes,
 ) -> None:
     assert stage.samples is not None and stage.predictions is not None
     pending = [s for s in stage.samples if s.index not in stage.predictions]
     # Longest first: a batch holds similar lengths (less padding, more equal-length groups).
     pending.sort(key=lambda s: (-s.n_tokens, s.index))
+    batches = [
+        pending[b : b + config.batch_size] for b in range(0, len(pending), config.batch_size)
+    ]
     bar.set_postfix_str(f"{stage.spec.name} @ {stage.length}")
-    for b in range(0, len(pending), config.batch_size):
-        batch = pending[b : b + config.batch_size]
-        prompts = [fmt.encode(s.input) for s in batch]
-        for s, ids in zip(batch, prompts, strict=True):
-            if len(ids) != s.n_tokens:
-                raise ValueError(
-                    f"{stage.directory}: sample {s.index} encodes to {len(ids)} tokens, not the "
-                    f"{s.n_tokens} it was made with; the tokenizer changed: use another out_dir"
-                )
-        outputs = lm.greedy(prompts, max(s.max_new_tokens for s in batch), stop)
-        for s, out in zip(batch, outputs, strict=True):
-            out = out[: s.max_new_tokens]
-            text = lm.tokenizer.decode(out)
-            stage.predictions[s.index] = {
-                "index": s.index,
-                "stage": stage.fingerprint,
-                "pred": clean_prediction(text),
-                "generated": text,
-                "n_generated": len(out),
-            }
-        write_jsonl(
-            stage.directory / "pred.jsonl",
-            [stage.predictions[i] for i in sorted(stage.predictions)],
-        )
-        bar.update(len(batch))
+    # Several processes take the batches in turns, one each per round: the batches are the
+    # ones a single process would run (so are the greedy outputs), and after every round the
+    # main process rewrites pred.jsonl with everything predicted so far, as one process does
+    # after every batch.
+    for first in range(0, len(batches), procs.world):
+        mine = batches[first + procs.rank] if first + procs.rank < len(batches) else []
+        for records in procs.each(functools.partial(_predict_batch, stage, lm, fmt, stop, mine)):
+            stage.predictions.update(records)
+        if procs.is_main:
+            write_jsonl(
+                stage.directory / "pred.jsonl",
+                [stage.predictions[i] for i in sorted(stage.predictions)],
+            )
+        bar.update(sum(len(batch) for batch in batches[first : first + procs.world]))
 
 
-def _score(stage: _Stage) -> dict[str, Any]:
+def _predict_batch(
+    stage: _Stage,
+    lm: LanguageModel,
+    fmt: PromptFormat,
+    stop: frozenset[int],
+    batch: list[Sample],
+) -> dict[int, dict[str, Any]]:
+    """Greedy answers to one batch of samples, as pred.jsonl records by sample index."""
+    if not batch:
+        return {}
+    prompts = [fmt.encode(s.input) for s in batch]
+    for s, ids in zip(batch, prompts, strict=True):
+        if len(ids) != s.n_tokens:
+            raise ValueError(
+                f"{stage.directory}: sample {s.index} encodes to {len(ids)} tokens, not the "
+                f"{s.n_tokens} it was made with; the tokenizer changed: use another out_dir"
+            )
+    outputs = lm.greedy(prompts, max(s.max_new_tokens for s in batch), stop)
+    records = {}
+    for s, out in zip(batch, outputs, strict=True):
+        out = out[: s.max_new_tokens]
+        text = lm.tokenizer.decode(out)
+        records[s.index] = {
+            "index": s.index,
+            "stage": stage.fingerprint,
+            "pred": clean_prediction(text),
+            "generated": text,
+            "n_generated": len(out),
+        }
+    return records
+
+
+def _score(stage: _Stage, write: bool = True) -> dict[str, Any]:
+    """The stage's score (by depth for needle tasks), written to its summary.json if `write`."""
     base = {"task": stage.spec.name, "length": stage.length, "stage": stage.fingerprint}
     if stage.skipped is not None:
         summary = {**base, "skipped": stage.skipped}
-        write_json(stage.directory / "summary.json", summary)
+        if write:
+            write_json(stage.directory / "summary.json", summary)
         return summary
     assert stage.samples is not None and stage.predictions is not None
     scorer = SCORERS[stage.spec.metric]
@@ -256,7 +292,8 @@ def _score(stage: _Stage) -> dict[str, Any]:
         summary["by_depth"] = [
             {"depth": d, "score": sum(v) / len(v), "n": len(v)} for d, v in sorted(by_depth.items())
         ]
-    write_json(stage.directory / "summary.json", summary)
+    if write:
+        write_json(stage.directory / "summary.json", summary)
     return summary
 
 
@@ -271,9 +308,14 @@ def evaluate_tasks(
     command: str = "",
     progress: bool = True,
     overwrite: bool = False,
+    processes: Processes | None = None,
 ) -> dict[str, Any]:
     """Run every task at every length of `config` into `out_dir` (see the module docstring);
-    return the overall summary (also written to `out_dir/summary.json`)."""
+    return the overall summary (also written to `out_dir/summary.json`).
+
+    Launched as several processes (`accelerate launch`, `torchrun`), they share the
+    predictions and all return the summary; only the main process writes files. `processes`
+    defaults to the current run's (`ropekit.distributed.processes()`)."""
     from ropekit.evals.plots import plot_accuracy_vs_length, plot_heatmap
     from ropekit.utils import run_metadata
 
@@ -282,6 +324,9 @@ def evaluate_tasks(
         raise ValueError("tasks=[] is not allowed; allowed: one or more task names")
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"tasks={[s.name for s in specs]} is not allowed: a task appears twice")
+    procs = processes if processes is not None else current_processes()
+    place_on(lm, procs.device)
+    progress = progress and procs.is_main
     out = Path(out_dir)
     fmt = PromptFormat(lm.tokenizer, chat=config.chat)
     stop = newline_ids(lm.tokenizer) | lm.eos_ids
@@ -290,8 +335,16 @@ def evaluate_tasks(
         for s in specs
         for n in config.lengths
     ]
-    for stage in tqdm(stages, desc="samples", unit="stage", disable=not progress):
-        _prepare(stage, config, fmt, overwrite)
+
+    def prepare() -> list[tuple[Any, ...]]:
+        for stage in tqdm(stages, desc="samples", unit="stage", disable=not progress):
+            _prepare(stage, config, fmt, overwrite)
+        return [(s.samples, s.skipped, s.predictions) for s in stages]
+
+    # The main process reads, checks or makes the stage files; the others take its samples
+    # and saved predictions, so every process agrees on what is still to predict.
+    for stage, (samples, skipped, predictions) in zip(stages, procs.on_main(prepare), strict=True):
+        stage.samples, stage.skipped, stage.predictions = samples, skipped, predictions
     pending = sum(
         len(s.samples) - len(s.predictions)
         for s in stages
@@ -300,8 +353,8 @@ def evaluate_tasks(
     with tqdm(total=pending, desc="predictions", unit="sample", disable=not progress) as bar:
         for stage in stages:
             if stage.skipped is None:
-                _predict(stage, lm, fmt, config, stop, bar)
-    stage_summaries = [_score(stage) for stage in stages]
+                _predict(stage, lm, fmt, config, stop, bar, procs)
+    stage_summaries = [_score(stage, write=procs.is_main) for stage in stages]
 
     tasks_out: dict[str, Any] = {}
     scores: dict[str, dict[int, float]] = {}
@@ -332,11 +385,9 @@ def evaluate_tasks(
             ]
             entry["cells"] = cells
             if cells:
-                heatmap = plot_heatmap(
-                    cells,
-                    out / task.name / "heatmap.png",
-                    title=" ".join(filter(None, [task.name, spec])),
-                )
+                heatmap = out / task.name / "heatmap.png"
+                if procs.is_main:
+                    plot_heatmap(cells, heatmap, title=" ".join(filter(None, [task.name, spec])))
                 paths[f"heatmap_{task.name}"] = str(heatmap)
         tasks_out[task.name] = entry
 
@@ -347,13 +398,15 @@ def evaluate_tasks(
         for n in config.lengths
         if all(n in scores[t.name] for t in specs)
     }
-    curve = plot_accuracy_vs_length(
-        scores,
-        out / "accuracy_vs_length.png",
-        config.threshold,
-        average if len(specs) > 1 else None,
-        title=f"{kind}: {spec or lm.tokenizer.name}",
-    )
+    curve = out / "accuracy_vs_length.png"
+    if procs.is_main:
+        plot_accuracy_vs_length(
+            scores,
+            curve,
+            config.threshold,
+            average if len(specs) > 1 else None,
+            title=f"{kind}: {spec or lm.tokenizer.name}",
+        )
     paths["accuracy_vs_length"] = str(curve)
     paths["summary"] = str(out / "summary.json")
     summary = {
@@ -381,7 +434,9 @@ def evaluate_tasks(
         "paths": paths,
         **run_metadata(command),
     }
-    write_json(out / "summary.json", summary)
+    if procs.is_main:
+        write_json(out / "summary.json", summary)
+    procs.barrier()  # the files are complete when any process returns
     return summary
 
 
@@ -405,9 +460,11 @@ def run_tasks(
     command: str = "",
     progress: bool = True,
     overwrite: bool = False,
+    processes: Processes | None = None,
 ) -> dict[str, Any]:
     """Evaluate `model` (a Decoder, a Hugging Face causal LM or a `LanguageModel`) on `tasks`;
-    see `EvalConfig` for the settings and the module docstring for the files."""
+    see `EvalConfig` for the settings and the module docstring for the files (and for
+    several processes)."""
     config = EvalConfig(
         lengths=tuple(lengths),
         samples=samples,
@@ -430,6 +487,35 @@ def run_tasks(
         command=command,
         progress=progress,
         overwrite=overwrite,
+        processes=processes,
+    )
+
+
+def _run_depth_task(
+    model: Any,
+    tokenizer: Tokenizer | str | os.PathLike[str] | None,
+    task: str,
+    kind: str,
+    lengths: list[int] | tuple[int, ...],
+    depths: list[float] | tuple[float, ...],
+    samples: int,
+    out_dir: str | os.PathLike[str],
+    seed: int,
+    options: dict[str, Any],
+) -> dict[str, Any]:
+    """One needle-style task over length x depth: the body `run_needle` and `run_passkey`
+    share; they differ only in the task, the result's kind and the default folder."""
+    return run_tasks(
+        model,
+        tokenizer,
+        [task],
+        out_dir,
+        lengths=lengths,
+        samples=samples,
+        depths=depths,
+        seed=seed,
+        kind=kind,
+        **options,
     )
 
 
@@ -445,18 +531,10 @@ def run_needle(
     task: str = "niah_single_2",
     **options: Any,
 ) -> dict[str, Any]:
-    """Needle in a haystack over length x depth (default: a number in Paul Graham essays)."""
-    return run_tasks(
-        model,
-        tokenizer,
-        [task],
-        out_dir,
-        lengths=lengths,
-        samples=samples,
-        depths=depths,
-        seed=seed,
-        kind="needle",
-        **options,
+    """Needle in a haystack over length x depth (default: a number in Paul Graham essays).
+    `options` are `run_tasks`'s keyword arguments."""
+    return _run_depth_task(
+        model, tokenizer, task, "needle", lengths, depths, samples, out_dir, seed, options
     )
 
 
@@ -472,18 +550,10 @@ def run_passkey(
     task: str = "passkey",
     **options: Any,
 ) -> dict[str, Any]:
-    """Pass-key retrieval over length x depth, in the retrieval mixture's format."""
-    return run_tasks(
-        model,
-        tokenizer,
-        [task],
-        out_dir,
-        lengths=lengths,
-        samples=samples,
-        depths=depths,
-        seed=seed,
-        kind="passkey",
-        **options,
+    """Pass-key retrieval over length x depth, in the retrieval mixture's format.
+    `options` are `run_tasks`'s keyword arguments."""
+    return _run_depth_task(
+        model, tokenizer, task, "passkey", lengths, depths, samples, out_dir, seed, options
     )
 
 

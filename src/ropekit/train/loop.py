@@ -17,7 +17,6 @@ import dataclasses
 import importlib.metadata
 import json
 import math
-import os
 import platform
 import shutil
 import time
@@ -33,6 +32,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ropekit import __version__
+from ropekit.distributed import check_launched
 from ropekit.train.checkpoint import (
     CHECKPOINTS,
     CheckpointState,
@@ -252,20 +252,15 @@ def _forward_backward(
 
 
 def _check_setup(dataset: TrainDataset, config: TrainConfig, accelerator: Accelerator) -> None:
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != accelerator.num_processes:
-        # Each process would train alone and they would overwrite each other's checkpoints.
-        raise RuntimeError(
-            f"launched as {launched} processes but the Accelerator sees "
-            f"{accelerator.num_processes}; on a machine without GPUs set ACCELERATE_USE_CPU=1 "
-            "(with `accelerate launch --multi_gpu` or `torchrun`)"
-        )
+    # Each process would train alone and they would overwrite each other's checkpoints.
+    check_launched(accelerator.num_processes)
     share = accelerator.num_processes * config.grad_accum
     if config.batch_size % share:
         raise ValueError(
             f"TrainConfig.batch_size={config.batch_size} is invalid for "
             f"{accelerator.num_processes} processes: a multiple of processes x "
-            f"grad_accum={config.grad_accum} = {share} is allowed"
+            f"grad_accum={config.grad_accum} = {share} is allowed (it is the global batch, "
+            "split over the processes: --batch-size on the command line)"
         )
     if len(dataset) == 0:
         raise ValueError("the training dataset is empty")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ropekit.data import RetrievalConfig, make_train_dataset
+from ropekit.distributed import processes
 from ropekit.model import Decoder, DecoderConfig, count_parameters, flops_per_token, save_decoder
 from ropekit.utils import atomic_write_text, run_metadata
 
@@ -53,6 +54,7 @@ def pretrain(
 
     Checkpoints, metrics.jsonl and the training summary go to ``out_dir``; the final model
     to ``out_dir/model``; ``out_dir/pretrain.json`` records what was trained and how fast.
+    Launched as several processes, they train data parallel and the main process writes.
     """
     out_dir = Path(out_dir)
     train_config = train_config or TrainConfig(out_dir=out_dir)
@@ -64,26 +66,33 @@ def pretrain(
     torch.manual_seed(train_config.seed)
     decoder = Decoder(model)
     result = train(decoder, dataset, train_config)
-    model_dir = save_decoder(decoder, out_dir / "model")
-
-    peak = measure_matmul_flops()
-    fpt = flops_per_token(model)
-    summary: dict[str, Any] = {
-        "encoding": decoder.encoding.spec,
-        "model": model.to_dict(),
-        "parameters": count_parameters(decoder),
-        "train": train_config.to_dict(),
-        "data": data,
-        "retrieval": None if retrieval is None else dataclasses.asdict(retrieval),
-        "final_loss": result.final_loss,
-        "tokens": result.tokens,
-        "elapsed_s": result.elapsed_s,
-        "tokens_per_s": result.tokens_per_s,
-        "flops_per_token": fpt,
-        "matmul_flops_per_s": peak,
-        "mfu": result.tokens_per_s * fpt / peak,
-        "meta": run_metadata(command),
-    }
-    path = out_dir / "pretrain.json"
-    atomic_write_text(path, json.dumps(summary, indent=2, default=str))
+    model_dir, path = out_dir / "model", out_dir / "pretrain.json"
+    # Under `accelerate launch` every process holds the same trained weights (DDP keeps them
+    # equal); the main process alone writes them, and the others wait until it has.
+    procs = processes()
+    if procs.is_main:
+        save_decoder(decoder, model_dir)
+        peak = measure_matmul_flops()
+        fpt = flops_per_token(model)
+        summary: dict[str, Any] = {
+            "encoding": decoder.encoding.spec,
+            "model": model.to_dict(),
+            "parameters": count_parameters(decoder),
+            "train": train_config.to_dict(),
+            "data": data,
+            "retrieval": None if retrieval is None else dataclasses.asdict(retrieval),
+            "final_loss": result.final_loss,
+            "tokens": result.tokens,
+            "elapsed_s": result.elapsed_s,
+            "tokens_per_s": result.tokens_per_s,
+            "num_processes": procs.world,
+            "flops_per_token": fpt,
+            "matmul_flops_per_s": peak,
+            # The peak is one process's (each computes with its own threads); the run had
+            # `procs.world` of them.
+            "mfu": result.tokens_per_s * fpt / (peak * procs.world),
+            "meta": run_metadata(command),
+        }
+        atomic_write_text(path, json.dumps(summary, indent=2, default=str))
+    procs.barrier()
     return PretrainResult(model_dir=model_dir, summary=path, train=result)

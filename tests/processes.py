@@ -1,0 +1,150 @@
+"""Helpers for tests of several processes.
+
+Holds:
+    run_ranks       run fn(processes) as `world` ranks, each a thread of this process, whose
+                    collectives meet at a barrier: the sharding logic without launch costs.
+    launch          `accelerate launch` 2 CPU processes on `python -m ropekit.cli ...`, with
+                    every file write of every process logged (see `writes`).
+    writes          the paths each process created, replaced or removed under a folder.
+
+Launched processes are fresh Python interpreters: each pays a few seconds of imports.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ropekit.distributed import Processes
+
+T = TypeVar("T")
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+
+
+# --------------------------------------------------------------------------- ranks as threads
+class _Exchange:
+    def __init__(self, world: int):
+        self.slots: list[bytes] = [b""] * world
+        self.barrier = threading.Barrier(world, timeout=60)
+
+
+@dataclass
+class ThreadedProcesses(Processes):
+    """A rank whose gather/broadcast/barrier meet the other ranks' threads. Objects travel
+    pickled, as they do between real processes."""
+
+    exchange: _Exchange = field(default=None, repr=False)  # type: ignore[assignment]
+
+    def gather(self, obj: T) -> list[T]:
+        ex = self.exchange
+        ex.slots[self.rank] = pickle.dumps(obj)
+        ex.barrier.wait()
+        out = [pickle.loads(slot) for slot in ex.slots]
+        ex.barrier.wait()  # nobody overwrites a slot before everyone has read them all
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        return self.gather(obj)[0]
+
+    def barrier(self) -> None:
+        self.exchange.barrier.wait()
+
+
+def run_ranks(world: int, fn: Callable[[Processes], T]) -> list[T | BaseException]:
+    """fn(processes) on `world` threads, one rank each; each rank's value or exception."""
+    exchange = _Exchange(world)
+    results: list[Any] = [None] * world
+
+    def rank(r: int) -> None:
+        try:
+            results[r] = fn(ThreadedProcesses(r, world, None, exchange))
+        except BaseException as e:
+            # No barrier.abort() here: ranks still leaving the last collective would see it
+            # broken. A rank that dies before a collective leaves the others to the timeout.
+            results[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank-{r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+# --------------------------------------------------------------------------- real processes
+# Installed through PYTHONPATH in every launched interpreter: logs what it writes under ROOT.
+# Python raises an audit event for every open() (os.open included, which atomic writes use)
+# and every rename, remove and mkdir, so the log shows which process wrote which file.
+_AUDIT = """
+import os, sys
+root = os.environ["ROPEKIT_TEST_WRITE_ROOT"]
+name = "rank-%s.log" % os.environ.get("RANK", "launcher")
+log = open(os.path.join(os.environ["ROPEKIT_TEST_WRITE_LOG"], name), "a", buffering=1)
+WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+def hook(event, args):
+    if event == "open":
+        path, mode, flags = args
+        writing = any(c in (mode or "") for c in "wax+") if mode else bool((flags or 0) & WRITE)
+        paths = [path] if writing else []
+    elif event in ("os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree"):
+        paths = [args[1] if event == "os.rename" else args[0]]
+    else:
+        return
+    for p in paths:
+        if isinstance(p, (str, os.PathLike)) and os.fspath(p).startswith(root):
+            log.write(event + " " + os.path.relpath(os.fspath(p), root) + "\\n")
+
+sys.addaudithook(hook)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: list[str], root: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`ropekit *args` as 2 CPU processes under `accelerate launch`; writes under `root` are
+    logged per process in root/.writes (read them with `writes`). One thread per process."""
+    audit = root / ".audit"
+    log = root / ".writes"
+    audit.mkdir(parents=True, exist_ok=True)
+    log.mkdir(exist_ok=True)
+    (audit / "sitecustomize.py").write_text(_AUDIT)
+    # `accelerate launch --cpu --num_processes 2` starts a single process (accelerate issue
+    # #2741); multi-process CPU runs take the multi-GPU launcher with ACCELERATE_USE_CPU=1.
+    command = [
+        str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()),
+        "-m", "ropekit.cli", *args,
+    ]  # fmt: skip
+    env = os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "ACCELERATE_USE_CPU": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(audit), os.environ.get("PYTHONPATH")])),
+        "ROPEKIT_TEST_WRITE_ROOT": str(root),
+        "ROPEKIT_TEST_WRITE_LOG": str(log),
+    }
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def writes(root: Path) -> dict[str, set[str]]:
+    """{"0": paths, "1": paths} that each launched process wrote, renamed onto, removed or
+    created under `root` (relative paths; the audit's own folders left out)."""
+    out = {}
+    for file in sorted((root / ".writes").glob("rank-*.log")):
+        rank = file.stem.removeprefix("rank-")
+        paths = {line.split(" ", 1)[1] for line in file.read_text().splitlines()}
+        out[rank] = {p for p in paths if not p.startswith((".audit", ".writes"))}
+    return out

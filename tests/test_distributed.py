@@ -1,0 +1,71 @@
+"""ropekit.distributed: shares, the one-process case, and errors reaching every process (ranks
+as threads, see tests/processes.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ropekit.distributed import Processes, check_launched, processes, shard
+
+from .processes import run_ranks
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+@pytest.mark.parametrize("n", [0, 1, 5, 12])
+def test_shards_are_contiguous_balanced_and_cover_everything(n, world):
+    items = list(range(n))
+    shares = [shard(items, r, world) for r in range(world)]
+    assert [x for share in shares for x in share] == items
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+
+
+def test_one_process_needs_no_process_group(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    one = processes()
+    assert (one.rank, one.world, one.is_main, one.distributed) == (0, 1, True, False)
+    assert one.device is None  # models stay where the caller put them
+    assert one.gather("x") == ["x"] and one.broadcast("x") == "x"
+    assert one.on_main(lambda: 3) == 3 and one.each(lambda: 4) == [4]
+    one.barrier()
+
+
+def test_a_launch_the_process_group_does_not_match_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"launched as 2 processes.*ACCELERATE_USE_CPU=1"):
+        check_launched(1)
+    check_launched(2)
+
+
+def test_values_and_errors_reach_every_process():
+    def gathered(p: Processes):
+        return p.each(lambda: p.rank * 10), p.on_main(lambda: f"from {p.rank}")
+
+    assert run_ranks(3, gathered) == [([0, 10, 20], "from 0")] * 3
+
+    def failing_on(rank):
+        def fn(p: Processes):
+            def work():
+                if p.rank == rank:
+                    raise ValueError(f"rank {p.rank} failed")
+                return p.rank
+
+            return p.each(work)
+
+        return fn
+
+    # Every rank raises the failing rank's error instead of waiting for it forever.
+    for result in run_ranks(3, failing_on(1)):
+        assert isinstance(result, ValueError) and str(result) == "rank 1 failed"
+
+    class Unpicklable(Exception):
+        def __reduce__(self):
+            raise TypeError("no pickling")
+
+    def main_fails(p: Processes):
+        def work():
+            raise Unpicklable("lost")
+
+        return p.on_main(work)
+
+    for result in run_ranks(2, main_fails):
+        assert isinstance(result, RuntimeError) and "Unpicklable: lost" in str(result)
