@@ -105,3 +105,43 @@ def test_pretrain_resume_and_eval_ppl_on_tiny_settings(tmp_path, capsys):
     assert [r["length"] for r in result["results"]] == [32, 64]
     assert all(0 < r["bits_per_byte"] < 9 for r in result["results"])
     assert "ppl.png" in printed
+
+
+def test_extend_with_pose_and_grad_checkpointing_on_a_tiny_decoder(tmp_path, capsys):
+    import torch
+
+    from ropekit.model import Decoder, DecoderConfig
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = DecoderConfig(d_model=32, n_layers=2, n_heads=2, context_length=32)
+    Decoder(config).save(tmp_path / "model")
+    out = tmp_path / "ext"
+    args = [
+        "extend",
+        "--model",
+        str(tmp_path / "model"),
+        "--method",
+        "adarope:init=yarn,factor=4",
+        "--target-length",
+        "128",
+        "--samples",
+        "4",
+        "--batch-size",
+        "2",
+        "--pose",
+        "--pose-window",
+        "16",
+        "--grad-checkpointing",
+        "--out",
+        str(out),
+    ]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "64 tokens, PoSE windows" in printed and str(out) in printed
+    summary = json.loads((out / "extend.json").read_text())
+    assert summary["tokens"] == 4 * 16 and summary["pose_window"] == 16
+    assert summary["config"]["pose"] and summary["config"]["grad_checkpointing"]
+    assert (out / "adapter" / "adapter.safetensors").exists()
+    assert main([*args[:-2], "--pose-window", "256", "--out", str(tmp_path / "bad")]) == 2
+    assert "pose_window=256" in capsys.readouterr().err

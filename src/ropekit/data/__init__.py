@@ -10,6 +10,8 @@ Modules:
 - `streams`: `TokenStream`, documents tokenized end to end with bytes per token.
 - `retrieval`: passkey and key-value records woven into text, with answer-weighted loss.
 - `packing`: `PackedDataset`, seeded, resumable fixed-length samples.
+- `pose`: `PoseDataset`, positional skip-wise (PoSE) samples: short windows whose positions
+  jump to cover a long target context.
 - `sources`: the entry points below.
 
 Typical use:
@@ -32,6 +34,7 @@ from ropekit.data.documents import (
 )
 from ropekit.data.files import TEXT_SUFFIXES, load_files
 from ropekit.data.packing import IGNORE_INDEX, PackedDataset
+from ropekit.data.pose import PoseDataset, PoseLayout, draw_layout
 from ropekit.data.retrieval import RetrievalConfig, RetrievalSample
 from ropekit.data.sources import (
     heldout_stream,
@@ -55,11 +58,14 @@ __all__ = [
     "EmptyCorpusError",
     "HFTokenizer",
     "PackedDataset",
+    "PoseDataset",
+    "PoseLayout",
     "RetrievalConfig",
     "RetrievalSample",
     "TokenStream",
     "Tokenizer",
     "UnknownCorpusError",
+    "draw_layout",
     "encode_documents",
     "heldout_stream",
     "load_corpus",

@@ -17,8 +17,22 @@ Recipes chain two stages on the same samples, e.g. ``adarope->lora``: stage 1 tr
 positionally, stage 2 trains LoRA on top with the learned encoding kept (``->joint``: keeps
 training it).
 
+Cheap long positions (for targets where a full-length backward is too slow or too big):
+- ``pose``: positional skip-wise training (PoSE, Zhu et al. 2023, arXiv:2309.10400). Each
+  sample is ``pose_window`` tokens (default: the model's training length) of the same
+  full-length window, at positions that jump so relative distances cover the target length
+  (``ropekit.data.pose``). Cost: window/target of the tokens, and attention quadratic in the
+  window, not the target. Use it when the target is several times the training length and
+  only positional parameters (or LoRA) train; it does not train attention over long spans of
+  *real* text (nothing is read between the chunks), so retrieval across the whole target
+  still needs some full-length samples.
+- ``grad_checkpointing``: keep one hidden state per layer and recompute each layer in the
+  backward: activation memory drops from every layer's intermediates to one (B, T, d) per
+  layer, for about one extra forward per step. Use it when activations, not weights, exceed
+  memory (long targets on a GPU, or a CPU that would swap); it changes no number.
+
 Holds: ExtendConfig, ExtendResult, RECIPES, encoding_of, set_encoding, fingerprint,
-trainable_summary, extend.
+trainable_summary, enable_grad_checkpointing, pose_loss, extend.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +50,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ropekit.data import RetrievalConfig, make_train_dataset
+from ropekit.data import PoseDataset, RetrievalConfig, make_train_dataset
+from ropekit.distributed import processes
 from ropekit.encodings import PositionEncoding, build
 from ropekit.encodings.adarope import AdaRoPEConfig
 from ropekit.model import Decoder
@@ -43,6 +59,7 @@ from ropekit.utils import atomic_write_bytes, atomic_write_text, run_metadata
 
 from .config import TrainConfig
 from .loop import train
+from .loss import cross_entropy_sum
 
 MODES = ("positional", "lora", "joint")
 # recipe -> (stage-1 method family, stage-2 mode); the stage-1 spec comes from --method.
@@ -76,10 +93,35 @@ class ExtendConfig:
     warmup_steps: int = 5
     seed: int = 0
     bf16: bool = False
+    # PoSE (Zhu et al. 2023): train on pose_window real tokens of each sample at positions
+    # that jump to cover target_length (ropekit.data.pose); each epoch redraws the positions.
+    pose: bool = False
+    pose_window: int | None = None  # tokens per PoSE sample; None: the model's training length
+    grad_checkpointing: bool = False  # recompute each layer in the backward (less memory)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not allowed; use one of {', '.join(MODES)}")
+        if self.pose_window is not None:
+            if not self.pose:
+                raise ValueError(
+                    f"pose_window={self.pose_window!r} applies only with pose=True (--pose)"
+                )
+            if not isinstance(self.pose_window, int) or self.pose_window < 2:
+                raise ValueError(
+                    f"pose_window={self.pose_window!r} is not allowed; it must be an integer >= 2"
+                )
+            if isinstance(self.target_length, int) and self.pose_window > self.target_length:
+                raise ValueError(
+                    f"pose_window={self.pose_window} is not allowed; it must be <= "
+                    f"target_length={self.target_length}"
+                )
+        if self.pose and self.retrieval_ratio:
+            raise ValueError(
+                f"pose=True with retrieval_ratio={self.retrieval_ratio} is not allowed: a PoSE "
+                "sample skips text, which may hold the record an answer needs; use "
+                "retrieval_ratio=0 with pose"
+            )
         for name in ("target_length", "samples", "epochs", "batch_size", "lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -103,6 +145,7 @@ class ExtendResult:
     final_loss: float | None
     elapsed_s: float
     summary: Path
+    tokens: int = 0  # input tokens trained on (PoSE: window tokens per sample); 0: none
 
 
 # ----------------------------------------------------------------------------- model kinds
@@ -246,6 +289,60 @@ class _Samples(Dataset):
         return self.packed[i]
 
 
+def enable_grad_checkpointing(model: nn.Module) -> Callable[[], None]:
+    """Turn on activation checkpointing per layer; returns the function that turns it off.
+
+    ropekit's ``Decoder``: ``gradient_checkpointing_enable``. Hugging Face models: transformers'
+    ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` before 5.x), both
+    with ``use_reentrant=False``: the reentrant variant gives no gradient to parameters when
+    no layer input requires grad, which is the case when only positional parameters train.
+    """
+    if isinstance(model, Decoder):
+        model.gradient_checkpointing_enable()
+        return model.gradient_checkpointing_disable
+    from ropekit.hf.archs import unwrap
+
+    hf = unwrap(model)
+    kwargs = {"use_reentrant": False}
+    had_hooks = bool(getattr(hf, "_require_grads_hooks", None))
+    if hasattr(hf, "activation_checkpointing_enable"):
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        turn_off = hf.activation_checkpointing_disable
+    else:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        turn_off = hf.gradient_checkpointing_disable
+
+    def disable() -> None:
+        turn_off()
+        # Enabling also made the embedding output require grad (a forward hook, for PEFT);
+        # disabling leaves it unless PEFT is loaded: remove it when we installed it.
+        if not had_hooks and getattr(hf, "_require_grads_hooks", None):
+            hf.disable_input_require_grads()
+
+    return disable
+
+
+def pose_loss(
+    model: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``causal_lm_loss`` for a Hugging Face model on PoSE batches (positions that jump).
+
+    transformers (5.24) reads a jump in ``position_ids`` as the start of a new packed sequence
+    when it gets neither an ``attention_mask`` nor a cache (``masking_utils.
+    find_packed_sequence_indices``; activation checkpointing forces ``use_cache=False`` in
+    training), so the second chunk would not attend to the first: an all-ones mask keeps one
+    causal sequence. No KV cache is built: training never reads it.
+    """
+    ids = batch["input_ids"]  # (B, T)
+    logits = model(
+        input_ids=ids,
+        position_ids=batch["position_ids"],
+        attention_mask=torch.ones_like(ids),
+        use_cache=False,
+    ).logits  # (B, T, V)
+    return cross_entropy_sum(logits, batch["labels"], batch.get("loss_weight"))
+
+
 def _tokenizer_for(model: nn.Module, tokenizer: Any) -> Any:
     if tokenizer is not None:
         return tokenizer
@@ -278,6 +375,8 @@ def extend(
 
     Writes ``out_dir/adapter`` (positional parameters, spec, fingerprint), ``lora.safetensors``
     when LoRA trained, the training run in ``out_dir/train`` and ``out_dir/extend.json``.
+    With ``config.pose`` the samples are PoSE windows of the same full-length samples; with
+    ``config.grad_checkpointing`` layers are recomputed in the backward (off again after).
     """
     out_dir = Path(out_dir)
     trained_at = training_length(model)
@@ -286,19 +385,24 @@ def extend(
             f"target_length={config.target_length} is below the model's training length "
             f"{trained_at}; extension needs a target >= {trained_at}"
         )
+    procs = processes()
     if (out_dir / "extend.json").exists() and not overwrite:
         raise FileExistsError(
             f"{out_dir} already holds an extension run; pass overwrite to replace it"
         )
+    # Every process has looked before the main one can write a new extend.json.
+    procs.barrier()
     start = time.perf_counter()
     backbone = fingerprint(model)  # before the encoding changes: adapters name the backbone
     encoding = encoding_of(model) if keep_encoding else set_encoding(model, config.method)
     if config.mode in ("lora", "joint"):
         _add_lora(model, config)
     counts = select_trainable(model, config.mode)
-    log(trainable_summary(counts, config.mode))
+    if procs.is_main:
+        log(trainable_summary(counts, config.mode))
 
-    final_loss = None
+    final_loss, tokens = None, 0
+    pose_window = (config.pose_window or trained_at) if config.pose else None
     if counts["total"]:
         tok = _tokenizer_for(model, tokenizer)
         retrieval = (
@@ -323,35 +427,62 @@ def extend(
             log_interval=max(1, min(10, config.steps // 5)),
             overwrite=True,
         )
+        samples: Dataset = _Samples(packed, config.samples)
+        loss_fn = None  # the loop's default, causal_lm_loss
+        if pose_window is not None:
+            # Fresh positions for every visit of a window (the paper redraws per example):
+            # samples x epochs items, one pass of config.steps steps, as without PoSE.
+            samples = PoseDataset(
+                samples,
+                pose_window,
+                config.target_length,
+                seed=config.seed,
+                repeats=config.epochs,
+            )
+            loss_fn = None if isinstance(model, Decoder) else pose_loss
+        disable_checkpointing = (
+            enable_grad_checkpointing(model) if config.grad_checkpointing else None
+        )
         was_training = model.training
         model.train()
-        result = train(model, _Samples(packed, config.samples), train_config)
-        model.train(was_training)
-        final_loss = result.final_loss
+        try:
+            result = train(model, samples, train_config, loss_fn=loss_fn)
+        finally:
+            model.train(was_training)
+            if disable_checkpointing is not None:
+                disable_checkpointing()
+        final_loss, tokens = result.final_loss, result.tokens
     select_trainable(model, "none")  # leave the model frozen, as evaluation expects
     from ropekit.hf.adapter import write_adapter
 
-    adapter_dir = write_adapter(encoding, backbone, out_dir / "adapter")
-    save_lora(model, out_dir)
-    elapsed = time.perf_counter() - start
-    summary = {
-        "method": config.method,
-        "spec": encoding.spec,
-        "config": {
-            k: (list(v) if isinstance(v, tuple) else v)
-            for k, v in dataclasses.asdict(config).items()
-        },
-        "trained_at": trained_at,
-        "trainable": counts,
-        "final_loss": final_loss,
-        "elapsed_s": elapsed,
-        "adapter": str(adapter_dir),
-        "fingerprint": backbone,
-        "meta": run_metadata(command),
-    }
     path = out_dir / "extend.json"
-    atomic_write_text(path, json.dumps(summary, indent=2, default=str))
-    return ExtendResult(out_dir, encoding.spec, counts, final_loss, elapsed, path)
+    elapsed = time.perf_counter() - start
+    # Data-parallel training left the same parameters in every process: the main one writes
+    # them, and every process returns only once it has, so the files are then safe to read.
+    if procs.is_main:
+        adapter_dir = write_adapter(encoding, backbone, out_dir / "adapter")
+        save_lora(model, out_dir)
+        summary = {
+            "method": config.method,
+            "spec": encoding.spec,
+            "config": {
+                k: (list(v) if isinstance(v, tuple) else v)
+                for k, v in dataclasses.asdict(config).items()
+            },
+            "trained_at": trained_at,
+            "trainable": counts,
+            "final_loss": final_loss,
+            "tokens": tokens,
+            "pose_window": pose_window,
+            "elapsed_s": elapsed,
+            "adapter": str(adapter_dir),
+            "fingerprint": backbone,
+            "num_processes": procs.world,
+            "meta": run_metadata(command),
+        }
+        atomic_write_text(path, json.dumps(summary, indent=2, default=str))
+    procs.barrier()
+    return ExtendResult(out_dir, encoding.spec, counts, final_loss, elapsed, path, tokens)
 
 
 def run_extension(

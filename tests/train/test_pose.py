@@ -1,0 +1,294 @@
+"""Cheap long-position training: PoSE samples (layout laws, dataset, config) and activation
+checkpointing (same gradients, fewer saved activations) on ropekit's decoder and a Hugging Face
+Llama, plus the transformers packed-sequence trap that PoSE batches must avoid."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ropekit.data import PoseDataset, PoseLayout, draw_layout
+from ropekit.hf import patch
+from ropekit.train.extend import ExtendConfig, enable_grad_checkpointing, pose_loss
+from ropekit.train.loss import causal_lm_loss
+from tests.hf.tiny import perturb
+from tests.hf.tiny import tiny_model as tiny_hf
+from tests.model.tiny import random_ids
+from tests.model.tiny import tiny_model as tiny_decoder
+
+
+# ----------------------------------------------------------------------------- layout laws
+@pytest.mark.parametrize("window, target", [(2, 2), (2, 9), (8, 64), (33, 128), (64, 64)])
+def test_layouts_are_strictly_increasing_windows_inside_the_target(window, target):
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        layout = draw_layout(window, target, rng)
+        pos = layout.positions()
+        assert pos.dtype == torch.long and pos.shape == (window,)
+        assert bool((pos[1:] > pos[:-1]).all()) and pos[0] >= 0 and pos[-1] < target
+        # Chunk 0 is contiguous and at most half the window (the authors' sampling); the
+        # second chunk follows after exactly `skip` extra positions.
+        assert 1 <= layout.split <= (window + 1) // 2
+        gaps = pos[1:] - pos[:-1]
+        assert gaps[layout.split - 1] == layout.skip + 1
+        assert bool((torch.cat((gaps[: layout.split - 1], gaps[layout.split :])) == 1).all())
+        assert pos[-1] - pos[0] == layout.skip + window - 1  # the largest distance trained
+
+
+def test_window_equal_to_target_is_the_plain_window():
+    layout = draw_layout(16, 16, np.random.default_rng(3))
+    assert torch.equal(layout.positions(), torch.arange(16))
+
+
+def test_every_relative_distance_of_the_target_is_covered_and_the_largest_is_uniform():
+    window, target, n = 8, 64, 4000
+    rng = np.random.default_rng(1)
+    pos = torch.stack([draw_layout(window, target, rng).positions() for _ in range(n)])
+    distances = pos[:, :, None] - pos[:, None, :]  # (n, window, window)
+    assert distances[distances > 0].unique().tolist() == list(range(1, target))
+    largest = (pos[:, -1] - pos[:, 0]).numpy()
+    # The largest distance is skip + window - 1 with skip ~ U{0..target-window}: uniform over
+    # window-1..target-1 (57 values, ~70 draws each; a skewed sampler leaves the top empty).
+    counts = np.bincount(largest, minlength=target)[window - 1 :]
+    assert counts.min() > 35 and counts.max() < 110
+
+
+def test_bad_layouts_are_refused_with_the_field():
+    with pytest.raises(ValueError, match="window=1"):
+        draw_layout(1, 8, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="window=9"):
+        draw_layout(9, 8, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="exceeds target=8"):
+        PoseLayout(window=4, target=8, split=2, start=3, skip=2)
+    with pytest.raises(ValueError, match="split=4"):
+        PoseLayout(window=4, target=8, split=4, start=0, skip=0)
+
+
+# ----------------------------------------------------------------------------- dataset
+class _Windows:
+    """Full-length samples: input_ids, labels (next tokens) and a loss weight per token."""
+
+    def __init__(self, n: int, target: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.tokens = torch.randint(0, 256, (n, target + 1), generator=g)
+        self.weights = torch.rand(n, target, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self.tokens[i]
+        return {"input_ids": row[:-1], "labels": row[1:], "loss_weight": self.weights[i]}
+
+
+def test_pose_items_are_the_window_tokens_at_their_true_positions():
+    base = _Windows(3, 40)
+    data = PoseDataset(base, 10, 40, seed=5, repeats=2)
+    assert len(data) == 6
+    for i in range(len(data)):
+        item = data[i]
+        full = base[i % 3]
+        pos = item["position_ids"]
+        assert set(item) == {"input_ids", "labels", "loss_weight", "position_ids"}
+        assert torch.equal(pos, data.layout(i).positions())
+        for key in ("input_ids", "labels", "loss_weight"):
+            assert torch.equal(item[key], full[key][pos]), key
+        # Labels stay the true next tokens of the text, also across the jump.
+        assert torch.equal(item["labels"], base.tokens[i % 3][pos + 1])
+        assert all(torch.equal(a, b) for a, b in zip(item.values(), data[i].values(), strict=True))
+    # A window seen again (next epoch) gets fresh positions; another seed, other positions.
+    assert not torch.equal(data[0]["position_ids"], data[3]["position_ids"])
+    other = PoseDataset(base, 10, 40, seed=6)
+    assert any(not torch.equal(data[i]["position_ids"], other[i]["position_ids"]) for i in range(3))
+
+
+def test_pose_dataset_refuses_what_it_cannot_cut():
+    with pytest.raises(ValueError, match="pose window=41"):
+        PoseDataset(_Windows(2, 40), 41, 40)
+    with pytest.raises(ValueError, match="target=32 tokens"):
+        PoseDataset(_Windows(2, 40), 8, 32)[0]
+    with pytest.raises(IndexError):
+        PoseDataset(_Windows(2, 40), 8, 40)[2]
+
+
+def test_extend_config_validates_the_pose_fields():
+    assert ExtendConfig("adarope", 128, pose=True).pose_window is None
+    assert ExtendConfig("adarope", 128, pose=True, pose_window=128).pose_window == 128
+    with pytest.raises(ValueError, match=r"pose_window=1 .* integer >= 2"):
+        ExtendConfig("adarope", 128, pose=True, pose_window=1)
+    with pytest.raises(ValueError, match=r"pose_window=200 .* <= target_length=128"):
+        ExtendConfig("adarope", 128, pose=True, pose_window=200)
+    with pytest.raises(ValueError, match="only with pose=True"):
+        ExtendConfig("adarope", 128, pose_window=32)
+    with pytest.raises(ValueError, match="retrieval_ratio"):
+        ExtendConfig("adarope", 128, pose=True, retrieval_ratio=0.5)
+
+
+# ----------------------------------------------------------------------------- checkpointing
+def _grads(model, loss_of) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss_of(model).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _saved_bytes(model, loss_of) -> int:
+    """Bytes of distinct tensors autograd keeps for the backward outside checkpointed regions
+    (inside them torch's own hooks keep nothing; the block inputs a checkpoint holds are
+    counted below by the caller)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_of(model)
+    loss.backward()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("spec", ["adarope:l_ref=4", "rope", "alibi"])
+def test_decoder_checkpointing_gives_the_same_gradients_and_keeps_fewer_activations(spec):
+    model = tiny_decoder(spec).train()
+    ids = random_ids(2, 48)
+    positions = torch.cat((torch.arange(20), torch.arange(100, 128)))[None]  # a PoSE jump
+
+    def loss_of(m):
+        return causal_lm_loss(m, {"input_ids": ids, "labels": ids, "position_ids": positions})[0]
+
+    plain = _grads(model, loss_of)
+    plain_bytes = _saved_bytes(model, loss_of)
+    model.gradient_checkpointing_enable()
+    checkpointed = _grads(model, loss_of)
+    kept_bytes = _saved_bytes(model, loss_of)
+    assert plain.keys() == checkpointed.keys() and len(plain) > 10
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+    # Plus one (B, T, d) block input per layer, held by each checkpoint.
+    block_inputs = model.config.n_layers * ids.numel() * model.config.d_model * 4
+    print(f"\n{spec}: saved activations {plain_bytes:,} B -> {kept_bytes + block_inputs:,} B")
+    assert kept_bytes + block_inputs < 0.5 * plain_bytes
+    model.gradient_checkpointing_disable()
+    assert _saved_bytes(model, loss_of) == plain_bytes
+
+
+def test_decoder_checkpointing_reaches_frozen_backbones_positional_parameters():
+    """Positional-only training: no block input requires grad, and the non-reentrant
+    checkpoint still gives AdaRoPE its gradient (the reentrant one would give none)."""
+    model = tiny_decoder("adarope:l_ref=4").train()
+    model.requires_grad_(False)
+    model.encoding.requires_grad_(True)
+    ids = random_ids(1, 32)
+
+    def loss_of(m):
+        return causal_lm_loss(m, {"input_ids": ids, "labels": ids})[0]
+
+    plain = _grads(model, loss_of)
+    model.gradient_checkpointing_enable()
+    checkpointed = _grads(model, loss_of)
+    assert set(plain) == {n for n, _ in model.named_parameters() if n.startswith("encoding.")}
+    for name, grad in plain.items():
+        assert grad.abs().sum() > 0
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_decoder_checkpointing_is_inert_in_eval_without_grad_and_with_a_cache():
+    from ropekit.model import KVCache
+
+    model = tiny_decoder("adarope:l_ref=4")
+    ids = random_ids(1, 12)
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.gradient_checkpointing_enable()
+        model.train()
+        assert torch.equal(model(ids).logits, expected)
+        cache = KVCache()
+        first = model(ids[:, :8], cache=cache).logits
+        rest = model(ids[:, 8:], cache=cache).logits
+    torch.testing.assert_close(torch.cat((first, rest), 1), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_checkpointing_gives_the_same_gradients_and_turns_off_again():
+    model = tiny_hf("llama").train()
+    perturb(patch(model, "adarope:init=yarn,factor=4"))
+    ids = random_ids(2, 40, vocab=97)
+    positions = torch.cat((torch.arange(16), torch.arange(90, 114)))[None].expand(2, -1)
+    batch = {"input_ids": ids, "labels": ids, "position_ids": positions}
+
+    def loss_of(m):
+        return pose_loss(m, batch)[0]
+
+    plain = _grads(model, loss_of)
+    plain_bytes = _saved_bytes(model, loss_of)
+    disable = enable_grad_checkpointing(model)
+    assert model.model.layers[0].gradient_checkpointing
+    checkpointed = _grads(model, loss_of)
+    kept_bytes = _saved_bytes(model, loss_of)
+    assert plain.keys() == checkpointed.keys()
+    assert any("ropekit_encoding" in n for n in plain)
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    print(f"\ntiny llama: saved activations {plain_bytes:,} B -> {kept_bytes:,} B (+ inputs)")
+    assert kept_bytes < 0.5 * plain_bytes
+    disable()
+    assert not model.model.layers[0].gradient_checkpointing
+    assert not model.model.embed_tokens._forward_hooks  # the input-grad hook is gone too
+
+
+def test_hf_pose_batches_attend_across_the_jump():
+    """transformers reads a jump in position_ids as a new packed sequence when it gets
+    neither an attention mask nor a cache (use_cache=False, which activation checkpointing
+    forces in training): the second chunk would not see the first. ``pose_loss`` passes a
+    mask."""
+    model = tiny_hf("llama", use_cache=False)
+    patch(model, "yarn:factor=4")
+    ids = random_ids(1, 24, vocab=97)
+    other = ids.clone()
+    other[:, :8] = (other[:, :8] + 1) % 97  # change chunk 0 only
+    positions = torch.cat((torch.arange(8), torch.arange(100, 116)))[None]
+
+    def chunk1_logits(x, loss_fn):
+        seen = {}
+
+        def spy(**kwargs):
+            seen["kwargs"], out = kwargs, model(**kwargs)
+            seen["logits"] = out.logits
+            return out
+
+        with torch.no_grad():
+            loss_fn(spy, {"input_ids": x, "labels": x, "position_ids": positions})
+        return seen["logits"][:, 8:], seen["kwargs"]
+
+    # Without a mask chunk 1 ignores chunk 0 (the trap) ...
+    plain, _ = chunk1_logits(ids, causal_lm_loss)
+    torch.testing.assert_close(chunk1_logits(other, causal_lm_loss)[0], plain)
+    # ... with pose_loss it reads it.
+    masked, kwargs = chunk1_logits(ids, pose_loss)
+    assert not torch.allclose(chunk1_logits(other, pose_loss)[0], masked)
+    assert kwargs["attention_mask"].all() and kwargs["use_cache"] is False
+
+
+def test_extend_trains_a_hf_model_on_pose_windows_with_checkpointing(tmp_path):
+    """The library path on a Hugging Face model: PoSE windows of the model's training length
+    (32), positions up to the target, checkpointing on for training and off after."""
+    from ropekit.train.extend import encoding_of, extend
+
+    model = tiny_hf("llama", vocab_size=256, use_cache=False)
+    config = ExtendConfig(
+        "adarope:init=yarn,factor=4",
+        128,
+        samples=4,
+        epochs=2,
+        batch_size=2,
+        pose=True,
+        grad_checkpointing=True,
+    )
+    result = extend(model, config, tmp_path / "ext", tokenizer="bytes", log=lambda *a: None)
+    assert result.tokens == 4 * 2 * 32  # window = the model's training length
+    assert encoding_of(model).dxi.abs().sum() > 0
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    summary = json.loads(result.summary.read_text())
+    assert summary["pose_window"] == 32 and summary["config"]["grad_checkpointing"] is True
