@@ -1,21 +1,65 @@
 """`python -m benchmarks` (what `make bench` runs): every benchmark, a table of ratios, and
-benchmarks/results.json (name, ratio, target, note, device)."""
+benchmarks/results.json (name, ratio, target, note, device).
+
+`python -m benchmarks rotary memory` runs only the named modules (results.json keeps the
+other rows). Modules: rotary, training, memory, hf, evals.
+
+Threads: one by default (``--threads N`` to change). This machine is shared with long
+experiments; with two threads and other jobs on the two cores, OpenMP's parallel regions wait
+for a descheduled thread at every barrier, and a 0.65 s training step took 1.5-7 s, which no
+median makes comparable. Single-threaded, steps are slowed evenly by sharing and the
+side-by-side ratios repeat (within a few percent between runs).
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import platform
+import sys
+import time
 
 import torch
 
-from . import rotary
+from . import evals, hf, memory, rotary, training
 from .common import RESULTS, print_table, write_results
 
+MODULES = {
+    "rotary": rotary,
+    "training": training,
+    "memory": memory,
+    "hf": hf,
+    "evals": evals,
+}
 
-def main() -> None:
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("names", nargs="*", help=f"modules: {', '.join(MODULES)} (default: all)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    args = parser.parse_args(argv)
+    names = args.names or list(MODULES)
+    unknown = [n for n in names if n not in MODULES]
+    if unknown:
+        parser.error(f"unknown benchmark {unknown[0]!r}; allowed: {', '.join(MODULES)}")
+    if args.threads < 1:
+        parser.error(f"--threads={args.threads} is not allowed; it must be >= 1")
+    torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     label = torch.cuda.get_device_name() if device == "cuda" else f"cpu {platform.machine()}"
-    results = rotary.run(device)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    results = []
+    for name in names:
+        start = time.perf_counter()
+        results += MODULES[name].run(device)
+        print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    after = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"device: {label}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    if load is not None and after is not None:
+        print(
+            f"load average (1 min) {load[0]:.2f} at start, {after[0]:.2f} at end, "
+            f"on {os.cpu_count()} CPUs"
+        )
     print_table(results)
     write_results(results, label)
     print(f"wrote {RESULTS}")

@@ -1,6 +1,10 @@
-"""Timing helpers: ratios measured side by side in one run, never absolute thresholds.
+"""Timing and memory helpers: ratios measured side by side in one run, never absolute
+thresholds.
 
-Holds: best_time (median of repeats after warm-up), Result, write_results.
+Holds: best_time (median of repeats after warm-up), compare (candidates interleaved round by
+round, median of each: load that drifts during a run hits every candidate alike; compare_stats
+adds the minimum),
+peak_memory (peak bytes of torch allocations while a function runs), Result, write_results.
 """
 
 from __future__ import annotations
@@ -8,9 +12,11 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 RESULTS = Path(__file__).with_name("results.json")
 
@@ -25,6 +31,87 @@ def best_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> fl
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def compare(
+    candidates: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 1
+) -> dict[str, float]:
+    """Median wall time (s) of each candidate, run round-robin: round r times every candidate
+    once, so a change of machine load during the run falls on all of them."""
+    return {name: med for name, (med, _) in compare_stats(candidates, repeats, warmup).items()}
+
+
+def compare_stats(
+    candidates: dict[str, Callable[[], object]], repeats: int = 7, warmup: int = 1
+) -> dict[str, tuple[float, float]]:
+    """(median, minimum) wall time (s) of each candidate, run round-robin as in ``compare``.
+    The minimum is the run least disturbed by other jobs: a second view on a loaded machine."""
+    for _ in range(warmup):
+        for fn in candidates.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            _sync()
+            start = time.perf_counter()
+            fn()
+            _sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors``, each storage counted once."""
+    seen: dict[tuple, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
+def peak_memory(fn: Callable[[], object], device: str, live: Iterable[torch.Tensor] = ()) -> int:
+    """Peak bytes held by torch tensors while ``fn`` runs, counting the ``live`` tensors
+    (parameters, optimizer state) that exist before it.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (everything on the device). CPU: the torch
+    profiler's allocation events (every allocation and free by torch's CPU allocator, kernels'
+    internal buffers included), summed in time order; the peak of that running sum is added to
+    ``live``. Tensors made before ``fn`` and not in ``live`` are not counted, so call it with
+    gradients cleared (``zero_grad(set_to_none=True)``) and no stray references.
+    """
+    if device == "cuda":
+        _sync()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        _sync()
+        return torch.cuda.max_memory_allocated()
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    events.sort()
+    running = peak = 0
+    for _, size in events:
+        running += size
+        peak = max(peak, running)
+    return tensor_bytes(live) + peak
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 @dataclass

@@ -43,7 +43,7 @@ from .rope import (
     RopeConfig,
     YarnConfig,
 )
-from .rotary import angles, rotate, tables
+from .rotary import angles, rotate, rotate_angles, tables
 
 # Static schedules AdaFreq can start from (dynamic ones have no single set of frequencies).
 INIT_SCHEDULES: dict[str, type[RopeConfig]] = {
@@ -137,10 +137,10 @@ class _LearnedRotary(PositionEncoding):
         """theta (K|1, F) for one layer and the cos/sin attention factor."""
         raise NotImplementedError
 
-    def _tables(self, positions: Tensor, layer: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        theta, factor = self.inv_freq(layer)  # (K|1, F)
-        phi = angles(positions[:, None, :], theta[None].to(positions.device))  # (B, K|1, T, F)
-        return tables(phi, factor, dtype)
+    # True: the stored-table path (cos/sin built as autograd ops and kept for backward, for q
+    # and again for k in every layer); False: ``rotate_angles`` recomputes them in backward.
+    # Both give the same numbers; the stored path stays as the reference and for benchmarks.
+    stored_tables: bool = False
 
     def _check_heads(self, x: Tensor, expected: int, what: str) -> None:
         if x.shape[1] != expected:
@@ -148,20 +148,30 @@ class _LearnedRotary(PositionEncoding):
                 f"{what} has {x.shape[1]} heads (x {tuple(x.shape)}); expected {expected}"
             )
 
+    def _rotate(self, x: Tensor, positions: Tensor, query: bool, layer: int) -> Tensor:
+        """Keys (B, K, S, D), or queries (B, H, T, D) rotated per key head, group by group."""
+        theta, factor = self.inv_freq(layer)  # (K|1, F) float64
+        theta = theta.to(x.device)
+        if query:
+            x = x.unflatten(1, (theta.shape[0], -1))  # (B, K|1, g, T, D): the heads of one key
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if self.stored_tables:
+            phi = angles(positions[:, None, :], theta[None])  # (B|1, K|1, T, F)
+            cos, sin = tables(phi[:, :, None] if query else phi, factor, dtype)
+            out = rotate(x, cos, sin, self.pairing)
+        else:
+            out = rotate_angles(x, positions, theta, factor, self.pairing, dtype)
+        return out.flatten(1, 2) if query else out  # (B, H, T, D) or (B, K, S, D)
+
     def rotate_k(self, k: Tensor, positions: Tensor | None = None, layer: int = 0) -> Tensor:
         positions = resolve_positions(k, positions, "key")
         self._check_heads(k, self.n_kv_heads, "key")
-        dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
-        return rotate(k, *self._tables(positions, layer, dtype), self.pairing)
+        return self._rotate(k, positions, False, layer)
 
     def rotate_q(self, q: Tensor, positions: Tensor | None = None, layer: int = 0) -> Tensor:
         positions = resolve_positions(q, positions, "query")
         self._check_heads(q, self.n_heads, "query")
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        cos, sin = self._tables(positions, layer, dtype)  # (B, K|1, T, F)
-        grouped = q.unflatten(1, (cos.shape[1], -1))  # (B, K, g, T, D): the heads of one key
-        out = rotate(grouped, cos[:, :, None], sin[:, :, None], self.pairing).flatten(1, 2)
-        return self.scale_q(out, positions, layer)
+        return self.scale_q(self._rotate(q, positions, True, layer), positions, layer)
 
     def scale_q(self, q: Tensor, positions: Tensor, layer: int) -> Tensor:
         return q

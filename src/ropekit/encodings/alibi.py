@@ -45,11 +45,29 @@ class ALiBiConfig(EncodingConfig):
 
 
 class ALiBi(PositionEncoding):
+    # The bias is the same in every layer: a model may build it once per forward and share it.
+    layer_independent_bias: ClassVar[bool] = True
+
     def __init__(self, config: ALiBiConfig, **dims: int) -> None:
         super().__init__(config, **dims)
         self.register_buffer("slopes", alibi_slopes(self.n_heads).float(), persistent=False)
 
     def score_bias(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> Tensor:
-        """-m_h |i - j|: (B|1, H, T, S), Toeplitz in (i, j) and decreasing with distance."""
-        distance = (q_pos[:, None, :, None] - k_pos[:, None, None, :]).abs()  # (B, 1, T, S)
-        return -self.slopes[None, :, None, None] * distance.to(self.slopes.dtype)
+        """-m_h |i - j|: (B|1, H, T, S), Toeplitz in (i, j) and decreasing with distance.
+
+        One (B|1, 1, T, S) float32 temporary besides the result (not int64 ones): positions
+        are shifted to start at 0 and made float32 as vectors first, which keeps every distance
+        an exact integer while they span less than 2^24 (otherwise the outer difference is
+        taken in int64). The distance is then cast to the slopes' dtype, as before. Callers
+        wanting less memory ask for a block of query rows (q_pos[:, a:b]) at a time.
+        """
+        origin = torch.minimum(q_pos.min(), k_pos.min())
+        span = int(torch.maximum(q_pos.max(), k_pos.max()) - origin)
+        if span < 2**24:
+            q_f = (q_pos - origin).float()  # (B|1, T) exact integers
+            k_f = (k_pos - origin).float()  # (B|1, S)
+            distance = (q_f[:, None, :, None] - k_f[:, None, None, :]).abs_()  # (B, 1, T, S)
+        else:
+            distance = (q_pos[:, None, :, None] - k_pos[:, None, None, :]).abs()
+        distance = distance.to(self.slopes.dtype)
+        return distance * -self.slopes[None, :, None, None]  # (B|1, H, T, S)

@@ -17,6 +17,11 @@ Masking: attention is causal within a row. A position that does not exceed its p
 in ``position_ids`` starts a new document (packed rows), and tokens then attend only within
 their document; gaps (positions that jump forward) stay within one document.
 
+Score biases (ALiBi) never need an (H, T, S) tensor per layer: with autograd the masked bias is
+built once per forward and shared by the layers (``Visibility.score_bias``); without autograd
+and without probe hooks, attention runs in blocks of query rows, each with its own slice of the
+bias over the keys it can see (``Attention._attend_in_row_blocks``), so memory stays O(T).
+
 Analysis hook: every attention owns an identity child module ``attn.probe`` (a ``Probe``),
 called as ``q, k = self.probe(q, k, bias)`` just before SDPA. A standard forward hook,
 ``model.blocks[i].attn.probe.register_forward_hook(fn)``, is called as
@@ -51,6 +56,9 @@ from .cache import KVCache
 from .config import DecoderConfig
 
 IGNORE_INDEX = -100  # label value that carries no loss (PyTorch and Hugging Face convention)
+# Score biases outside autograd are built for blocks of query rows of at most max(q.numel(),
+# SCORE_BIAS_BLOCK) entries (Attention._attend_in_row_blocks): O(T) memory at long context.
+SCORE_BIAS_BLOCK = 1 << 20
 
 
 class Probe(nn.Module):
@@ -95,6 +103,39 @@ class Visibility:
                 allowed = (allowed & same)[:, None]  # (B|1, 1, T, S)
             self.allowed = allowed
 
+    def forbidden_rows(self, start: int, stop: int, keys: int) -> Tensor | None:
+        """``forbidden[..., start:stop, :keys]`` for a block of query rows; in the causal case
+        built for the block alone, never as the (T, S) mask."""
+        if self.allowed is not None:
+            return ~self.allowed[..., start:stop, :keys]
+        if self.causal:
+            ones = torch.ones(stop - start, keys, dtype=torch.bool, device=self.device)
+            return ones.triu(diagonal=start + 1)  # (rows, keys): key j > query i is hidden
+        return None
+
+    def score_bias(
+        self,
+        encoding: PositionEncoding,
+        positions: Tensor,
+        key_positions: Tensor,
+        layer: int,
+        dtype: torch.dtype,
+    ) -> Tensor | None:
+        """The encoding's bias in ``dtype`` with the mask folded in, (B|1, H, T, S) or None.
+        An encoding whose bias does not depend on the layer (``layer_independent_bias``, e.g.
+        ALiBi) gets it built once per forward and shared by every layer (autograd then keeps
+        one copy for backward, not one per layer)."""
+        shared = getattr(encoding, "layer_independent_bias", False)
+        biases = self.__dict__.setdefault("_biases", {})  # dtype -> the shared bias
+        if shared and dtype in biases:
+            return biases[dtype]
+        bias = encoding.score_bias(positions, key_positions, layer)  # (1|B, H, T, S)
+        if bias is not None:
+            bias = self.fold_into(bias.to(dtype))
+        if shared:
+            biases[dtype] = bias
+        return bias
+
     @functools.cached_property
     def forbidden(self) -> Tensor | None:
         """The complement of the mask, built once per forward and shared by every layer."""
@@ -105,13 +146,14 @@ class Visibility:
             return ones.triu(diagonal=1)  # (T, S)
         return None
 
-    def fold_into(self, bias: Tensor) -> Tensor:
-        """bias (B|1, H, T, S) with -inf where attention is forbidden.
+    def fold_into(self, bias: Tensor, forbidden: Tensor | None = None) -> Tensor:
+        """bias (B|1, H, T, S) with -inf where attention is forbidden (``self.forbidden``, or
+        the given block of it).
 
         In place when the bias already has the full shape, so a layer builds one (T, S)
         tensor, not a bias plus a float mask plus their sum.
         """
-        forbidden = self.forbidden
+        forbidden = self.forbidden if forbidden is None else forbidden
         if forbidden is None:
             return bias
         if torch.broadcast_shapes(bias.shape, forbidden.shape) == bias.shape:
@@ -159,10 +201,11 @@ class Attention(nn.Module):
             # unrotated) is rotated at this step's length, as a full forward would (KVCache).
             k = encoding.rotate_k(k, key_positions, self.layer)
 
-        bias = encoding.score_bias(positions, key_positions, self.layer)  # (1|B, H, T, S)
-        if bias is not None:
-            bias = visibility.fold_into(bias.to(q.dtype))
-        q, k = self.probe(q, k, bias)
+        if _has_score_bias(encoding) and not _needs_full_bias(self.probe, q, k, v):
+            y = self._attend_in_row_blocks(q, k, v, encoding, positions, key_positions, visibility)
+            return self.proj(y.transpose(1, 2).reshape(B, T, H * D))  # (B, T, d)
+        bias = visibility.score_bias(encoding, positions, key_positions, self.layer, q.dtype)
+        q, k = self.probe(q, k, bias)  # bias (1|B, H, T, S) or None
 
         y = F.scaled_dot_product_attention(
             q,
@@ -173,6 +216,69 @@ class Attention(nn.Module):
             enable_gqa=K != H,
         )  # (B, H, T, D)
         return self.proj(y.transpose(1, 2).reshape(B, T, H * D))  # (B, T, d)
+
+    def _attend_in_row_blocks(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        encoding: PositionEncoding,
+        positions: Tensor,
+        key_positions: Tensor,
+        visibility: Visibility,
+    ) -> Tensor:
+        """Biased attention without the (H, T, S) bias: blocks of query rows, each with the
+        bias of its rows over only the keys they can see (no autograd here, so nothing is
+        kept). Rows are independent in attention, so the result is the full call's."""
+        H, T = q.shape[1], q.shape[2]
+        S, past = k.shape[-2], k.shape[-2] - T
+        allowed = visibility.allowed
+        batch = max(positions.shape[0], key_positions.shape[0])
+        if allowed is not None and allowed.dim() == 4:
+            batch = max(batch, allowed.shape[0])  # (B|1, 1, T, S): folding broadcasts to B
+        # Bias entries per block: at most as many as q has (or SCORE_BIAS_BLOCK), so the bias
+        # never outgrows the activations.
+        rows = max(1, max(q.numel(), SCORE_BIAS_BLOCK) // (batch * H * S))
+        out = []
+        for start in range(0, T, rows):
+            stop = min(T, start + rows)
+            keys = min(S, past + stop)  # keys past the block's last query are all masked
+            bias = encoding.score_bias(
+                positions[:, start:stop], key_positions[:, :keys], self.layer
+            )  # (1|B, H, rows, keys)
+            mask = visibility.forbidden_rows(start, stop, keys)
+            if bias is None:
+                attn_mask = None if mask is None else ~mask
+            else:
+                attn_mask = visibility.fold_into(bias.to(q.dtype), mask)
+            out.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, start:stop],
+                    k[:, :, :keys],
+                    v[:, :, :keys],
+                    attn_mask=attn_mask,
+                    enable_gqa=self.n_kv_heads != H,
+                )
+            )  # (B, H, rows, D)
+        return out[0] if len(out) == 1 else torch.cat(out, dim=2)  # (B, H, T, D)
+
+
+def _has_score_bias(encoding: PositionEncoding) -> bool:
+    return type(encoding).score_bias is not PositionEncoding.score_bias
+
+
+def _needs_full_bias(probe: Probe, *tensors: Tensor) -> bool:
+    """Autograd must keep the bias for backward (built once, shared by the layers), or a hook
+    on the probe must see the whole of it: the row-block path serves neither."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return True
+    hooks = nn.modules.module
+    return bool(
+        probe._forward_hooks
+        or probe._forward_pre_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+    )
 
 
 class SwiGLU(nn.Module):
@@ -323,11 +429,41 @@ class Decoder(nn.Module):
         visibility = Visibility(positions, key_positions, packed)  # shared by every layer
 
         h = self.encoding.embed(self.embed(input_ids), positions)  # (B, T, d)
+        # Checkpointing only where activations would be kept for a backward: training, grad
+        # on, no cache (a cache's appended keys must not be appended again by a recompute).
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        recompute = recompute and cache is None
         for block in self.blocks:
-            h = block(h, self.encoding, positions, key_positions, visibility, cache)
+            args = (h, self.encoding, positions, key_positions, visibility, cache)
+            if recompute:
+                from torch.utils.checkpoint import checkpoint
+
+                h = checkpoint(block, *args, use_reentrant=False)
+            else:
+                h = block(*args)
         logits = self.lm_head(self.norm(h))  # (B, T, V)
         loss = None if labels is None else lm_loss(logits, labels)
         return DecoderOutput(logits=logits, loss=loss, cache=cache)
+
+    # Off by default; ``gradient_checkpointing_enable`` sets it on the instance.
+    gradient_checkpointing: bool = False
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Keep only each block's input in training and recompute the block in the backward.
+
+        Saved activations drop from every intermediate of every block (attention inputs,
+        q/k/v, SwiGLU hidden states: ~tens of (B, T, d) tensors per layer) to one (B, T, d)
+        tensor per layer, for about one extra forward per step (~30% more time). Worth it when
+        the sequence, not the weights, fills memory: long-context extension. Non-reentrant
+        ``torch.utils.checkpoint`` (``use_reentrant=False``), so gradients reach parameters
+        even when no block input requires grad (positional-only training freezes all of them).
+        Same switch name as transformers' ``PreTrainedModel``.
+        """
+        self.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        """Undo ``gradient_checkpointing_enable``."""
+        self.gradient_checkpointing = False
 
     @torch.no_grad()
     def generate(
