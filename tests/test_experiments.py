@@ -1,0 +1,141 @@
+"""Every experiment script runs end to end on tiny settings and writes its committed outputs.
+
+The scripts run as users run them (``python -m experiments.<name>.run``) in a subprocess,
+with a tiny config, their runs and results in tmp_path and the model cache there too, so the
+committed results next to the scripts are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_BASE = {
+    "context": 96,
+    "d_model": 32,
+    "n_layers": 2,
+    "n_heads": 2,
+    "recall_steps": 2,
+    "recall_batch_size": 2,
+    "base_steps": 2,
+    "batch_size": 2,
+    "warmup": 1,
+}
+TINY_EVAL = {
+    "eval_lengths": [96, 192],
+    "eval_windows": 1,
+    "tasks": ["passkey_shakespeare"],
+    "task_lengths": [96],
+    "depths": [0.5],
+    "samples_per_depth": 1,
+}
+
+
+def run_experiment(name: str, config: dict, tmp_path: Path) -> dict:
+    cfg_path = tmp_path / "config.json"
+    cfg_path.write_text(json.dumps(config))
+    results = tmp_path / "results"
+    env = os.environ | {"OMP_NUM_THREADS": "1", "ROPEKIT_CACHE": str(tmp_path / "cache")}
+    command = [
+        sys.executable, "-m", f"experiments.{name}.run", "--config", str(cfg_path),
+        "--runs", str(tmp_path / "runs"), "--results", str(results), "--threads", "1",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (results / "results.md").is_file()
+    return json.loads((results / "results.json").read_text())
+
+
+def finite(values) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+def test_extend_8x_scores_every_method_on_every_seed(tmp_path):
+    trained = {
+        "tuned-yarn": "tuned-yarn:factor=2",
+        "adarope-global": "adarope:init=yarn,factor=2,share_heads=true,share_layers=true",
+        "adarope-per-layer": "adarope:init=yarn,factor=2,share_heads=true",
+        "adarope-no-freq": "adarope:init=yarn,factor=2,freq=false",
+        "adarope-no-scale": "adarope:init=yarn,factor=2,scale=false",
+        "adarope": "adarope:init=yarn,factor=2",
+    }
+    config = {
+        "base": TINY_BASE,
+        "data": "shakespeare",
+        "factor": 2,
+        "samples": 2,
+        "lr_grid": [0.01, 0.03],
+        "selection_samples": 1,
+        "seeds": [0, 1],
+        "untuned": {"rope": "rope", "yarn": "yarn:factor=2"},
+        "trained": trained,
+        **TINY_EVAL,
+    }
+    result = run_experiment("extend_8x", config, tmp_path)
+    assert list(result["methods"]) == ["rope", "yarn", *trained]
+    for name, method in result["methods"].items():
+        assert set(method["bpb"]) == {"96", "192"}
+        assert method["runs"] == (2 if name in trained else 1)
+        assert finite(v for stat in method["bpb"].values() for v in stat["values"])
+    assert (
+        result["methods"]["adarope"]["trainable"] > result["methods"]["adarope-global"]["trainable"]
+    )
+    # The search tried every rate and kept the one with the lowest selection loss.
+    search = result["methods"]["adarope"]["lr_search"]
+    assert len(search) == 2
+    assert result["methods"]["adarope"]["lr"] == float(min(search, key=search.get))
+    assert "adarope - adarope-global" in result["paired_bpb_differences"]
+    for figure in ("bpb_vs_length.png", "nll_vs_position.png", "heatmap_passkey_shakespeare.png"):
+        assert (tmp_path / "results" / figure).stat().st_size > 0
+
+
+def test_two_stage_runs_every_recipe(tmp_path):
+    config = {
+        "base": TINY_BASE,
+        "data": "shakespeare",
+        "factor": 2,
+        "samples": 2,
+        "positional_lr": 0.01,
+        "lora_lr_grid": [0.003],
+        "selection_samples": 1,
+        "seeds": [0, 1],
+        "recipes": {
+            "yarn->lora": "yarn:factor=2",
+            "tuned-yarn->lora": "tuned-yarn:factor=2",
+            "adarope->lora": "adarope:init=yarn,factor=2",
+            "adarope->joint": "adarope:init=yarn,factor=2",
+        },
+        **TINY_EVAL,
+    }
+    result = run_experiment("two_stage", config, tmp_path)
+    recipes = result["recipes"]
+    assert recipes["yarn->lora"]["stage1_trainable"] == 0
+    assert recipes["adarope->lora"]["stage1_trainable"] > 0
+    # ->joint keeps training the encoding beside LoRA; ->lora trains LoRA alone.
+    joint, lora = recipes["adarope->joint"], recipes["adarope->lora"]
+    assert joint["stage2_trainable"] == lora["stage2_trainable"] + lora["stage1_trainable"]
+    assert finite(v for r in recipes.values() for s in r["bpb"].values() for v in s["values"])
+
+
+@pytest.mark.parametrize("encodings", [{"rope": "rope", "alibi": "alibi"}])
+def test_pretrain_encodings_scores_every_encoding(tmp_path, encodings):
+    config = {
+        "encodings": encodings,
+        "seeds": [0, 1],
+        "model": TINY_BASE,
+        "data": "shakespeare",
+        **TINY_EVAL,
+        "eval_lengths": [96, 192],
+    }
+    result = run_experiment("pretrain_encodings", config, tmp_path)
+    assert list(result["encodings"]) == list(encodings)
+    for entry in result["encodings"].values():
+        assert entry["bpb"]["96"]["n"] == 2
+        assert finite(entry["bpb"]["96"]["values"])
