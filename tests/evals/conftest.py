@@ -1,4 +1,5 @@
-"""Shared fixtures: tokenizers (bytes, a small BPE with BOS and a chat template) and models."""
+"""Shared fixtures: tokenizers (bytes, a small BPE with BOS and a chat template) and models,
+hand-built ones and a small ropekit Decoder really trained to retrieve."""
 
 from __future__ import annotations
 
@@ -9,6 +10,25 @@ from ropekit.data import ByteTokenizer, HFTokenizer
 from ropekit.evals import DecoderLM
 
 from .models import SuffixCopyLM
+
+# The trained retriever (`trained_retriever`): `ropekit demo`'s two-stage base-model recipe
+# (`DemoConfig.base_stages`) on a smaller model, with fewer steps. Found by experiment: the copy
+# circuit forms around step 175 of the recall stage (its loss drops from a plateau of ~1.3 to
+# ~0.3); a narrower (d_model 64 or 96) or shallower (2 layers) model, passkey records alone (no
+# kv), or a recall stage at 128 bytes did not form it within 400-800 steps. Trained on recall
+# alone, the model read 5-digit keys imprecisely in some needle layouts (0.5-1.0 at 96 bytes
+# over perturbed runs); the short mixture stage at 128 made it 0.95-1.0 at 128 in every
+# perturbed run (weights nudged by 1e-5 at init, to stand in for another CPU's rounding).
+RETRIEVER_SHAPE = {"d_model": 128, "n_layers": 3, "n_heads": 4}
+RETRIEVER_LENGTH = 128  # bytes: the training length (of the last stage)
+# name, context, steps, share of samples with a retrieval record, warmup steps, min_lr_ratio
+RETRIEVER_STAGES = (
+    # Every sample a record (passkey or one kv fact) at a context the record and its question
+    # nearly fill, constant learning rate: where the copy circuit forms.
+    ("recall", 96, 250, 1.0, 50, 1.0),
+    # Shakespeare at the training length, half the samples with a record, cosine decay.
+    ("mixture", RETRIEVER_LENGTH, 100, 0.5, 0, 0.1),
+)
 
 # Simplest chat template: a BOS, a user turn, and the assistant's turn opened.
 CHAT_TEMPLATE = (
@@ -67,3 +87,45 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def trained_retriever(tmp_path_factory):
+    """A byte-level RoPE `Decoder` trained with the library's loop on the synthetic retrieval
+    mixture (`RETRIEVER_STAGES`), in eval mode; its training length is
+    ``config.context_length``. Seeded; trained once per test module that uses it (about 50 s
+    on one thread), into a tmp folder only."""
+    from ropekit.data import RetrievalConfig, make_train_dataset
+    from ropekit.model import Decoder, DecoderConfig
+    from ropekit.train import TrainConfig, train
+
+    out = tmp_path_factory.mktemp("trained_retriever")
+    threads = torch.get_num_threads()  # module fixtures start before `one_thread`
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = Decoder(
+            DecoderConfig(**RETRIEVER_SHAPE, encoding="rope", context_length=RETRIEVER_LENGTH)
+        )
+        for name, context, steps, ratio, warmup, min_lr_ratio in RETRIEVER_STAGES:
+            retrieval = RetrievalConfig(
+                ratio=ratio, kinds=("passkey", "kv"), n_facts=1, answer_weight=20.0
+            )
+            dataset = make_train_dataset(
+                "shakespeare", "bytes", context, retrieval=retrieval, seed=0
+            )
+            config = TrainConfig(
+                out_dir=out / name,
+                steps=steps,
+                batch_size=16,
+                lr=1e-3,
+                warmup_steps=warmup,
+                min_lr_ratio=min_lr_ratio,
+                seed=0,
+                checkpoint_interval=steps,  # one checkpoint, at the end
+                keep_last=1,
+            )
+            train(model, dataset, config)
+    finally:
+        torch.set_num_threads(threads)
+    return model.eval()
