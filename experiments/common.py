@@ -274,3 +274,22 @@ def extension_job(
     }
     write_json(record_path, record)
     return model, record
+
+
+def parse_args(doc: str, here: Path, runs: Path) -> tuple[Any, dict[str, Any]]:
+    """Every experiment's command line (config, runs folder, results folder, threads): parses
+    it, creates the results folder, sets torch's thread count and reads the config."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=here / "config.json")
+    parser.add_argument("--runs", type=Path, default=runs, help="training runs go here")
+    parser.add_argument("--results", type=Path, default=here, help="committed results go here")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    args.results.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    return args, read_json(args.config)

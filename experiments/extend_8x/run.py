@@ -21,7 +21,6 @@ figures are written next to this file.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from experiments.common import (
     extension_job,
     fmt,
     markdown_table,
+    parse_args,
     plot_heatmaps,
     read_json,
     run_eval,
@@ -234,19 +234,8 @@ def _plot_bpb(result: dict[str, Any], path: Path, train_length: int) -> None:
 
 def main() -> None:
     global RUNS, HERE
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=HERE / "config.json")
-    parser.add_argument("--runs", type=Path, default=RUNS, help="training runs go here")
-    parser.add_argument("--results", type=Path, default=HERE, help="committed results go here")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args, cfg = parse_args(__doc__, HERE, RUNS)
     RUNS, HERE = args.runs, args.results
-    HERE.mkdir(parents=True, exist_ok=True)
-
-    import torch
-
-    torch.set_num_threads(args.threads)
-    cfg = read_json(args.config)
     start = time.perf_counter()
     base_dir, base, reused = base_model(cfg["base"])
     rows = [run_untuned(cfg, base_dir, n, s) for n, s in cfg["untuned"].items()]

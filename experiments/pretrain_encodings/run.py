@@ -16,7 +16,6 @@ results.md and the figure are written next to this file.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from experiments.common import (
     evaluate,
     fmt,
     markdown_table,
+    parse_args,
     read_json,
     summarize,
     write_json,
@@ -154,21 +154,10 @@ def write_outputs(result: dict[str, Any]) -> str:
 
 def main() -> None:
     global RUNS, HERE
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=HERE / "config.json")
-    parser.add_argument("--runs", type=Path, default=RUNS, help="models and scores go here")
-    parser.add_argument("--results", type=Path, default=HERE, help="committed results go here")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args, cfg = parse_args(__doc__, HERE, RUNS)
     RUNS, HERE = args.runs, args.results
-    HERE.mkdir(parents=True, exist_ok=True)
     # The recipe caches its models under $ROPEKIT_CACHE; keep this experiment's with its runs.
     os.environ["ROPEKIT_CACHE"] = str((RUNS / "models").resolve())
-
-    import torch
-
-    torch.set_num_threads(args.threads)
-    cfg = read_json(args.config)
     rows = [
         job(cfg, name, spec, seed)
         for seed in cfg["seeds"]

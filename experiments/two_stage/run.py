@@ -17,7 +17,6 @@ Runs go to runs/experiments/two_stage/ (not committed); results are written next
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from experiments.common import (
     extension_job,
     fmt,
     markdown_table,
+    parse_args,
     read_json,
     run_eval,
     summarize,
@@ -173,19 +173,8 @@ def write_outputs(result: dict[str, Any]) -> str:
 
 def main() -> None:
     global RUNS, HERE
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=HERE / "config.json")
-    parser.add_argument("--runs", type=Path, default=RUNS, help="training runs go here")
-    parser.add_argument("--results", type=Path, default=HERE, help="committed results go here")
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args, cfg = parse_args(__doc__, HERE, RUNS)
     RUNS, HERE = args.runs, args.results
-    HERE.mkdir(parents=True, exist_ok=True)
-
-    import torch
-
-    torch.set_num_threads(args.threads)
-    cfg = read_json(args.config)
     start = time.perf_counter()
     base_dir, _, _ = base_model(cfg["base"])
     rows = []
