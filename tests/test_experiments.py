@@ -38,11 +38,15 @@ TINY_EVAL = {
 }
 
 
-def run_experiment(name: str, config: dict, tmp_path: Path) -> dict:
+def run_experiment(name: str, config: dict, tmp_path: Path, own_cache: bool = True) -> dict:
+    """``own_cache``: models go to a cache in tmp_path (False: the user cache, where an
+    installed Hugging Face model is reused instead of copied again)."""
     cfg_path = tmp_path / "config.json"
     cfg_path.write_text(json.dumps(config))
     results = tmp_path / "results"
-    env = os.environ | {"OMP_NUM_THREADS": "1", "ROPEKIT_CACHE": str(tmp_path / "cache")}
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    if own_cache:
+        env["ROPEKIT_CACHE"] = str(tmp_path / "cache")
     command = [
         sys.executable, "-m", f"experiments.{name}.run", "--config", str(cfg_path),
         "--runs", str(tmp_path / "runs"), "--results", str(results), "--threads", "1",
@@ -139,3 +143,44 @@ def test_pretrain_encodings_scores_every_encoding(tmp_path, encodings):
     for entry in result["encodings"].values():
         assert entry["bpb"]["96"]["n"] == 2
         assert finite(entry["bpb"]["96"]["values"])
+
+
+def test_smollm2_16k_scores_every_method(tmp_path):
+    """The real model at toy lengths: PoSE windows of 32 tokens whose positions span 16k,
+    perplexity at 32/64 tokens, the tasks at 192."""
+    config = {
+        "model": "smollm2-135m",
+        "data": "shakespeare",
+        "target_length": 16384,
+        "train": {"samples": 2, "pose_window": 32, "lr": 0.02, "seed": 0,
+                  "grad_checkpointing": True},
+        "untuned": {"rope": "rope", "dynamic-ntk": "dynamic-ntk:factor=2",
+                    "yarn-x2": "yarn:factor=2"},
+        "trained": {"tuned-yarn": "tuned-yarn:factor=2",
+                    "adarope-global": "adarope:init=yarn,factor=2,share_heads=true,"
+                                      "share_layers=true"},
+        "eval_lengths": [32, 64],
+        "eval_spans": 1,
+        "eval_seed": 0,
+        "tasks": ["passkey"],
+        "task_lengths": [192],
+        "depths": [0.5],
+        "samples_per_depth": 1,
+    }  # fmt: skip
+    result = run_experiment("smollm2_16k", config, tmp_path, own_cache=False)
+    methods = result["methods"]
+    assert list(methods) == ["rope", "dynamic-ntk", "yarn-x2", "tuned-yarn", "adarope-global"]
+    for name, m in methods.items():
+        ppl = m["perplexity"]
+        assert finite(ppl[n]["perplexity"] for n in ("32", "64")), name
+        assert finite(ppl[n]["last_quarter_perplexity"] for n in ("32", "64")), name
+        assert 0.0 <= m["tasks"]["192"]["passkey"]["score"] <= 1.0
+    # Dynamic NTK leaves the original window alone; YaRN changes it.
+    for n in ("32", "64"):
+        rope = methods["rope"]["perplexity"][n]["perplexity"]
+        assert methods["dynamic-ntk"]["perplexity"][n]["perplexity"] == pytest.approx(rope)
+        assert methods["yarn-x2"]["perplexity"][n]["perplexity"] != pytest.approx(rope)
+    assert methods["tuned-yarn"]["trainable"] == 4
+    assert methods["adarope-global"]["trainable"] == 32 + 2  # one schedule, one temperature
+    for name in ("tuned-yarn", "adarope-global"):
+        assert methods[name]["extend_s"] > 0 and len(methods[name]["losses"]) == 2

@@ -1,0 +1,363 @@
+"""Experiment D: a real model extended. SmolLM2-135M (a Llama-architecture RoPE model trained
+at 8,192 tokens, installed offline from its package) taken to 16,384 tokens.
+
+    python -m experiments.smollm2_16k.run        # everything; finished pieces are reused
+
+Methods: the unmodified model, untuned schedules (linear, NTK-aware, dynamic NTK, YaRN x2 and
+x4) and three trained with the backbone frozen: tuned-yarn (YaRN's 4 global knobs), AdaRoPE
+shared across heads and layers (the review's global control) and AdaRoPE. Every trained method
+sees the same 16 training samples of 16,384 tokens from the Shakespeare training plays, as
+PoSE windows (Zhu et al. 2023) of 2,048 tokens whose positions span 16,384, with gradient
+checkpointing, at one learning rate (no search: one step costs ~30 s on 2 cores).
+
+Evaluation, identical for every method: perplexity on the same span of the held-out plays
+(Hamlet, Much Ado, Richard III, The Winter's Tale; never trained on) at 2k, 8k and 16k tokens,
+whole window and last quarter, then passkey (noise haystack) and needle (essay haystack)
+at 8k and 16k. The work runs cheapest-first in stages (untuned perplexity, training and
+trained perplexity, tasks at 8k, tasks at 16k) and the results files are rewritten after
+each stage, so an interrupted run leaves honest partial results ("-" where not run).
+
+On a GPU the same command runs there (the model is moved to CUDA; training follows it).
+Runs go to runs/experiments/smollm2_16k/ (not committed); results.json, results.md and the
+figures are written next to this file.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from experiments.common import fmt, markdown_table, parse_args, read_json, write_json
+
+HERE = Path(__file__).resolve().parent
+RUNS = Path("runs/experiments/smollm2_16k")
+
+
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def open_model(cfg: dict[str, Any]) -> tuple[Any, Any]:
+    """A fresh copy of the base model (float32) and its ropekit tokenizer."""
+    from ropekit.hf import install_model
+    from ropekit.loading import load_any
+
+    install_model(cfg["model"])
+    loaded = load_any(cfg["model"])
+    return loaded.model.to(device()), loaded.tokenizer
+
+
+def method_model(cfg: dict[str, Any], name: str) -> tuple[Any, Any, dict[str, Any]]:
+    """The model of one method, ready to score: untuned ones patched, trained ones trained
+    (or reloaded from their finished run). Returns it with its training record."""
+    from ropekit.hf import patch
+    from ropekit.train.extend import ExtendConfig, extend, load_adapter
+
+    model, tokenizer = open_model(cfg)
+    folder = RUNS / name
+    if name in cfg["untuned"]:
+        spec = cfg["untuned"][name]
+        if spec != "rope":  # "rope" is the unmodified model: transformers' own attention
+            patch(model, spec)
+        return model, tokenizer, {"spec": spec, "trainable": {"total": 0}, "extend_s": 0.0}
+    record_path = folder / "job.json"
+    if record_path.exists():
+        load_adapter(model, folder)
+        return model, tokenizer, read_json(record_path)
+    train = cfg["train"]
+    config = ExtendConfig(
+        method=cfg["trained"][name],
+        target_length=cfg["target_length"],
+        samples=train["samples"],
+        lr=train["lr"],
+        seed=train["seed"],
+        data=cfg["data"],
+        pose=True,
+        pose_window=train["pose_window"],
+        grad_checkpointing=train["grad_checkpointing"],
+    )
+    print(f"  {name}: training {config.method} ({config.samples} PoSE samples)", flush=True)
+    result = extend(model, config, folder, tokenizer=tokenizer, overwrite=True, log=print)
+    summary = read_json(folder / "extend.json")
+    record = {
+        "spec": result.spec,
+        "trainable": result.trainable,
+        "final_loss": result.final_loss,
+        "tokens": result.tokens,
+        "extend_s": result.elapsed_s,
+        "device": device(),
+        "losses": _losses(folder),
+        "config": summary["config"],
+    }
+    write_json(record_path, record)
+    return model.eval(), tokenizer, record
+
+
+def _losses(folder: Path) -> list[float]:
+    """The training loss by step, from the loop's metrics log."""
+    import json
+
+    path = folder / "train" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def score_perplexity(cfg: dict[str, Any], name: str, model: Any, tokenizer: Any, spec: str):
+    from ropekit.evals import run_perplexity
+
+    path = RUNS / name / "perplexity.json"
+    if path.exists():
+        return read_json(path)
+    print(f"  {name}: perplexity at {cfg['eval_lengths']}", flush=True)
+    start = time.perf_counter()
+    result = run_perplexity(
+        model.eval(),
+        tokenizer,
+        RUNS / name / "ppl",
+        lengths=cfg["eval_lengths"],
+        data=cfg["data"],
+        n_tokens=cfg["eval_spans"] * max(cfg["eval_lengths"]),
+        seed=cfg["eval_seed"],
+        batch_tokens=max(cfg["eval_lengths"]),
+        spec=spec,
+        progress=False,
+    )
+    out = {
+        str(r["length"]): {
+            "perplexity": r["perplexity"],
+            "nll": r["nll"],
+            "last_quarter_nll": r["last_quarter_nll"],
+            "last_quarter_perplexity": _exp(r["last_quarter_nll"]),
+            "windows": r["windows"],
+            "tokens": r["tokens"],
+            "position_nll": r["position_nll"],
+        }
+        for r in result["results"]
+    } | {"eval_s": time.perf_counter() - start, "start": result["start"]}
+    write_json(path, out)
+    return out
+
+
+def _exp(x: float | None) -> float | None:
+    import math
+
+    return None if x is None else math.exp(x)
+
+
+def score_tasks(cfg: dict[str, Any], name: str, model: Any, tokenizer: Any, spec: str, n: int):
+    from ropekit.evals import run_tasks
+
+    path = RUNS / name / f"tasks-{n}.json"
+    if path.exists():
+        return read_json(path)
+    print(f"  {name}: {', '.join(cfg['tasks'])} at {n}", flush=True)
+    start = time.perf_counter()
+    summary = run_tasks(
+        model.eval(),
+        tokenizer,
+        list(cfg["tasks"]),
+        RUNS / name / f"tasks-{n}",
+        lengths=[n],
+        samples=cfg["samples_per_depth"],
+        depths=cfg["depths"],
+        seed=0,
+        batch_size=1,
+        spec=spec,
+        progress=False,
+        overwrite=True,
+    )
+    out = {
+        task: {"score": entry["scores"][0]["score"], "samples": entry["scores"][0].get("n")}
+        for task, entry in summary["tasks"].items()
+    } | {"eval_s": time.perf_counter() - start}
+    write_json(path, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- stages
+def names(cfg: dict[str, Any]) -> list[str]:
+    return list(cfg["untuned"]) + list(cfg["trained"])
+
+
+def done(name: str, piece: str) -> bool:
+    return (RUNS / name / piece).exists()
+
+
+def run_stage(cfg: dict[str, Any], methods: list[str], pieces: list[Any]) -> None:
+    """Score ``pieces`` ("perplexity" or a task length) for ``methods``, opening (and, for a
+    trained method, training) each model only when something is left to do."""
+    for name in methods:
+        todo = [p for p in pieces if not done(name, _file(p))]
+        if not todo:
+            continue
+        model, tokenizer, record = method_model(cfg, name)
+        for piece in todo:
+            if piece == "perplexity":
+                score_perplexity(cfg, name, model, tokenizer, record["spec"])
+            else:
+                score_tasks(cfg, name, model, tokenizer, record["spec"], piece)
+        del model
+
+
+def _file(piece: Any) -> str:
+    return "perplexity.json" if piece == "perplexity" else f"tasks-{piece}.json"
+
+
+def collect(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Everything finished so far, per method."""
+    methods = {}
+    for name in names(cfg):
+        folder = RUNS / name
+        job = read_json(folder / "job.json") if (folder / "job.json").exists() else {}
+        untuned = name in cfg["untuned"]
+        entry: dict[str, Any] = {
+            "spec": job.get("spec", cfg["untuned"].get(name) or cfg["trained"][name]),
+            "trained": not untuned,
+            "trainable": 0 if untuned else job.get("trainable", {}).get("total"),
+            "extend_s": 0.0 if untuned else job.get("extend_s"),
+            "final_loss": job.get("final_loss"),
+            "losses": job.get("losses"),
+            "perplexity": None,
+            "tasks": {},
+            "eval_s": 0.0,
+        }
+        if (folder / "perplexity.json").exists():
+            ppl = read_json(folder / "perplexity.json")
+            entry["eval_s"] += ppl.pop("eval_s")
+            ppl.pop("start", None)
+            entry["perplexity"] = ppl
+        for n in cfg["task_lengths"]:
+            if (folder / f"tasks-{n}.json").exists():
+                tasks = read_json(folder / f"tasks-{n}.json")
+                entry["eval_s"] += tasks.pop("eval_s")
+                entry["tasks"][str(n)] = tasks
+        methods[name] = entry
+    return methods
+
+
+def write_outputs(cfg: dict[str, Any], methods: dict[str, Any], extra: dict[str, Any]) -> str:
+    lengths = [str(n) for n in cfg["eval_lengths"]]
+    base = (methods.get("rope") or {}).get("perplexity")
+
+    def ppl(m: dict[str, Any], n: str, key: str) -> str:
+        p = m["perplexity"]
+        return "-" if p is None else f"{p[n][key]:.2f}"
+
+    def vs_base(m: dict[str, Any], n: str) -> str:
+        p = m["perplexity"]
+        if p is None or base is None:
+            return "-"
+        return f"{100 * (p[n]['perplexity'] / base[n]['perplexity'] - 1):+.1f}%"
+
+    header = (
+        ["method", "trained params", "train time"]
+        + [f"ppl @{n}" for n in lengths]
+        + [f"last-quarter ppl @{n}" for n in lengths]
+        + [f"vs rope @{lengths[0]}"]
+    )
+    rows = []
+    for name, m in methods.items():
+        trained = m["trainable"]
+        rows.append(
+            [f"`{name}`", "-" if trained is None else f"{trained:,}", _minutes(m["extend_s"])]
+            + [ppl(m, n, "perplexity") for n in lengths]
+            + [ppl(m, n, "last_quarter_perplexity") for n in lengths]
+            + [vs_base(m, lengths[0])]
+        )
+    tables = [markdown_table(header, rows)]
+    task_header = ["method"] + [f"{t} @{n}" for n in cfg["task_lengths"] for t in cfg["tasks"]]
+    task_rows = [
+        [f"`{name}`"]
+        + [
+            "-"
+            if str(n) not in m["tasks"]
+            else fmt({"mean": m["tasks"][str(n)][t]["score"], "n": 1}, percent=True)
+            for n in cfg["task_lengths"]
+            for t in cfg["tasks"]
+        ]
+        for name, m in methods.items()
+    ]
+    tables.append(markdown_table(task_header, task_rows))
+    text = "\n\n".join(tables) + "\n"
+    (HERE / "results.md").write_text(text)
+    write_json(HERE / "results.json", {"config": cfg, "methods": methods} | extra)
+    _plot(cfg, methods)
+    return text
+
+
+def _minutes(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return "0" if not seconds else f"{seconds / 60:.1f} min"
+
+
+def _plot(cfg: dict[str, Any], methods: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scored = {k: m for k, m in methods.items() if m["perplexity"] is not None}
+    if not scored:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
+    xs = cfg["eval_lengths"]
+    longest = str(max(xs))
+    for name, m in scored.items():
+        style = "-" if m["trained"] else "--"
+        left.plot(
+            xs,
+            [m["perplexity"][str(n)]["perplexity"] for n in xs],
+            style,
+            marker="o",
+            label=name,
+        )
+        curve = m["perplexity"][longest]["position_nll"]
+        mids = [(a + b) / 2 for a, b in zip(curve["start"], curve["stop"], strict=True)]
+        right.plot(mids, curve["nll"], style, label=name)
+    original = 8192
+    for ax in (left, right):
+        ax.axvline(original, color="k", ls=":", lw=1)
+        ax.set_xscale("log")
+    left.set(
+        xlabel="evaluation length (tokens)",
+        ylabel="held-out perplexity",
+        yscale="log",
+        title="SmolLM2-135M: perplexity by window length",
+    )
+    left.set_xticks(xs, [str(n) for n in xs])
+    right.set(
+        xlabel="position in the 16k window",
+        ylabel="NLL (nats)",
+        title="NLL by position at 16k (log-spaced bins)",
+    )
+    right.set_ylim(top=min(right.get_ylim()[1], 6.0))
+    left.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(HERE / "perplexity.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    global RUNS, HERE
+    args, cfg = parse_args(__doc__, HERE, RUNS)
+    RUNS, HERE = args.runs, args.results
+    start = time.perf_counter()
+    stages = [
+        ("untuned perplexity", list(cfg["untuned"]), ["perplexity"]),
+        ("training + trained perplexity", list(cfg["trained"]), ["perplexity"]),
+    ] + [(f"tasks at {n}", names(cfg), [n]) for n in cfg["task_lengths"]]
+    for title, methods, pieces in stages:
+        print(f"stage: {title}", flush=True)
+        run_stage(cfg, methods, pieces)
+        extra = {"device": device(), "wall_s_this_invocation": time.perf_counter() - start}
+        print(write_outputs(cfg, collect(cfg), extra), flush=True)
+
+
+if __name__ == "__main__":
+    main()
