@@ -152,7 +152,7 @@ def test_smollm2_16k_scores_every_method(tmp_path):
         "model": "smollm2-135m",
         "data": "shakespeare",
         "target_length": 16384,
-        "train": {"samples": 2, "pose_window": 32, "lr": 0.02, "seed": 0,
+        "train": {"samples": 2, "pose_window": 32, "lr": 0.02, "seeds": [0, 1],
                   "grad_checkpointing": True},
         "untuned": {"rope": "rope", "dynamic-ntk": "dynamic-ntk:factor=2",
                     "yarn-x2": "yarn:factor=2"},
@@ -171,16 +171,23 @@ def test_smollm2_16k_scores_every_method(tmp_path):
     methods = result["methods"]
     assert list(methods) == ["rope", "dynamic-ntk", "yarn-x2", "tuned-yarn", "adarope-global"]
     for name, m in methods.items():
-        ppl = m["perplexity"]
-        assert finite(ppl[n]["perplexity"] for n in ("32", "64")), name
-        assert finite(ppl[n]["last_quarter_perplexity"] for n in ("32", "64")), name
+        for n in ("32", "64"):
+            stats = m["perplexity"][n]
+            assert finite(stats[k]["mean"] for k in ("perplexity", "last_quarter_perplexity"))
+            assert stats["perplexity"]["n"] == (2 if m["trained"] else 1), name
         assert 0.0 <= m["tasks"]["192"]["passkey"]["score"] <= 1.0
     # Dynamic NTK leaves the original window alone; YaRN changes it.
     for n in ("32", "64"):
-        rope = methods["rope"]["perplexity"][n]["perplexity"]
-        assert methods["dynamic-ntk"]["perplexity"][n]["perplexity"] == pytest.approx(rope)
-        assert methods["yarn-x2"]["perplexity"][n]["perplexity"] != pytest.approx(rope)
+        rope = methods["rope"]["perplexity"][n]["perplexity"]["mean"]
+        assert methods["dynamic-ntk"]["perplexity"][n]["perplexity"]["mean"] == pytest.approx(rope)
+        assert methods["yarn-x2"]["perplexity"][n]["perplexity"]["mean"] != pytest.approx(rope)
     assert methods["tuned-yarn"]["trainable"] == 4
     assert methods["adarope-global"]["trainable"] == 32 + 2  # one schedule, one temperature
     for name in ("tuned-yarn", "adarope-global"):
-        assert methods[name]["extend_s"] > 0 and len(methods[name]["losses"]) == 2
+        runs = methods[name]["runs"]
+        assert [r["seed"] for r in runs] == [0, 1]
+        assert all(r["extend_s"] > 0 and len(r["losses"]) == 2 for r in runs)
+        # Seeds draw different samples and positions: the runs differ.
+        assert runs[0]["losses"] != runs[1]["losses"]
+    paired = result["paired_perplexity_differences"]["adarope-global - tuned-yarn"]
+    assert paired["64"]["n"] == 2

@@ -8,14 +8,16 @@ x4) and three trained with the backbone frozen: tuned-yarn (YaRN's 4 global knob
 shared across heads and layers (the review's global control) and AdaRoPE. Every trained method
 sees the same 16 training samples of 16,384 tokens from the Shakespeare training plays, as
 PoSE windows (Zhu et al. 2023) of 2,048 tokens whose positions span 16,384, with gradient
-checkpointing, at one learning rate (no search: one step costs ~30 s on 2 cores).
+checkpointing, at one learning rate (no search), for three seeds (a seed draws the samples
+and the PoSE positions, the same for every method: differences are paired by seed).
 
 Evaluation, identical for every method: perplexity on the same span of the held-out plays
 (Hamlet, Much Ado, Richard III, The Winter's Tale; never trained on) at 2k, 8k and 16k tokens,
 whole window and last quarter, then passkey (noise haystack) and needle (essay haystack)
-at 8k and 16k. The work runs cheapest-first in stages (untuned perplexity, training and
-trained perplexity, tasks at 8k, tasks at 16k) and the results files are rewritten after
-each stage, so an interrupted run leaves honest partial results ("-" where not run).
+at 8k and 16k (trained methods: their first seed). The work runs in stages, the must-haves
+first (untuned perplexity, training and perplexity of the first seed, tasks at 8k, tasks at
+16k, the other seeds) and the results files are rewritten after each stage, so an
+interrupted run leaves honest partial results ("-" where not run).
 
 On a GPU the same command runs there (the model is moved to CUDA; training follows it).
 Runs go to runs/experiments/smollm2_16k/ (not committed); results.json, results.md and the
@@ -28,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.common import fmt, markdown_table, parse_args, read_json, write_json
+from experiments.common import fmt, markdown_table, parse_args, read_json, summarize, write_json
 
 HERE = Path(__file__).resolve().parent
 RUNS = Path("runs/experiments/smollm2_16k")
@@ -50,14 +52,22 @@ def open_model(cfg: dict[str, Any]) -> tuple[Any, Any]:
     return loaded.model.to(device()), loaded.tokenizer
 
 
-def method_model(cfg: dict[str, Any], name: str) -> tuple[Any, Any, dict[str, Any]]:
-    """The model of one method, ready to score: untuned ones patched, trained ones trained
-    (or reloaded from their finished run). Returns it with its training record."""
+def job_folder(cfg: dict[str, Any], name: str, seed: int | None) -> Path:
+    """Where a job lives: runs/<method> for an untuned method, runs/<method>/s<seed> for a
+    trained one."""
+    return RUNS / name if name in cfg["untuned"] else RUNS / name / f"s{seed}"
+
+
+def method_model(
+    cfg: dict[str, Any], name: str, seed: int | None
+) -> tuple[Any, Any, dict[str, Any]]:
+    """The model of one job, ready to score: untuned methods patched, trained ones trained at
+    ``seed`` (or reloaded from the finished run). Returns it with its training record."""
     from ropekit.hf import patch
     from ropekit.train.extend import ExtendConfig, extend, load_adapter
 
     model, tokenizer = open_model(cfg)
-    folder = RUNS / name
+    folder = job_folder(cfg, name, seed)
     if name in cfg["untuned"]:
         spec = cfg["untuned"][name]
         if spec != "rope":  # "rope" is the unmodified model: transformers' own attention
@@ -73,13 +83,13 @@ def method_model(cfg: dict[str, Any], name: str) -> tuple[Any, Any, dict[str, An
         target_length=cfg["target_length"],
         samples=train["samples"],
         lr=train["lr"],
-        seed=train["seed"],
+        seed=seed,
         data=cfg["data"],
         pose=True,
         pose_window=train["pose_window"],
         grad_checkpointing=train["grad_checkpointing"],
     )
-    print(f"  {name}: training {config.method} ({config.samples} PoSE samples)", flush=True)
+    print(f"  {name}, seed {seed}: training {config.method} ({config.samples} PoSE samples)")
     result = extend(model, config, folder, tokenizer=tokenizer, overwrite=True, log=print)
     summary = read_json(folder / "extend.json")
     record = {
@@ -88,6 +98,7 @@ def method_model(cfg: dict[str, Any], name: str) -> tuple[Any, Any, dict[str, An
         "final_loss": result.final_loss,
         "tokens": result.tokens,
         "extend_s": result.elapsed_s,
+        "seed": seed,
         "device": device(),
         "losses": _losses(folder),
         "config": summary["config"],
@@ -107,18 +118,18 @@ def _losses(folder: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def score_perplexity(cfg: dict[str, Any], name: str, model: Any, tokenizer: Any, spec: str):
+def score_perplexity(cfg: dict[str, Any], folder: Path, model: Any, tokenizer: Any, spec: str):
     from ropekit.evals import run_perplexity
 
-    path = RUNS / name / "perplexity.json"
+    path = folder / "perplexity.json"
     if path.exists():
         return read_json(path)
-    print(f"  {name}: perplexity at {cfg['eval_lengths']}", flush=True)
+    print(f"  {folder.relative_to(RUNS)}: perplexity at {cfg['eval_lengths']}", flush=True)
     start = time.perf_counter()
     result = run_perplexity(
         model.eval(),
         tokenizer,
-        RUNS / name / "ppl",
+        folder / "ppl",
         lengths=cfg["eval_lengths"],
         data=cfg["data"],
         n_tokens=cfg["eval_spans"] * max(cfg["eval_lengths"]),
@@ -149,19 +160,21 @@ def _exp(x: float | None) -> float | None:
     return None if x is None else math.exp(x)
 
 
-def score_tasks(cfg: dict[str, Any], name: str, model: Any, tokenizer: Any, spec: str, n: int):
+def score_tasks(
+    cfg: dict[str, Any], folder: Path, model: Any, tokenizer: Any, spec: str, n: int
+) -> dict[str, Any]:
     from ropekit.evals import run_tasks
 
-    path = RUNS / name / f"tasks-{n}.json"
+    path = folder / f"tasks-{n}.json"
     if path.exists():
         return read_json(path)
-    print(f"  {name}: {', '.join(cfg['tasks'])} at {n}", flush=True)
+    print(f"  {folder.relative_to(RUNS)}: {', '.join(cfg['tasks'])} at {n}", flush=True)
     start = time.perf_counter()
     summary = run_tasks(
         model.eval(),
         tokenizer,
         list(cfg["tasks"]),
-        RUNS / name / f"tasks-{n}",
+        folder / f"tasks-{n}",
         lengths=[n],
         samples=cfg["samples_per_depth"],
         depths=cfg["depths"],
@@ -184,23 +197,20 @@ def names(cfg: dict[str, Any]) -> list[str]:
     return list(cfg["untuned"]) + list(cfg["trained"])
 
 
-def done(name: str, piece: str) -> bool:
-    return (RUNS / name / piece).exists()
-
-
-def run_stage(cfg: dict[str, Any], methods: list[str], pieces: list[Any]) -> None:
-    """Score ``pieces`` ("perplexity" or a task length) for ``methods``, opening (and, for a
-    trained method, training) each model only when something is left to do."""
-    for name in methods:
-        todo = [p for p in pieces if not done(name, _file(p))]
+def run_stage(cfg: dict[str, Any], jobs: list[tuple[str, int | None]], pieces: list[Any]) -> None:
+    """Score ``pieces`` ("perplexity" or a task length) for each (method, seed) job, opening
+    (and, for a trained method, training) each model only when something is left to do."""
+    for name, seed in jobs:
+        folder = job_folder(cfg, name, seed)
+        todo = [p for p in pieces if not (folder / _file(p)).exists()]
         if not todo:
             continue
-        model, tokenizer, record = method_model(cfg, name)
+        model, tokenizer, record = method_model(cfg, name, seed)
         for piece in todo:
             if piece == "perplexity":
-                score_perplexity(cfg, name, model, tokenizer, record["spec"])
+                score_perplexity(cfg, folder, model, tokenizer, record["spec"])
             else:
-                score_tasks(cfg, name, model, tokenizer, record["spec"], piece)
+                score_tasks(cfg, folder, model, tokenizer, record["spec"], piece)
         del model
 
 
@@ -208,36 +218,102 @@ def _file(piece: Any) -> str:
     return "perplexity.json" if piece == "perplexity" else f"tasks-{piece}.json"
 
 
+def collect_job(cfg: dict[str, Any], name: str, seed: int | None) -> dict[str, Any] | None:
+    """One job's finished pieces (None when nothing is finished)."""
+    folder = job_folder(cfg, name, seed)
+    job = read_json(folder / "job.json") if (folder / "job.json").exists() else {}
+    run: dict[str, Any] = {
+        "seed": seed,
+        "extend_s": job.get("extend_s", 0.0 if seed is None else None),
+        "final_loss": job.get("final_loss"),
+        "losses": job.get("losses"),
+        "trainable": job.get("trainable", {}).get("total", 0 if seed is None else None),
+        "perplexity": None,
+        "tasks": {},
+        "eval_s": 0.0,
+    }
+    if (folder / "perplexity.json").exists():
+        ppl = read_json(folder / "perplexity.json")
+        run["eval_s"] += ppl.pop("eval_s")
+        ppl.pop("start", None)
+        run["perplexity"] = ppl
+    for n in cfg["task_lengths"]:
+        if (folder / f"tasks-{n}.json").exists():
+            tasks = read_json(folder / f"tasks-{n}.json")
+            run["eval_s"] += tasks.pop("eval_s")
+            run["tasks"][str(n)] = tasks
+    return run if job or run["perplexity"] or run["tasks"] else None
+
+
 def collect(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Everything finished so far, per method."""
+    """Everything finished so far, per method: each run, and perplexity summarised over the
+    seeds scored (tasks are scored on the first seed only)."""
     methods = {}
     for name in names(cfg):
-        folder = RUNS / name
-        job = read_json(folder / "job.json") if (folder / "job.json").exists() else {}
         untuned = name in cfg["untuned"]
+        seeds = [None] if untuned else cfg["train"]["seeds"]
+        runs = [r for r in (collect_job(cfg, name, s) for s in seeds) if r is not None]
+        scored = [r for r in runs if r["perplexity"] is not None]
         entry: dict[str, Any] = {
-            "spec": job.get("spec", cfg["untuned"].get(name) or cfg["trained"][name]),
+            "spec": cfg["untuned"][name] if untuned else cfg["trained"][name],
             "trained": not untuned,
-            "trainable": 0 if untuned else job.get("trainable", {}).get("total"),
-            "extend_s": 0.0 if untuned else job.get("extend_s"),
-            "final_loss": job.get("final_loss"),
-            "losses": job.get("losses"),
-            "perplexity": None,
-            "tasks": {},
-            "eval_s": 0.0,
+            "trainable": runs[0]["trainable"] if runs else None,
+            "extend_s": summarize([r["extend_s"] for r in runs if r["extend_s"] is not None])
+            if runs and not untuned
+            else None,
+            "perplexity": _summarize_perplexity(scored) if scored else None,
+            "tasks": runs[0]["tasks"] if runs else {},
+            "tasks_seed": runs[0]["seed"] if runs else None,
+            "eval_s": sum(r["eval_s"] for r in runs),
+            "runs": runs,
         }
-        if (folder / "perplexity.json").exists():
-            ppl = read_json(folder / "perplexity.json")
-            entry["eval_s"] += ppl.pop("eval_s")
-            ppl.pop("start", None)
-            entry["perplexity"] = ppl
-        for n in cfg["task_lengths"]:
-            if (folder / f"tasks-{n}.json").exists():
-                tasks = read_json(folder / f"tasks-{n}.json")
-                entry["eval_s"] += tasks.pop("eval_s")
-                entry["tasks"][str(n)] = tasks
         methods[name] = entry
     return methods
+
+
+def _summarize_perplexity(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per length: perplexity and last-quarter perplexity over the runs (mean ± std), and the
+    NLL-by-position curve averaged over them."""
+    out = {}
+    for n, first in runs[0]["perplexity"].items():
+        curves = [r["perplexity"][n]["position_nll"] for r in runs]
+        out[n] = {
+            key: summarize([r["perplexity"][n][key] for r in runs])
+            for key in ("perplexity", "last_quarter_perplexity")
+        } | {
+            "position_nll": {
+                **first["position_nll"],
+                "nll": [sum(c["nll"][i] for c in curves) / len(curves)
+                        for i in range(len(curves[0]["nll"]))],
+            }
+        }  # fmt: skip
+    return out
+
+
+PAIRS = (("adarope", "adarope-global"), ("adarope", "tuned-yarn"), ("adarope-global", "tuned-yarn"))
+
+
+def paired_differences(cfg: dict[str, Any], methods: dict[str, Any]) -> dict[str, Any]:
+    """Perplexity differences between trained methods, paired by seed (a seed draws the same
+    samples and PoSE positions for every method)."""
+    out = {}
+    for a, b in PAIRS:
+        if a not in methods or b not in methods:
+            continue
+        runs = {
+            name: {r["seed"]: r["perplexity"] for r in methods[name]["runs"] if r["perplexity"]}
+            for name in (a, b)
+        }
+        seeds = sorted(set(runs[a]) & set(runs[b]))
+        if seeds:
+            out[f"{a} - {b}"] = {
+                str(n): summarize(
+                    [runs[a][s][str(n)]["perplexity"] - runs[b][s][str(n)]["perplexity"]
+                     for s in seeds]
+                )
+                for n in cfg["eval_lengths"]
+            }  # fmt: skip
+    return out
 
 
 def write_outputs(cfg: dict[str, Any], methods: dict[str, Any], extra: dict[str, Any]) -> str:
@@ -245,26 +321,31 @@ def write_outputs(cfg: dict[str, Any], methods: dict[str, Any], extra: dict[str,
     base = (methods.get("rope") or {}).get("perplexity")
 
     def ppl(m: dict[str, Any], n: str, key: str) -> str:
-        p = m["perplexity"]
-        return "-" if p is None else f"{p[n][key]:.2f}"
+        return "-" if m["perplexity"] is None else fmt(m["perplexity"][n][key], digits=2)
 
     def vs_base(m: dict[str, Any], n: str) -> str:
-        p = m["perplexity"]
-        if p is None or base is None:
+        if m["perplexity"] is None or base is None:
             return "-"
-        return f"{100 * (p[n]['perplexity'] / base[n]['perplexity'] - 1):+.1f}%"
+        ratio = m["perplexity"][n]["perplexity"]["mean"] / base[n]["perplexity"]["mean"]
+        return f"{100 * (ratio - 1):+.1f}%"
 
     header = (
-        ["method", "trained params", "train time"]
+        ["method", "trained params", "train time", "seeds"]
         + [f"ppl @{n}" for n in lengths]
         + [f"last-quarter ppl @{n}" for n in lengths]
         + [f"vs rope @{lengths[0]}"]
     )
     rows = []
     for name, m in methods.items():
-        trained = m["trainable"]
+        trained, took = m["trainable"], m["extend_s"]
+        scored = m["perplexity"][lengths[0]]["perplexity"]["n"] if m["perplexity"] else 0
         rows.append(
-            [f"`{name}`", "-" if trained is None else f"{trained:,}", _minutes(m["extend_s"])]
+            [
+                f"`{name}`",
+                "-" if trained is None else f"{trained:,}",
+                "0" if not m["trained"] else "-" if not took else f"{took['mean'] / 60:.1f} min",
+                str(scored) if m["trained"] else "-",
+            ]
             + [ppl(m, n, "perplexity") for n in lengths]
             + [ppl(m, n, "last_quarter_perplexity") for n in lengths]
             + [vs_base(m, lengths[0])]
@@ -283,17 +364,20 @@ def write_outputs(cfg: dict[str, Any], methods: dict[str, Any], extra: dict[str,
         for name, m in methods.items()
     ]
     tables.append(markdown_table(task_header, task_rows))
+    paired = paired_differences(cfg, methods)
+    if paired:
+        tables.append(
+            markdown_table(
+                ["perplexity difference (paired by seed)"] + [f"@{n}" for n in lengths],
+                [[name] + [fmt(d[n], digits=2) for n in lengths] for name, d in paired.items()],
+            )
+        )
     text = "\n\n".join(tables) + "\n"
     (HERE / "results.md").write_text(text)
-    write_json(HERE / "results.json", {"config": cfg, "methods": methods} | extra)
+    result = {"config": cfg, "methods": methods, "paired_perplexity_differences": paired}
+    write_json(HERE / "results.json", result | extra)
     _plot(cfg, methods)
     return text
-
-
-def _minutes(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return "0" if not seconds else f"{seconds / 60:.1f} min"
 
 
 def _plot(cfg: dict[str, Any], methods: dict[str, Any]) -> None:
@@ -312,7 +396,7 @@ def _plot(cfg: dict[str, Any], methods: dict[str, Any]) -> None:
         style = "-" if m["trained"] else "--"
         left.plot(
             xs,
-            [m["perplexity"][str(n)]["perplexity"] for n in xs],
+            [m["perplexity"][str(n)]["perplexity"]["mean"] for n in xs],
             style,
             marker="o",
             label=name,
@@ -348,13 +432,19 @@ def main() -> None:
     args, cfg = parse_args(__doc__, HERE, RUNS)
     RUNS, HERE = args.runs, args.results
     start = time.perf_counter()
+    first, *more = cfg["train"]["seeds"]
+    untuned = [(name, None) for name in cfg["untuned"]]
+    trained = [(name, first) for name in cfg["trained"]]
     stages = [
-        ("untuned perplexity", list(cfg["untuned"]), ["perplexity"]),
-        ("training + trained perplexity", list(cfg["trained"]), ["perplexity"]),
-    ] + [(f"tasks at {n}", names(cfg), [n]) for n in cfg["task_lengths"]]
-    for title, methods, pieces in stages:
+        ("untuned perplexity", untuned, ["perplexity"]),
+        (f"training (seed {first}) + trained perplexity", trained, ["perplexity"]),
+        *[(f"tasks at {n}", untuned + trained, [n]) for n in cfg["task_lengths"]],
+        ("more seeds: training + perplexity",
+         [(name, s) for s in more for name in cfg["trained"]], ["perplexity"]),
+    ]  # fmt: skip
+    for title, jobs, pieces in stages:
         print(f"stage: {title}", flush=True)
-        run_stage(cfg, methods, pieces)
+        run_stage(cfg, jobs, pieces)
         extra = {"device": device(), "wall_s_this_invocation": time.perf_counter() - start}
         print(write_outputs(cfg, collect(cfg), extra), flush=True)
 
