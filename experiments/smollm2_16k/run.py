@@ -333,7 +333,7 @@ def write_outputs(cfg: dict[str, Any], methods: dict[str, Any], extra: dict[str,
         ["method", "trained params", "train time", "seeds"]
         + [f"ppl @{n}" for n in lengths]
         + [f"last-quarter ppl @{n}" for n in lengths]
-        + [f"vs rope @{lengths[0]}"]
+        + [f"vs rope @{lengths[0]}", "eval time"]
     )
     rows = []
     for name, m in methods.items():
@@ -348,7 +348,7 @@ def write_outputs(cfg: dict[str, Any], methods: dict[str, Any], extra: dict[str,
             ]
             + [ppl(m, n, "perplexity") for n in lengths]
             + [ppl(m, n, "last_quarter_perplexity") for n in lengths]
-            + [vs_base(m, lengths[0])]
+            + [vs_base(m, lengths[0]), f"{m['eval_s'] / 60:.1f} min"]
         )
     tables = [markdown_table(header, rows)]
     task_header = ["method"] + [f"{t} @{n}" for n in cfg["task_lengths"] for t in cfg["tasks"]]
@@ -374,7 +374,17 @@ def write_outputs(cfg: dict[str, Any], methods: dict[str, Any], extra: dict[str,
         )
     text = "\n\n".join(tables) + "\n"
     (HERE / "results.md").write_text(text)
-    result = {"config": cfg, "methods": methods, "paired_perplexity_differences": paired}
+    # Compute summed from the job records, so a resumed run reports the whole cost.
+    compute = {
+        "training_s": sum(r["extend_s"] or 0.0 for m in methods.values() for r in m["runs"]),
+        "evaluation_s": sum(m["eval_s"] for m in methods.values()),
+    }
+    result = {
+        "config": cfg,
+        "methods": methods,
+        "paired_perplexity_differences": paired,
+        "compute": compute,
+    }
     write_json(HERE / "results.json", result | extra)
     _plot(cfg, methods)
     return text
