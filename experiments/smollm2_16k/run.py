@@ -89,7 +89,8 @@ def method_model(
         pose_window=train["pose_window"],
         grad_checkpointing=train["grad_checkpointing"],
     )
-    print(f"  {name}, seed {seed}: training {config.method} ({config.samples} PoSE samples)")
+    samples = f"{config.samples} PoSE samples"
+    print(f"  {name}, seed {seed}: training {config.method} ({samples})", flush=True)
     result = extend(model, config, folder, tokenizer=tokenizer, overwrite=True, log=print)
     summary = read_json(folder / "extend.json")
     record = {
@@ -108,7 +109,7 @@ def method_model(
 
 
 def _losses(folder: Path) -> list[float]:
-    """The training loss by step, from the loop's metrics log."""
+    """The training loss at each logged step, from the loop's metrics log."""
     import json
 
     path = folder / "train" / "metrics.jsonl"
@@ -118,7 +119,9 @@ def _losses(folder: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def score_perplexity(cfg: dict[str, Any], folder: Path, model: Any, tokenizer: Any, spec: str):
+def score_perplexity(
+    cfg: dict[str, Any], folder: Path, model: Any, tokenizer: Any, spec: str
+) -> dict[str, Any]:
     from ropekit.evals import run_perplexity
 
     path = folder / "perplexity.json"
