@@ -110,13 +110,22 @@ def method_model(
 
 def _losses(folder: Path) -> list[float]:
     """The training loss at each logged step, from the loop's metrics log."""
-    import json
+    from ropekit.evals.store import read_jsonl
+    from ropekit.train.loop import METRICS
 
-    path = folder / "train" / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["loss"] for r in rows if "loss" in r]
+    return [r["loss"] for r in read_jsonl(folder / "train" / METRICS) if "loss" in r]
+
+
+def _cached(path: Path, what: str, score: Any) -> dict[str, Any]:
+    """``score()``'s numbers with its wall time as ``eval_s``, written to ``path`` once; a
+    finished piece is read back instead of scored again."""
+    if path.exists():
+        return read_json(path)
+    print(f"  {path.parent.relative_to(RUNS)}: {what}", flush=True)
+    start = time.perf_counter()
+    out = score() | {"eval_s": time.perf_counter() - start}
+    write_json(path, out)
+    return out
 
 
 def score_perplexity(
@@ -124,37 +133,34 @@ def score_perplexity(
 ) -> dict[str, Any]:
     from ropekit.evals import run_perplexity
 
-    path = folder / "perplexity.json"
-    if path.exists():
-        return read_json(path)
-    print(f"  {folder.relative_to(RUNS)}: perplexity at {cfg['eval_lengths']}", flush=True)
-    start = time.perf_counter()
-    result = run_perplexity(
-        model.eval(),
-        tokenizer,
-        folder / "ppl",
-        lengths=cfg["eval_lengths"],
-        data=cfg["data"],
-        n_tokens=cfg["eval_spans"] * max(cfg["eval_lengths"]),
-        seed=cfg["eval_seed"],
-        batch_tokens=max(cfg["eval_lengths"]),
-        spec=spec,
-        progress=False,
-    )
-    out = {
-        str(r["length"]): {
-            "perplexity": r["perplexity"],
-            "nll": r["nll"],
-            "last_quarter_nll": r["last_quarter_nll"],
-            "last_quarter_perplexity": _exp(r["last_quarter_nll"]),
-            "windows": r["windows"],
-            "tokens": r["tokens"],
-            "position_nll": r["position_nll"],
-        }
-        for r in result["results"]
-    } | {"eval_s": time.perf_counter() - start, "start": result["start"]}
-    write_json(path, out)
-    return out
+    def score() -> dict[str, Any]:
+        result = run_perplexity(
+            model.eval(),
+            tokenizer,
+            folder / "ppl",
+            lengths=cfg["eval_lengths"],
+            data=cfg["data"],
+            n_tokens=cfg["eval_spans"] * max(cfg["eval_lengths"]),
+            seed=cfg["eval_seed"],
+            batch_tokens=max(cfg["eval_lengths"]),
+            spec=spec,
+            progress=False,
+        )
+        return {
+            str(r["length"]): {
+                "perplexity": r["perplexity"],
+                "nll": r["nll"],
+                "last_quarter_nll": r["last_quarter_nll"],
+                "last_quarter_perplexity": _exp(r["last_quarter_nll"]),
+                "windows": r["windows"],
+                "tokens": r["tokens"],
+                "position_nll": r["position_nll"],
+            }
+            for r in result["results"]
+        } | {"start": result["start"]}
+
+    what = f"perplexity at {cfg['eval_lengths']}"
+    return _cached(folder / "perplexity.json", what, score)
 
 
 def _exp(x: float | None) -> float | None:
@@ -168,31 +174,27 @@ def score_tasks(
 ) -> dict[str, Any]:
     from ropekit.evals import run_tasks
 
-    path = folder / f"tasks-{n}.json"
-    if path.exists():
-        return read_json(path)
-    print(f"  {folder.relative_to(RUNS)}: {', '.join(cfg['tasks'])} at {n}", flush=True)
-    start = time.perf_counter()
-    summary = run_tasks(
-        model.eval(),
-        tokenizer,
-        list(cfg["tasks"]),
-        folder / f"tasks-{n}",
-        lengths=[n],
-        samples=cfg["samples_per_depth"],
-        depths=cfg["depths"],
-        seed=0,
-        batch_size=1,
-        spec=spec,
-        progress=False,
-        overwrite=True,
-    )
-    out = {
-        task: {"score": entry["scores"][0]["score"], "samples": entry["scores"][0].get("n")}
-        for task, entry in summary["tasks"].items()
-    } | {"eval_s": time.perf_counter() - start}
-    write_json(path, out)
-    return out
+    def score() -> dict[str, Any]:
+        summary = run_tasks(
+            model.eval(),
+            tokenizer,
+            list(cfg["tasks"]),
+            folder / f"tasks-{n}",
+            lengths=[n],
+            samples=cfg["samples_per_depth"],
+            depths=cfg["depths"],
+            seed=0,
+            batch_size=1,
+            spec=spec,
+            progress=False,
+            overwrite=True,
+        )
+        return {
+            task: {"score": entry["scores"][0]["score"], "samples": entry["scores"][0].get("n")}
+            for task, entry in summary["tasks"].items()
+        }
+
+    return _cached(folder / f"tasks-{n}.json", f"{', '.join(cfg['tasks'])} at {n}", score)
 
 
 # ----------------------------------------------------------------------------- stages
