@@ -234,8 +234,10 @@ def extension_job(
 ) -> tuple[Any, dict[str, Any]]:
     """Extend a fresh copy of the base model (or reload a finished extension); returns the
     model and a record with the selection loss and the extension summary."""
+    from ropekit.backbone import load_adapter
     from ropekit.model import load_decoder
-    from ropekit.train.extend import ExtendConfig, load_adapter, run_extension
+    from ropekit.results import read_result
+    from ropekit.train.extend import ExtendConfig, run_extension
 
     model = load_decoder(base / "model")
     record_path = folder / "job.json"
@@ -259,7 +261,7 @@ def extension_job(
     loss = selection_loss(
         model, cfg["data"], target, seed, cfg["samples"], cfg["selection_samples"]
     )
-    summary = read_json(folder / "extend.json")
+    summary = read_result(folder / "extend.json", "extend")
     record = {
         "spec": summary["spec"],
         "lr": lr,

@@ -64,14 +64,14 @@ def run_trained(
 
 
 def run_untuned(cfg: dict[str, Any], base: Path, name: str, spec: str) -> dict[str, Any]:
+    from ropekit.backbone import as_backbone
     from ropekit.model import load_decoder
-    from ropekit.train.extend import encoding_of, set_encoding
 
-    model = load_decoder(base / "model")
+    backbone = as_backbone(load_decoder(base / "model"))
     if spec != "rope":
-        set_encoding(model, spec)
-    print(f"  {name}: {encoding_of(model).spec}", flush=True)
-    scores = run_eval(cfg, model, RUNS / name, encoding_of(model).spec)
+        backbone.set_encoding(spec)
+    print(f"  {name}: {backbone.encoding.spec}", flush=True)
+    scores = run_eval(cfg, backbone.model, RUNS / name, backbone.encoding.spec)
     return {"name": name, "seed": None, "trainable": {"total": 0}, **scores}
 
 

@@ -44,12 +44,12 @@ def device() -> str:
 
 def open_model(cfg: dict[str, Any]) -> tuple[Any, Any]:
     """A fresh copy of the base model (float32) and its ropekit tokenizer."""
+    from ropekit.backbone import open_backbone
     from ropekit.hf import install_model
-    from ropekit.loading import load_any
 
     install_model(cfg["model"])
-    loaded = load_any(cfg["model"])
-    return loaded.model.to(device()), loaded.tokenizer
+    backbone = open_backbone(cfg["model"])
+    return backbone.model.to(device()), backbone.tokenizer
 
 
 def job_folder(cfg: dict[str, Any], name: str, seed: int | None) -> Path:
@@ -63,8 +63,10 @@ def method_model(
 ) -> tuple[Any, Any, dict[str, Any]]:
     """The model of one job, ready to score: untuned methods patched, trained ones trained at
     ``seed`` (or reloaded from the finished run). Returns it with its training record."""
+    from ropekit.backbone import load_adapter
     from ropekit.hf import patch
-    from ropekit.train.extend import ExtendConfig, extend, load_adapter
+    from ropekit.results import read_result
+    from ropekit.train.extend import ExtendConfig, extend
 
     model, tokenizer = open_model(cfg)
     folder = job_folder(cfg, name, seed)
@@ -92,7 +94,7 @@ def method_model(
     samples = f"{config.samples} PoSE samples"
     print(f"  {name}, seed {seed}: training {config.method} ({samples})", flush=True)
     result = extend(model, config, folder, tokenizer=tokenizer, overwrite=True, log=print)
-    summary = read_json(folder / "extend.json")
+    summary = read_result(folder / "extend.json", "extend")
     record = {
         "spec": result.spec,
         "trainable": result.trainable,
@@ -110,10 +112,10 @@ def method_model(
 
 def _losses(folder: Path) -> list[float]:
     """The training loss at each logged step, from the loop's metrics log."""
-    from ropekit.evals.store import read_jsonl
+    from ropekit.results import read_records
     from ropekit.train.loop import METRICS
 
-    return [r["loss"] for r in read_jsonl(folder / "train" / METRICS) if "loss" in r]
+    return [r["loss"] for r in read_records(folder / "train" / METRICS) if "loss" in r]
 
 
 def _cached(path: Path, what: str, score: Any) -> dict[str, Any]:

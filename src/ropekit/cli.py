@@ -196,15 +196,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from ropekit.loading import load_any
+    from ropekit.backbone import open_backbone
 
-    return load_any(args.model, adapter=args.adapter, trust_remote_code=args.trust_remote_code)
+    return open_backbone(args.model, adapter=args.adapter, trust_remote_code=args.trust_remote_code)
 
 
-def _spec_of(model) -> str | None:
-    from ropekit.train.extend import encoding_of
-
-    encoding = encoding_of(model)
+def _spec_of(backbone) -> str | None:
+    encoding = backbone.encoding
     return None if encoding is None else encoding.spec
 
 
@@ -247,15 +245,15 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
     loaded = _load(args)
     result = run_perplexity(
-        loaded.model,
-        loaded.tokenizer,
+        loaded,
+        None,
         args.out,
         lengths=args.lengths,
         data=args.data[0] if len(args.data) == 1 else args.data,
         n_tokens=args.tokens,
         stride=args.stride,
         seed=args.seed,
-        spec=_spec_of(loaded.model),
+        spec=_spec_of(loaded),
         command=_command(),
     )
     metric = result["metric"]
@@ -273,10 +271,10 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "chat": args.chat,
         "overwrite": args.overwrite,
-        "spec": _spec_of(loaded.model),
+        "spec": _spec_of(loaded),
         "command": _command(),
     }
-    common = (loaded.model, loaded.tokenizer, args.lengths)
+    common = (loaded, None, args.lengths)
     if args.kind == "ruler":
         tasks = args.tasks or runner.RULER_TASKS
         result = runner.run_ruler(
@@ -387,11 +385,10 @@ def cmd_extend(args: argparse.Namespace) -> int:
         grad_checkpointing=args.grad_checkpointing,
     )
     results = run_extension(
-        loaded.model,
+        loaded,
         config,
         args.out,
         recipe=args.recipe,
-        tokenizer=loaded.tokenizer,
         overwrite=args.overwrite,
         command=_command(),
     )
@@ -428,8 +425,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     loaded = _load(args)
     result = analyze(
-        loaded.model,
-        loaded.tokenizer,
+        loaded,
+        None,
         lengths=args.lengths,
         out_dir=args.out,
         n_windows=args.windows,

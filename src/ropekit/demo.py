@@ -330,14 +330,10 @@ def base_model_dir(config: DemoConfig) -> Path:
     return cache_dir() / "demo" / config.base_key()
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    from ropekit.utils import atomic_write_text
-
-    atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
-
-
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
+    from ropekit.results import read_result
+
+    return read_result(path)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -355,9 +351,9 @@ def prepare_base_model(
 
     from ropekit.data import make_train_dataset
     from ropekit.model import Decoder, count_parameters, flops_per_token, save_decoder
+    from ropekit.results import run_metadata, write_result
     from ropekit.train import TrainConfig, train
     from ropekit.train.pretrain import measure_matmul_flops
-    from ropekit.utils import run_metadata
 
     final = base_model_dir(config)
     if (final / "pretrain.json").is_file() and (final / "model").is_dir():
@@ -426,9 +422,9 @@ def prepare_base_model(
         "flops_per_token": fpt,
         "matmul_flops_per_s": peak,
         "mfu": tokens / elapsed * fpt / peak,
-        "meta": run_metadata("ropekit demo (base model)"),
     }
-    _write_json(partial / "pretrain.json", summary)
+    meta = run_metadata("ropekit demo (base model)", spec=decoder.encoding.spec, seed=config.seed)
+    write_result(partial / "pretrain.json", "pretrain", summary, meta=meta)
     for stage in stages:  # the weights are all we reuse
         shutil.rmtree(partial / stage["name"] / "checkpoints", ignore_errors=True)
     if final.exists():  # another demo finished the same model meanwhile: keep that one
@@ -589,25 +585,22 @@ def run_demo(
     """Run the whole demo into ``out_dir`` (see the module docstring) and return demo.json's
     content, with ``report`` (the report paths) added."""
     from ropekit.analysis import analyze
+    from ropekit.backbone import as_backbone
     from ropekit.model import load_decoder
     from ropekit.report.build import build_report
     from ropekit.report.schedules import compare_schedules, write_schedules
-    from ropekit.train.extend import ExtendConfig, encoding_of, extend
-    from ropekit.utils import run_metadata
+    from ropekit.results import run_metadata, write_result
+    from ropekit.train.extend import ExtendConfig, extend
 
     config = config or PRESETS["full"]
     out = Path(out_dir)
     started = time.perf_counter()
     check_data(config)
     replaced = claim_out_dir(out, overwrite)
-    meta = run_metadata(command)
-    state: dict[str, Any] = {
-        "kind": "demo",
-        "status": "running",
-        "config": dataclasses.asdict(config),
-        **meta,
-    }
-    _write_json(out / DEMO_JSON, state)  # marks the folder as a demo's from the start
+    meta = run_metadata(command, seed=config.seed)
+    state: dict[str, Any] = {"status": "running", "config": dataclasses.asdict(config)}
+    # Marks the folder as a demo's from the start.
+    write_result(out / DEMO_JSON, "demo", state, meta=meta)
     if replaced:
         log(f"replaced the previous demo in {out}")
     timings: dict[str, float] = {}
@@ -650,7 +643,7 @@ def run_demo(
                 log=lambda line: log(f"      {line}"),
             )
             record = _read_json(result.summary)
-        spec = encoding_of(model).spec
+        spec = as_backbone(model).encoding.spec
         log(f"  ({i}/{len(METHODS)}) {name}: evaluating `{spec}`")
         model.eval()
         _evaluate(model, config, folder, spec, command)
@@ -725,10 +718,10 @@ def run_demo(
         notes=_notes(config, rows),
         timings=timings,
     )
-    _write_json(out / DEMO_JSON, state)
+    write_result(out / DEMO_JSON, "demo", state, meta=meta)
     title = f"ropekit demo: a small byte-level model extended {config.factor}x"
     paths = build_report(out, title=title)
-    return {**state, "report": paths}
+    return {"kind": "demo", "meta": meta, **state, "report": paths}
 
 
 def summary_table(result: dict[str, Any]) -> list[str]:

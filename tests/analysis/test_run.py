@@ -116,7 +116,7 @@ def test_a_data_spec_is_read_as_the_held_out_stream_of_the_models_tokenizer(monk
     monkeypatch.setattr("ropekit.analysis.run.heldout_stream", fake_heldout_stream)
     config = AnalysisConfig((16,), n_windows=3)
     got, info = held_out_windows(tiny_decoder(), None, "shakespeare", config)
-    assert asked == [("shakespeare", "bytes")] and got.shape == (3, 16)  # Decoders: bytes
+    assert got.shape == (3, 16) and [(d, t.name) for d, t in asked] == [("shakespeare", "bytes")]
     assert info["source"] == "shakespeare" and info["tokenizer"] == "bytes"
     with pytest.raises(ValueError, match="tokenizer=None"):
         held_out_windows(tiny_llama(), None, "shakespeare", config)
@@ -131,9 +131,11 @@ def _strict_json(path: Path) -> dict:
 
 def _check_outputs(result: dict, out: Path, expected_figures: set[str]) -> dict:
     saved = _strict_json(out / "analysis.json")
-    for key in ("spec", "seed", "command", "versions", "config", "data", "model"):
+    assert saved["kind"] == "analysis"
+    for key in ("spec", "seed", "config", "data", "model", "provenance"):
         assert key in saved
-    assert {"torch", "transformers", "ropekit"} <= set(saved["versions"])
+    assert {"command", "spec", "seed", "versions"} <= set(saved["meta"])
+    assert {"torch", "transformers", "ropekit"} <= set(saved["meta"]["versions"])
     assert set(saved["figures"]) == expected_figures
     for name, file in saved["figures"].items():
         assert (out / file).read_bytes()[:8] == PNG_MAGIC
@@ -177,7 +179,8 @@ def test_analyze_a_tiny_adarope_decoder_end_to_end(tmp_path: Path) -> None:
     assert model.training  # the caller's mode is restored
     saved = _check_outputs(result, tmp_path, ALL_FIGURES)
     assert saved["spec"] == "adarope:l_ref=16" and saved["seed"] == 5
-    assert saved["command"] == "ropekit analyze --model tiny" and saved["capture"] == "probe"
+    assert saved["meta"]["command"] == "ropekit analyze --model tiny"
+    assert saved["capture"] == "probe"
     assert torch.tensor(saved["effective_length"]["window_mean"]).shape == (2, 3, 2, 4)
     util = saved["utilization"]
     assert torch.tensor(util["mean_abs"]).shape == (2, 4, 4) and util["pairing"] == "half"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ropekit.data import ByteTokenizer, HFTokenizer
-from ropekit.evals import DecoderLM
+from ropekit.evals import LanguageModel, as_language_model
 
 from .models import SuffixCopyLM
 
@@ -68,15 +68,15 @@ def bpe_tok() -> HFTokenizer:
 
 
 @pytest.fixture(scope="session")
-def copy_lm(byte_tok) -> DecoderLM:
+def copy_lm(byte_tok) -> LanguageModel:
     """A model that retrieves: exact induction over the whole context."""
-    return DecoderLM(SuffixCopyLM(), byte_tok)
+    return as_language_model(SuffixCopyLM(), byte_tok)
 
 
 @pytest.fixture(scope="session")
-def short_sighted_lm(byte_tok) -> DecoderLM:
+def short_sighted_lm(byte_tok) -> LanguageModel:
     """The same mechanism with attention limited to the last 32 tokens."""
-    return DecoderLM(SuffixCopyLM(window=32), byte_tok)
+    return as_language_model(SuffixCopyLM(window=32), byte_tok)
 
 
 @pytest.fixture(autouse=True)

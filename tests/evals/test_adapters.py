@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ropekit.evals import DecoderLM, HFCausalLM, as_language_model, newline_ids
+from ropekit.evals import as_language_model, newline_ids
 
 from .models import ConstantLM, SuffixCopyLM, tiny_decoder, tiny_llama
 
@@ -28,13 +28,13 @@ def _sensitive_llama(attn: str = "sdpa"):
 @pytest.fixture(params=["hf-sdpa", "hf-eager", "decoder"])
 def adapted(request, byte_tok):
     if request.param == "decoder":
-        return DecoderLM(tiny_decoder(), byte_tok)
-    return HFCausalLM(_sensitive_llama(request.param.removeprefix("hf-")), byte_tok)
+        return as_language_model(tiny_decoder(), byte_tok)
+    return as_language_model(_sensitive_llama(request.param.removeprefix("hf-")), byte_tok)
 
 
 def test_token_nll_is_the_models_own_cross_entropy(byte_tok):
     model = _sensitive_llama()
-    lm = HFCausalLM(model, byte_tok)
+    lm = as_language_model(model, byte_tok)
     ids = torch.randint(0, 256, (3, 41), generator=torch.Generator().manual_seed(0))
     nll = lm.token_nll(ids)
     assert nll.shape == (3, 40) and nll.dtype == torch.float32
@@ -73,7 +73,7 @@ def test_batched_greedy_equals_unbatched(adapted, chunk):
 def test_hf_greedy_with_left_padding_equals_hf_generate(byte_tok, attn):
     model = _sensitive_llama(attn)
     prompts = _prompts()
-    ours = HFCausalLM(model, byte_tok).greedy(prompts, 8)
+    ours = as_language_model(model, byte_tok).greedy(prompts, 8)
     theirs = [
         model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0)[
             0, len(p) :
@@ -86,13 +86,13 @@ def test_hf_greedy_with_left_padding_equals_hf_generate(byte_tok, attn):
 def test_decoder_greedy_equals_decoder_generate(byte_tok):
     model = tiny_decoder()
     prompts = _prompts()
-    ours = DecoderLM(model, byte_tok).greedy(prompts, 8)
+    ours = as_language_model(model, byte_tok).greedy(prompts, 8)
     theirs = [model.generate(torch.tensor([p]), 8)[0].tolist() for p in prompts]
     assert ours == theirs
 
 
 def test_greedy_ends_each_row_before_its_first_stop_token(byte_tok):
-    lm = DecoderLM(SuffixCopyLM(), byte_tok)
+    lm = as_language_model(SuffixCopyLM(), byte_tok)
     # The copy model continues each prompt with the text that followed its suffix before.
     prompts = [list(b"ab1\nxy2\nab"), list(b"ab1\nxy2\nxy"), list(b"ab12\n=ab")]
     out = lm.greedy(prompts, 6, stop={ord("\n")})
@@ -111,11 +111,11 @@ def test_newline_ids(byte_tok, bpe_tok):
     assert not any("\n" in bpe_tok.decode([i]) for i in range(bpe_tok.vocab_size) if i not in ids)
 
 
-def test_as_language_model_picks_the_adapter_by_class(byte_tok):
-    assert isinstance(as_language_model(tiny_llama(), byte_tok), HFCausalLM)
-    assert isinstance(as_language_model(tiny_decoder()), DecoderLM)  # bytes by default
+def test_as_language_model_picks_the_backbone_by_class(byte_tok):
+    assert as_language_model(tiny_llama(), byte_tok).backbone.kind == "hf"
+    assert as_language_model(tiny_decoder()).backbone.kind == "decoder"  # bytes by default
     lm = as_language_model(ConstantLM(), "bytes")
-    assert isinstance(lm, DecoderLM) and as_language_model(lm) is lm
+    assert lm.backbone.kind == "decoder" and as_language_model(lm) is lm
     with pytest.raises(ValueError, match="tokenizer=None"):
         as_language_model(tiny_llama())
     with pytest.raises(ValueError, match="model="):

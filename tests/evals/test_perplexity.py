@@ -11,9 +11,8 @@ import torch
 
 from ropekit.data import heldout_stream
 from ropekit.evals import (
-    DecoderLM,
-    HFCausalLM,
     PerplexityConfig,
+    as_language_model,
     evaluate_perplexity,
     run_perplexity,
 )
@@ -32,7 +31,7 @@ def stream(byte_tok):
 @pytest.mark.parametrize("stride", [None, 24])
 def test_uniform_model_gives_exactly_8_bits_per_byte(stream, byte_tok, stride):
     config = PerplexityConfig(lengths=(32, 64, 128), stride=stride)
-    result = evaluate_perplexity(DecoderLM(ConstantLM(), byte_tok), stream, config, False)
+    result = evaluate_perplexity(as_language_model(ConstantLM(), byte_tok), stream, config, False)
     assert result["metric"] == "bits_per_byte"
     for row in result["results"]:
         assert row["bits_per_byte"] == pytest.approx(8.0, rel=FP32_REL)
@@ -45,7 +44,7 @@ def test_uniform_hugging_face_model_gives_8_bits_per_byte(stream, byte_tok):
     with torch.no_grad():
         model.lm_head.weight.zero_()  # every logit 0: the uniform distribution over bytes
     config = PerplexityConfig(lengths=(16, 48), n_tokens=96)
-    result = evaluate_perplexity(HFCausalLM(model, byte_tok), stream, config, False)
+    result = evaluate_perplexity(as_language_model(model, byte_tok), stream, config, False)
     assert [r["bits_per_byte"] for r in result["results"]] == pytest.approx([8.0, 8.0], rel=1e-7)
 
 
@@ -60,7 +59,9 @@ def test_every_length_scores_the_same_targets(stream, byte_tok, stride):
     # at every length mean equal target sets; the direct sum pins down which targets.
     bias = torch.randn(256, generator=torch.Generator().manual_seed(0)) * 3
     config = PerplexityConfig(lengths=(20, 40, 60), n_tokens=240, stride=stride, seed=3)
-    result = evaluate_perplexity(DecoderLM(ConstantLM(bias=bias), byte_tok), stream, config, False)
+    result = evaluate_perplexity(
+        as_language_model(ConstantLM(bias=bias), byte_tok), stream, config, False
+    )
     start = result["start"]
     expected = _direct_nll(bias, stream.ids[start : start + 240])
     for row in result["results"]:
@@ -70,7 +71,10 @@ def test_every_length_scores_the_same_targets(stream, byte_tok, stride):
         assert [r["windows"] for r in result["results"]] == [12, 6, 4]
     # Another seed, another span.
     other = evaluate_perplexity(
-        DecoderLM(ConstantLM(bias=bias), byte_tok), stream, PerplexityConfig((20,), 240), False
+        as_language_model(ConstantLM(bias=bias), byte_tok),
+        stream,
+        PerplexityConfig((20,), 240),
+        False,
     )
     assert other["start"] != start
 
@@ -80,7 +84,7 @@ def test_bos_windows_score_the_same_targets_and_bytes(bpe_tok):
     model = tiny_llama(vocab_size=bpe_tok.vocab_size)
     with torch.no_grad():
         model.lm_head.weight.normal_(0, 1.0)  # logits depend on the input; BOS changes them
-    lm = HFCausalLM(model, bpe_tok)
+    lm = as_language_model(model, bpe_tok)
     config = PerplexityConfig(lengths=(16, 32), n_tokens=64)
     result = evaluate_perplexity(lm, stream, config, False)
     assert result["bos"] is True and result["metric"] == "perplexity"
@@ -103,7 +107,7 @@ def test_bos_windows_score_the_same_targets_and_bytes(bpe_tok):
 
 def test_position_curve_and_last_quarter_agree_with_the_mean(stream, byte_tok):
     config = PerplexityConfig(lengths=(32, 64), n_tokens=256, position_bins=10)
-    result = evaluate_perplexity(DecoderLM(tiny_decoder(), byte_tok), stream, config, False)
+    result = evaluate_perplexity(as_language_model(tiny_decoder(), byte_tok), stream, config, False)
     for row in result["results"]:
         curve = row["position_nll"]
         widths = [b - a for a, b in zip(curve["start"], curve["stop"], strict=True)]
@@ -127,7 +131,9 @@ def test_config_errors_name_what_is_allowed(stream, byte_tok):
     assert PerplexityConfig(lengths=(32, 48)).n_tokens == 192  # 4 windows of 48, lcm 96
     short = stream.head(100)
     with pytest.raises(ValueError, match="held-out stream holds 100"):
-        evaluate_perplexity(DecoderLM(ConstantLM(), byte_tok), short, PerplexityConfig((64,)))
+        evaluate_perplexity(
+            as_language_model(ConstantLM(), byte_tok), short, PerplexityConfig((64,))
+        )
 
 
 def test_run_perplexity_writes_json_and_png(tmp_path):
@@ -144,8 +150,8 @@ def test_run_perplexity_writes_json_and_png(tmp_path):
     )
     saved = json.loads((tmp_path / "ppl.json").read_text())
     assert saved["spec"] == "rope" and saved["seed"] == 1 and saved["data"] == "shakespeare"
-    assert saved["command"] == "ropekit eval ppl --test"
-    assert {"torch", "transformers", "ropekit"} <= set(saved["versions"])
+    assert saved["kind"] == "perplexity" and saved["meta"]["command"] == "ropekit eval ppl --test"
+    assert {"torch", "transformers", "ropekit"} <= set(saved["meta"]["versions"])
     assert [r["length"] for r in saved["results"]] == [32, 64]
     assert (tmp_path / "ppl.png").read_bytes()[:4] == b"\x89PNG"
     assert result["paths"]["json"] == str(tmp_path / "ppl.json")

@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
-from ropekit.evals import EvalConfig, HFCausalLM, get_task, run_passkey, run_ruler
-from ropekit.evals.store import read_jsonl, write_jsonl
+from ropekit.evals import EvalConfig, as_language_model, get_task, run_passkey, run_ruler
+from ropekit.results import read_records as read_jsonl
+from ropekit.results import write_records as write_jsonl
 
 from .models import tiny_decoder, tiny_llama
 
@@ -53,8 +54,8 @@ def test_passkey_run_writes_stages_and_resumes_without_recomputing(tmp_path):
         assert [d["depth"] for d in stage_summary["by_depth"]] == [0.0, 1.0]
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved == json.loads(json.dumps(summary))
-    assert saved["spec"] == "rope" and saved["seed"] == 3 and "versions" in saved
-    assert saved["command"] == "ropekit eval passkey"
+    assert saved["spec"] == "rope" and saved["seed"] == 3 and "versions" in saved["meta"]
+    assert saved["meta"]["command"] == "ropekit eval passkey"
     task = saved["tasks"]["passkey"]
     assert [s["length"] for s in task["scores"]] == [96, 128]
     assert {(c["length"], c["depth"]) for c in task["cells"]} == {
@@ -120,7 +121,7 @@ def test_hugging_face_model_with_chat_template(tmp_path, bpe_tok):
     model = tiny_llama(vocab_size=bpe_tok.vocab_size)
     counter = PromptCounter(model)
     summary = run_passkey(
-        HFCausalLM(model, bpe_tok),
+        as_language_model(model, bpe_tok),
         None,
         [120, 200],
         depths=[0.5],

@@ -13,14 +13,15 @@ import pytest
 
 from ropekit.data import heldout_stream
 from ropekit.evals import (
-    DecoderLM,
     PerplexityConfig,
+    as_language_model,
     evaluate_perplexity,
     run_passkey,
     run_perplexity,
 )
 from ropekit.evals import runner as runner_module
-from ropekit.evals.store import read_jsonl, write_jsonl
+from ropekit.results import read_records as read_jsonl
+from ropekit.results import write_records as write_jsonl
 
 from ..processes import run_ranks
 from .models import tiny_decoder
@@ -51,8 +52,7 @@ def _without_time(result):
 @pytest.fixture
 def record_writers(monkeypatch):
     """{thread name: [file names]} of every result file and plot the evaluations write."""
-    import ropekit.evals.plots as plots
-    import ropekit.evals.store as store
+    import ropekit.evals.perplexity as perplexity_module
 
     writers: dict[str, list[str]] = {}
 
@@ -64,14 +64,14 @@ def record_writers(monkeypatch):
 
         return wrapper
 
-    # The runner holds its own references; run_perplexity imports at call time.
+    # Each module holds its own references to the writers it calls.
     for module, name, where in (
-        (runner_module, "write_json", 0),
-        (runner_module, "write_jsonl", 0),
-        (store, "write_json", 0),
-        (plots, "plot_perplexity", 1),
-        (plots, "plot_heatmap", 1),
-        (plots, "plot_accuracy_vs_length", 1),
+        (runner_module, "write_result", 0),
+        (runner_module, "write_records", 0),
+        (perplexity_module, "write_result", 0),
+        (perplexity_module, "plot_perplexity", 1),
+        (runner_module, "plot_heatmap", 1),
+        (runner_module, "plot_accuracy_vs_length", 1),
     ):
         monkeypatch.setattr(module, name, recording(getattr(module, name), where))
     return writers
@@ -83,12 +83,12 @@ def test_perplexity_shared_by_processes_equals_one_process(byte_tok, world, stri
     stream = heldout_stream("shakespeare", byte_tok)
     # 100 tokens a forward: several batches per length, so shares cut across batches.
     config = PerplexityConfig(lengths=(32, 64, 96), stride=stride, batch_tokens=100)
-    one = evaluate_perplexity(DecoderLM(tiny_decoder(), byte_tok), stream, config, False)
+    one = evaluate_perplexity(as_language_model(tiny_decoder(), byte_tok), stream, config, False)
 
     models = _models(world)
 
     def rank(processes):
-        lm = DecoderLM(models[processes.rank], byte_tok)
+        lm = as_language_model(models[processes.rank], byte_tok)
         return evaluate_perplexity(lm, stream, config, False, processes=processes)
 
     for result in _ok(run_ranks(world, rank)):

@@ -13,14 +13,8 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
-from ropekit.hf import (
-    ExportRefused,
-    encoding_of,
-    export,
-    load_adapter,
-    patch,
-    save_adapter,
-)
+from ropekit.backbone import load_adapter, save_adapter
+from ropekit.hf import ExportRefused, encoding_of, export, patch
 from ropekit.hf.exporting import EXPORT_RECORD
 
 from .tiny import VOCAB, perturb, tiny_model

@@ -244,7 +244,7 @@ def test_build_for_model_uses_the_model_shape() -> None:
 def test_lora_on_a_patched_model_trains_both_and_saves_the_adapter(tmp_path) -> None:
     from peft import LoraConfig, get_peft_model
 
-    from ropekit.hf import load_adapter, save_adapter
+    from ropekit.backbone import load_adapter, save_adapter
 
     model = tiny_model("llama")
     encoding = perturb(patch(model, "adarope:init=linear,factor=2"))

@@ -193,15 +193,16 @@ def test_positional_adarope_pose_training_for_16k_moves_the_loss(installed, toke
     queries see keys 15k-16k positions back, past twice the model's 8k window. Two AdamW steps
     on that sample: the second loss (after one update) is below the first, and only the
     encoding moved."""
+    from ropekit.backbone import as_backbone
     from ropekit.data import PoseLayout
-    from ropekit.train.extend import enable_grad_checkpointing, pose_loss
+    from ropekit.train.loss import backbone_loss
 
     window, target = 2048, 16384
     model = load_model(NAME, dtype=torch.float32)
     encoding = patch(model, "adarope:init=yarn,factor=2")
     model.requires_grad_(False)
     encoding.requires_grad_(True)
-    disable = enable_grad_checkpointing(model)
+    disable = as_backbone(model).enable_grad_checkpointing()
     model.train()
     ids = _tokens(tokenizer, "train", target + 1)[0]  # (target + 1,)
     positions = PoseLayout(window, target, split=window // 2, start=0, skip=target - window)
@@ -218,7 +219,7 @@ def test_positional_adarope_pose_training_for_16k_moves_the_loss(installed, toke
     try:
         for step in range(2):
             started = time.perf_counter()
-            loss_sum, n_tokens = pose_loss(model, batch)
+            loss_sum, n_tokens = backbone_loss(as_backbone(model))(model, batch)
             loss = loss_sum / n_tokens
             loss.backward()
             optimizer.step()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ropekit.cli import main
-from ropekit.report.sections import discover, fmt, kind_of
+from ropekit.report.sections import discover, fmt
+from ropekit.results import result_kind, write_result
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def run_dir(tmp_path_factory) -> Path:
         "unigram_bpb": 4.81,
         "runs": [{"encoding": "rope", "seed": 0, "final_loss": 1.7}],
     }
-    (experiment / "results.json").write_text(json.dumps(results))
+    write_result(experiment / "results.json", "experiment", results)
     return root
 
 
@@ -79,10 +80,11 @@ def test_discover_finds_each_result_once_and_skips_non_results(run_dir):
             "experiment",
         ]
     )
-    # The passkey run's per-stage summaries and the training loops' summaries are not results.
+    # The passkey run's per-stage summaries and the training loops' summaries are parts of
+    # those runs: their kinds are recorded, and the report has no section for them.
     stage = next(run_dir.glob("adarope/passkey/*/*/summary.json"))
-    assert kind_of("summary.json", _json(stage)) is None
-    assert kind_of("summary.json", _json(run_dir / "adarope" / "train" / "summary.json")) is None
+    assert result_kind(stage) == "task-stage"
+    assert result_kind(run_dir / "adarope" / "train" / "summary.json") == "train"
 
 
 def test_report_has_a_section_per_kind_with_numbers_from_the_json(run_dir, capsys):

@@ -10,16 +10,11 @@ import time
 import pytest
 import torch
 
+from ropekit.backbone import as_backbone, load_adapter
 from ropekit.data import heldout_stream
 from ropekit.model import Decoder, DecoderConfig
 from ropekit.train import TrainConfig
-from ropekit.train.extend import (
-    ExtendConfig,
-    encoding_of,
-    extend,
-    load_adapter,
-    run_extension,
-)
+from ropekit.train.extend import ExtendConfig, extend, run_extension
 from ropekit.train.pretrain import pretrain
 
 CONTEXT, TARGET = 32, 128
@@ -68,7 +63,7 @@ def test_positional_mode_trains_only_the_encoding_and_keeps_the_backbone_bit_ide
     after = model.state_dict()
     for name, tensor in before.items():
         assert torch.equal(tensor, after[name]), name
-    assert encoding_of(model).dxi.abs().sum() > 0  # the encoding did train
+    assert as_backbone(model).encoding.dxi.abs().sum() > 0  # the encoding did train
     assert (tmp_path / "ext" / "adapter" / "adapter.safetensors").exists()
 
 

@@ -60,7 +60,8 @@ def test_loss_falls_and_every_output_is_written(tmp_path):
     assert summary["final_loss"] == result.final_loss == lines[-1]["loss"]
     assert summary["steps"] == 12 and summary["tokens"] == result.tokens == 12 * 8 * 16
     assert summary["tokens_per_s"] > 0 and summary["num_processes"] == 1
-    assert {"torch", "transformers", "accelerate", "ropekit"} <= set(summary["versions"])
+    assert summary["kind"] == "train"
+    assert {"torch", "transformers", "accelerate", "ropekit"} <= set(summary["meta"]["versions"])
     assert summary["config"]["steps"] == 12
     assert isinstance(result, TrainResult)
 

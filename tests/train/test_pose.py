@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from ropekit.backbone import as_backbone
 from ropekit.data import PoseDataset, PoseLayout, draw_layout
 from ropekit.hf import patch
-from ropekit.train.extend import ExtendConfig, enable_grad_checkpointing, pose_loss
-from ropekit.train.loss import causal_lm_loss
+from ropekit.train.extend import ExtendConfig
+from ropekit.train.loss import backbone_loss, causal_lm_loss
 from tests.hf.tiny import perturb
 from tests.hf.tiny import tiny_model as tiny_hf
 from tests.model.tiny import random_ids
@@ -219,11 +220,11 @@ def test_hf_checkpointing_gives_the_same_gradients_and_turns_off_again():
     batch = {"input_ids": ids, "labels": ids, "position_ids": positions}
 
     def loss_of(m):
-        return pose_loss(m, batch)[0]
+        return backbone_loss(as_backbone(m))(m, batch)[0]
 
     plain = _grads(model, loss_of)
     plain_bytes = _saved_bytes(model, loss_of)
-    disable = enable_grad_checkpointing(model)
+    disable = as_backbone(model).enable_grad_checkpointing()
     assert model.model.layers[0].gradient_checkpointing
     checkpointed = _grads(model, loss_of)
     kept_bytes = _saved_bytes(model, loss_of)
@@ -266,15 +267,15 @@ def test_hf_pose_batches_attend_across_the_jump():
     plain, _ = chunk1_logits(ids, causal_lm_loss)
     torch.testing.assert_close(chunk1_logits(other, causal_lm_loss)[0], plain)
     # ... with pose_loss it reads it.
-    masked, kwargs = chunk1_logits(ids, pose_loss)
-    assert not torch.allclose(chunk1_logits(other, pose_loss)[0], masked)
+    masked, kwargs = chunk1_logits(ids, backbone_loss(as_backbone(model)))
+    assert not torch.allclose(chunk1_logits(other, backbone_loss(as_backbone(model)))[0], masked)
     assert kwargs["attention_mask"].all() and kwargs["use_cache"] is False
 
 
 def test_extend_trains_a_hf_model_on_pose_windows_with_checkpointing(tmp_path):
     """The library path on a Hugging Face model: PoSE windows of the model's training length
     (32), positions up to the target, checkpointing on for training and off after."""
-    from ropekit.train.extend import encoding_of, extend
+    from ropekit.train.extend import extend
 
     model = tiny_hf("llama", vocab_size=256, use_cache=False)
     config = ExtendConfig(
@@ -288,7 +289,7 @@ def test_extend_trains_a_hf_model_on_pose_windows_with_checkpointing(tmp_path):
     )
     result = extend(model, config, tmp_path / "ext", tokenizer="bytes", log=lambda *a: None)
     assert result.tokens == 4 * 2 * 32  # window = the model's training length
-    assert encoding_of(model).dxi.abs().sum() > 0
+    assert as_backbone(model).encoding.dxi.abs().sum() > 0
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     summary = json.loads(result.summary.read_text())
     assert summary["pose_window"] == 32 and summary["config"]["grad_checkpointing"] is True

@@ -20,14 +20,15 @@ Either way the consumer ``on_layer(layer, q, k)`` runs inside the forward, one l
 so statistics are reduced as they come and no layer's q, k or attention outlives its turn.
 
 A Hugging Face model that is not patched is analysed through ``own_encoding``: patched for the
-duration with the ropekit spec equal to its own RoPE (``ropekit.hf.spec_from_config``) and
-unpatched afterwards.
+duration with the ropekit spec equal to its own RoPE (``Backbone.own_encoding``) and unpatched
+afterwards. Models are reached through their ``Backbone``; nothing here asks which kind a
+model is.
 
 What analysis recomputes from the captured q and k is causal attention with the logit scale
 1/sqrt(D) (Llama, Mistral, Qwen2/3 and the Decoder all use it) plus the encoding's score bias.
 A sliding-window layer (Mistral / Qwen2 configured with one) is measured without its window.
 
-Holds: CAPTURE_METHODS, is_decoder, model_encoding, own_encoding, capture_qk, forward_logits.
+Holds: CAPTURE_METHODS, model_encoding, own_encoding, capture_qk, forward_logits.
 """
 
 from __future__ import annotations
@@ -37,64 +38,33 @@ from collections.abc import Callable, Iterator
 
 from torch import Tensor, nn
 
+from ropekit.backbone import Backbone, as_backbone
 from ropekit.encodings import PositionEncoding
 from ropekit.encodings.base import check_choice
-from ropekit.model import Decoder, Probe
+from ropekit.model import Probe
 
 CAPTURE_METHODS = ("auto", "probe", "encoding")
 OnLayer = Callable[[int, Tensor, Tensor], None]  # (layer, q (B, H, T, D), k (B, K, S, D))
 
 
-def is_decoder(model: nn.Module) -> bool:
-    """True for a ropekit reference Decoder (else the model is treated as Hugging Face)."""
-    return isinstance(model, Decoder)
-
-
-def _is_hf(model: nn.Module) -> bool:
-    from transformers import PreTrainedModel  # imported here: slow, unneeded for Decoders
-
-    return isinstance(model, PreTrainedModel)
-
-
-def model_encoding(model: nn.Module) -> PositionEncoding:
+def model_encoding(model: Backbone | nn.Module) -> PositionEncoding:
     """The ropekit encoding every attention layer of ``model`` calls."""
-    if is_decoder(model):
-        return model.encoding
-    if _is_hf(model):
-        from ropekit.hf import encoding_of
-
-        encoding = encoding_of(model)
-        if encoding is not None:
-            return encoding
+    encoding = as_backbone(model).encoding
+    if encoding is None:
         raise ValueError(
             f"model {type(model).__name__} is not patched with a ropekit encoding; use "
             "ropekit.hf.patch(model, spec) or analyse it inside own_encoding(model)"
         )
-    raise ValueError(
-        f"model {type(model).__name__} is not allowed; allowed: a ropekit Decoder or a Hugging "
-        "Face causal LM (patched by ropekit.hf.patch, or unpatched)"
-    )
+    return encoding
 
 
 @contextlib.contextmanager
-def own_encoding(model: nn.Module) -> Iterator[tuple[PositionEncoding, bool]]:
-    """Yield (the model's ropekit encoding, whether it was patched just for this block): an
-    unpatched Hugging Face model is patched with its own RoPE (``spec_from_config``) for the
-    duration and unpatched on exit."""
-    if is_decoder(model) or not _is_hf(model):
-        yield model_encoding(model), False
-        return
-    from ropekit.hf import encoding_of, patch, spec_from_config, unpatch
-
-    existing = encoding_of(model)
-    if existing is not None:
-        yield existing, False
-        return
-    encoding = patch(model, spec_from_config(model.config))
-    try:
-        yield encoding, True
-    finally:
-        unpatch(model)
+def own_encoding(model: Backbone | nn.Module) -> Iterator[tuple[PositionEncoding, bool]]:
+    """Yield (the model's ropekit encoding, whether it was attached just for this block): an
+    unpatched Hugging Face model runs with its own RoPE as a ropekit encoding for the duration
+    (``Backbone.own_encoding``)."""
+    with as_backbone(model).own_encoding() as found:
+        yield found
 
 
 def _probes(model: nn.Module) -> list[Probe]:
@@ -102,12 +72,14 @@ def _probes(model: nn.Module) -> list[Probe]:
 
 
 @contextlib.contextmanager
-def capture_qk(model: nn.Module, on_layer: OnLayer, method: str = "auto") -> Iterator[str]:
+def capture_qk(
+    model: Backbone | nn.Module, on_layer: OnLayer, method: str = "auto"
+) -> Iterator[str]:
     """While active, every forward calls ``on_layer(layer, q, k)`` once per attention layer
     with the rotated q (B, H, T, D) and k (B, K, S, D). Yields the path used (module docstring):
     ``auto`` picks ``probe`` for a Decoder and ``encoding`` otherwise."""
     check_choice("method", method, CAPTURE_METHODS)
-    probes = _probes(model)
+    probes = _probes(as_backbone(model).model)
     if method == "auto":
         method = "probe" if probes else "encoding"
     if method == "probe":
@@ -162,8 +134,6 @@ def capture_qk(model: nn.Module, on_layer: OnLayer, method: str = "auto") -> Ite
         keys.clear()
 
 
-def forward_logits(model: nn.Module, ids: Tensor) -> Tensor:
+def forward_logits(model: Backbone | nn.Module, ids: Tensor) -> Tensor:
     """Logits (B, T, V) of one plain forward over ids (B, T): positions 0..T-1, no cache."""
-    if is_decoder(model):
-        return model(ids).logits
-    return model(input_ids=ids, use_cache=False).logits
+    return as_backbone(model).forward_logits(ids)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ropekit.backbone import Backbone, as_backbone
 from ropekit.encodings import AdaRoPE, PositionEncoding
 from ropekit.encodings.base import check_choice
 
@@ -98,13 +99,13 @@ def reverted(encoding: PositionEncoding, unit: Unit) -> Iterator[None]:
 
 
 @torch.no_grad()
-def mean_nll(model: nn.Module, windows: Tensor, batch_size: int) -> float:
+def mean_nll(model: Backbone | nn.Module, windows: Tensor, batch_size: int) -> float:
     """Mean next-token NLL (nats) over windows (N, T): token t+1 given tokens <= t, every
     window from position 0, summed in float64."""
     if windows.dim() != 2 or windows.shape[1] < 2:
         raise ValueError(f"windows {tuple(windows.shape)} must be (N, T) with T >= 2")
     total, count = 0.0, 0
-    device = next(model.parameters()).device
+    device = as_backbone(model).device
     for b in range(0, windows.shape[0], batch_size):
         ids = windows[b : b + batch_size].to(device)  # (B, T)
         logits = forward_logits(model, ids)[:, :-1]  # (B, T-1, V)
@@ -115,7 +116,7 @@ def mean_nll(model: nn.Module, windows: Tensor, batch_size: int) -> float:
 
 
 def head_influence(
-    model: nn.Module,
+    model: Backbone | nn.Module,
     encoding: PositionEncoding,
     windows: Tensor,
     kind: str,

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -45,14 +44,15 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ropekit.backbone import Backbone, as_backbone
 from ropekit.data import heldout_stream
 from ropekit.data.streams import TokenStream
 from ropekit.data.tokenizers import Tokenizer
 from ropekit.encodings import PositionEncoding
 from ropekit.encodings.base import check_choice
-from ropekit.utils import atomic_write_text, run_metadata
+from ropekit.results import plain, run_metadata, write_result
 
-from .capture import CAPTURE_METHODS, capture_qk, forward_logits, is_decoder, own_encoding
+from .capture import CAPTURE_METHODS, capture_qk, forward_logits
 from .heads import HeadStatistics
 from .influence import INFLUENCE_KINDS, head_influence, influence_units, mean_nll
 from .metrics import (
@@ -143,13 +143,8 @@ class AnalysisConfig:
         return self.betas.index(2.0) if 2.0 in self.betas else 0
 
 
-def _model_vocab(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    return getattr(config, "vocab_size", None)
-
-
 def held_out_windows(
-    model: nn.Module,
+    model: Backbone | nn.Module,
     tokenizer: Tokenizer | str | os.PathLike[str] | None,
     data: Any,
     config: AnalysisConfig,
@@ -176,14 +171,7 @@ def held_out_windows(
         elif isinstance(data, Tensor) and data.dim() == 1:
             ids, info["source"] = data.long(), "tensor"
         else:
-            if tokenizer is None:
-                if not is_decoder(model):
-                    raise ValueError(
-                        "tokenizer=None is not allowed for a Hugging Face model; pass its "
-                        "tokenizer (a ropekit Tokenizer or a path)"
-                    )
-                tokenizer = "bytes"
-            stream = heldout_stream(data, tokenizer)
+            stream = heldout_stream(data, as_backbone(model, tokenizer).require_tokenizer())
             ids = stream.ids
             info.update(
                 source=data if isinstance(data, str) else [str(d) for d in data],
@@ -201,8 +189,8 @@ def held_out_windows(
         starts = [int(c) * W for c in chosen]
         windows = torch.stack([ids[s : s + W] for s in starts])
         info["starts"] = starts
-    vocab = _model_vocab(model)
-    if vocab is not None and int(windows.max()) >= vocab:
+    vocab = as_backbone(model).vocab_size
+    if int(windows.max()) >= vocab:
         raise ValueError(
             f"token id {int(windows.max())} is not allowed for a model with vocab_size={vocab}; "
             "is the tokenizer the model's own?"
@@ -227,7 +215,7 @@ def _collect(
 ) -> str:
     """Run windows (N, T) through the model in batches, reducing every layer into ``stats``."""
     n_layers = stats.n_layers
-    device = next(model.parameters()).device
+    device = as_backbone(model).device
     batch = max(1, config.batch_tokens // windows.shape[1])
 
     def on_layer(layer: int, q: Tensor, k: Tensor) -> None:
@@ -437,17 +425,6 @@ def analyze_windows(
     return result
 
 
-def _plain(obj: Any) -> Any:
-    """JSON has no NaN or infinity: write them as null."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_plain(v) for v in obj]
-    return obj
-
-
 def analyze(
     model: nn.Module,
     tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
@@ -495,15 +472,18 @@ def analyze(
         capture=capture,
     )
     out = Path(out_dir)
-    was_training = model.training
-    model.eval()  # no dropout
+    backbone = as_backbone(model, tokenizer)
+    module = backbone.model
+    was_training = module.training
+    module.eval()  # no dropout
     try:
-        with own_encoding(model) as (encoding, patched_here), torch.no_grad():
-            windows, data_info = held_out_windows(model, tokenizer, data, config)
-            result = analyze_windows(model, encoding, windows, config, progress)
+        with backbone.own_encoding() as (encoding, patched_here), torch.no_grad():
+            windows, data_info = held_out_windows(backbone, None, data, config)
+            result = analyze_windows(backbone, encoding, windows, config, progress)
             spec = encoding.spec
+            identity = backbone.identity()
     finally:
-        model.train(was_training)
+        module.train(was_training)
     config_json = dataclasses.asdict(config)
     config_json["betas"] = [_beta_json(b) for b in config.betas]
     result = {
@@ -511,7 +491,7 @@ def analyze(
         "spec": spec,
         "seed": seed,
         "model": {
-            "class": type(model).__name__,
+            "class": type(module).__name__,
             "n_layers": encoding.n_layers,
             "n_heads": encoding.n_heads,
             "n_kv_heads": encoding.n_kv_heads,
@@ -521,12 +501,13 @@ def analyze(
         },
         "data": data_info,
         "config": config_json,
-        **run_metadata(command),
     }
     result["figures"] = planned_figures(result)
-    result = _plain(result)
+    result = plain(result)
     json_path = out / JSON_NAME
-    atomic_write_text(json_path, json.dumps(result, indent=1) + "\n")
+    meta = run_metadata(command, spec=spec, seed=seed)
+    provenance = {"model": identity, "data": data_info, "config": config_json}
+    write_result(json_path, "analysis", result, meta=meta, provenance=provenance, indent=1)
     figures = write_figures(result, out)
     result["paths"] = {"json": str(json_path), "figures": {k: str(p) for k, p in figures.items()}}
     return result

@@ -15,8 +15,11 @@ is seeded by (seed, k), so a chunk seen again in a later epoch gets fresh record
 at k is `DataLoader(dataset, batch_size=B, sampler=range(k, k + n_samples))`.
 """
 
+import dataclasses
+import hashlib
 import operator
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +33,7 @@ from ropekit.data.retrieval import (
     records_length,
     weave,
 )
-from ropekit.data.tokenizers import Tokenizer
+from ropekit.data.tokenizers import Tokenizer, tokenizer_identity
 
 # T context (tokens per sample) · N stream length
 
@@ -83,6 +86,19 @@ class PackedDataset(torch.utils.data.Dataset):
         self._order_cache: tuple[int, np.ndarray] | None = None
         if retrieval.ratio > 0:
             self._check_records_fit()
+
+    def identity(self) -> dict[str, Any]:
+        """What a training run's provenance records about its data: a digest of every token
+        (so other files of the same size differ), the context, seed, order and retrieval mix."""
+        return {
+            "tokens": hashlib.sha256(self._ids.tobytes()).hexdigest(),
+            "n_tokens": len(self._ids),
+            "context": self.context,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "retrieval": dataclasses.asdict(self.retrieval),
+            "tokenizer": tokenizer_identity(self.tokenizer),
+        }
 
     def _check_records_fit(self) -> None:
         # Fail at construction rather than mid-run: measure a few drawn records.

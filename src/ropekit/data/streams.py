@@ -7,6 +7,7 @@ none after the last). It keeps cumulative byte offsets, so any window of tokens 
 UTF-8 bytes of text it covers: the denominator of bits per byte.
 """
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,10 @@ class TokenStream:
 
     def __len__(self) -> int:
         return self.ids.numel()
+
+    def digest(self) -> str:
+        """sha256 of the token ids: two streams with equal digests hold the same tokens."""
+        return hashlib.sha256(self.ids.numpy().tobytes()).hexdigest()
 
     def n_bytes(self, start: int = 0, stop: int | None = None) -> int:
         """UTF-8 bytes of text covered by tokens [start, stop)."""

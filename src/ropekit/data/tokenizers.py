@@ -13,6 +13,7 @@ covers (summing to the text's byte length). Evaluations use it to turn a window'
 bits per byte for any tokenizer.
 """
 
+import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -136,3 +137,19 @@ def load_tokenizer(name_or_path: str | os.PathLike[str] = "bytes") -> Tokenizer:
             "or a Hub id already in the local cache (ropekit never downloads)"
         ) from None
     return HFTokenizer(hf, name=os.fspath(name_or_path))
+
+
+def tokenizer_identity(tokenizer: Tokenizer | None) -> dict[str, Any] | None:
+    """What a result's provenance records about a tokenizer: bytes, or a digest of the whole
+    Hugging Face tokenizer (vocabulary, merges, normalizer...), not the folder it came from."""
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, ByteTokenizer):
+        return {"name": "bytes"}
+    if isinstance(tokenizer, HFTokenizer):
+        spec = tokenizer.tokenizer.backend_tokenizer.to_str()
+        return {
+            "vocab_size": tokenizer.vocab_size,
+            "sha256": hashlib.sha256(spec.encode("utf-8")).hexdigest(),
+        }
+    return {"name": tokenizer.name, "vocab_size": tokenizer.vocab_size}

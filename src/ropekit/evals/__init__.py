@@ -1,19 +1,18 @@
 """ropekit.evals: what a model can read. Perplexity vs length, needle/passkey, RULER-style tasks.
 
 Modules:
-- `adapters`: `LanguageModel` (token_nll, greedy) over ropekit Decoders and Hugging Face LMs.
+- `adapters`: `LanguageModel` (token_nll, greedy) over any Backbone (Decoders, Hugging Face LMs).
 - `prompts`: `PromptFormat`, plain or chat-template prompts, token positions of characters.
 - `haystack`: haystacks (noise, essays, any corpus), needle insertion, keys and values.
 - `tasks`: base tasks, the registry of named variants (`TASKS`), `generate_sample`.
 - `scoring`: RULER's string_match_all / string_match_part, `effective_length`.
 - `perplexity`: `evaluate_perplexity`, `run_perplexity` (`ropekit eval ppl`).
 - `runner`: `run_needle`, `run_passkey`, `run_ruler`, `run_tasks`: staged, resumable.
-- `plots`, `store`: pictures and atomic JSON/JSONL files.
+- `plots`: pictures (files go through `ropekit.results`).
 """
 
 from ropekit.evals.adapters import (
-    DecoderLM,
-    HFCausalLM,
+    BackboneLM,
     LanguageModel,
     as_language_model,
     newline_ids,
@@ -51,9 +50,8 @@ __all__ = [
     "ALIASES",
     "RULER_TASKS",
     "TASKS",
-    "DecoderLM",
+    "BackboneLM",
     "EvalConfig",
-    "HFCausalLM",
     "LanguageModel",
     "PerplexityConfig",
     "PromptFormat",

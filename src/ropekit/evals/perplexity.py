@@ -37,12 +37,21 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ropekit.data import heldout_stream
 from ropekit.data.streams import TokenStream
 from ropekit.data.tokenizers import ByteTokenizer, Tokenizer
 from ropekit.distributed import Processes, shard
 from ropekit.distributed import processes as current_processes
 from ropekit.evals.adapters import LanguageModel, as_language_model, place_on
+from ropekit.evals.plots import plot_perplexity
 from ropekit.evals.prompts import default_prefix
+from ropekit.results import (
+    check_replaceable,
+    make_record,
+    read_result,
+    run_metadata,
+    write_result,
+)
 
 # Default number of windows of the longest length that the scored span holds.
 WINDOWS_AT_MAX = 4
@@ -284,20 +293,19 @@ def run_perplexity(
     spec: str | None = None,
     command: str = "",
     progress: bool = True,
+    overwrite: bool = False,
     processes: Processes | None = None,
 ) -> dict[str, Any]:
     """Evaluate on the held-out documents of `data` and write `ppl.json` and `ppl.png` into
-    `out_dir`. `model` is a Decoder, a Hugging Face causal LM or a `LanguageModel`; `spec`
-    names its encoding in the result. Returns the result, with `paths`.
+    `out_dir`. `model` is a Backbone, a Decoder, a Hugging Face causal LM or a
+    `LanguageModel`; `spec` names its encoding in the result. Returns the result, with `paths`.
 
-    Under `accelerate launch` or `torchrun` the processes share the windows (see
+    The result's provenance is the model (`Backbone.identity`), the held-out tokens (a digest)
+    and the config: a `ppl.json` of exactly that provenance is returned as it is, without a
+    model call; one of another model, data or config is refused, naming the field, unless
+    `overwrite`. Under `accelerate launch` or `torchrun` the processes share the windows (see
     `evaluate_perplexity`), all return the result and the main process writes the files;
     `processes` defaults to the current run's."""
-    from ropekit.data import heldout_stream
-    from ropekit.evals.plots import plot_perplexity
-    from ropekit.evals.store import write_json
-    from ropekit.utils import run_metadata
-
     config = PerplexityConfig(
         lengths=tuple(lengths),
         n_tokens=n_tokens,
@@ -307,15 +315,24 @@ def run_perplexity(
     )
     lm = as_language_model(model, tokenizer)
     stream = heldout_stream(data, lm.tokenizer)
-    procs = processes if processes is not None else current_processes()
-    result = evaluate_perplexity(lm, stream, config, progress, processes=procs)
-    result.update(data=data, spec=spec, seed=seed, model=lm.describe(), **run_metadata(command))
+    provenance = {
+        "model": lm.identity(),
+        "data": {"spec": data, "tokens": stream.digest(), "n_tokens": len(stream)},
+        "config": asdict(config),
+    }
     out = Path(out_dir)
     paths = {"json": out / "ppl.json", "png": out / "ppl.png"}
+    procs = processes if processes is not None else current_processes()
+    if check_replaceable(paths["json"], "perplexity", provenance, overwrite=overwrite):
+        result = read_result(paths["json"], "perplexity")
+        return {**result, "paths": {k: str(v) for k, v in paths.items()}, "reused": True}
+    result = evaluate_perplexity(lm, stream, config, progress, processes=procs)
+    result.update(data=data, spec=spec, seed=seed, model=lm.describe())
+    meta = run_metadata(command, spec=spec, seed=seed)
     # Every process holds the whole result; one writes it, the others wait for the files.
     if procs.is_main:
-        write_json(paths["json"], result)
+        write_result(paths["json"], "perplexity", result, meta=meta, provenance=provenance)
         plot_perplexity(result, paths["png"])
     procs.barrier()
-    result["paths"] = {k: str(v) for k, v in paths.items()}
-    return result
+    record = make_record("perplexity", result, meta=meta, provenance=provenance)
+    return {**record, "paths": {k: str(v) for k, v in paths.items()}}

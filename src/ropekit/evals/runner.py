@@ -16,11 +16,15 @@ Output layout (stages talk through files, as in RULER):
       <task>/<length>/pred.jsonl   one prediction per sample, rewritten after every batch
       <task>/<length>/summary.json score of the stage, by depth for needle tasks
 
-Resuming: each record carries the stage's fingerprint (generator version, task arguments,
-length, seed, sample plan, tokenizer, prompt format, answer budget). A rerun reuses matching
-samples and predictions and computes only what is missing: a finished run does no model call
-at all. A stage whose files were made with other settings is an error, unless
-`overwrite=True`, which redoes it.
+Resuming and provenance: a stage's provenance is what its samples depend on (generator
+version, task arguments, length, seed, sample plan, tokenizer, prompt format, answer budget)
+and the model that predicts them (`Backbone.identity`: weights digest, encoding spec and
+parameters, LoRA, tokenizer). Its `summary.json` records it whole from the start; every record
+of `data.jsonl` and `pred.jsonl` carries its digest. A rerun reuses matching samples and
+predictions and computes only what is missing: a finished run does no model call at all. A
+stage made with other settings or another model is refused, naming the field that differs,
+unless `overwrite=True`, which redoes it. The folder's `summary.json` is never replaced by one
+of another kind of run or another model.
 
 Several processes (`accelerate launch`, `torchrun`): the main process reads or makes the
 stage files and hands the samples to the others; the processes take the prediction batches
@@ -32,7 +36,6 @@ single process writes.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -45,6 +48,7 @@ from ropekit.data.tokenizers import Tokenizer
 from ropekit.distributed import Processes
 from ropekit.distributed import processes as current_processes
 from ropekit.evals.adapters import LanguageModel, as_language_model, newline_ids, place_on
+from ropekit.evals.plots import plot_accuracy_vs_length, plot_heatmap
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.scoring import (
     RELATIVE_THRESHOLD,
@@ -53,7 +57,6 @@ from ropekit.evals.scoring import (
     clean_prediction,
     effective_length,
 )
-from ropekit.evals.store import read_jsonl, to_json, write_json, write_jsonl
 from ropekit.evals.tasks import (
     GENERATOR_VERSION,
     RULER_TASKS,
@@ -62,6 +65,17 @@ from ropekit.evals.tasks import (
     TaskSpec,
     generate_sample,
     get_task,
+)
+from ropekit.results import (
+    ProvenanceMismatch,
+    ResultError,
+    check_replaceable,
+    digest,
+    make_record,
+    read_records,
+    run_metadata,
+    write_records,
+    write_result,
 )
 
 DEFAULT_DEPTHS: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -130,14 +144,22 @@ class _Stage:
     spec: TaskSpec
     length: int
     directory: Path
-    fingerprint: str
+    provenance: dict[str, Any]
     samples: list[Sample] | None = None
     skipped: str | None = None
     predictions: dict[int, dict[str, Any]] | None = None
 
+    @property
+    def fingerprint(self) -> str:
+        """The digest every data.jsonl and pred.jsonl record of the stage carries."""
+        return digest(self.provenance, size=8)
 
-def _fingerprint(spec: TaskSpec, length: int, config: EvalConfig, fmt: PromptFormat) -> str:
-    identity = {
+
+def _provenance(
+    spec: TaskSpec, length: int, config: EvalConfig, fmt: PromptFormat, model: dict[str, Any]
+) -> dict[str, Any]:
+    """What a stage's samples and predictions depend on (module docstring)."""
+    samples = {
         "generator": GENERATOR_VERSION,
         "task": spec.to_json(),
         "length": length,
@@ -147,22 +169,41 @@ def _fingerprint(spec: TaskSpec, length: int, config: EvalConfig, fmt: PromptFor
         "format": fmt.name,
         "max_new_tokens": config.max_new_tokens,
     }
-    return hashlib.blake2b(to_json(identity, None).encode(), digest_size=8).hexdigest()
+    return {"samples": samples, "model": model}
+
+
+def _check_stage(stage: _Stage, overwrite: bool) -> None:
+    """Refuse (or, with overwrite, clear) a stage folder made by other settings or another
+    model; leave a record of this stage's provenance in its summary.json."""
+    summary = stage.directory / "summary.json"
+    records = read_records(stage.directory / "data.jsonl")
+    try:
+        if summary.exists():
+            check_replaceable(summary, "task-stage", stage.provenance)
+        elif records and any(r.get("stage") != stage.fingerprint for r in records):
+            raise ProvenanceMismatch(
+                f"{stage.directory / 'data.jsonl'} was made with other settings (task "
+                "arguments, seed, samples, depths, tokenizer, prompt format, answer budget or "
+                "model); use another output folder, or --overwrite to recompute it"
+            )
+    except ResultError:
+        if not overwrite:
+            raise
+        shutil.rmtree(stage.directory)
+    if not summary.exists():
+        write_result(
+            summary, "task-stage",
+            {"task": stage.spec.name, "length": stage.length, "stage": stage.fingerprint,
+             "complete": False},
+            meta=run_metadata(), provenance=stage.provenance,
+        )  # fmt: skip
 
 
 def _prepare(stage: _Stage, config: EvalConfig, fmt: PromptFormat, overwrite: bool) -> None:
     """Load the stage's samples and predictions, or generate the samples."""
+    _check_stage(stage, overwrite)
     data_path = stage.directory / "data.jsonl"
-    records = read_jsonl(data_path)
-    if records and any(r.get("stage") != stage.fingerprint for r in records):
-        if not overwrite:
-            raise ValueError(
-                f"{data_path} was made with other settings (task arguments, seed, samples, "
-                "depths, tokenizer, prompt format or answer budget); allowed: the same "
-                "settings, another out_dir, or overwrite=True"
-            )
-        shutil.rmtree(stage.directory)
-        records = []
+    records = read_records(data_path)
     if records:
         stage.samples = [Sample.from_json(r) for r in records]
     else:
@@ -183,10 +224,11 @@ def _prepare(stage: _Stage, config: EvalConfig, fmt: PromptFormat, overwrite: bo
         except TaskDoesNotFit as e:
             stage.skipped = str(e)
             return
-        write_jsonl(data_path, [{**s.to_json(), "stage": stage.fingerprint} for s in stage.samples])
+        records = [{**s.to_json(), "stage": stage.fingerprint} for s in stage.samples]
+        write_records(data_path, records)
     stage.predictions = {
         r["index"]: r
-        for r in read_jsonl(stage.directory / "pred.jsonl")
+        for r in read_records(stage.directory / "pred.jsonl")
         if r.get("stage") == stage.fingerprint
     }
 
@@ -217,7 +259,7 @@ def _predict(
         for records in procs.each(functools.partial(_predict_batch, stage, lm, fmt, stop, mine)):
             stage.predictions.update(records)
         if procs.is_main:
-            write_jsonl(
+            write_records(
                 stage.directory / "pred.jsonl",
                 [stage.predictions[i] for i in sorted(stage.predictions)],
             )
@@ -262,7 +304,7 @@ def _score(stage: _Stage, write: bool = True) -> dict[str, Any]:
     if stage.skipped is not None:
         summary = {**base, "skipped": stage.skipped}
         if write:
-            write_json(stage.directory / "summary.json", summary)
+            _write_stage(stage, summary)
         return summary
     assert stage.samples is not None and stage.predictions is not None
     scorer = SCORERS[stage.spec.metric]
@@ -293,8 +335,16 @@ def _score(stage: _Stage, write: bool = True) -> dict[str, Any]:
             {"depth": d, "score": sum(v) / len(v), "n": len(v)} for d, v in sorted(by_depth.items())
         ]
     if write:
-        write_json(stage.directory / "summary.json", summary)
+        _write_stage(stage, summary)
     return summary
+
+
+def _write_stage(stage: _Stage, summary: dict[str, Any]) -> None:
+    meta = run_metadata(seed=stage.provenance["samples"]["seed"])
+    write_result(
+        stage.directory / "summary.json", "task-stage", summary, meta=meta,
+        provenance=stage.provenance,
+    )  # fmt: skip
 
 
 def evaluate_tasks(
@@ -311,14 +361,12 @@ def evaluate_tasks(
     processes: Processes | None = None,
 ) -> dict[str, Any]:
     """Run every task at every length of `config` into `out_dir` (see the module docstring);
-    return the overall summary (also written to `out_dir/summary.json`).
+    return the overall summary (also written to `out_dir/summary.json`). `kind` labels the run
+    (tasks, needle, passkey, ruler).
 
     Launched as several processes (`accelerate launch`, `torchrun`), they share the
     predictions and all return the summary; only the main process writes files. `processes`
     defaults to the current run's (`ropekit.distributed.processes()`)."""
-    from ropekit.evals.plots import plot_accuracy_vs_length, plot_heatmap
-    from ropekit.utils import run_metadata
-
     specs = [get_task(t) for t in tasks]
     if not specs:
         raise ValueError("tasks=[] is not allowed; allowed: one or more task names")
@@ -328,13 +376,37 @@ def evaluate_tasks(
     place_on(lm, procs.device)
     progress = progress and procs.is_main
     out = Path(out_dir)
+    model = lm.identity()
+    provenance = {"model": model}
+    if procs.is_main:  # another command's or another model's summary is never replaced
+        check_replaceable(out / "summary.json", "tasks", provenance, overwrite=overwrite)
     fmt = PromptFormat(lm.tokenizer, chat=config.chat)
-    stop = newline_ids(lm.tokenizer) | lm.eos_ids
     stages = [
-        _Stage(s, n, out / s.name / str(n), _fingerprint(s, n, config, fmt))
+        _Stage(s, n, out / s.name / str(n), _provenance(s, n, config, fmt, model))
         for s in specs
         for n in config.lengths
     ]
+    _run_stages(stages, lm, fmt, config, overwrite, progress, procs)
+    stage_summaries = [_score(stage, write=procs.is_main) for stage in stages]
+    summary = _summary(specs, stage_summaries, config, out, kind, spec, fmt, lm, procs)
+    meta = run_metadata(command, spec=spec, seed=config.seed)
+    if procs.is_main:
+        write_result(out / "summary.json", "tasks", summary, meta=meta, provenance=provenance)
+    procs.barrier()  # the files are complete when any process returns
+    return make_record("tasks", summary, meta=meta, provenance=provenance)
+
+
+def _run_stages(
+    stages: list[_Stage],
+    lm: LanguageModel,
+    fmt: PromptFormat,
+    config: EvalConfig,
+    overwrite: bool,
+    progress: bool,
+    procs: Processes,
+) -> None:
+    """Prepare every stage (main process), then predict what is missing (all processes)."""
+    stop = newline_ids(lm.tokenizer) | lm.eos_ids
 
     def prepare() -> list[tuple[Any, ...]]:
         for stage in tqdm(stages, desc="samples", unit="stage", disable=not progress):
@@ -354,43 +426,60 @@ def evaluate_tasks(
         for stage in stages:
             if stage.skipped is None:
                 _predict(stage, lm, fmt, config, stop, bar, procs)
-    stage_summaries = [_score(stage, write=procs.is_main) for stage in stages]
 
+
+def _task_entry(
+    task: TaskSpec, mine: list[dict[str, Any]], config: EvalConfig
+) -> tuple[dict[str, Any], dict[int, float]]:
+    """One task's part of the summary and its scores by length."""
+    done = [s for s in mine if s.get("score") is not None]
+    by_length = {s["length"]: s["score"] for s in done}
+    entry: dict[str, Any] = {
+        "spec": task.to_json(),
+        "scores": [{"length": s["length"], "score": s["score"], "n": s["n"]} for s in done],
+        "skipped": [
+            {"length": s["length"], "reason": s["skipped"]} for s in mine if "skipped" in s
+        ],
+        "effective_length": effective_length(by_length, config.threshold) if by_length else None,
+        "effective_length_relative": effective_length(
+            by_length, config.relative_threshold, relative=True
+        )
+        if by_length
+        else None,
+    }
+    if task.needle:
+        entry["cells"] = [
+            {"length": s["length"], **cell} for s in done for cell in s.get("by_depth", [])
+        ]
+    return entry, by_length
+
+
+def _summary(
+    specs: list[TaskSpec],
+    stage_summaries: list[dict[str, Any]],
+    config: EvalConfig,
+    out: Path,
+    kind: str,
+    spec: str | None,
+    fmt: PromptFormat,
+    lm: LanguageModel,
+    procs: Processes,
+) -> dict[str, Any]:
+    """The run's summary (and, on the main process, its figures)."""
     tasks_out: dict[str, Any] = {}
     scores: dict[str, dict[int, float]] = {}
     paths: dict[str, str] = {}
     for task in specs:
-        mine = [s for s in stage_summaries if s["task"] == task.name]
-        done = [s for s in mine if s.get("score") is not None]
-        by_length = {s["length"]: s["score"] for s in done}
-        scores[task.name] = by_length
-        entry: dict[str, Any] = {
-            "spec": task.to_json(),
-            "scores": [{"length": s["length"], "score": s["score"], "n": s["n"]} for s in done],
-            "skipped": [
-                {"length": s["length"], "reason": s["skipped"]} for s in mine if "skipped" in s
-            ],
-            "effective_length": effective_length(by_length, config.threshold)
-            if by_length
-            else None,
-            "effective_length_relative": effective_length(
-                by_length, config.relative_threshold, relative=True
-            )
-            if by_length
-            else None,
-        }
-        if task.needle:
-            cells = [
-                {"length": s["length"], **cell} for s in done for cell in s.get("by_depth", [])
-            ]
-            entry["cells"] = cells
-            if cells:
-                heatmap = out / task.name / "heatmap.png"
-                if procs.is_main:
-                    plot_heatmap(cells, heatmap, title=" ".join(filter(None, [task.name, spec])))
-                paths[f"heatmap_{task.name}"] = str(heatmap)
+        entry, scores[task.name] = _task_entry(
+            task, [s for s in stage_summaries if s["task"] == task.name], config
+        )
+        if entry.get("cells"):
+            heatmap = out / task.name / "heatmap.png"
+            if procs.is_main:
+                title = " ".join(filter(None, [task.name, spec]))
+                plot_heatmap(entry["cells"], heatmap, title=title)
+            paths[f"heatmap_{task.name}"] = str(heatmap)
         tasks_out[task.name] = entry
-
     # The task average exists only where every task was scored, so skipped tasks never make
     # a length look better or worse than its neighbours.
     average = {
@@ -401,43 +490,28 @@ def evaluate_tasks(
     curve = out / "accuracy_vs_length.png"
     if procs.is_main:
         plot_accuracy_vs_length(
-            scores,
-            curve,
-            config.threshold,
-            average if len(specs) > 1 else None,
+            scores, curve, config.threshold, average if len(specs) > 1 else None,
             title=f"{kind}: {spec or lm.tokenizer.name}",
-        )
+        )  # fmt: skip
     paths["accuracy_vs_length"] = str(curve)
     paths["summary"] = str(out / "summary.json")
-    summary = {
-        "kind": kind,
-        "spec": spec,
-        "seed": config.seed,
-        "format": fmt.name,
-        "config": asdict(config),
-        "tasks": tasks_out,
+    rule = (
+        "longest evaluated length L such that every length <= L scores >= the bar; absolute "
+        "bar = threshold, relative bar = relative_threshold x the score at the shortest length"
+    )
+    return {
+        "run": kind, "spec": spec, "seed": config.seed, "format": fmt.name,
+        "config": asdict(config), "tasks": tasks_out,
         "average": [{"length": n, "score": s} for n, s in average.items()],
         "effective_length": {
-            "rule": (
-                "longest evaluated length L such that every length <= L scores >= the bar; "
-                "absolute bar = threshold, relative bar = relative_threshold x the score at "
-                "the shortest length"
-            ),
-            "threshold": config.threshold,
+            "rule": rule, "threshold": config.threshold,
             "relative_threshold": config.relative_threshold,
             "average": effective_length(average, config.threshold) if average else None,
             "average_relative": effective_length(average, config.relative_threshold, relative=True)
-            if average
-            else None,
+            if average else None,
         },
-        "model": lm.describe(),
-        "paths": paths,
-        **run_metadata(command),
-    }
-    if procs.is_main:
-        write_json(out / "summary.json", summary)
-    procs.barrier()  # the files are complete when any process returns
-    return summary
+        "model": lm.describe(), "paths": paths,
+    }  # fmt: skip
 
 
 def run_tasks(

@@ -5,7 +5,7 @@ ArchSpec, chosen by name, never by which attributes a module happens to have), a
 unwrap (the model inside a PEFT wrapper), base_model (the decoder stack inside a
 ``*ForCausalLM``), ModelDims and model_dims (heads, layers, head dim from a config),
 rope_parameters, original_length, rope_context (the ``base=``, ``original_length=``,
-``fraction=``, ``pairing=`` a spec may omit) and fingerprint (what an adapter must match).
+``fraction=``, ``pairing=`` a spec may omit).
 
 Everything here reads transformers 5.24 configs: RoPE settings live in ``config.rope_parameters``
 (``rope_theta``, ``rope_type``, ``original_max_position_embeddings``, ``partial_rotary_factor``),
@@ -169,30 +169,4 @@ def rope_context(config: Any) -> dict[str, Any]:
         "original_length": original_length(config),
         "fraction": float(params.get("partial_rotary_factor") or 1.0),
         "pairing": "half",
-    }
-
-
-FINGERPRINT_FIELDS = (
-    "architecture",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "head_dim",
-    "base",
-    "original_length",
-)
-
-
-def fingerprint(config: Any) -> dict[str, Any]:
-    """What an adapter records about the model it was trained on and must match to load."""
-    dims = model_dims(config)
-    context = rope_context(config)
-    return {
-        "architecture": arch_for(config).model_type,
-        "n_layers": dims.n_layers,
-        "n_heads": dims.n_heads,
-        "n_kv_heads": dims.n_kv_heads,
-        "head_dim": dims.head_dim,
-        "base": context["base"],
-        "original_length": context["original_length"],
     }

@@ -46,7 +46,6 @@ from torch import nn
 from ropekit import __version__
 from ropekit.encodings import AdaRoPE, PositionEncoding, RotaryEncoding, TunedYarn, schedules
 
-from .adapter import load_adapter
 from .archs import base_model, original_length, unwrap
 from .models import load_model, load_tokenizer, resolve_model
 from .patching import ENCODING_ATTR, encoding_of, patch
@@ -242,6 +241,8 @@ def export(
     if adapter is not None and spec is not None:
         raise ValueError("give an adapter or a spec, not both")
     if adapter is not None:
+        from ropekit.backbone import load_adapter  # moves to serve/ (issue 20)
+
         encoding = load_adapter(model, adapter)
     elif spec is not None:
         encoding = patch(model, spec)

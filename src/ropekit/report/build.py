@@ -27,7 +27,7 @@ class ReportPaths:
 def report_blocks(results: list[Result], root: Path, title: str) -> list[Block]:
     """The report: a title, what it was made from, then one section per kind found."""
     counts = Counter(r.kind for r in results)
-    found = ", ".join(f"{n} {KINDS[k][0]}" for k, n in counts.items())
+    found = ", ".join(f"{n} {k} result{'s' if n > 1 else ''}" for k, n in counts.items())
     blocks: list[Block] = [
         Heading(title, 1),
         Text(
@@ -35,7 +35,7 @@ def report_blocks(results: list[Result], root: Path, title: str) -> list[Block]:
             "Every number below is read from those files."
         ),
     ]
-    for kind, (_, section_title) in KINDS.items():
+    for kind, section_title in KINDS.items():
         mine = [r for r in results if r.kind == kind]
         if mine:
             blocks.append(Heading(section_title, 2))
@@ -51,7 +51,7 @@ def build_report(run_dir: str | Path, *, title: str | None = None) -> ReportPath
         raise FileNotFoundError(f"{root} is not a folder")
     results = discover(root)
     if not results:
-        names = ", ".join(file for file, _ in KINDS.values())
+        names = ", ".join(KINDS)
         raise FileNotFoundError(f"{root} holds no result JSON ({names}) in any folder")
     title = title or f"ropekit report: {root.resolve().name}"
     blocks = report_blocks(results, root, title)

@@ -6,14 +6,13 @@ plot_schedules (PNG), write_schedules (both files, atomically).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from ropekit.encodings import config_from_spec
 from ropekit.encodings.adarope import AdaRoPEConfig
-from ropekit.utils import atomic_write_text, run_metadata
+from ropekit.results import run_metadata, write_result
 
 DEFAULT_METHODS = ("rope", "linear", "ntk", "yarn", "llama3")
 
@@ -113,7 +112,6 @@ def write_schedules(result: dict[str, Any], out_dir: Path, command: str = "") ->
     """schedules.json and schedules.png in ``out_dir``; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "schedules.json", "png": out_dir / "schedules.png"}
-    payload = {**result, "meta": run_metadata(command)}
-    atomic_write_text(paths["json"], json.dumps(payload, indent=2))
+    write_result(paths["json"], "schedules", result, meta=run_metadata(command))
     plot_schedules(result, paths["png"])
     return paths

@@ -2,15 +2,16 @@
 
 Holds:
 - `Result`: one result file (its kind, path relative to the run folder, parsed JSON).
-- `KINDS`: kind -> (file name, title), in report order; `kind_of` tells a file's kind.
+- `KINDS`: kind -> section title, in report order.
 - `discover(root)`: every result JSON under ``root``, recursively.
 - `SECTIONS`: kind -> section builder ``(results, root) -> blocks``; `fmt`, `length_table`.
 
-Kinds and the commands that write them: ``demo.json`` (`ropekit demo`), ``pretrain.json``
-(`ropekit pretrain`), ``extend.json`` (`ropekit extend`), ``ppl.json`` (`ropekit eval ppl`),
-``summary.json`` of a task run (`ropekit eval needle|passkey|ruler`; the per-stage and training
-``summary.json`` files are not results of their own), ``analysis.json`` (`ropekit analyze`),
-``results.json`` (an experiment folder) and ``schedules.json`` (`ropekit schedules`).
+A file's kind is the ``kind`` its writer recorded (``ropekit.results``), never guessed from
+its name: ``demo`` (`ropekit demo`), ``pretrain`` (`ropekit pretrain`), ``extend``
+(`ropekit extend`), ``perplexity`` (`ropekit eval ppl`), ``tasks`` (`ropekit eval
+needle|passkey|ruler`), ``analysis`` (`ropekit analyze`), ``experiment`` (an experiment's
+results) and ``schedules`` (`ropekit schedules`). Task stages and training summaries are parts
+of those runs, not sections of their own.
 
 A section is a table of every result of its kind (one row per file, labelled by its folder)
 followed by the PNGs written beside those files; when a section holds several results, each
@@ -19,27 +20,27 @@ result's figures are collapsed under its label.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ropekit.results import ResultError, read_result, result_kind
+
 from .document import Block, Details, Figure, Heading, Table, Text
 
-# kind -> (file name, section title), in the order sections appear.
-KINDS: dict[str, tuple[str, str]] = {
-    "demo": ("demo.json", "Demo: context extension at a glance"),
-    "pretrain": ("pretrain.json", "Pretraining"),
-    "extend": ("extend.json", "Context extension"),
-    "perplexity": ("ppl.json", "Perplexity and bits per byte vs length"),
-    "tasks": ("summary.json", "Retrieval tasks"),
-    "analysis": ("analysis.json", "Head analysis"),
-    "experiment": ("results.json", "Experiment results"),
-    "schedules": ("schedules.json", "Frequency schedules"),
+# kind -> section title, in the order sections appear.
+KINDS: dict[str, str] = {
+    "demo": "Demo: context extension at a glance",
+    "pretrain": "Pretraining",
+    "extend": "Context extension",
+    "perplexity": "Perplexity and bits per byte vs length",
+    "tasks": "Retrieval tasks",
+    "analysis": "Head analysis",
+    "experiment": "Experiment results",
+    "schedules": "Frequency schedules",
 }
-_BY_FILE = {file: kind for kind, (file, _) in KINDS.items()}
 # Folders that hold checkpoints or caches, never results.
 _SKIP_DIRS = {"checkpoints", "__pycache__", "adapter", "model"}
 
@@ -56,35 +57,22 @@ class Result:
         return self.path.parent.as_posix()
 
 
-def kind_of(name: str, data: Any) -> str | None:
-    """The kind of a result file from its name and content; None if it is not a result."""
-    kind = _BY_FILE.get(name)
-    if kind is None or not isinstance(data, dict):
-        return None
-    if kind == "tasks":  # a task run's summary, not a stage's or a training run's
-        return kind if isinstance(data.get("tasks"), dict) else None
-    if kind == "demo":
-        return kind if data.get("kind") == "demo" else None
-    return kind
-
-
 def discover(root: str | Path) -> list[Result]:
-    """Every result JSON under ``root`` (recursively), sorted by kind then path."""
+    """Every result file under ``root`` (recursively) of a kind the report shows, sorted by
+    kind then path. Files that are not results of this format are passed over."""
     root = Path(root)
     found = []
     for path in root.rglob("*.json"):
         relative = path.relative_to(root)
         if any(p in _SKIP_DIRS or p.startswith(".") for p in relative.parts[:-1]):
             continue
-        if path.name not in _BY_FILE:
+        if result_kind(path) not in KINDS:
             continue
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue  # a file being written or not ours: not a result
-        kind = kind_of(path.name, data)
-        if kind is not None:
-            found.append(Result(kind, relative, data))
+            data = read_result(path)
+        except ResultError:
+            continue  # an older format, or a file being written
+        found.append(Result(data["kind"], relative, data))
     order = list(KINDS)
     return sorted(found, key=lambda r: (order.index(r.kind), r.path.as_posix()))
 

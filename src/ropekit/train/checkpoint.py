@@ -4,6 +4,7 @@ Holds:
     CheckpointState     the numbers a checkpoint records besides tensors (step, data position...).
     save_checkpoint     write one checkpoint atomically (temp dir, fsync, rename); keep the last K.
     load_checkpoint     load weights (and optionally optimizer and scheduler state) into objects.
+    read_checkpoint_state   what a checkpoint records besides tensors (step, config, provenance).
     latest_checkpoint   the newest complete checkpoint of a run folder, or None.
     restore_rng         put this process's python/numpy/torch RNG streams back as they were saved.
 
@@ -61,6 +62,9 @@ class CheckpointState:
     num_processes: int  # processes that wrote it (each wrote its own rng-<rank>.pt)
     dataset_len: int  # the data order depends on it, so resuming checks it
     config: dict[str, Any]  # TrainConfig.to_dict() of the run
+    # What the run trains (model, encoding, data, tokenizer...: ropekit.results provenance);
+    # resuming refuses a checkpoint whose provenance differs, naming the field.
+    provenance: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
@@ -148,6 +152,12 @@ def load_checkpoint(
         optimizer.load_state_dict(_load_pt(path / "optimizer.pt"))
     if scheduler is not None:
         scheduler.load_state_dict(_load_pt(path / "scheduler.pt"))
+    return read_checkpoint_state(path)
+
+
+def read_checkpoint_state(path: str | Path) -> CheckpointState:
+    """The numbers, config and provenance a checkpoint folder records (no tensors loaded)."""
+    path = Path(path)
     state = json.loads((path / "state.json").read_text())
     return CheckpointState(**state, config=json.loads((path / "config.json").read_text()))
 

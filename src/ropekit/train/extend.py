@@ -1,9 +1,9 @@
 """Context extension: give a trained model a new positional encoding and train only what the
 method needs, on a few long samples (the AdaRoPE protocol: 100 samples, backbone frozen).
 
-Works on ropekit ``Decoder`` checkpoints and on patched Hugging Face models alike: the two
-differ only in how an encoding is attached (``set_encoding``) and in what identifies the model
-(``fingerprint``).
+Works on any model through its ``Backbone`` (ropekit ``Decoder`` checkpoints and patched
+Hugging Face models alike): the backbone attaches the encoding, names the model an adapter
+belongs to and knows what its training forward needs.
 
 Modes (which parameters train):
 - ``positional``: only the encoding's parameters; every backbone weight has
@@ -16,6 +16,18 @@ they train nothing and are simply attached (the "untuned" baselines).
 Recipes chain two stages on the same samples, e.g. ``adarope->lora``: stage 1 trains AdaRoPE
 positionally, stage 2 trains LoRA on top with the learned encoding kept (``->joint``: keeps
 training it).
+
+The method's factor and the target: a spec that needs a factor and names none gets
+factor = target / training length (said in the log line and ``extend.json``); a spec whose
+factor is smaller than that ratio is refused (it would not reach the target); a larger one is
+the user's choice (YaRN is often run with s above the ratio) and is kept.
+
+Continuing and resuming: a model that carries an adapter (``ropekit extend --adapter``)
+continues from its parameters when ``method`` names the adapter's encoding, and is refused
+otherwise (training would silently start again from the spec's init). ``resume=True`` continues
+an interrupted run in ``out_dir`` from its newest intact checkpoint, refusing one made with
+another model, spec, tokenizer, data or settings (the training loop checks its provenance); a
+finished run is reported as it is, its adapter loaded.
 
 Cheap long positions (for targets where a full-length backward is too slow or too big):
 - ``pose``: positional skip-wise training (PoSE, Zhu et al. 2023, arXiv:2309.10400). Each
@@ -31,35 +43,37 @@ Cheap long positions (for targets where a full-length backward is too slow or to
   layer, for about one extra forward per step. Use it when activations, not weights, exceed
   memory (long targets on a GPU, or a CPU that would swap); it changes no number.
 
-Holds: ExtendConfig, ExtendResult, RECIPES, encoding_of, set_encoding, fingerprint,
-trainable_summary, enable_grad_checkpointing, pose_loss, extend.
+Holds: ExtendConfig, ExtendResult, MODES, RECIPES, select_trainable, trainable_summary,
+extend, run_extension.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
-import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from ropekit.backbone import (
+    Backbone,
+    add_lora,
+    as_backbone,
+    load_adapter,
+    save_lora,
+    write_adapter,
+)
 from ropekit.data import PoseDataset, RetrievalConfig, make_train_dataset
 from ropekit.distributed import processes
-from ropekit.encodings import PositionEncoding, build
-from ropekit.encodings.adarope import AdaRoPEConfig
-from ropekit.model import Decoder
-from ropekit.utils import atomic_write_bytes, atomic_write_text, run_metadata
+from ropekit.encodings import PositionEncoding, parse_spec
+from ropekit.results import check_replaceable, read_result, run_metadata, write_result
 
 from .config import TrainConfig
 from .loop import train
-from .loss import cross_entropy_sum
+from .loss import backbone_loss
 
 MODES = ("positional", "lora", "joint")
 # recipe -> (stage-1 method family, stage-2 mode); the stage-1 spec comes from --method.
@@ -69,8 +83,7 @@ RECIPES = {
     "yarn->lora": ("yarn", "lora"),
     "tuned-yarn->lora": ("tuned-yarn", "lora"),
 }
-DECODER_LORA_TARGETS = ("qkv", "proj")
-HF_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+EXTEND_JSON = "extend.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,14 +98,14 @@ class ExtendConfig:
     batch_size: int = 1  # samples per optimizer step
     lr: float = 1e-2  # positional parameters' learning rate (AdaRoPE has ~1e4 of them)
     lora_lr: float = 2e-4  # LoRA learning rate
-    lora_rank: int = 8
-    lora_alpha: int = 16
+    lora_rank: int = 8  # LoRA rank r
+    lora_alpha: int = 16  # LoRA scale numerator (the update is alpha / r * B A)
     lora_targets: tuple[str, ...] | None = None  # module names; default: attention projections
     data: str | tuple[str, ...] = "shakespeare"  # training text, never the evaluation split
     retrieval_ratio: float = 0.0  # share of samples carrying passkey/key-value records
-    warmup_steps: int = 5
-    seed: int = 0
-    bf16: bool = False
+    warmup_steps: int = 5  # linear learning-rate warmup steps
+    seed: int = 0  # picks the samples (and PoSE positions): equal seeds, equal samples
+    bf16: bool = False  # bf16 autocast for the forward; parameters and loss stay float32
     # PoSE (Zhu et al. 2023): train on pose_window real tokens of each sample at positions
     # that jump to cover target_length (ropekit.data.pose); each epoch redraws the positions.
     pose: bool = False
@@ -100,6 +113,10 @@ class ExtendConfig:
     grad_checkpointing: bool = False  # recompute each layer in the backward (less memory)
 
     def __post_init__(self) -> None:
+        if self.lora_targets is not None:
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if not isinstance(self.data, str):
+            object.__setattr__(self, "data", tuple(self.data))
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not allowed; use one of {', '.join(MODES)}")
         if self.pose_window is not None:
@@ -122,19 +139,32 @@ class ExtendConfig:
                 "sample skips text, which may hold the record an answer needs; use "
                 "retrieval_ratio=0 with pose"
             )
-        for name in ("target_length", "samples", "epochs", "batch_size", "lora_rank"):
+        for name in (
+            "target_length", "samples", "epochs", "batch_size", "lora_rank", "lora_alpha",
+        ):  # fmt: skip
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} is not allowed; it must be an integer >= 1")
+        for name in ("warmup_steps", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}={value!r} is not allowed; it must be an integer >= 0")
         for name in ("lr", "lora_lr"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a finite number > 0")
-        if not 0 <= self.retrieval_ratio <= 1:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 < value <= 10):
+                raise ValueError(f"{name}={value!r} is not allowed; it must lie in (0, 10]")
+        if not (math.isfinite(self.retrieval_ratio) and 0 <= self.retrieval_ratio <= 1):
             raise ValueError(f"retrieval_ratio={self.retrieval_ratio!r} must lie in [0, 1]")
 
     @property
     def steps(self) -> int:
         return math.ceil(self.samples * self.epochs / self.batch_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form; ``ExtendConfig(**that)`` rebuilds this config."""
+        return {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,108 +178,17 @@ class ExtendResult:
     tokens: int = 0  # input tokens trained on (PoSE: window tokens per sample); 0: none
 
 
-# ----------------------------------------------------------------------------- model kinds
-def encoding_of(model: nn.Module) -> PositionEncoding | None:
-    """The ropekit encoding a model uses (None for an unpatched Hugging Face model)."""
-    if isinstance(model, Decoder):
-        return model.encoding
-    from ropekit.hf import encoding_of as hf_encoding_of
-
-    return hf_encoding_of(model)
-
-
-def training_length(model: nn.Module) -> int:
-    """The context the model was trained at."""
-    if isinstance(model, Decoder):
-        return model.config.context_length
-    from ropekit.hf.archs import original_length, unwrap
-
-    return original_length(unwrap(model).config)
-
-
-def set_encoding(model: nn.Module, spec: str) -> PositionEncoding:
-    """Attach the encoding named by ``spec``; options it omits (base, original length) come
-    from the model."""
-    if isinstance(model, Decoder):
-        c = model.config
-        encoding = build(
-            spec,
-            n_heads=c.n_heads,
-            n_kv_heads=c.n_kv_heads,
-            head_dim=c.head_dim,
-            n_layers=c.n_layers,
-            d_model=c.d_model,
-            **_decoder_context(model),
-        )
-        model.encoding = encoding.to(next(model.parameters()).device)
-        model.config = dataclasses.replace(c, encoding=encoding.spec)
-        return encoding
-    from ropekit.hf import patch
-
-    return patch(model, spec)
-
-
-def _base_of(encoding: PositionEncoding) -> float | None:
-    """The RoPE base of a rotary encoding (AdaRoPE keeps it in its init schedule)."""
-    config = encoding.config
-    if isinstance(config, AdaRoPEConfig):
-        config = config.schedule
-    return getattr(config, "base", None)
-
-
-def _decoder_context(model: Decoder) -> dict[str, Any]:
-    context = model.config.encoding_context()
-    base = _base_of(model.encoding)
-    if base is not None:
-        context["base"] = base
-    return context
-
-
-def fingerprint(model: nn.Module) -> dict[str, Any]:
-    """What identifies the model an adapter belongs to."""
-    if isinstance(model, Decoder):
-        c = model.config
-        return {
-            "architecture": "ropekit-decoder",
-            "n_layers": c.n_layers,
-            "n_heads": c.n_heads,
-            "n_kv_heads": c.n_kv_heads,
-            "head_dim": c.head_dim,
-            "base": _base_of(model.encoding),
-            "original_length": c.context_length,
-        }
-    from ropekit.hf import fingerprint as hf_fingerprint
-    from ropekit.hf.archs import unwrap
-
-    return hf_fingerprint(unwrap(model).config)
-
-
-def _is_lora(name: str) -> bool:
-    return "lora_" in name
-
-
-def _add_lora(model: nn.Module, config: ExtendConfig) -> None:
-    from peft import LoraConfig, inject_adapter_in_model
-
-    targets = config.lora_targets or (
-        DECODER_LORA_TARGETS if isinstance(model, Decoder) else HF_LORA_TARGETS
-    )
-    lora = LoraConfig(
-        r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(targets)
-    )
-    inject_adapter_in_model(lora, model)
-
-
-def select_trainable(model: nn.Module, mode: str) -> dict[str, int]:
+def select_trainable(model: Backbone | nn.Module, mode: str) -> dict[str, int]:
     """Freeze everything, then unfreeze what ``mode`` trains; returns parameter counts."""
-    encoding = encoding_of(model)
-    positional = {id(p) for p in encoding.parameters()} if encoding is not None else set()
+    backbone = as_backbone(model)
+    positional = {id(p) for p in backbone.positional_parameters().values()}
+    lora = {id(p) for p in backbone.lora_parameters().values()}
     counts = {"positional": 0, "lora": 0}
-    for name, p in model.named_parameters():
+    for p in backbone.model.parameters():
         if id(p) in positional:
             p.requires_grad_(mode in ("positional", "joint"))
             counts["positional"] += p.numel() if p.requires_grad else 0
-        elif _is_lora(name):
+        elif id(p) in lora:
             p.requires_grad_(mode in ("lora", "joint"))
             counts["lora"] += p.numel() if p.requires_grad else 0
         else:
@@ -285,88 +224,146 @@ class _Samples(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, i: int) -> dict[str, Any]:
         return self.packed[i]
 
 
-def enable_grad_checkpointing(model: nn.Module) -> Callable[[], None]:
-    """Turn on activation checkpointing per layer; returns the function that turns it off.
-
-    ropekit's ``Decoder``: ``gradient_checkpointing_enable``. Hugging Face models: transformers'
-    ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` before 5.x), both
-    with ``use_reentrant=False``: the reentrant variant gives no gradient to parameters when
-    no layer input requires grad, which is the case when only positional parameters train.
-    """
-    if isinstance(model, Decoder):
-        model.gradient_checkpointing_enable()
-        return model.gradient_checkpointing_disable
-    from ropekit.hf.archs import unwrap
-
-    hf = unwrap(model)
-    kwargs = {"use_reentrant": False}
-    had_hooks = bool(getattr(hf, "_require_grads_hooks", None))
-    if hasattr(hf, "activation_checkpointing_enable"):
-        hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        turn_off = hf.activation_checkpointing_disable
-    else:
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        turn_off = hf.gradient_checkpointing_disable
-
-    def disable() -> None:
-        turn_off()
-        # Enabling also made the embedding output require grad (a forward hook, for PEFT);
-        # disabling leaves it unless PEFT is loaded: remove it when we installed it.
-        if not had_hooks and getattr(hf, "_require_grads_hooks", None):
-            hf.disable_input_require_grads()
-
-    return disable
+# ----------------------------------------------------------------------------- stages
+def _with_factor(spec: str, factor: float) -> str:
+    return f"{spec}{',' if ':' in spec else ':'}factor={factor:g}"
 
 
-def pose_loss(
-    model: nn.Module, batch: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``causal_lm_loss`` for a Hugging Face model on PoSE batches (positions that jump).
-
-    transformers (5.24) reads a jump in ``position_ids`` as the start of a new packed sequence
-    when it gets neither an ``attention_mask`` nor a cache (``masking_utils.
-    find_packed_sequence_indices``; activation checkpointing forces ``use_cache=False`` in
-    training), so the second chunk would not attend to the first: an all-ones mask keeps one
-    causal sequence. No KV cache is built: training never reads it.
-    """
-    ids = batch["input_ids"]  # (B, T)
-    logits = model(
-        input_ids=ids,
-        position_ids=batch["position_ids"],
-        attention_mask=torch.ones_like(ids),
-        use_cache=False,
-    ).logits  # (B, T, V)
-    return cross_entropy_sum(logits, batch["labels"], batch.get("loss_weight"))
-
-
-def _tokenizer_for(model: nn.Module, tokenizer: Any) -> Any:
-    if tokenizer is not None:
-        return tokenizer
-    if isinstance(model, Decoder):
-        return "bytes"
-    raise ValueError("a Hugging Face model needs its tokenizer (pass tokenizer=)")
-
-
-def save_lora(model: nn.Module, directory: Path) -> Path | None:
-    tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if _is_lora(n)}
-    if not tensors:
-        return None
-    path = directory / "lora.safetensors"
-    atomic_write_bytes(path, safetensors.torch.save(tensors))
-    return path
+def resolve_method(backbone: Backbone, config: ExtendConfig) -> tuple[PositionEncoding, str]:
+    """The encoding ``config.method`` names for this model (not attached) and a note on its
+    factor (module docstring: derived when missing, refused when too small)."""
+    trained_at = backbone.training_length
+    ratio = config.target_length / trained_at
+    spec = config.method
+    _, options = parse_spec(spec)
+    try:
+        encoding, note = backbone.build_encoding(spec), ""
+    except ValueError as first:
+        if "factor" in options:
+            raise
+        try:
+            encoding = backbone.build_encoding(_with_factor(spec, ratio))
+        except ValueError:
+            raise first from None
+        note = f"factor={ratio:g} derived from {config.target_length} / {trained_at} tokens"
+    _, built = parse_spec(encoding.spec)
+    factor = float(built["factor"]) if "factor" in built else None
+    if factor is not None and factor * trained_at < config.target_length * (1 - 1e-9):
+        raise ValueError(
+            f"--method {spec!r} has factor={factor:g}, which reaches {factor * trained_at:g} "
+            f"tokens; target_length={config.target_length} needs factor >= {ratio:g} "
+            f"({config.target_length} / the model's training length {trained_at}), or omit "
+            "factor to derive it"
+        )
+    return encoding, note
 
 
+def _attach(backbone: Backbone, config: ExtendConfig, keep: bool, log: Any) -> PositionEncoding:
+    """The encoding the run trains: the current one (``keep``, stage 2 of a recipe), the
+    adapter's it continues, or the method's, attached now."""
+    current = backbone.encoding
+    if keep and current is not None:
+        return current
+    encoding, note = resolve_method(backbone, config)
+    if backbone.adapter_sha256 is not None and current is not None:
+        if encoding.spec != current.spec:
+            raise ValueError(
+                f"the model carries an adapter with {current.spec!r}; --method "
+                f"{config.method!r} would replace it and start from its init: pass --method "
+                f"{current.spec!r} to continue training the adapter, or leave out --adapter"
+            )
+        return current  # continue from the adapter's parameters
+    if note:
+        log(f"{config.method}: {note}")
+    return backbone.set_encoding(encoding)
+
+
+def _dataset(backbone: Backbone, config: ExtendConfig, pose_window: int | None) -> Dataset:
+    retrieval = RetrievalConfig(ratio=config.retrieval_ratio) if config.retrieval_ratio else None
+    data = config.data if isinstance(config.data, str) else list(config.data)
+    packed = make_train_dataset(
+        data, backbone.require_tokenizer(), config.target_length, retrieval=retrieval,
+        seed=config.seed,
+    )  # fmt: skip
+    samples: Dataset = _Samples(packed, config.samples)
+    if pose_window is not None:
+        # Fresh positions for every visit of a window (the paper redraws per example):
+        # samples x epochs items, one pass of config.steps steps, as without PoSE.
+        samples = PoseDataset(
+            samples, pose_window, config.target_length, seed=config.seed, repeats=config.epochs
+        )
+    return samples
+
+
+def _train_config(config: ExtendConfig, out_dir: Path, lora: bool, resume: bool) -> TrainConfig:
+    lr_scale = ((r"lora_", config.lora_lr / config.lr),) if lora else ()
+    return TrainConfig(
+        out_dir=out_dir / "train",
+        steps=config.steps,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        lr_scale=lr_scale,
+        weight_decay=0.0,  # a handful of samples; nothing to regularise towards
+        warmup_steps=min(config.warmup_steps, config.steps),
+        seed=config.seed,
+        bf16=config.bf16,
+        checkpoint_interval=max(1, min(config.steps, 25)),
+        log_interval=max(1, min(10, config.steps // 5)),
+        overwrite=not resume,
+        resume=resume,
+    )
+
+
+def _train(
+    backbone: Backbone,
+    samples: Dataset,
+    config: ExtendConfig,
+    train_config: TrainConfig,
+    provenance: dict[str, Any],
+) -> tuple[float, int]:
+    """Train what is trainable (final loss, tokens); checkpointing switched off after."""
+    disable = backbone.enable_grad_checkpointing() if config.grad_checkpointing else None
+    model = backbone.model
+    was_training = model.training
+    model.train()
+    try:
+        result = train(
+            model, samples, train_config, loss_fn=backbone_loss(backbone), provenance=provenance
+        )
+    finally:
+        model.train(was_training)
+        if disable is not None:
+            disable()
+    return result.final_loss, result.tokens
+
+
+def _claim(out_dir: Path, provenance: dict[str, Any], overwrite: bool, resume: bool) -> bool:
+    """Check ``out_dir`` before any work; True when a finished run of this provenance is
+    there (resume returns it)."""
+    path = out_dir / EXTEND_JSON
+    if overwrite:
+        return False
+    if not resume and path.exists():
+        raise FileExistsError(
+            f"{out_dir} already holds an extension run; pass overwrite to replace it (or "
+            "resume to continue it)"
+        )
+    return check_replaceable(path, "extend", provenance) if resume else False
+
+
+# ----------------------------------------------------------------------------- extend
 def extend(
-    model: nn.Module,
+    model: Backbone | nn.Module,
     config: ExtendConfig,
     out_dir: str | Path,
     *,
     tokenizer: Any = None,
     overwrite: bool = False,
+    resume: bool = False,
     command: str = "",
     log: Any = print,
     keep_encoding: bool = False,
@@ -374,125 +371,97 @@ def extend(
     """Extend ``model`` in place to ``config.target_length`` with ``config.method``.
 
     Writes ``out_dir/adapter`` (positional parameters, spec, fingerprint), ``lora.safetensors``
-    when LoRA trained, the training run in ``out_dir/train`` and ``out_dir/extend.json``.
-    With ``config.pose`` the samples are PoSE windows of the same full-length samples; with
-    ``config.grad_checkpointing`` layers are recomputed in the backward (off again after).
+    and ``lora.json`` when LoRA trained, the training run in ``out_dir/train`` and
+    ``out_dir/extend.json``. ``resume`` continues an interrupted run (module docstring).
     """
-    out_dir = Path(out_dir)
-    trained_at = training_length(model)
+    backbone, out_dir = as_backbone(model, tokenizer), Path(out_dir)
+    trained_at = backbone.training_length
     if config.target_length < trained_at:
         raise ValueError(
             f"target_length={config.target_length} is below the model's training length "
             f"{trained_at}; extension needs a target >= {trained_at}"
         )
+    if overwrite and resume:
+        raise ValueError("overwrite=True with resume=True is not allowed: continue or replace")
     procs = processes()
-    if (out_dir / "extend.json").exists() and not overwrite:
-        raise FileExistsError(
-            f"{out_dir} already holds an extension run; pass overwrite to replace it"
-        )
-    # Every process has looked before the main one can write a new extend.json.
-    procs.barrier()
     start = time.perf_counter()
-    backbone = fingerprint(model)  # before the encoding changes: adapters name the backbone
-    encoding = encoding_of(model) if keep_encoding else set_encoding(model, config.method)
-    if config.mode in ("lora", "joint"):
-        _add_lora(model, config)
-    counts = select_trainable(model, config.mode)
+    provenance = {"model": backbone.identity(), "config": config.to_dict()}
+    finished = _claim(out_dir, provenance, overwrite, resume)
+    procs.barrier()  # every process has looked before the main one writes
+    if finished:
+        return _finished(backbone, out_dir, config, log)
+    fingerprint = backbone.fingerprint()  # before the encoding changes: adapters name it
+    encoding = _attach(backbone, config, keep_encoding, log)
+    lora_targets = None
+    if config.mode in ("lora", "joint") and not backbone.lora_parameters():
+        lora_targets = add_lora(backbone, config.lora_rank, config.lora_alpha, config.lora_targets)
+    counts = select_trainable(backbone, config.mode)
     if procs.is_main:
         log(trainable_summary(counts, config.mode))
-
     final_loss, tokens = None, 0
     pose_window = (config.pose_window or trained_at) if config.pose else None
     if counts["total"]:
-        tok = _tokenizer_for(model, tokenizer)
-        retrieval = (
-            RetrievalConfig(ratio=config.retrieval_ratio) if config.retrieval_ratio else None
-        )
-        data = config.data if isinstance(config.data, str) else list(config.data)
-        packed = make_train_dataset(
-            data, tok, config.target_length, retrieval=retrieval, seed=config.seed
-        )
-        lr_scale = ((r"lora_", config.lora_lr / config.lr),) if counts["lora"] else ()
-        train_config = TrainConfig(
-            out_dir=out_dir / "train",
-            steps=config.steps,
-            batch_size=config.batch_size,
-            lr=config.lr,
-            lr_scale=lr_scale,
-            weight_decay=0.0,  # a handful of samples; nothing to regularise towards
-            warmup_steps=min(config.warmup_steps, config.steps),
-            seed=config.seed,
-            bf16=config.bf16,
-            checkpoint_interval=max(config.steps, 1),
-            log_interval=max(1, min(10, config.steps // 5)),
-            overwrite=True,
-        )
-        samples: Dataset = _Samples(packed, config.samples)
-        loss_fn = None  # the loop's default, causal_lm_loss
-        if pose_window is not None:
-            # Fresh positions for every visit of a window (the paper redraws per example):
-            # samples x epochs items, one pass of config.steps steps, as without PoSE.
-            samples = PoseDataset(
-                samples,
-                pose_window,
-                config.target_length,
-                seed=config.seed,
-                repeats=config.epochs,
-            )
-            loss_fn = None if isinstance(model, Decoder) else pose_loss
-        disable_checkpointing = (
-            enable_grad_checkpointing(model) if config.grad_checkpointing else None
-        )
-        was_training = model.training
-        model.train()
-        try:
-            result = train(model, samples, train_config, loss_fn=loss_fn)
-        finally:
-            model.train(was_training)
-            if disable_checkpointing is not None:
-                disable_checkpointing()
-        final_loss, tokens = result.final_loss, result.tokens
-    select_trainable(model, "none")  # leave the model frozen, as evaluation expects
-    from ropekit.hf.adapter import write_adapter
-
-    path = out_dir / "extend.json"
-    elapsed = time.perf_counter() - start
+        samples = _dataset(backbone, config, pose_window)
+        train_config = _train_config(config, out_dir, bool(counts["lora"]), resume)
+        train_provenance = {**provenance, "data": samples_identity(samples)}
+        final_loss, tokens = _train(backbone, samples, config, train_config, train_provenance)
+    select_trainable(backbone, "none")  # leave the model frozen, as evaluation expects
+    summary = {
+        "method": config.method, "spec": encoding.spec, "config": config.to_dict(),
+        "trained_at": trained_at, "trainable": counts, "final_loss": final_loss,
+        "tokens": tokens, "pose_window": pose_window,
+        "elapsed_s": time.perf_counter() - start, "adapter": str(out_dir / "adapter"),
+        "fingerprint": fingerprint, "num_processes": procs.world,
+    }  # fmt: skip
     # Data-parallel training left the same parameters in every process: the main one writes
     # them, and every process returns only once it has, so the files are then safe to read.
     if procs.is_main:
-        adapter_dir = write_adapter(encoding, backbone, out_dir / "adapter")
-        save_lora(model, out_dir)
-        summary = {
-            "method": config.method,
-            "spec": encoding.spec,
-            "config": {
-                k: (list(v) if isinstance(v, tuple) else v)
-                for k, v in dataclasses.asdict(config).items()
-            },
-            "trained_at": trained_at,
-            "trainable": counts,
-            "final_loss": final_loss,
-            "tokens": tokens,
-            "pose_window": pose_window,
-            "elapsed_s": elapsed,
-            "adapter": str(adapter_dir),
-            "fingerprint": backbone,
-            "num_processes": procs.world,
-            "meta": run_metadata(command),
-        }
-        atomic_write_text(path, json.dumps(summary, indent=2, default=str))
+        write_adapter(encoding, fingerprint, out_dir / "adapter")
+        targets = lora_targets or config.lora_targets or backbone.lora_targets
+        save_lora(backbone, out_dir, config.lora_rank, config.lora_alpha, tuple(targets))
+        meta = run_metadata(command, spec=encoding.spec, seed=config.seed)
+        write_result(out_dir / EXTEND_JSON, "extend", summary, meta=meta, provenance=provenance)
     procs.barrier()
-    return ExtendResult(out_dir, encoding.spec, counts, final_loss, elapsed, path, tokens)
+    return ExtendResult(
+        out_dir, encoding.spec, counts, final_loss, summary["elapsed_s"],
+        out_dir / EXTEND_JSON, tokens,
+    )  # fmt: skip
+
+
+def samples_identity(samples: Dataset) -> dict[str, Any]:
+    """The provenance of a run's training samples: the packed data's identity, how many
+    samples, and PoSE's window, target, seed and repeats when it cuts them."""
+    pose = samples if isinstance(samples, PoseDataset) else None
+    inner = pose.base if pose is not None else samples
+    identity = {**inner.packed.identity(), "samples": len(inner)}
+    if pose is not None:
+        identity["pose"] = {
+            "window": pose.window, "target": pose.target, "seed": pose.seed,
+            "repeats": pose.repeats,
+        }  # fmt: skip
+    return identity
+
+
+def _finished(backbone: Backbone, out_dir: Path, config: ExtendConfig, log: Any) -> ExtendResult:
+    """A finished run found by ``resume``: its adapter loaded, its summary returned."""
+    summary = read_result(out_dir / EXTEND_JSON, "extend")
+    load_adapter(backbone, out_dir)
+    log(f"{out_dir} holds this extension, finished: loaded its adapter")
+    return ExtendResult(
+        out_dir, summary["spec"], summary["trainable"], summary["final_loss"],
+        summary["elapsed_s"], out_dir / EXTEND_JSON, summary["tokens"],
+    )  # fmt: skip
 
 
 def run_extension(
-    model: nn.Module,
+    model: Backbone | nn.Module,
     config: ExtendConfig,
     out_dir: str | Path,
     *,
     recipe: str | None = None,
     tokenizer: Any = None,
     overwrite: bool = False,
+    resume: bool = False,
     command: str = "",
     log: Any = print,
 ) -> list[ExtendResult]:
@@ -500,18 +469,12 @@ def run_extension(
     on the samples (in ``out_dir/stage1``), stage 2 adds LoRA (``->lora``: encoding fixed;
     ``->joint``: encoding keeps training) on the same samples (``out_dir``)."""
     out_dir = Path(out_dir)
+    options = {
+        "tokenizer": tokenizer, "overwrite": overwrite, "resume": resume,
+        "command": command, "log": log,
+    }  # fmt: skip
     if recipe is None:
-        return [
-            extend(
-                model,
-                config,
-                out_dir,
-                tokenizer=tokenizer,
-                overwrite=overwrite,
-                command=command,
-                log=log,
-            )
-        ]
+        return [extend(model, config, out_dir, **options)]
     if recipe not in RECIPES:
         raise ValueError(f"recipe={recipe!r} is not allowed; use one of {', '.join(RECIPES)}")
     family, second = RECIPES[recipe]
@@ -521,56 +484,9 @@ def run_extension(
             f"recipe {recipe!r} starts with {family}; --method {config.method!r} is a "
             f"{method_family} spec"
         )
-    first = extend(
-        model,
-        dataclasses.replace(config, mode="positional"),
-        out_dir / "stage1",
-        tokenizer=tokenizer,
-        overwrite=overwrite,
-        command=command,
-        log=log,
-    )
+    first_config = dataclasses.replace(config, mode="positional")
+    first = extend(model, first_config, out_dir / "stage1", **options)
     # Stage 2 keeps the learned encoding: reattaching it by spec would reset it to its init.
     stage2 = dataclasses.replace(config, mode=second)
-    final = extend(
-        model,
-        stage2,
-        out_dir,
-        tokenizer=tokenizer,
-        overwrite=overwrite,
-        command=command,
-        log=log,
-        keep_encoding=True,
-    )
+    final = extend(model, stage2, out_dir, **options, keep_encoding=True)
     return [first, final]
-
-
-def load_adapter(model: nn.Module, directory: str | Path) -> PositionEncoding:
-    """Load a positional adapter into a Decoder or a Hugging Face model (patching it).
-
-    ``directory`` is an adapter folder or an extension run folder (``ropekit extend --out``):
-    then its ``adapter/`` loads, and its LoRA weights too when the run trained LoRA.
-    """
-    from ropekit.hf.adapter import ADAPTER_CONFIG, apply_adapter
-
-    directory = Path(directory)
-    run = directory if not (directory / ADAPTER_CONFIG).exists() else None
-    adapter_dir = directory / "adapter" if run is not None else directory
-    encoding = apply_adapter(
-        adapter_dir, fingerprint(model), lambda spec: set_encoding(model, spec), encoding_of(model)
-    )
-    if run is not None and (run / "lora.safetensors").exists():
-        summary = json.loads((run / "extend.json").read_text())
-        lora = ExtendConfig(
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in summary["config"].items()}
-        )
-        _add_lora(model, lora)
-        tensors = safetensors.torch.load_file(run / "lora.safetensors")
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, t in tensors.items():
-                if name not in params:
-                    raise ValueError(f"{run / 'lora.safetensors'}: {name} does not fit this model")
-                params[name].copy_(t)
-        select_trainable(model, "none")
-    return encoding

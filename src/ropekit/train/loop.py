@@ -14,12 +14,11 @@ gradient of the token-weighted mean loss of the whole global batch on 1 or N pro
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import math
-import platform
 import shutil
 import time
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +30,14 @@ from accelerate.utils import set_seed
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ropekit import __version__
 from ropekit.distributed import check_launched
+from ropekit.results import check_provenance, run_metadata, write_result
 from ropekit.train.checkpoint import (
     CHECKPOINTS,
     CheckpointState,
     latest_checkpoint,
     load_checkpoint,
+    read_checkpoint_state,
     restore_rng,
     save_checkpoint,
 )
@@ -95,6 +95,7 @@ def train(
     *,
     loss_fn: LossFn | None = None,
     accelerator: Accelerator | None = None,
+    provenance: Mapping[str, Any] | None = None,
 ) -> TrainResult:
     """Train `model` in place on `dataset`; checkpoints, metrics and summary go to out_dir.
 
@@ -103,7 +104,9 @@ def train(
     Launched by `accelerate launch` or `torchrun`, every process calls `train` alike and the
     run is data parallel; `accelerator` defaults to `Accelerator()` (one you pass must leave
     gradient accumulation to `config.grad_accum`). With `config.resume`,
-    a run continues from its latest checkpoint exactly as if it had never stopped.
+    a run continues from its latest checkpoint exactly as if it had never stopped; a
+    checkpoint whose recorded `provenance` (what the run trains: model, encoding, data,
+    tokenizer; ropekit.results) differs from the one passed is refused, naming the field.
 
     Raises NonFiniteLossError when a loss or gradient norm is not finite, FileExistsError
     when out_dir already holds files and neither resume nor overwrite is set.
@@ -126,10 +129,12 @@ def train(
         num_processes=world,
         dataset_len=len(dataset),
         config=config.to_dict(),
+        provenance=dict(provenance or {}),
     )
     if checkpoint is not None:
+        saved = read_checkpoint_state(checkpoint)
+        _check_resumable(checkpoint, saved, config, len(dataset), state.provenance)
         state = load_checkpoint(checkpoint, model, optimizer, scheduler)
-        _check_resumable(checkpoint, state, config, len(dataset))
     wrapped, optimizer = accelerator.prepare(model, optimizer)  # e.g. in DDP, on the device
     if checkpoint is not None:
         restore_rng(checkpoint, rank)
@@ -218,7 +223,7 @@ def train(
         summary=config.out_dir / SUMMARY,
     )
     if main:
-        _write_summary(result, config, world)
+        _write_summary(result, config, world, state.provenance)
     accelerator.wait_for_everyone()
     return result
 
@@ -289,8 +294,14 @@ def _claim_out_dir(config: TrainConfig, accelerator: Accelerator) -> Path | None
 
 
 def _check_resumable(
-    checkpoint: Path, state: CheckpointState, config: TrainConfig, dataset_len: int
+    checkpoint: Path,
+    state: CheckpointState,
+    config: TrainConfig,
+    dataset_len: int,
+    provenance: Mapping[str, Any],
 ) -> None:
+    """Before any weight is loaded: the checkpoint must belong to this run."""
+    check_provenance(state.provenance, provenance, f"cannot resume {checkpoint}: it")
     now = config.to_dict()
     changed = sorted(k for k in now.keys() - RUN_CONTROL if now[k] != state.config.get(k))
     if changed:
@@ -315,7 +326,9 @@ def _open_metrics(path: Path, step: int) -> IO[str]:
     return file
 
 
-def _write_summary(result: TrainResult, config: TrainConfig, num_processes: int) -> None:
+def _write_summary(
+    result: TrainResult, config: TrainConfig, num_processes: int, provenance: dict[str, Any]
+) -> None:
     summary: dict[str, Any] = {
         "final_loss": result.final_loss,
         "steps": result.steps,
@@ -324,16 +337,7 @@ def _write_summary(result: TrainResult, config: TrainConfig, num_processes: int)
         "tokens_per_s": result.tokens_per_s,
         "checkpoint": str(result.checkpoint),
         "num_processes": num_processes,
-        "versions": _versions(),
         "config": config.to_dict(),
     }
-    result.summary.write_text(json.dumps(summary, indent=2))
-
-
-def _versions() -> dict[str, str]:
-    packages = ("torch", "transformers", "accelerate", "safetensors", "numpy")
-    return {
-        "python": platform.python_version(),
-        "ropekit": __version__,
-        **{name: importlib.metadata.version(name) for name in packages},
-    }
+    meta = run_metadata("", seed=config.seed)
+    write_result(result.summary, "train", summary, meta=meta, provenance=provenance)

@@ -4,6 +4,8 @@ Holds:
     LossFn               the contract: `loss_fn(model, batch) -> (loss_sum, n_tokens)`.
     cross_entropy_sum    next-token cross-entropy of logits against labels, summed, in float32.
     causal_lm_loss       the default LossFn: run the model, then `cross_entropy_sum`.
+    backbone_loss        the LossFn of a Backbone: its training forward (which knows what each
+                         model kind needs, e.g. a mask for PoSE positions), then the same sum.
 
 Why a sum and a count rather than a mean: the loop adds both over micro-batches and
 processes and divides once, so every token weighs the same as in one big batch however the
@@ -15,9 +17,13 @@ Shapes: B batch · T sequence length · V vocabulary.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from ropekit.backbone import Backbone
 
 IGNORE_INDEX = -100  # label value that carries no loss (Hugging Face and PyTorch convention)
 
@@ -77,3 +83,14 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, 
         inputs["position_ids"] = batch["position_ids"]
     logits = model(**inputs).logits
     return cross_entropy_sum(logits, batch["labels"], batch.get("loss_weight"))
+
+
+def backbone_loss(backbone: Backbone) -> LossFn:
+    """`cross_entropy_sum` of `backbone.training_logits`: the module the loop passes (the
+    backbone's model, or its data-parallel wrapper) runs the forward its kind needs."""
+
+    def loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        logits = backbone.training_logits(model, batch)  # (B, T, V)
+        return cross_entropy_sum(logits, batch["labels"], batch.get("loss_weight"))
+
+    return loss

@@ -6,7 +6,6 @@ Holds: PretrainResult, pretrain (what `ropekit pretrain` runs), measure_matmul_f
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import torch
 from ropekit.data import RetrievalConfig, make_train_dataset
 from ropekit.distributed import processes
 from ropekit.model import Decoder, DecoderConfig, count_parameters, flops_per_token, save_decoder
-from ropekit.utils import atomic_write_text, run_metadata
+from ropekit.results import run_metadata, write_result
 
 from .config import TrainConfig
 from .loop import TrainResult, train
@@ -65,7 +64,12 @@ def pretrain(
     )
     torch.manual_seed(train_config.seed)
     decoder = Decoder(model)
-    result = train(decoder, dataset, train_config)
+    # Resuming checks these (naming the field): another encoding, spec option, model shape,
+    # tokenizer or data (a digest of every token, so other files of the same size differ).
+    provenance = {
+        "model": model.to_dict(), "spec": decoder.encoding.spec, "data": dataset.identity(),
+    }  # fmt: skip
+    result = train(decoder, dataset, train_config, provenance=provenance)
     model_dir, path = out_dir / "model", out_dir / "pretrain.json"
     # Under `accelerate launch` every process holds the same trained weights (DDP keeps them
     # equal); the main process alone writes them, and the others wait until it has.
@@ -91,8 +95,8 @@ def pretrain(
             # The peak is one process's (each computes with its own threads); the run had
             # `procs.world` of them.
             "mfu": result.tokens_per_s * fpt / (peak * procs.world),
-            "meta": run_metadata(command),
         }
-        atomic_write_text(path, json.dumps(summary, indent=2, default=str))
+        meta = run_metadata(command, spec=decoder.encoding.spec, seed=train_config.seed)
+        write_result(path, "pretrain", summary, meta=meta, provenance=provenance)
     procs.barrier()
     return PretrainResult(model_dir=model_dir, summary=path, train=result)

@@ -10,10 +10,17 @@ import pytest
 import safetensors.torch
 import torch
 
-from ropekit.hf import AdapterError, encoding_of, load_adapter, patch, read_adapter, save_adapter
-from ropekit.hf.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ropekit.backbone import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    AdapterError,
+    load_adapter,
+    read_adapter,
+    save_adapter,
+)
+from ropekit.hf import encoding_of, patch
 
-from .tiny import VOCAB, perturb, tiny_model
+from ..hf.tiny import VOCAB, perturb, tiny_model
 
 IDS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
 

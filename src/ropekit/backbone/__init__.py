@@ -1,0 +1,53 @@
+"""ropekit.backbone: the seam between what ropekit does to a language model (train its
+positional parameters, score it, analyse its heads) and which kind of model it is.
+
+- ``base``: ``Backbone``, the one interface (encoding, identity, training, scoring).
+- ``decoder``, ``hf``: its two implementations, ropekit's reference decoder and Hugging Face
+  causal LMs (Llama, Mistral, Qwen2, Qwen3; PEFT-wrapped or not).
+- ``adapters``: positional adapters and LoRA weights, checked by sha256, for any kind.
+- ``load``: ``open_backbone`` (a folder or an installed model name) and ``as_backbone`` (an
+  in-memory model): the only place that tells the kinds apart.
+
+Everything above this package (train, evals, analysis, the CLI) talks to models through it.
+"""
+
+from .adapters import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    LORA_CONFIG,
+    LORA_WEIGHTS,
+    AdapterError,
+    add_lora,
+    load_adapter,
+    load_lora,
+    read_adapter,
+    save_adapter,
+    save_lora,
+    write_adapter,
+)
+from .base import Backbone, parameter_digest
+from .decoder import DecoderBackbone
+from .hf import HFBackbone
+from .load import as_backbone, is_decoder_dir, open_backbone
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "LORA_CONFIG",
+    "LORA_WEIGHTS",
+    "AdapterError",
+    "Backbone",
+    "DecoderBackbone",
+    "HFBackbone",
+    "add_lora",
+    "as_backbone",
+    "is_decoder_dir",
+    "load_adapter",
+    "load_lora",
+    "open_backbone",
+    "parameter_digest",
+    "read_adapter",
+    "save_adapter",
+    "save_lora",
+    "write_adapter",
+]

@@ -1,0 +1,310 @@
+"""Adapters: what an extension trained, saved apart from the backbone, for any model kind.
+
+A positional adapter is a folder with two files, both written atomically (temp file, fsync,
+rename):
+
+- ``adapter.safetensors``: every parameter of the encoding (AdaRoPE's frequency offsets and
+  temperatures, tuned-yarn's knobs; empty for fixed schedules), named as in
+  ``encoding.named_parameters()``.
+- ``adapter.json``: the spec that rebuilds the encoding, the fingerprint of the model it was
+  trained on (architecture, layers, heads, kv heads, head dim, base, original length), each
+  parameter's shape and dtype, the sha256 of the weights file and the versions that wrote it.
+
+LoRA weights (an extension run's ``lora.safetensors``) carry the same check in ``lora.json``:
+rank, alpha, target modules, the model's fingerprint, every tensor's shape and the sha256 of
+the weights, so a file from another run, rank or model is refused instead of loaded.
+
+The weights are written first and the JSON last, so a crash between the two leaves a JSON whose
+checksum no longer matches and loading says so instead of using stale numbers.
+
+Holds: AdapterError, save_adapter, write_adapter, read_adapter, load_adapter (an adapter folder
+or an extension run folder), add_lora, save_lora, load_lora, ADAPTER_WEIGHTS, ADAPTER_CONFIG,
+LORA_WEIGHTS, LORA_CONFIG.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
+from torch import nn
+
+from ropekit import __version__
+from ropekit.encodings import PositionEncoding
+from ropekit.utils import atomic_write_bytes, atomic_write_text
+
+from .base import Backbone
+
+ADAPTER_WEIGHTS = "adapter.safetensors"
+ADAPTER_CONFIG = "adapter.json"
+FORMAT = "ropekit-adapter"
+FORMAT_VERSION = 1
+LORA_WEIGHTS = "lora.safetensors"
+LORA_CONFIG = "lora.json"
+LORA_FORMAT = "ropekit-lora"
+# What an adapter's model must match (Backbone.fingerprint).
+FINGERPRINT_FIELDS = (
+    "architecture",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "base",
+    "original_length",
+)
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be loaded: missing, corrupted, or made for another model."""
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    return {
+        "ropekit": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def _write_checked(
+    directory: Path, weights: str, config: str, tensors: dict[str, torch.Tensor], meta: dict
+) -> None:
+    """Weights first, then the JSON with their sha256: a crash between leaves a mismatch."""
+    data = safetensors.torch.save(tensors, metadata={"format": "pt"})
+    meta = {
+        **meta,
+        "parameters": {
+            name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+            for name, t in tensors.items()
+        },
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "versions": _versions(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    atomic_write_bytes(directory / weights, data)
+    atomic_write_text(directory / config, json.dumps(meta, indent=2) + "\n")
+
+
+def _read_checked(
+    directory: Path, weights: str, config: str, fmt: str, keys: tuple[str, ...]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    config_path, weights_path = directory / config, directory / weights
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise AdapterError(f"{path} is missing; the folder holds {config} and {weights}")
+    try:
+        meta = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise AdapterError(f"{config_path} is corrupted: not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        raise AdapterError(f"{config_path} is not a {fmt} file (format != {fmt!r})")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise AdapterError(
+            f"{config_path} has format_version={meta.get('format_version')!r}; this ropekit "
+            f"reads version {FORMAT_VERSION}"
+        )
+    for key in ("fingerprint", "parameters", "sha256", *keys):
+        if key not in meta:
+            raise AdapterError(f"{config_path} is corrupted: the {key!r} entry is missing")
+    data = weights_path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != meta["sha256"]:
+        raise AdapterError(
+            f"{weights_path} is corrupted or does not belong to {config_path}: its sha256 is "
+            f"{digest[:16]}..., {config} records {str(meta['sha256'])[:16]}..."
+        )
+    try:
+        tensors = safetensors.torch.load(data)
+    except SafetensorError as e:
+        raise AdapterError(f"{weights_path} is corrupted: not a safetensors file ({e})") from None
+    return meta, tensors
+
+
+def _same(expected: Any, got: Any) -> bool:
+    # JSON turns 10000.0 into 10000: numbers compare as floats, everything else as is.
+    def number(x: Any) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool)
+
+    if number(got) and number(expected):
+        return float(expected) == float(got)
+    return expected == got
+
+
+def check_fingerprint(saved: dict[str, Any], model: dict[str, Any], where: Path) -> None:
+    """AdapterError naming every field in which the adapter's model and this one differ."""
+    problems = []
+    for field in FINGERPRINT_FIELDS:
+        expected, got = saved.get(field), model.get(field)
+        if not _same(expected, got):
+            problems.append(f"{field}: expected {expected!r}, got {got!r}")
+    if problems:
+        raise AdapterError(
+            f"adapter {where} was saved for a different model (expected = the adapter's model, "
+            f"got = this model): {'; '.join(problems)}"
+        )
+
+
+# ----------------------------------------------------------------------------- positional
+def write_adapter(
+    encoding: PositionEncoding, model_fingerprint: dict[str, Any], directory: str | Path
+) -> Path:
+    """Write an adapter: the encoding's parameters (every one, frozen or not: a model frozen
+    for evaluation must still save what it learned), its spec, the model's fingerprint."""
+    directory = Path(directory)
+    tensors = {n: p.detach().to("cpu").contiguous() for n, p in encoding.named_parameters()}
+    meta = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "spec": encoding.spec,
+        "fingerprint": model_fingerprint,
+    }
+    _write_checked(directory, ADAPTER_WEIGHTS, ADAPTER_CONFIG, tensors, meta)
+    return directory
+
+
+def save_adapter(model: Backbone | nn.Module, directory: str | Path) -> Path:
+    """Save the positional parameters of a model's ropekit encoding; returns the folder."""
+    from .load import as_backbone
+
+    backbone = as_backbone(model)
+    encoding = backbone.encoding
+    if encoding is None:
+        raise AdapterError(
+            "the model is not patched with a ropekit encoding; attach one "
+            "(ropekit.hf.patch(model, spec), or Backbone.set_encoding) before saving"
+        )
+    return write_adapter(encoding, backbone.fingerprint(), directory)
+
+
+def read_adapter(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of an adapter folder, checked for completeness and corruption."""
+    return _read_checked(Path(directory), ADAPTER_WEIGHTS, ADAPTER_CONFIG, FORMAT, ("spec",))
+
+
+def _apply_positional(backbone: Backbone, directory: Path) -> PositionEncoding:
+    meta, tensors = read_adapter(directory)
+    check_fingerprint(meta["fingerprint"], backbone.fingerprint(), directory)
+    spec = meta["spec"]
+    encoding = backbone.encoding
+    if encoding is None or encoding.spec != spec:
+        try:
+            # The saved spec names every non-default option, so it rebuilds without the
+            # model's context (which the fingerprint check has just shown to agree anyway).
+            encoding = backbone.set_encoding(spec)
+        except ValueError as e:
+            raise AdapterError(f"{directory / ADAPTER_CONFIG}: {e}") from None
+    params = dict(encoding.named_parameters())
+    missing = sorted(set(params) - set(tensors))
+    unexpected = sorted(set(tensors) - set(params))
+    if missing or unexpected:
+        raise AdapterError(
+            f"{directory / ADAPTER_WEIGHTS} does not match {spec!r}: missing {missing}, "
+            f"unexpected {unexpected}"
+        )
+    for name, p in params.items():
+        if tuple(tensors[name].shape) != tuple(p.shape):
+            raise AdapterError(
+                f"{directory / ADAPTER_WEIGHTS}: {name} has shape {tuple(tensors[name].shape)}; "
+                f"{spec!r} on this model expects {tuple(p.shape)}"
+            )
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name])
+    return encoding
+
+
+# ----------------------------------------------------------------------------- LoRA
+def add_lora(
+    backbone: Backbone, rank: int, alpha: int, targets: tuple[str, ...] | None = None
+) -> tuple[str, ...]:
+    """Inject PEFT LoRA adapters into ``targets`` (default: the backbone's attention
+    projections); returns the targets used."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = tuple(targets or backbone.lora_targets)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets))
+    inject_adapter_in_model(config, backbone.model)
+    return targets
+
+
+def save_lora(
+    backbone: Backbone, directory: str | Path, rank: int, alpha: int, targets: tuple[str, ...]
+) -> Path | None:
+    """Write the backbone's LoRA weights and their lora.json; None when it has none."""
+    tensors = {n: p.detach().cpu().contiguous() for n, p in backbone.lora_parameters().items()}
+    if not tensors:
+        return None
+    directory = Path(directory)
+    meta = {
+        "format": LORA_FORMAT,
+        "format_version": FORMAT_VERSION,
+        "rank": rank,
+        "alpha": alpha,
+        "targets": list(targets),
+        "fingerprint": backbone.fingerprint(),
+    }
+    _write_checked(directory, LORA_WEIGHTS, LORA_CONFIG, tensors, meta)
+    return directory / LORA_WEIGHTS
+
+
+def load_lora(backbone: Backbone, directory: str | Path) -> None:
+    """Add LoRA as ``lora.json`` describes it and load its checked weights."""
+    directory = Path(directory)
+    meta, tensors = _read_checked(
+        directory, LORA_WEIGHTS, LORA_CONFIG, LORA_FORMAT, ("rank", "alpha", "targets")
+    )
+    check_fingerprint(meta["fingerprint"], backbone.fingerprint(), directory)
+    if not backbone.lora_parameters():
+        add_lora(backbone, int(meta["rank"]), int(meta["alpha"]), tuple(meta["targets"]))
+    params = backbone.lora_parameters()
+    if set(params) != set(tensors):
+        raise AdapterError(
+            f"{directory / LORA_WEIGHTS} does not fit this model's LoRA layers: missing "
+            f"{sorted(set(params) - set(tensors))[:3]}, unexpected "
+            f"{sorted(set(tensors) - set(params))[:3]}"
+        )
+    for name, p in params.items():
+        if tuple(tensors[name].shape) != tuple(p.shape):
+            raise AdapterError(
+                f"{directory / LORA_WEIGHTS}: {name} has shape {tuple(tensors[name].shape)}; "
+                f"this model's LoRA layer has {tuple(p.shape)} (rank {meta['rank']})"
+            )
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[name])
+            p.requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------- both
+def load_adapter(model: Backbone | nn.Module, directory: str | Path) -> PositionEncoding:
+    """Load an adapter into a model of any kind, attaching its encoding; returns it.
+
+    ``directory`` is an adapter folder or an extension run folder (``ropekit extend --out``):
+    then its ``adapter/`` loads, and its LoRA weights too when the run trained LoRA. The
+    backbone remembers the adapter's sha256 (its results' provenance names it).
+    """
+    from .load import as_backbone
+
+    backbone = as_backbone(model)
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise AdapterError(
+            f"{directory} is not a folder; an adapter is a folder ({ADAPTER_CONFIG})"
+        )
+    run = directory if not (directory / ADAPTER_CONFIG).exists() else None
+    adapter_dir = directory / "adapter" if run is not None else directory
+    encoding = _apply_positional(backbone, adapter_dir)
+    digests = [read_adapter(adapter_dir)[0]["sha256"]]
+    if run is not None and ((run / LORA_WEIGHTS).exists() or (run / LORA_CONFIG).exists()):
+        load_lora(backbone, run)
+        digests.append(json.loads((run / LORA_CONFIG).read_text())["sha256"])
+    backbone.adapter_sha256 = digests[0] if len(digests) == 1 else "+".join(digests)
+    return encoding

@@ -1,0 +1,222 @@
+"""The seam: one interface for "a language model whose positional encoding ropekit owns".
+
+Shape legend: B batch · T tokens · C tokens in one chunk · S keys so far · V vocabulary.
+
+Training, evaluation and analysis never ask which kind of model they hold; they call a
+``Backbone``. Two implementations exist, ``DecoderBackbone`` (ropekit's reference decoder, or
+any module with its forward contract) and ``HFBackbone`` (a transformers causal LM of a
+supported architecture, PEFT-wrapped or not). Everything that differs between them lives
+behind these methods:
+
+- the encoding: ``encoding``, ``set_encoding(spec)``, ``own_encoding()`` (an unpatched model's
+  own RoPE as a ropekit encoding, for analysis), ``training_length``;
+- identity: ``fingerprint()`` (what an adapter must match: architecture, heads, base, L0) and
+  ``identity()`` (what a result's provenance records: that plus a digest of every weight);
+- training: ``lora_targets``, ``enable_grad_checkpointing()``, ``training_logits(module,
+  batch)`` (the logits the loss is taken on, with the inputs each kind needs);
+- scoring, for evals: ``new_cache()``, ``run(ids, cache, mask, positions, last_only)``,
+  ``group_prompts(prompts)``, ``eos_ids``, ``vocab_size``, ``forward_logits(ids)``;
+- ``describe()``: the JSON a result file carries about the model.
+
+Adapters (positional parameters and LoRA weights) are written and applied through the
+backbone in ``adapters.py``; models are opened in ``load.py``.
+
+Holds: Backbone, parameter_digest.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from ropekit.data.tokenizers import Tokenizer, tokenizer_identity
+from ropekit.encodings import PositionEncoding
+
+
+def parameter_digest(tensors: Mapping[str, Tensor]) -> str:
+    """sha256 over the names, dtypes, shapes and bytes of ``tensors`` (sorted by name): equal
+    digests mean bit-identical weights."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        data = t.cpu().contiguous().reshape(-1)  # 0-dim tensors (AdaRoPE knobs) too
+        if data.numel():
+            h.update(memoryview(data.view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+class Backbone(abc.ABC):
+    """A language model and its tokenizer, seen the same way whatever its kind (module
+    docstring)."""
+
+    kind: ClassVar[str]  # "decoder" | "hf": recorded in result files, never branched on
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer | None) -> None:
+        self.model = model
+        # None only for a Hugging Face model opened without one: enough to attach encodings
+        # and adapters; scoring and training data need it (``require_tokenizer``).
+        self.tokenizer = tokenizer
+        self.source: Path | None = None  # the folder it was opened from (load.py), if any
+        # What was applied on top of the weights the backbone was opened with (adapters.py).
+        self.adapter_sha256: str | None = None
+        self._digest: tuple[tuple, str] | None = None
+
+    def require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(
+                "tokenizer=None is not allowed for a Hugging Face model; allowed: a tokenizer "
+                "folder, a .gguf file, or a ropekit HFTokenizer"
+            )
+        return self.tokenizer
+
+    # ------------------------------------------------------------------ the encoding
+    @property
+    @abc.abstractmethod
+    def encoding(self) -> PositionEncoding | None:
+        """The ropekit encoding every attention layer calls (None: the model's own RoPE)."""
+
+    @abc.abstractmethod
+    def build_encoding(self, spec: str) -> PositionEncoding:
+        """The encoding ``spec`` names, built for this model's shape (not attached); options
+        the spec omits (base, original length, pairing, fraction) come from the model."""
+
+    @abc.abstractmethod
+    def set_encoding(self, spec: str | PositionEncoding) -> PositionEncoding:
+        """Attach the encoding ``spec`` names (``build_encoding``) or one built already."""
+
+    @abc.abstractmethod
+    def own_encoding(self) -> contextlib.AbstractContextManager[tuple[PositionEncoding, bool]]:
+        """A block in which the model runs through a ropekit encoding: yields (encoding,
+        whether it was attached just for this block, and is removed on exit)."""
+
+    @property
+    @abc.abstractmethod
+    def training_length(self) -> int:
+        """The context the model was trained at (L0, tokens)."""
+
+    # ------------------------------------------------------------------ identity
+    @abc.abstractmethod
+    def fingerprint(self) -> dict[str, Any]:
+        """What an adapter records about the model it belongs to and must match to load:
+        architecture, n_layers, n_heads, n_kv_heads, head_dim, base, original_length."""
+
+    @abc.abstractmethod
+    def config_identity(self) -> dict[str, Any]:
+        """The configuration a result depends on, beyond the fingerprint (JSON-ready)."""
+
+    def positional_parameters(self) -> dict[str, Tensor]:
+        encoding = self.encoding
+        return {} if encoding is None else dict(encoding.named_parameters())
+
+    def lora_parameters(self) -> dict[str, Tensor]:
+        """LoRA weights added by ``adapters.add_lora`` (empty when none)."""
+        return {n: p for n, p in self.model.named_parameters() if "lora_" in n}
+
+    def backbone_parameters(self) -> dict[str, Tensor]:
+        """Every weight that is neither positional nor LoRA, each shared tensor once."""
+        skip = {id(p) for p in self.positional_parameters().values()}
+        skip |= {id(p) for p in self.lora_parameters().values()}
+        state: dict[str, Tensor] = {}
+        seen: set[int] = set()
+        for name, p in self.model.named_parameters(remove_duplicate=True):
+            if id(p) not in skip and id(p) not in seen:
+                seen.add(id(p))
+                state[name] = p
+        return state
+
+    def weights_digest(self) -> str:
+        """``parameter_digest`` of the backbone weights, cached while no weight changes (the
+        key is every tensor's storage and version counter)."""
+        params = self.backbone_parameters()
+        key = tuple((n, p.data_ptr(), p._version) for n, p in sorted(params.items()))
+        if self._digest is None or self._digest[0] != key:
+            self._digest = (key, parameter_digest(params))
+        return self._digest[1]
+
+    def identity(self) -> dict[str, Any]:
+        """What a result's provenance records about the model: kind, fingerprint, config, a
+        digest of the weights, the encoding's spec and parameters, LoRA weights, adapter."""
+        encoding = self.encoding
+        lora = self.lora_parameters()
+        return {
+            "kind": self.kind,
+            "fingerprint": self.fingerprint(),
+            "config": self.config_identity(),
+            "weights": self.weights_digest(),
+            "spec": None if encoding is None else encoding.spec,
+            "positional": parameter_digest(self.positional_parameters()) if encoding else None,
+            "lora": parameter_digest(lora) if lora else None,
+            "adapter": self.adapter_sha256,
+            "tokenizer": tokenizer_identity(self.tokenizer),
+        }
+
+    # ------------------------------------------------------------------ training
+    lora_targets: ClassVar[tuple[str, ...]] = ()  # default LoRA target module names
+
+    @abc.abstractmethod
+    def enable_grad_checkpointing(self) -> Callable[[], None]:
+        """Recompute each layer in the backward (non-reentrant); returns the switch back."""
+
+    @abc.abstractmethod
+    def training_logits(self, module: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
+        """Logits (B, T, V) of ``module`` (this backbone's model, or its data-parallel wrapper)
+        on a training batch: ``input_ids`` (B, T) and optional ``position_ids`` (B, T)."""
+
+    # ------------------------------------------------------------------ scoring
+    @property
+    def device(self) -> torch.device:
+        param = next(self.model.parameters(), None)
+        return param.device if param is not None else torch.device("cpu")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.require_tokenizer().vocab_size
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """Ids that end a reply (the model's end-of-sequence tokens); empty for byte models."""
+        return frozenset()
+
+    @abc.abstractmethod
+    def new_cache(self) -> Any:
+        """An empty KV cache of the model's kind."""
+
+    @abc.abstractmethod
+    def run(
+        self,
+        ids: Tensor,
+        cache: Any,
+        mask: Tensor | None,
+        positions: Tensor | None,
+        last_only: bool,
+    ) -> Tensor:
+        """Feed ids (B, C) after what ``cache`` holds (None: no cache, one full forward).
+
+        mask (B, S) covers every key so far (cached + new), positions (B, C); both None for
+        unpadded rows. Returns logits (B, C, V), or (B, 1, V) when ``last_only``."""
+
+    @abc.abstractmethod
+    def group_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Indices of the prompts that can be decoded in one batch, group by group."""
+
+    def forward_logits(self, ids: Tensor) -> Tensor:
+        """Logits (B, T, V) of one plain forward over ids (B, T): positions 0..T-1, no cache."""
+        return self.run(ids, None, None, None, last_only=False)
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready description of the model for result files."""
+        return {
+            "backbone": self.kind,
+            "class": type(self.model).__name__,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "tokenizer": None if self.tokenizer is None else self.tokenizer.name,
+            "fingerprint": self.fingerprint(),
+        }

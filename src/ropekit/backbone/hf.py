@@ -1,0 +1,189 @@
+"""Hugging Face causal LMs behind the Backbone seam (Llama, Mistral, Qwen2, Qwen3; PEFT-wrapped
+or not).
+
+Shape legend: B batch · T tokens · C tokens in one chunk · S keys so far · V vocabulary.
+
+The encoding is attached by ``ropekit.hf.patch`` (every attention layer calls it); an unpatched
+model runs its own RoPE, and ``own_encoding`` patches it for a block with the ropekit spec
+equal to that RoPE (``spec_from_config``). Unequal prompts are left-padded, with an attention
+mask and positions counted from each row's first real token.
+
+Training batches with ``position_ids`` (PoSE: positions that jump) get an all-ones attention
+mask: transformers (5.24) reads a jump in ``position_ids`` as the start of a new packed
+sequence when it gets neither a mask nor a cache (``masking_utils.
+find_packed_sequence_indices``; activation checkpointing forces ``use_cache=False`` in
+training), so the second chunk would not attend to the first. No KV cache is built there.
+
+Holds: HFBackbone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from ropekit.data.tokenizers import HFTokenizer, Tokenizer
+from ropekit.encodings import PositionEncoding
+from ropekit.hf import build_for_model, encoding_of, patch, spec_from_config, unpatch
+from ropekit.hf.archs import arch_for, model_dims, original_length, rope_context, unwrap
+
+from .base import Backbone
+
+
+class HFBackbone(Backbone):
+    """A transformers causal LM with its tokenizer."""
+
+    kind: ClassVar[str] = "hf"
+    lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer | None = None) -> None:
+        super().__init__(model, tokenizer)
+        # Not every architecture accepts logits_to_keep; where it does, decoding computes one
+        # row of logits per step instead of C.
+        self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    @property
+    def config(self) -> Any:
+        return unwrap(self.model).config
+
+    # ------------------------------------------------------------------ the encoding
+    @property
+    def encoding(self) -> PositionEncoding | None:
+        return encoding_of(self.model)
+
+    def build_encoding(self, spec: str) -> PositionEncoding:
+        return build_for_model(self.config, spec)
+
+    def set_encoding(self, spec: str | PositionEncoding) -> PositionEncoding:
+        return patch(self.model, spec)
+
+    @contextlib.contextmanager
+    def own_encoding(self) -> Iterator[tuple[PositionEncoding, bool]]:
+        existing = encoding_of(self.model)
+        if existing is not None:
+            yield existing, False
+            return
+        encoding = patch(self.model, spec_from_config(self.config))
+        try:
+            yield encoding, True
+        finally:
+            unpatch(self.model)
+
+    @property
+    def training_length(self) -> int:
+        return original_length(self.config)
+
+    # ------------------------------------------------------------------ identity
+    def fingerprint(self) -> dict[str, Any]:
+        config = self.config
+        dims, context = model_dims(config), rope_context(config)
+        return {
+            "architecture": arch_for(config).model_type,
+            "n_layers": dims.n_layers,
+            "n_heads": dims.n_heads,
+            "n_kv_heads": dims.n_kv_heads,
+            "head_dim": dims.head_dim,
+            "base": context["base"],
+            "original_length": context["original_length"],
+        }
+
+    def config_identity(self) -> dict[str, Any]:
+        c = self.config
+        keys = (
+            "rope_parameters",
+            "max_position_embeddings",
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "sliding_window",
+            "tie_word_embeddings",
+            "rms_norm_eps",
+        )
+        out = {k: getattr(c, k, None) for k in keys}
+        out["dtype"] = str(next(self.model.parameters()).dtype)
+        return out
+
+    # ------------------------------------------------------------------ training
+    def enable_grad_checkpointing(self) -> Callable[[], None]:
+        """transformers' ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
+        before 5.x) with ``use_reentrant=False``: the reentrant variant gives no gradient to
+        parameters when no layer input requires grad, which is the case when only positional
+        parameters train."""
+        hf = unwrap(self.model)
+        kwargs = {"use_reentrant": False}
+        had_hooks = bool(getattr(hf, "_require_grads_hooks", None))
+        if hasattr(hf, "activation_checkpointing_enable"):
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            turn_off = hf.activation_checkpointing_disable
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            turn_off = hf.gradient_checkpointing_disable
+
+        def disable() -> None:
+            turn_off()
+            # Enabling also made the embedding output require grad (a forward hook, for PEFT);
+            # disabling leaves it unless PEFT is loaded: remove it when we installed it.
+            if not had_hooks and getattr(hf, "_require_grads_hooks", None):
+                hf.disable_input_require_grads()
+
+        return disable
+
+    def training_logits(self, module: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
+        ids = batch["input_ids"]  # (B, T)
+        if "position_ids" not in batch:
+            return module(input_ids=ids).logits  # (B, T, V)
+        return module(
+            input_ids=ids,
+            position_ids=batch["position_ids"],
+            attention_mask=torch.ones_like(ids),  # one causal sequence (module docstring)
+            use_cache=False,
+        ).logits  # (B, T, V)
+
+    # ------------------------------------------------------------------ scoring
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.get_text_config().vocab_size)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        generation = getattr(self.model, "generation_config", None)
+        for source in (getattr(generation, "eos_token_id", None), self.config.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(i) for i in source)
+        if (
+            isinstance(self.tokenizer, HFTokenizer)
+            and self.tokenizer.tokenizer.eos_token_id is not None
+        ):
+            ids.add(int(self.tokenizer.tokenizer.eos_token_id))
+        return frozenset(ids)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    def run(self, ids, cache, mask, positions, last_only):
+        kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": cache is not None}
+        if cache is not None:
+            kwargs["cache"] = cache
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+        if positions is not None:
+            kwargs["position_ids"] = positions
+        if last_only and self._keep:
+            kwargs["logits_to_keep"] = 1
+        logits = self.model(**kwargs).logits  # (B, C, V) or (B, 1, V)
+        return logits[:, -1:] if last_only else logits
+
+    def group_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+        return [list(range(len(prompts)))]  # left padding lets any prompts share a batch
+
+    def forward_logits(self, ids: Tensor) -> Tensor:
+        return self.model(input_ids=ids, use_cache=False).logits  # (B, T, V)
