@@ -161,12 +161,11 @@ def plot_heatmaps(
 # ----------------------------------------------------------------------------- extension jobs
 def base_model(settings: dict[str, Any]) -> tuple[Path, dict[str, Any], bool]:
     """The base model of the extension experiments: the demo's byte-level RoPE decoder
-    trained at L with the retrieval mixture (``settings`` override DemoConfig fields), taken
+    trained at L with the retrieval mixture (``settings`` override BaseRecipe fields), taken
     from the user cache or trained there once (about 7 minutes on 2 cores)."""
-    from ropekit.demo import DemoConfig, prepare_base_model
+    from ropekit.train.recipe import BaseRecipe, prepare_base_model
 
-    config = DemoConfig(**settings)
-    folder, reused, _ = prepare_base_model(config, log=print)
+    folder, reused, _ = prepare_base_model(BaseRecipe(**settings), log=print)
     return folder, read_json(folder / "pretrain.json"), reused
 
 
@@ -192,10 +191,7 @@ def selection_loss(model: Any, data: str, length: int, seed: int, first: int, n:
 
 
 def task_specs(cfg: dict[str, Any]) -> list[Any]:
-    from ropekit.demo import DEMO_TASKS
-    from ropekit.evals import TaskSpec
-
-    return [TaskSpec(t, **DEMO_TASKS[t]) if t in DEMO_TASKS else t for t in cfg["tasks"]]
+    return list(cfg["tasks"])
 
 
 def run_eval(cfg: dict[str, Any], model: Any, folder: Path, spec: str) -> dict[str, Any]:

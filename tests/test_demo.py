@@ -12,16 +12,9 @@ import pytest
 import torch
 
 from ropekit.cli import main
-from ropekit.demo import (
-    METHODS,
-    PRESETS,
-    DemoConfig,
-    base_model_dir,
-    check_data,
-    claim_out_dir,
-    prepare_base_model,
-)
+from ropekit.demo import METHODS, PRESETS, DemoConfig, check_data, claim_out_dir
 from ropekit.report.sections import fmt
+from ropekit.train.recipe import base_model_dir, prepare_base_model
 
 
 @pytest.fixture(autouse=True)
@@ -89,8 +82,8 @@ def test_demo_quick_runs_end_to_end_and_caches_its_base_model(tmp_path, cache, c
     # The next run finds the base model in the cache (a full second run redoes every other
     # stage, which the first run has already tested).
     lines: list[str] = []
-    path, reused, seconds = prepare_base_model(PRESETS["tiny"], lines.append)
-    assert reused and seconds == 0.0 and path == base_model_dir(PRESETS["tiny"])
+    path, reused, seconds = prepare_base_model(PRESETS["tiny"].base, lines.append)
+    assert reused and seconds == 0.0 and path == base_model_dir(PRESETS["tiny"].base)
     assert lines == [f"reusing the cached base model {path}"]
 
 
@@ -137,19 +130,29 @@ def test_missing_corpus_names_make_setup(monkeypatch):
 
 def test_base_key_follows_the_base_settings_only():
     config = PRESETS["full"]
-    key = config.base_key()
-    assert key == DemoConfig(preset="full").base_key()
+    key = config.base.key()
+    assert key == DemoConfig(preset="full").base.key()
+    # The key of the recipe as it was before it moved out of demo.py: cached models stay valid.
+    assert key == "L128-d192x4-1200steps-fb3695ae4c18"
     # Extension and evaluation settings do not touch the base model: same cache entry.
     for change in ({"extend_samples": 5}, {"task_samples": 3}, {"factor": 4}):
-        assert dataclasses.replace(config, **change).base_key() == key
+        assert dataclasses.replace(config, **change).base.key() == key
     for change in ({"base_steps": 7}, {"recall_steps": 0}, {"lr": 2e-3}, {"seed": 1}):
-        assert dataclasses.replace(config, **change).base_key() != key
+        assert dataclasses.replace(config.base, **change).key() != key
 
 
 @pytest.mark.parametrize(
-    "change",
-    [{"context": 0}, {"factor": 1}, {"length_multiples": ()}, {"influence_windows": 99}],
+    ("where", "change"),
+    [
+        ("base", {"context": 0}),
+        ("demo", {"factor": 1}),
+        ("demo", {"length_multiples": ()}),
+        ("demo", {"influence_windows": 99}),
+    ],
 )
-def test_bad_settings_raise(change):
+def test_bad_settings_raise(where, change):
     with pytest.raises(ValueError):
-        dataclasses.replace(PRESETS["full"], **change)
+        if where == "base":
+            dataclasses.replace(PRESETS["full"].base, **change)
+        else:
+            dataclasses.replace(PRESETS["full"], **change)

@@ -5,7 +5,7 @@ accuracy at 1x, mean ± std.
 
     python -m experiments.pretrain_encodings.run     # everything; finished jobs are reused
 
-Every model follows the demo's two-stage recipe (ropekit.demo.prepare_base_model): a recall
+Every model follows the base recipe (ropekit.train.recipe.prepare_base_model): a recall
 stage where every 96-byte sample carries a passkey or key-value record, then text at
 L = 128 bytes with half the samples carrying one. Only the encoding and the seed change. The
 seed draws the initialisation and the data order; seed s gives every encoding the same data.
@@ -37,21 +37,20 @@ RUNS = Path("runs/experiments/pretrain_encodings")
 
 def job(cfg: dict[str, Any], name: str, spec: str, seed: int) -> dict[str, Any]:
     """Pretrain (or reuse) one model and score it."""
-    from ropekit.demo import DEMO_TASKS, DemoConfig, prepare_base_model
-    from ropekit.evals import TaskSpec
     from ropekit.model import load_decoder
+    from ropekit.train.recipe import BaseRecipe, prepare_base_model
 
     folder = RUNS / f"{name}-s{seed}"
     path = folder / "eval.json"
     if path.exists():
         return read_json(path)
-    config = DemoConfig(encoding=spec, seed=seed, data=cfg["data"], **cfg["model"])
+    config = BaseRecipe(encoding=spec, seed=seed, data=cfg["data"], **cfg["model"])
     print(f"{name} seed {seed}: pretraining `{spec}`", flush=True)
     model_dir, _, _ = prepare_base_model(config, log=lambda _: None)
     pretrain = read_json(model_dir / "pretrain.json")
     model = load_decoder(model_dir / "model").eval()
     start = time.perf_counter()
-    tasks = [TaskSpec(t, **DEMO_TASKS[t]) if t in DEMO_TASKS else t for t in cfg["tasks"]]
+    tasks = list(cfg["tasks"])
     scores = evaluate(
         model,
         folder,

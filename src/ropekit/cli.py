@@ -539,10 +539,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ropekit.demo import PRESETS, run_demo, summary_table
 
     preset = "tiny" if args.tiny else "quick" if args.quick else "full"
-    config = dataclasses.replace(PRESETS[preset], seed=args.seed)
+    config = PRESETS[preset]
+    base = {"seed": args.seed}
     for name in ("recall_steps", "base_steps"):
         if getattr(args, name) is not None:
-            config = dataclasses.replace(config, **{name: getattr(args, name)})
+            base[name] = getattr(args, name)
+    config = dataclasses.replace(config, base=dataclasses.replace(config.base, **base))
     result = run_demo(args.out, config, overwrite=args.overwrite, command=_command())
     print()
     for line in summary_table(result):

@@ -6,17 +6,13 @@ cache), extended to 8L by every method (the unmodified `rope` baseline, `linear`
 and key-value retrieval), its AdaRoPE heads analysed, and a report written (Markdown +
 self-contained HTML) from the run's JSON.
 
-The base model learns to retrieve in two stages (`DemoConfig.base_stages`): first samples
-that are all retrieval records (passkey or one key-value fact) at a context they nearly fill,
-where the copy circuit forms in a few hundred steps, then Shakespeare with half the samples
-carrying a record at L, with an answer-weighted loss throughout. Mixed into text from the
-start, retrieval did not form within 2,000 steps in our runs.
+The base model is ``ropekit.train.recipe``'s two-stage retrieval recipe (``BaseRecipe``),
+trained once and cached; the experiments use the same recipe.
 
 Holds:
-- `DemoConfig`: every setting, with the presets `PRESETS` (`full`, `quick`, and `tiny` for
-  the test suite); `base_key` names the cached base model.
+- `DemoConfig`: every setting (the base recipe in `base`), with the presets `PRESETS`
+  (`full`, `quick`, and `tiny` for the test suite).
 - `run_demo(out_dir, config)`: the pipeline; returns the content of ``demo.json``.
-- `prepare_base_model`: the cached base model, trained first when missing; `base_model_dir`.
 - `summary_table`: the terminal table; `check_data`, `claim_out_dir`.
 
 Layout of ``out_dir`` (every file but the report is JSON or a PNG drawn from JSON):
@@ -31,16 +27,12 @@ Layout of ``out_dir`` (every file but the report is JSON or a PNG drawn from JSO
     analysis/                   analysis.json + head figures of the AdaRoPE model
     schedules/                  schedules.json + schedules.png (the fixed schedules at init)
 
-The base model lives in ``$ROPEKIT_CACHE/demo/<key>/`` (default ``~/.cache/ropekit``): the
-key hashes every setting that shapes it, so a second run with the same settings reuses it and
-any change trains a new one. It is trained in ``<key>.partial/`` (resumable) and renamed when
-done, so an interrupted run never leaves a half-trained model that looks finished.
+The base model lives in ``$ROPEKIT_CACHE/demo/<key>/`` (``ropekit.train.recipe``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import shutil
 import time
@@ -48,91 +40,39 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Bump when the base recipe changes in a way the settings below do not capture (data mixing,
-# loss): cached base models of an older recipe are then retrained instead of reused.
-BASE_RECIPE_VERSION = 1
+from ropekit.train.recipe import BaseRecipe
+
 METHODS: tuple[str, ...] = ("rope", "linear", "ntk", "yarn", "tuned-yarn", "adarope")
 DEMO_JSON = "demo.json"
 # What an earlier `make demo` (the schedule comparison) left in runs/demo: safe to replace.
 _OLD_DEMO_FILES = {"schedules.json", "schedules.png"}
-# Tasks the demo adds to the registry's (ropekit.evals.tasks.TASKS): the mixture's kv record
-# with a single fact in held-out plays. The registered kv_shakespeare asks one of four facts,
-# which needs about 190 bytes: more than L = 128 leaves.
-DEMO_TASKS: dict[str, dict[str, Any]] = {
-    "kv1_shakespeare": {
-        "base": "niah",
-        "args": {
-            "haystack": "corpus:shakespeare",
-            "key_type": "letters",
-            "value_digits": 4,
-            "n_keys": 1,
-            "preamble": "",
-        },
-        "needle": True,
-        "description": "the mixture's kv record, one fact (3-letter key, 4-digit value), "
-        "held-out Shakespeare",
-    }
-}
 
 
 @dataclasses.dataclass(frozen=True)
 class DemoConfig:
     """Settings of one demo run. Lengths are in bytes (the byte tokenizer's tokens)."""
 
-    # Base model: shape and its two-stage pretraining (these, and only these, key the cache).
-    context: int = 128  # L, the base model's training length
-    encoding: str = "rope"  # the base model's encoding (experiments train others this way)
-    d_model: int = 192
-    n_layers: int = 4
-    n_heads: int = 6
-    lr: float = 1e-3  # peak learning rate of both stages (at 3e-3 retrieval never formed)
-    warmup: int = 50  # linear warmup steps at the start of stage 1
-    answer_weight: float = 20.0  # loss weight of recalled values (answer-weighted loss)
-    retrieval_kinds: tuple[str, ...] = ("passkey", "kv")  # each record sample draws one
-    retrieval_facts: int = 1  # kv facts per sample: one fact fits beside text in L = 128
-    # Stage 1, recall: every sample carries a record, at a context where the record and its
-    # question fill most of the sample. Mixed into long text from the start, the copy circuit
-    # did not form within 2,000 steps in our runs; this way it forms in a few hundred.
-    recall_context: int = 96
-    recall_steps: int = 600  # 0 skips the stage
-    recall_batch_size: int = 16
-    # Stage 2, mixture: text at L, a share of samples carrying a record (keeps retrieval).
-    base_steps: int = 600
-    batch_size: int = 32
-    retrieval_ratio: float = 0.5
-    data: str = "shakespeare"
-    seed: int = 0
-    # Extension and evaluation.
+    # The base model, its data and seed (these, and only these, key the model cache).
+    base: BaseRecipe = dataclasses.field(default_factory=BaseRecipe)
     factor: int = 8  # extend to factor * L
     extend_samples: int = 100  # samples of factor * L (the paper's protocol: 100)
     extend_lr: float = 1e-2  # positional parameters' learning rate
     length_multiples: tuple[int, ...] = (1, 2, 4, 8)  # evaluation lengths, in units of L
     eval_windows: int = 16  # held-out windows of the longest length scored at every length
-    tasks: tuple[str, ...] = ("passkey_shakespeare", "kv1_shakespeare")  # see DEMO_TASKS
+    # kv1_shakespeare is the mixture's kv record with one fact (ropekit.evals.tasks).
+    tasks: tuple[str, ...] = ("passkey_shakespeare", "kv1_shakespeare")
     task_samples: int = 20  # samples per task and length, needle depths spread over 0..1
     analysis_windows: int = 4  # held-out windows for the head analysis
     influence_windows: int = 2  # of those, used for head influence (one pass per head)
     preset: str = "custom"  # which preset the settings came from (for the report)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "retrieval_kinds", tuple(self.retrieval_kinds))
         object.__setattr__(self, "length_multiples", tuple(self.length_multiples))
         object.__setattr__(self, "tasks", tuple(self.tasks))
-        if not isinstance(self.recall_steps, int) or self.recall_steps < 0:
-            raise ValueError(f"recall_steps={self.recall_steps!r} must be an integer >= 0")
         for name in (
-            "context",
-            "recall_context",
-            "recall_batch_size",
-            "base_steps",
-            "batch_size",
-            "factor",
-            "extend_samples",
-            "eval_windows",
-            "task_samples",
-            "analysis_windows",
+            "factor", "extend_samples", "eval_windows", "task_samples", "analysis_windows",
             "influence_windows",
-        ):
+        ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} is not allowed; it must be an integer >= 1")
@@ -149,82 +89,24 @@ class DemoConfig:
             )
 
     @property
+    def context(self) -> int:
+        return self.base.context
+
+    @property
+    def data(self) -> str:
+        return self.base.data
+
+    @property
+    def seed(self) -> int:
+        return self.base.seed
+
+    @property
     def target_length(self) -> int:
         return self.factor * self.context
 
     @property
     def lengths(self) -> list[int]:
         return sorted({m * self.context for m in self.length_multiples} | {self.context})
-
-    def model_config(self):
-        from ropekit.model import DecoderConfig
-
-        return DecoderConfig(
-            d_model=self.d_model,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            encoding=self.encoding,
-            context_length=self.context,
-        )
-
-    def retrieval(self, ratio: float | None = None):
-        """The retrieval mixture (``ratio`` of samples with a record; default: stage 2's)."""
-        from ropekit.data import RetrievalConfig
-
-        return RetrievalConfig(
-            ratio=self.retrieval_ratio if ratio is None else ratio,
-            kinds=self.retrieval_kinds,
-            n_facts=self.retrieval_facts,
-            answer_weight=self.answer_weight,
-        )
-
-    def base_stages(self) -> list[dict[str, Any]]:
-        """The pretraining stages: name, context, steps, batch size, retrieval ratio, and the
-        learning-rate shape (one warmup, constant through recall, cosine through the mixture)."""
-        stages = []
-        if self.recall_steps:
-            stages.append(
-                {
-                    "name": "recall",
-                    "context": self.recall_context,
-                    "steps": self.recall_steps,
-                    "batch_size": self.recall_batch_size,
-                    "retrieval_ratio": 1.0,
-                    "warmup_steps": min(self.warmup, self.recall_steps),
-                    "min_lr_ratio": 1.0,
-                }
-            )
-        stages.append(
-            {
-                "name": "mixture",
-                "context": self.context,
-                "steps": self.base_steps,
-                "batch_size": self.batch_size,
-                "retrieval_ratio": self.retrieval_ratio,
-                "warmup_steps": 0 if self.recall_steps else min(self.warmup, self.base_steps),
-                "min_lr_ratio": 0.1,
-            }
-        )
-        return stages
-
-    def base_settings(self) -> dict[str, Any]:
-        """Everything that shapes the base model (what the cache is keyed on)."""
-        return {
-            "recipe": BASE_RECIPE_VERSION,
-            "model": self.model_config().to_dict(),
-            "stages": self.base_stages(),
-            "lr": self.lr,
-            "retrieval": dataclasses.asdict(self.retrieval()),
-            "data": self.data,
-            "seed": self.seed,
-        }
-
-    def base_key(self) -> str:
-        digest = hashlib.blake2b(
-            json.dumps(self.base_settings(), sort_keys=True).encode(), digest_size=6
-        ).hexdigest()
-        steps = self.recall_steps + self.base_steps
-        return f"L{self.context}-d{self.d_model}x{self.n_layers}-{steps}steps-{digest}"
 
     def method_spec(self, method: str) -> str:
         """The extension spec of a method; the model supplies original_length and base."""
@@ -240,12 +122,9 @@ PRESETS: dict[str, DemoConfig] = {
     # Under 3 minutes on 2 cores: a shorter context (the shortest that holds a record and its
     # question), a smaller model, fewer of everything.
     "quick": DemoConfig(
-        context=96,
-        d_model=128,
-        n_layers=4,
-        n_heads=4,
-        recall_steps=400,
-        base_steps=100,
+        base=BaseRecipe(
+            context=96, d_model=128, n_layers=4, n_heads=4, recall_steps=400, base_steps=100
+        ),
         extend_samples=32,
         length_multiples=(1, 2, 8),
         eval_windows=8,
@@ -256,15 +135,17 @@ PRESETS: dict[str, DemoConfig] = {
     ),
     # The test suite's end-to-end run: every stage, as small as it goes (seconds).
     "tiny": DemoConfig(
-        context=96,
-        d_model=32,
-        n_layers=2,
-        n_heads=2,
-        recall_steps=3,
-        recall_batch_size=2,
-        base_steps=3,
-        batch_size=4,
-        warmup=1,
+        base=BaseRecipe(
+            context=96,
+            d_model=32,
+            n_layers=2,
+            n_heads=2,
+            recall_steps=3,
+            recall_batch_size=2,
+            base_steps=3,
+            batch_size=4,
+            warmup=1,
+        ),
         factor=2,
         extend_samples=3,
         length_multiples=(1, 2),
@@ -323,13 +204,6 @@ def claim_out_dir(out: Path, overwrite: bool) -> bool:
     return True
 
 
-def base_model_dir(config: DemoConfig) -> Path:
-    """Where the base model for ``config`` is cached."""
-    from ropekit.hf.models import cache_dir
-
-    return cache_dir() / "demo" / config.base_key()
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     from ropekit.results import read_result
 
@@ -337,107 +211,10 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- stages
-def prepare_base_model(
-    config: DemoConfig, log: Callable[[str], None] = print
-) -> tuple[Path, bool, float]:
-    """The cached base model folder (training it first if needed); whether it was reused and
-    the seconds spent training here.
-
-    Training runs the stages of ``config.base_stages()`` on one decoder with the library's
-    loop, each in its own resumable folder, then writes ``model/`` and a ``pretrain.json``
-    that records every stage.
-    """
-    import torch
-
-    from ropekit.data import make_train_dataset
-    from ropekit.model import Decoder, count_parameters, flops_per_token, save_decoder
-    from ropekit.results import run_metadata, write_result
-    from ropekit.train import TrainConfig, train
-    from ropekit.train.pretrain import measure_matmul_flops
-
-    final = base_model_dir(config)
-    if (final / "pretrain.json").is_file() and (final / "model").is_dir():
-        log(f"reusing the cached base model {final}")
-        return final, True, 0.0
-    partial = final.with_name(final.name + ".partial")
-    total = config.recall_steps + config.base_steps
-    log(f"training the base model ({total} steps) in {partial}")
-    start = time.perf_counter()
-    model_config = config.model_config()
-    torch.manual_seed(config.seed)
-    decoder = Decoder(model_config)
-    stages = []
-    for stage in config.base_stages():
-        log(
-            f"  stage {stage['name']}: {stage['steps']} steps of {stage['batch_size']} x "
-            f"{stage['context']} bytes, {stage['retrieval_ratio']:.0%} with a retrieval record"
-        )
-        dataset = make_train_dataset(
-            config.data,
-            "bytes",
-            stage["context"],
-            retrieval=config.retrieval(stage["retrieval_ratio"]),
-            seed=config.seed,
-        )
-        train_config = TrainConfig(
-            out_dir=partial / stage["name"],
-            steps=stage["steps"],
-            batch_size=stage["batch_size"],
-            lr=config.lr,
-            warmup_steps=stage["warmup_steps"],
-            min_lr_ratio=stage["min_lr_ratio"],
-            seed=config.seed,
-            checkpoint_interval=max(50, stage["steps"] // 4),  # resumable if interrupted
-            keep_last=1,
-            resume=True,  # a finished stage only reloads its final weights
-        )
-        result = train(decoder, dataset, train_config)
-        stages.append(
-            {
-                **stage,
-                "final_loss": result.final_loss,
-                "tokens": result.tokens,
-                "elapsed_s": result.elapsed_s,
-                "tokens_per_s": result.tokens_per_s,
-                "train": train_config.to_dict(),
-            }
-        )
-    save_decoder(decoder, partial / "model")
-    tokens = sum(st["tokens"] for st in stages)
-    elapsed = sum(st["elapsed_s"] for st in stages)
-    peak, fpt = measure_matmul_flops(), flops_per_token(model_config)
-    summary = {  # the fields of `ropekit pretrain`'s pretrain.json, plus the stages
-        "encoding": decoder.encoding.spec,
-        "model": model_config.to_dict(),
-        "parameters": count_parameters(decoder),
-        "steps": total,
-        "train": stages[-1]["train"],
-        "stages": stages,
-        "data": config.data,
-        "retrieval": dataclasses.asdict(config.retrieval()),
-        "final_loss": stages[-1]["final_loss"],
-        "tokens": tokens,
-        "elapsed_s": elapsed,
-        "tokens_per_s": tokens / elapsed,
-        "flops_per_token": fpt,
-        "matmul_flops_per_s": peak,
-        "mfu": tokens / elapsed * fpt / peak,
-    }
-    meta = run_metadata("ropekit demo (base model)", spec=decoder.encoding.spec, seed=config.seed)
-    write_result(partial / "pretrain.json", "pretrain", summary, meta=meta)
-    for stage in stages:  # the weights are all we reuse
-        shutil.rmtree(partial / stage["name"] / "checkpoints", ignore_errors=True)
-    if final.exists():  # another demo finished the same model meanwhile: keep that one
-        shutil.rmtree(partial)
-    else:
-        partial.rename(final)
-    return final, False, time.perf_counter() - start
-
-
 def _evaluate(model: Any, config: DemoConfig, folder: Path, spec: str, command: str) -> None:
     """Bits per byte (``folder/ppl``) and retrieval accuracy (``folder/tasks``) at every
     length of ``config``."""
-    from ropekit.evals import TaskSpec, run_perplexity, run_tasks
+    from ropekit.evals import run_perplexity, run_tasks
 
     run_perplexity(
         model,
@@ -453,10 +230,7 @@ def _evaluate(model: Any, config: DemoConfig, folder: Path, spec: str, command: 
     run_tasks(
         model,
         "bytes",
-        [
-            TaskSpec(name, **DEMO_TASKS[name]) if name in DEMO_TASKS else name
-            for name in config.tasks
-        ],
+        list(config.tasks),
         folder / "tasks",
         lengths=config.lengths,
         samples=config.task_samples,
@@ -497,7 +271,8 @@ def _method_row(
 
 def _figures(out: Path, config: DemoConfig, rows: list[dict[str, Any]]) -> dict[str, str]:
     """The comparison figures, drawn from the methods' JSON; returns file -> caption."""
-    from ropekit.report.plots import plot_nll_vs_position, plot_tasks_vs_length, plot_vs_length
+    from ropekit.figures import plot_vs_length
+    from ropekit.report.plots import plot_nll_vs_position, plot_tasks_vs_length
 
     L = config.context
     bpb = {r["name"]: {int(n): v for n, v in r["bpb"].items()} for r in rows}
@@ -574,6 +349,99 @@ def _notes(config: DemoConfig, rows: list[dict[str, Any]]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- the pipeline
+def _extend_all(
+    config: DemoConfig, base_dir: Path, out: Path, command: str, log: Callable[[str], None]
+) -> tuple[list[dict[str, Any]], Any]:
+    """Stage 2: extend a fresh copy of the base model with every method and evaluate it;
+    returns the method rows and the AdaRoPE model (analysed next)."""
+    from ropekit.backbone import as_backbone
+    from ropekit.model import load_decoder
+    from ropekit.train.extend import ExtendConfig, extend
+
+    rows, adarope_model = [], None
+    for i, name in enumerate(METHODS, 1):
+        folder = out / "methods" / name
+        model = load_decoder(base_dir / "model").eval()
+        record = None
+        if name != "rope":
+            log(f"  ({i}/{len(METHODS)}) {name}: extending")
+            extension = ExtendConfig(
+                method=config.method_spec(name),
+                target_length=config.target_length,
+                samples=config.extend_samples,
+                lr=config.extend_lr,
+                data=config.data,
+                seed=config.seed,
+            )
+            result = extend(
+                model, extension, folder, command=command, log=lambda line: log(f"      {line}")
+            )
+            record = _read_json(result.summary)
+        spec = as_backbone(model).encoding.spec
+        log(f"  ({i}/{len(METHODS)}) {name}: evaluating `{spec}`")
+        _evaluate(model.eval(), config, folder, spec, command)
+        rows.append(_method_row(name, spec, folder, out, record))
+        if name == "adarope":
+            adarope_model = model
+    return rows, adarope_model
+
+
+def _analyze(config: DemoConfig, model: Any, out: Path, command: str) -> dict[str, Any]:
+    """Stage 3: inside the AdaRoPE model."""
+    from ropekit.analysis import analyze
+
+    return analyze(
+        model,
+        "bytes",
+        lengths=config.lengths,
+        out_dir=out / "analysis",
+        n_windows=config.analysis_windows,
+        influence_windows=config.influence_windows,
+        target_length=config.target_length,
+        data=config.data,
+        seed=config.seed,
+        command=command,
+    )
+
+
+def _all_figures(config: DemoConfig, out: Path, rows: list[dict[str, Any]], command: str) -> dict:
+    """Stage 4: the fixed schedules at init and the comparison figures."""
+    from ropekit.report.schedules import compare_schedules, write_schedules
+
+    write_schedules(
+        compare_schedules(
+            # tuned-yarn and adarope start from yarn; analysis/ shows what they learned.
+            [m for m in METHODS if m not in ("tuned-yarn", "adarope")],
+            head_dim=config.base.model_config().head_dim,
+            factor=config.factor,
+            original_length=config.context,
+        ),
+        out / "schedules",
+        command=command,
+    )
+    return _figures(out, config, rows)
+
+
+def _base_record(config: DemoConfig, base_dir: Path, reused: bool) -> dict[str, Any]:
+    base = _read_json(base_dir / "pretrain.json")
+    return {
+        "key": config.base.key(),
+        "path": str(base_dir),
+        "reused": reused,
+        "encoding": base["encoding"],
+        "parameters": base["parameters"],
+        "steps": base["steps"],
+        "stages": [
+            {k: st[k] for k in ("name", "context", "steps", "batch_size", "retrieval_ratio")}
+            for st in base["stages"]
+        ],
+        "final_loss": base["final_loss"],
+        "elapsed_s": base["elapsed_s"],
+        "tokens_per_s": base["tokens_per_s"],
+        "settings": config.base.settings(),
+    }
+
+
 def run_demo(
     out_dir: str | Path = "runs/demo",
     config: DemoConfig | None = None,
@@ -584,13 +452,9 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run the whole demo into ``out_dir`` (see the module docstring) and return demo.json's
     content, with ``report`` (the report paths) added."""
-    from ropekit.analysis import analyze
-    from ropekit.backbone import as_backbone
-    from ropekit.model import load_decoder
     from ropekit.report.build import build_report
-    from ropekit.report.schedules import compare_schedules, write_schedules
-    from ropekit.results import run_metadata, write_result
-    from ropekit.train.extend import ExtendConfig, extend
+    from ropekit.results import make_record, run_metadata, write_result
+    from ropekit.train.recipe import prepare_base_model
 
     config = config or PRESETS["full"]
     out = Path(out_dir)
@@ -604,124 +468,45 @@ def run_demo(
     if replaced:
         log(f"replaced the previous demo in {out}")
     timings: dict[str, float] = {}
-    n_stages = 5
+    titles = (
+        f"base model: byte-level RoPE decoder at L={config.context}",
+        f"extend to {config.target_length} and evaluate at {config.lengths}",
+        "analyze the AdaRoPE heads (effective length, schedules, influence)",
+        "figures",
+        "report",
+    )
+    clock = [time.perf_counter()]
 
-    def stage(i: int, text: str) -> float:
-        log(f"[{i}/{n_stages}] {text}")
-        return time.perf_counter()
+    def stage(i: int, done: str | None = None) -> None:
+        if done is not None:
+            timings[done] = time.perf_counter() - clock[0]
+        log(f"[{i}/{len(titles)}] {titles[i - 1]}")
+        clock[0] = time.perf_counter()
 
-    # 1. The base model.
-    t = stage(1, f"base model: byte-level RoPE decoder at L={config.context}")
-    base_dir, reused, _ = prepare_base_model(config, log)
-    base = _read_json(base_dir / "pretrain.json")
+    stage(1)
+    base_dir, reused, _ = prepare_base_model(config.base, log)
     (out / "base").mkdir()
     shutil.copy2(base_dir / "pretrain.json", out / "base" / "pretrain.json")
-    timings["base model" + (" (reused)" if reused else "")] = time.perf_counter() - t
-
-    # 2. Extend with every method, evaluate each.
-    t = stage(2, f"extend to {config.target_length} and evaluate at {config.lengths}")
-    rows = []
-    adarope_model = None
-    for i, name in enumerate(METHODS, 1):
-        folder = out / "methods" / name
-        model = load_decoder(base_dir / "model").eval()
-        record = None
-        if name != "rope":
-            log(f"  ({i}/{len(METHODS)}) {name}: extending")
-            result = extend(
-                model,
-                ExtendConfig(
-                    method=config.method_spec(name),
-                    target_length=config.target_length,
-                    samples=config.extend_samples,
-                    lr=config.extend_lr,
-                    data=config.data,
-                    seed=config.seed,
-                ),
-                folder,
-                command=command,
-                log=lambda line: log(f"      {line}"),
-            )
-            record = _read_json(result.summary)
-        spec = as_backbone(model).encoding.spec
-        log(f"  ({i}/{len(METHODS)}) {name}: evaluating `{spec}`")
-        model.eval()
-        _evaluate(model, config, folder, spec, command)
-        rows.append(_method_row(name, spec, folder, out, record))
-        if name == "adarope":
-            adarope_model = model
-    timings["extension + evaluation"] = time.perf_counter() - t
-
-    # 3. Inside the AdaRoPE model.
-    t = stage(3, "analyze the AdaRoPE heads (effective length, schedules, influence)")
-    analysis = analyze(
-        adarope_model,
-        "bytes",
-        lengths=config.lengths,
-        out_dir=out / "analysis",
-        n_windows=config.analysis_windows,
-        influence_windows=config.influence_windows,
-        target_length=config.target_length,
-        data=config.data,
-        seed=config.seed,
-        command=command,
-    )
-    timings["analysis"] = time.perf_counter() - t
-
-    # 4-5. Figures and the report.
-    t = stage(4, "figures")
-    model_config = config.model_config()
-    write_schedules(
-        compare_schedules(
-            # tuned-yarn and adarope start from yarn; analysis/ shows what they learned.
-            [m for m in METHODS if m not in ("tuned-yarn", "adarope")],
-            head_dim=model_config.head_dim,
-            factor=config.factor,
-            original_length=config.context,
-        ),
-        out / "schedules",
-        command=command,
-    )
-    figures = _figures(out, config, rows)
-    timings["figures"] = time.perf_counter() - t
-
-    t = stage(5, "report")
+    stage(2, "base model" + (" (reused)" if reused else ""))
+    rows, adarope_model = _extend_all(config, base_dir, out, command, log)
+    stage(3, "extension + evaluation")
+    analysis = _analyze(config, adarope_model, out, command)
+    stage(4, "analysis")
+    figures = _all_figures(config, out, rows, command)
+    stage(5, "figures")
     timings["total (before the report)"] = time.perf_counter() - started
     state.update(
-        status="done",
-        context=config.context,
-        target_length=config.target_length,
-        lengths=config.lengths,
-        data=config.data,
-        extend_samples=config.extend_samples,
-        task_samples=config.task_samples,
-        tasks=list(config.tasks),
-        base={
-            "key": config.base_key(),
-            "path": str(base_dir),
-            "reused": reused,
-            "encoding": base["encoding"],
-            "parameters": base["parameters"],
-            "steps": base["steps"],
-            "stages": [
-                {k: st[k] for k in ("name", "context", "steps", "batch_size", "retrieval_ratio")}
-                for st in base["stages"]
-            ],
-            "final_loss": base["final_loss"],
-            "elapsed_s": base["elapsed_s"],
-            "tokens_per_s": base["tokens_per_s"],
-            "settings": config.base_settings(),
-        },
-        methods=rows,
+        status="done", context=config.context, target_length=config.target_length,
+        lengths=config.lengths, data=config.data, extend_samples=config.extend_samples,
+        task_samples=config.task_samples, tasks=list(config.tasks),
+        base=_base_record(config, base_dir, reused), methods=rows,
         analysis=Path(analysis["paths"]["json"]).relative_to(out).as_posix(),
-        figures=figures,
-        notes=_notes(config, rows),
-        timings=timings,
-    )
+        figures=figures, notes=_notes(config, rows), timings=timings,
+    )  # fmt: skip
     write_result(out / DEMO_JSON, "demo", state, meta=meta)
     title = f"ropekit demo: a small byte-level model extended {config.factor}x"
     paths = build_report(out, title=title)
-    return {"kind": "demo", "meta": meta, **state, "report": paths}
+    return {**make_record("demo", state, meta=meta), "report": paths}
 
 
 def summary_table(result: dict[str, Any]) -> list[str]:

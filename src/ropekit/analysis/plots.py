@@ -25,7 +25,6 @@ figure.
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,24 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ropekit.utils import atomic_write_bytes
-
-
-def _figure(width: float, height: float, nrows: int = 1, ncols: int = 1):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), layout="constrained")  # room for the suptitle
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    return fig, axes
-
-
-def _save(fig, path: Path) -> Path:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    atomic_write_bytes(path, buffer.getvalue())
-    return path
+from ropekit.figures import figure, save
 
 
 def _array(values: Any) -> np.ndarray:
@@ -72,7 +54,7 @@ def plot_effective_length(result: Mapping[str, Any], path: Path) -> Path:
     n_layers, n_heads = values.shape[1], values.shape[2]
     ncols = min(4, n_layers)
     nrows = math.ceil(n_layers / ncols)
-    fig, axes = _figure(3.4 * ncols, 2.9 * nrows, nrows, ncols)
+    fig, axes = figure(3.4 * ncols, 2.9 * nrows, nrows, ncols, constrained=True)
     colors = _colors(n_heads)
     for layer in range(nrows * ncols):
         ax = axes[layer // ncols][layer % ncols]
@@ -104,7 +86,7 @@ def plot_effective_length(result: Mapping[str, Any], path: Path) -> Path:
         f"effective attention length per head (mean over a window's queries)\n{result['spec']}",
         fontsize=10,
     )
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _length_axis(ax, lengths: list[int]) -> None:
@@ -142,7 +124,9 @@ def plot_utilization(result: Mapping[str, Any], path: Path) -> Path:
     u = _array(section["mean_abs"])  # (L, H, F)
     n_layers, n_heads, n_pairs = u.shape
     share = u / u.sum(-1, keepdims=True)  # each head's distribution over pairs
-    fig, axes = _figure(12, min(14.0, max(3.5, 0.12 * n_layers * n_heads + 1.5)), 1, 2)
+    fig, axes = figure(
+        12, min(14.0, max(3.5, 0.12 * n_layers * n_heads + 1.5)), 1, 2, constrained=True
+    )
     ax_map, ax_box = axes[0]
     image = ax_map.imshow(
         share.reshape(n_layers * n_heads, n_pairs),
@@ -176,13 +160,13 @@ def plot_utilization(result: Mapping[str, Any], path: Path) -> Path:
     fig.suptitle(
         f"frequency utilization at length {section['length']}\n{result['spec']}", fontsize=10
     )
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_distance_profile(result: Mapping[str, Any], path: Path) -> Path:
     section = result["utilization"]["distance_profile"]
     heads, distances = section["heads"], section["distances"]
-    fig, axes = _figure(4.6 * len(heads), 3.8, 1, len(heads))
+    fig, axes = figure(4.6 * len(heads), 3.8, 1, len(heads), constrained=True)
     for ax, head in zip(axes[0], heads, strict=True):
         c = _array(head["contribution"])  # (F, R)
         vmax = float(np.nanmax(np.abs(c))) or 1.0
@@ -204,14 +188,14 @@ def plot_distance_profile(result: Mapping[str, Any], path: Path) -> Path:
         _pair_ticks(ax, c.shape[0], axis="y")
         fig.colorbar(image, ax=ax, fraction=0.05)
     fig.suptitle(f"mean logit contribution q_f·k_f / √D by distance\n{result['spec']}", fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_effective_base(result: Mapping[str, Any], path: Path) -> Path:
     section = result["schedule"]["effective_base"]
     per_head, per_layer = _array(section["per_head"]), _array(section["per_layer"])  # (L, K), (L,)
     layers = np.arange(len(per_layer))
-    fig, axes = _figure(6, 4)
+    fig, axes = figure(6, 4, constrained=True)
     ax = axes[0][0]
     for k in range(per_head.shape[1]):
         ax.scatter(
@@ -236,14 +220,14 @@ def plot_effective_base(result: Mapping[str, Any], path: Path) -> Path:
     )
     ax.set_xticks(layers)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_dxi(result: Mapping[str, Any], path: Path) -> Path:
     learned = result["schedule"]["learned"]
     dxi = _array(learned["dxi"])  # (L|1, K|1, F)
     rows = dxi.reshape(-1, dxi.shape[-1])
-    fig, axes = _figure(8, min(14.0, max(3.0, 0.16 * rows.shape[0] + 1.5)))
+    fig, axes = figure(8, min(14.0, max(3.0, 0.16 * rows.shape[0] + 1.5)), constrained=True)
     ax = axes[0][0]
     vmax = float(np.nanmax(np.abs(rows))) or 1.0
     image = ax.imshow(
@@ -260,12 +244,12 @@ def plot_dxi(result: Mapping[str, Any], path: Path) -> Path:
     ax.title.set_fontsize(9)
     _pair_ticks(ax, rows.shape[1])
     fig.colorbar(image, ax=ax, fraction=0.04)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_adascale(result: Mapping[str, Any], path: Path) -> Path:
     learned = result["schedule"]["learned"]
-    fig, axes = _figure(9, 3.6, 1, 2)
+    fig, axes = figure(9, 3.6, 1, 2, constrained=True)
     for ax, name, symbol in ((axes[0][0], "gamma", "γ"), (axes[0][1], "tau", "τ")):
         values = _array(learned[name]).ravel()
         ax.hist(values, bins=min(30, max(5, values.size // 2)), color="tab:blue", alpha=0.8)
@@ -273,13 +257,13 @@ def plot_adascale(result: Mapping[str, Any], path: Path) -> Path:
         ax.set(xlabel=symbol, ylabel="heads", title=f"AdaScale {symbol} per head")
         ax.legend(fontsize=7)
     fig.suptitle(result["spec"])
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_influence(result: Mapping[str, Any], path: Path) -> Path:
     section = result["influence"]
     kinds = [k for k in ("freq", "scale") if section.get(k)]
-    fig, axes = _figure(4.8 * len(kinds), 3.6, 1, len(kinds))
+    fig, axes = figure(4.8 * len(kinds), 3.6, 1, len(kinds), constrained=True)
     names = {"freq": "AdaFreq (revert one kv head's Δξ)", "scale": "AdaScale (revert γ, τ)"}
     for ax, kind in zip(axes[0], kinds, strict=True):
         deltas = np.array([u["delta_nll"] for u in section[kind]["units"]], dtype=float)
@@ -291,7 +275,7 @@ def plot_influence(result: Mapping[str, Any], path: Path) -> Path:
         f"head influence at length {section['target_length']} "
         f"({section['windows']} windows), {result['spec']}"
     )
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _has_learned(result: Mapping[str, Any], name: str) -> bool:

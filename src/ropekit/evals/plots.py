@@ -13,38 +13,11 @@ works in threads and on machines without a display.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ropekit.utils import atomic_write_bytes
-
-
-def _figure(width: float, height: float, ncols: int = 1):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, ncols)
-    return fig, axes
-
-
-def _save(fig, path: str | Path) -> Path:
-    path = Path(path)
-    buffer = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buffer, format="png", dpi=120)
-    atomic_write_bytes(path, buffer.getvalue())
-    return path
-
-
-def _length_axis(ax, lengths: Sequence[int]) -> None:
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(lengths))
-    ax.set_xticklabels([str(n) for n in lengths], rotation=45, fontsize=7)
-    ax.minorticks_off()
+from ropekit.figures import figure, length_axis, save
 
 
 def plot_perplexity(result: Mapping[str, Any], path: str | Path) -> Path:
@@ -52,10 +25,11 @@ def plot_perplexity(result: Mapping[str, Any], path: str | Path) -> Path:
     rows = result["results"]
     metric = result["metric"]
     lengths = [r["length"] for r in rows]
-    fig, (ax_m, ax_p, ax_q) = _figure(14, 4.2, 3)
+    fig, axes = figure(14, 4.2, 1, 3)
+    ax_m, ax_p, ax_q = axes[0]
 
     ax_m.plot(lengths, [r[metric] for r in rows], "o-", lw=1.6)
-    _length_axis(ax_m, lengths)
+    length_axis(ax_m, lengths, rotate=True)
     ax_m.set(xlabel="context length (tokens)", ylabel=metric.replace("_", " "))
     ax_m.set_title(f"{metric.replace('_', ' ')} vs length (same {rows[0]['tokens']} targets)")
 
@@ -79,11 +53,11 @@ def plot_perplexity(result: Mapping[str, Any], path: str | Path) -> Path:
             fmt="o-",
             capsize=3,
         )
-        _length_axis(ax_q, [r["length"] for r in quarter])
+        length_axis(ax_q, [r["length"] for r in quarter], rotate=True)
     ax_q.set(xlabel="context length (tokens)", ylabel="NLL (nats/token)")
     ax_q.set_title("last-quarter NLL per window (mean ± sd)")
     fig.suptitle(f"{result.get('spec') or ''} {result['tokenizer']}".strip(), fontsize=9)
-    return _save(fig, path)
+    return save(fig, path, dpi=120)
 
 
 def plot_heatmap(cells: Sequence[Mapping[str, Any]], path: str | Path, title: str = "") -> Path:
@@ -95,7 +69,8 @@ def plot_heatmap(cells: Sequence[Mapping[str, Any]], path: str | Path, title: st
     grid = np.full((len(depths), len(lengths)), np.nan)
     for c in cells:
         grid[depths.index(c["depth"]), lengths.index(c["length"])] = c["score"]
-    fig, ax = _figure(1.6 + 0.7 * len(lengths), 1.4 + 0.4 * len(depths))
+    fig, axes = figure(1.6 + 0.7 * len(lengths), 1.4 + 0.4 * len(depths))
+    ax = axes[0, 0]
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(lengths)))
     ax.set_xticklabels([str(n) for n in lengths], rotation=45, fontsize=7)
@@ -107,7 +82,7 @@ def plot_heatmap(cells: Sequence[Mapping[str, Any]], path: str | Path, title: st
             ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6)
     fig.colorbar(image, ax=ax, label="accuracy")
     ax.set_title(title, fontsize=9)
-    return _save(fig, path)
+    return save(fig, path, dpi=120)
 
 
 def plot_accuracy_vs_length(
@@ -118,7 +93,8 @@ def plot_accuracy_vs_length(
     title: str = "",
 ) -> Path:
     """One line per task (length -> score), the average in bold, the threshold dashed."""
-    fig, ax = _figure(7, 4.2)
+    fig, axes = figure(7, 4.2)
+    ax = axes[0, 0]
     lengths = sorted({n for task in scores.values() for n in task})
     for task, by_length in scores.items():
         xs = sorted(by_length)
@@ -129,8 +105,8 @@ def plot_accuracy_vs_length(
     if threshold is not None:
         ax.axhline(threshold, color="gray", ls="--", lw=1, label=f"threshold {threshold:g}")
     if lengths:
-        _length_axis(ax, lengths)
+        length_axis(ax, lengths, rotate=True)
     ax.set(xlabel="context length (tokens)", ylabel="score", ylim=(-0.03, 1.03))
     ax.legend(fontsize=6, ncol=2)
     ax.set_title(title, fontsize=9)
-    return _save(fig, path)
+    return save(fig, path, dpi=120)

@@ -475,6 +475,17 @@ _niah(
     n_keys=4,
     preamble="",
 )
+# One fact of that record: fits beside text in the demo's L = 128 bytes, where the four facts
+# of kv_shakespeare (about 190 bytes) do not.
+_niah(
+    "kv1_shakespeare",
+    "the mixture's kv record, one fact (3-letter key, 4-digit value), held-out Shakespeare",
+    haystack="corpus:shakespeare",
+    key_type="letters",
+    value_digits=4,
+    n_keys=1,
+    preamble="",
+)
 _niah("niah_single_1", "one word key, number value, noise haystack", haystack="noise")
 _niah("niah_single_2", "one word key, number value, essay haystack (classic NIAH)")
 _niah("niah_single_3", "one word key, UUID value, essay haystack", value_type="uuids")
