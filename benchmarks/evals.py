@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ropekit.evals import plots, run_needle
+from ropekit.evals import EvalConfig, run_needle
+from ropekit.evals import runner as plots  # holds the figure functions the runner calls
 from ropekit.model import Decoder, DecoderConfig
 
 from .common import Result, compare
@@ -68,7 +69,8 @@ def run(device: str = "cpu", lengths: tuple[int, ...] = (256, 512)) -> list[Resu
 
     def runner():
         out = tmp / f"run{next(runs)}"  # a fresh folder: nothing to resume
-        run_needle(model, None, lengths, depths, samples=1, out_dir=out, progress=False)
+        config = EvalConfig(tuple(lengths), samples=1, depths=tuple(depths))
+        run_needle(model, config, out, progress=False)
         return out
 
     first = runner()

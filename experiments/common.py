@@ -80,38 +80,25 @@ def evaluate(
     for every method, so methods are compared on identical bytes), then retrieval tasks at
     ``task_lengths`` with needles at ``depths``. Returns the numbers; the files stay in
     ``folder/ppl`` and ``folder/tasks``."""
-    from ropekit.evals import run_perplexity, run_tasks
+    from ropekit.evals import EvalConfig, PerplexityConfig, run_perplexity, run_tasks
 
+    ppl_config = PerplexityConfig(tuple(lengths), n_tokens=eval_windows * max(lengths), seed=0)
     ppl = run_perplexity(
-        model,
-        "bytes",
-        folder / "ppl",
-        lengths=list(lengths),
-        data=data,
-        n_tokens=eval_windows * max(lengths),
-        seed=0,
-        spec=spec,
-        progress=False,
+        model, ppl_config, folder / "ppl", tokenizer="bytes", data=data, spec=spec, progress=False
     )
     out: dict[str, Any] = {
         "bpb": {str(r["length"]): r["bits_per_byte"] for r in ppl["results"]},
         "position_nll": {str(r["length"]): r["position_nll"] for r in ppl["results"]},
     }
     if tasks:
-        summary = run_tasks(
-            model,
-            "bytes",
-            list(tasks),
-            folder / "tasks",
-            lengths=list(task_lengths),
-            samples=samples_per_depth,
-            depths=list(depths),
-            seed=0,
+        task_config = EvalConfig(
+            tuple(task_lengths), samples=samples_per_depth, depths=tuple(depths), seed=0,
             batch_size=10,
-            kind="retrieval",
-            spec=spec,
-            progress=False,
-        )
+        )  # fmt: skip
+        summary = run_tasks(
+            model, list(tasks), task_config, folder / "tasks", tokenizer="bytes",
+            kind="retrieval", spec=spec, progress=False,
+        )  # fmt: skip
         out["tasks"] = {
             name: {
                 "accuracy": {str(s["length"]): s["score"] for s in entry["scores"]},

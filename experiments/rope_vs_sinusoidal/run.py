@@ -75,7 +75,7 @@ def eval_job(cfg: dict, encoding: str, seed: int) -> dict:
     """bpb at every length (same held-out bytes for each), and for RoPE also with PI."""
     import torch
 
-    from ropekit.evals.perplexity import run_perplexity
+    from ropekit.evals.perplexity import PerplexityConfig, run_perplexity
     from ropekit.model import Decoder, load_decoder
 
     torch.set_num_threads(1)
@@ -84,10 +84,9 @@ def eval_job(cfg: dict, encoding: str, seed: int) -> dict:
     if path.exists():
         return json.loads(path.read_text())
     model = load_decoder(out / "model").eval()
-    common = {"data": cfg["data"], "n_tokens": cfg["eval_tokens"], "progress": False}
-    res = run_perplexity(
-        model, "bytes", out / "ppl", lengths=cfg["eval_lengths"], spec=encoding, **common
-    )
+    common = {"tokenizer": "bytes", "data": cfg["data"], "progress": False}
+    config = PerplexityConfig(tuple(cfg["eval_lengths"]), n_tokens=cfg["eval_tokens"])
+    res = run_perplexity(model, config, out / "ppl", spec=encoding, **common)
     row = {
         "encoding": encoding,
         "seed": seed,
@@ -103,9 +102,8 @@ def eval_job(cfg: dict, encoding: str, seed: int) -> dict:
             pi.load_state_dict(model.state_dict())
             r = run_perplexity(
                 pi.eval(),
-                "bytes",
+                PerplexityConfig((length,), n_tokens=cfg["eval_tokens"]),
                 out / f"ppl-pi-{length}",
-                lengths=[length],
                 spec=f"linear:factor={factor:g}",
                 **common,
             )

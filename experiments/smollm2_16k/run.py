@@ -133,21 +133,19 @@ def _cached(path: Path, what: str, score: Any) -> dict[str, Any]:
 def score_perplexity(
     cfg: dict[str, Any], folder: Path, model: Any, tokenizer: Any, spec: str
 ) -> dict[str, Any]:
-    from ropekit.evals import run_perplexity
+    from ropekit.evals import PerplexityConfig, run_perplexity
 
     def score() -> dict[str, Any]:
-        result = run_perplexity(
-            model.eval(),
-            tokenizer,
-            folder / "ppl",
-            lengths=cfg["eval_lengths"],
-            data=cfg["data"],
+        config = PerplexityConfig(
+            tuple(cfg["eval_lengths"]),
             n_tokens=cfg["eval_spans"] * max(cfg["eval_lengths"]),
             seed=cfg["eval_seed"],
             batch_tokens=max(cfg["eval_lengths"]),
-            spec=spec,
-            progress=False,
         )
+        result = run_perplexity(
+            model.eval(), config, folder / "ppl", tokenizer=tokenizer, data=cfg["data"],
+            spec=spec, progress=False,
+        )  # fmt: skip
         return {
             str(r["length"]): {
                 "perplexity": r["perplexity"],
@@ -174,23 +172,17 @@ def _exp(x: float | None) -> float | None:
 def score_tasks(
     cfg: dict[str, Any], folder: Path, model: Any, tokenizer: Any, spec: str, n: int
 ) -> dict[str, Any]:
-    from ropekit.evals import run_tasks
+    from ropekit.evals import EvalConfig, run_tasks
 
     def score() -> dict[str, Any]:
-        summary = run_tasks(
-            model.eval(),
-            tokenizer,
-            list(cfg["tasks"]),
-            folder / f"tasks-{n}",
-            lengths=[n],
-            samples=cfg["samples_per_depth"],
-            depths=cfg["depths"],
-            seed=0,
+        config = EvalConfig(
+            (n,), samples=cfg["samples_per_depth"], depths=tuple(cfg["depths"]), seed=0,
             batch_size=1,
-            spec=spec,
-            progress=False,
-            overwrite=True,
-        )
+        )  # fmt: skip
+        summary = run_tasks(
+            model.eval(), list(cfg["tasks"]), config, folder / f"tasks-{n}",
+            tokenizer=tokenizer, spec=spec, progress=False, overwrite=True,
+        )  # fmt: skip
         return {
             task: {"score": entry["scores"][0]["score"], "samples": entry["scores"][0].get("n")}
             for task, entry in summary["tasks"].items()

@@ -1,6 +1,12 @@
 """`ropekit <command>`: the command line. Thin by design: each command parses its arguments,
-calls one library function, prints where its outputs went. Bad input is one line on stderr
-and exit code 2.
+builds its config (options come from the config dataclasses' fields, ``ropekit.options``),
+calls one library function and prints where its outputs went.
+
+Errors a user can cause are one line on stderr and exit code 2: bad options and values
+(refused at parse time or by the configs, never clamped), bad specs, missing or corrupt files,
+OS errors (read-only or full disk, a name too long, an output path that is a file). A closed
+pipe (``ropekit encodings | head``) ends quietly; Ctrl-C prints one line saying how to continue
+and exits 130.
 
 Adding a command: write ``add_<name>(subparsers)`` that registers the parser and sets
 ``func`` to a ``cmd_<name>(args) -> int`` handler; list it in ``COMMANDS``.
@@ -17,6 +23,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ropekit.options import (
+    OneLineParser,
+    add_options,
+    csv,
+    finite_float,
+    from_args,
+    integer,
+    number,
+)
+
 
 def _offline() -> None:
     # Nothing reaches a network at run time: models and data come from installed packages.
@@ -24,8 +40,30 @@ def _offline() -> None:
         os.environ.setdefault(var, "1")
 
 
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
+def _command() -> str:
+    return "ropekit " + " ".join(sys.argv[1:])
+
+
+def _data(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--data",
+        type=csv(str),
+        default=["shakespeare"],
+        help=f"{what}: bundled corpora (shakespeare, wikipedia, kjv, essays) and/or "
+        ".txt/.jsonl/.parquet paths or globs, comma-separated (default: shakespeare)",
+    )
+
+
+def _data_spec(args: argparse.Namespace) -> str | list[str]:
+    return args.data[0] if len(args.data) == 1 else args.data
+
+
+def _out(p: argparse.ArgumentParser, what: str, required: bool = True, **kwargs: Any) -> None:
+    p.add_argument("--out", type=Path, required=required, help=what, **kwargs)
+
+
+def _overwrite(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--overwrite", action="store_true", help=what)
 
 
 # --------------------------------------------------------------------------- encodings
@@ -53,15 +91,29 @@ def add_schedules(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("schedules", help="plot and tabulate RoPE frequency schedules side by side")
     p.add_argument(
         "--methods",
-        type=_csv,
+        type=csv(str),
         default=list(DEFAULT_METHODS),
         help="comma-separated methods or specs (default: %(default)s)",
     )
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--base", type=float, default=10000.0)
-    p.add_argument("--factor", type=float, default=8.0)
-    p.add_argument("--original-length", type=int, default=512)
-    p.add_argument("--out", type=Path, default=Path("runs/schedules"))
+    p.add_argument(
+        "--head-dim", type=integer, default=64, help="head dimension (default: %(default)s)"
+    )
+    p.add_argument(
+        "--base", type=finite_float, default=10000.0, help="RoPE base b (default: %(default)s)"
+    )
+    p.add_argument(
+        "--factor",
+        type=finite_float,
+        default=8.0,
+        help="scale factor s = target / original length (default: %(default)s)",
+    )
+    p.add_argument(
+        "--original-length",
+        type=integer,
+        default=512,
+        help="original context L0 in tokens (default: %(default)s)",
+    )
+    _out(p, "folder for schedules.json and schedules.png", False, default=Path("runs/schedules"))
     p.set_defaults(func=cmd_schedules)
 
 
@@ -75,7 +127,7 @@ def cmd_schedules(args: argparse.Namespace) -> int:
         factor=args.factor,
         original_length=args.original_length,
     )
-    paths = write_schedules(result, args.out, command="ropekit " + " ".join(sys.argv[1:]))
+    paths = write_schedules(result, args.out, command=_command())
     print(f"{'method':<12} {'slowest θ':>11} {'longest λ':>11} {'attn factor':>11}")
     for row in result["methods"]:
         print(
@@ -87,40 +139,47 @@ def cmd_schedules(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- pretrain
+_MODEL_FLAGS = {"context_length": "--context", "n_layers": "--layers", "n_heads": "--heads"}
+_MODEL_FLAGS |= {"n_kv_heads": "--kv-heads"}
+_TRAIN_FIELDS = (
+    "steps", "batch_size", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip",
+    "grad_accum", "seed", "bf16", "checkpoint_interval", "keep_last", "log_interval", "resume",
+    "overwrite",
+)  # fmt: skip
+
+
 def add_pretrain(sub: argparse._SubParsersAction) -> None:
+    from ropekit.data import RetrievalConfig
+    from ropekit.model import DecoderConfig
+    from ropekit.train import TrainConfig
+
     p = sub.add_parser("pretrain", help="train a small decoder from scratch with any encoding")
-    p.add_argument("--encoding", default="rope", help="encoding spec (default: %(default)s)")
-    p.add_argument("--context", type=int, default=256, help="training context (tokens)")
-    p.add_argument(
-        "--data",
-        type=_csv,
-        default=["shakespeare"],
-        help="corpus names and/or .txt/.jsonl/.parquet paths or globs",
+    model = add_options(
+        p,
+        DecoderConfig,
+        fields=("encoding", "context_length", "d_model", "n_layers", "n_heads", "n_kv_heads"),
+        flags=_MODEL_FLAGS,
+        defaults={"context_length": 256, "d_model": 192, "n_layers": 4, "n_heads": 6},
     )
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--d-model", type=int, default=192)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--retrieval-ratio",
-        type=float,
-        default=0.0,
-        help="share of samples carrying passkey/key-value records (0 = plain text)",
+    _data(p, "training text")
+    _out(p, "run folder: checkpoints, metrics.jsonl, model/ and pretrain.json go here")
+    train = add_options(
+        p,
+        TrainConfig,
+        fields=_TRAIN_FIELDS,
+        flags={"warmup_steps": "--warmup"},
+        defaults={"lr": 3e-3, "warmup_steps": None, "checkpoint_interval": 200},
+        help={"warmup_steps": "linear warmup steps; default min(50, --steps)"},
     )
-    p.add_argument(
-        "--answer-weight", type=float, default=1.0, help="loss weight of retrieval answer tokens"
+    retrieval = add_options(
+        p,
+        RetrievalConfig,
+        fields=("ratio", "answer_weight", "kinds", "n_facts", "n_queries"),
+        flags={"ratio": "--retrieval-ratio", "kinds": "--retrieval-kinds"},
     )
-    p.add_argument("--checkpoint-interval", type=int, default=200)
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
-    p.set_defaults(func=cmd_pretrain)
+    p.set_defaults(
+        func=cmd_pretrain, fields={"model": model, "train": train, "retrieval": retrieval}
+    )
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -129,37 +188,18 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     from ropekit.train import TrainConfig
     from ropekit.train.pretrain import pretrain
 
-    model = DecoderConfig(
-        d_model=args.d_model,
-        n_layers=args.layers,
-        n_heads=args.heads,
-        n_kv_heads=args.kv_heads,
-        encoding=args.encoding,
-        context_length=args.context,
-    )
-    config = TrainConfig(
-        out_dir=args.out,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        warmup_steps=min(args.warmup, args.steps),
-        seed=args.seed,
-        bf16=args.bf16,
-        checkpoint_interval=args.checkpoint_interval,
-        resume=args.resume,
-        overwrite=args.overwrite,
-    )
-    retrieval = None
-    if args.retrieval_ratio > 0:
-        retrieval = RetrievalConfig(ratio=args.retrieval_ratio, answer_weight=args.answer_weight)
-    data = args.data[0] if len(args.data) == 1 else args.data
+    model = from_args(DecoderConfig, args, args.fields["model"])
+    if args.warmup_steps is None:
+        args.warmup_steps = min(50, args.steps)
+    config = from_args(TrainConfig, args, args.fields["train"], out_dir=args.out)
+    retrieval = from_args(RetrievalConfig, args, args.fields["retrieval"])
     result = pretrain(
         args.out,
         model=model,
         train_config=config,
-        data=data,
-        retrieval=retrieval,
-        command="ropekit " + " ".join(sys.argv[1:]),
+        data=_data_spec(args),
+        retrieval=retrieval if retrieval.ratio > 0 else None,
+        command=_command(),
     )
     r = result.train
     print(
@@ -171,15 +211,6 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- shared options
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(t) for t in _csv(text)]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of integers"
-        ) from None
-
-
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
@@ -187,7 +218,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="a ropekit run/model folder, a Hugging Face folder, or an installed "
         "model name (e.g. smollm2-135m)",
     )
-    p.add_argument("--adapter", type=Path, default=None, help="a positional adapter folder")
+    p.add_argument(
+        "--adapter",
+        type=Path,
+        default=None,
+        help="a positional adapter folder, or an extension run folder (its adapter and LoRA "
+        "weights)",
+    )
     p.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -206,94 +243,102 @@ def _spec_of(backbone) -> str | None:
     return None if encoding is None else encoding.spec
 
 
-def _command() -> str:
-    return "ropekit " + " ".join(sys.argv[1:])
-
-
 # --------------------------------------------------------------------------- eval
+_TASK_FIELDS = (
+    "lengths", "samples", "seed", "batch_size", "max_new_tokens", "chat", "threshold",
+    "relative_threshold",
+)  # fmt: skip
+
+
 def add_eval(sub: argparse._SubParsersAction) -> None:
+    from ropekit.evals import EvalConfig, PerplexityConfig
+
     p = sub.add_parser("eval", help="perplexity vs length, needle, passkey, RULER-style tasks")
     kinds = p.add_subparsers(dest="kind", required=True, metavar="kind")
     ppl = kinds.add_parser("ppl", help="bits per byte / perplexity at several lengths")
     _model_args(ppl)
-    ppl.add_argument("--lengths", type=_ints, required=True, help="e.g. 512,1024,2048")
-    ppl.add_argument("--data", type=_csv, default=["shakespeare"])
-    ppl.add_argument("--tokens", type=int, default=None, help="targets scored at every length")
-    ppl.add_argument("--stride", type=int, default=None, help="sliding-window stride")
-    ppl.add_argument("--seed", type=int, default=0)
-    ppl.add_argument("--out", type=Path, required=True)
-    ppl.set_defaults(func=cmd_eval_ppl)
+    fields = add_options(
+        ppl,
+        PerplexityConfig,
+        fields=("lengths", "n_tokens", "stride", "batch_tokens", "seed"),
+        flags={"n_tokens": "--tokens"},
+        required=("lengths",),
+    )
+    _data(ppl, "held-out text (the validation split of each corpus or file set)")
+    _out(ppl, "folder for ppl.json and ppl.png")
+    _overwrite(ppl, "recompute and replace a ppl.json made with another model, data or config")
+    ppl.set_defaults(func=cmd_eval_ppl, fields=fields)
     for kind in ("needle", "passkey", "ruler"):
         q = kinds.add_parser(kind, help=f"{kind} accuracy over lengths (and depths)")
         _model_args(q)
-        q.add_argument("--lengths", type=_ints, required=True)
-        q.add_argument("--samples", type=int, default=5, help="samples per length (and depth)")
-        q.add_argument("--seed", type=int, default=0)
-        q.add_argument("--batch-size", type=int, default=4)
-        q.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-        q.add_argument("--out", type=Path, required=True)
-        q.add_argument("--overwrite", action="store_true")
+        fields = add_options(
+            q,
+            EvalConfig,
+            fields=_TASK_FIELDS,
+            defaults={"samples": 5},
+            required=("lengths",),
+        )
+        _out(q, "folder for summary.json, figures and the resumable stages")
+        _overwrite(q, "recompute stages made with other settings or another model")
         if kind != "ruler":
-            q.add_argument("--depths", type=int, default=11, help="evenly spaced needle depths")
+            q.add_argument(
+                "--depths",
+                type=integer,
+                default=11,
+                help="evenly spaced needle depths from 0 (start) to 1 (end) (default: 11)",
+            )
         else:
-            q.add_argument("--tasks", type=_csv, default=None, help="RULER tasks (default: all)")
-        q.set_defaults(func=cmd_eval_tasks)
+            q.add_argument(
+                "--tasks", type=csv(str), default=None, help="RULER tasks (default: all)"
+            )
+        q.set_defaults(func=cmd_eval_tasks, fields=fields)
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from ropekit.evals import PerplexityConfig
     from ropekit.evals.perplexity import run_perplexity
 
-    loaded = _load(args)
+    config = from_args(PerplexityConfig, args, args.fields)
+    backbone = _load(args)
     result = run_perplexity(
-        loaded,
-        None,
+        backbone,
+        config,
         args.out,
-        lengths=args.lengths,
-        data=args.data[0] if len(args.data) == 1 else args.data,
-        n_tokens=args.tokens,
-        stride=args.stride,
-        seed=args.seed,
-        spec=_spec_of(loaded),
+        data=_data_spec(args),
+        spec=_spec_of(backbone),
         command=_command(),
+        overwrite=args.overwrite,
     )
     metric = result["metric"]
     for row in result["results"]:
         print(f"length {row['length']:>7}: {metric} {row[metric]:.4f}")
-    print(f"wrote {result['paths']['json']} and {result['paths']['png']}")
+    reused = " (reused: made by this model, data and config)" if result.get("reused") else ""
+    print(f"wrote {result['paths']['json']} and {result['paths']['png']}{reused}")
     return 0
 
 
 def cmd_eval_tasks(args: argparse.Namespace) -> int:
-    from ropekit.evals import runner
+    from ropekit.evals import EvalConfig, runner
 
-    loaded = _load(args)
-    options = {
-        "batch_size": args.batch_size,
-        "chat": args.chat,
-        "overwrite": args.overwrite,
-        "spec": _spec_of(loaded),
-        "command": _command(),
-    }
-    common = (loaded, None, args.lengths)
-    if args.kind == "ruler":
-        tasks = args.tasks or runner.RULER_TASKS
-        result = runner.run_ruler(
-            *common, samples=args.samples, out_dir=args.out, seed=args.seed, tasks=tasks, **options
-        )
-    else:
+    depths = None
+    if args.kind != "ruler":
         if args.depths < 1:
             raise ValueError(f"--depths={args.depths} is not allowed; it must be >= 1")
         n = args.depths
-        depths = [i / (n - 1) for i in range(n)] if n > 1 else [0.5]
+        depths = tuple(i / (n - 1) for i in range(n)) if n > 1 else (0.5,)
+    config = from_args(EvalConfig, args, args.fields, depths=depths)
+    backbone = _load(args)
+    options = {
+        "overwrite": args.overwrite,
+        "spec": _spec_of(backbone),
+        "command": _command(),
+    }
+    if args.kind == "ruler":
+        tasks = args.tasks or runner.RULER_TASKS
+        result = runner.run_ruler(backbone, config, args.out, tasks=tasks, **options)
+    else:
         run = runner.run_needle if args.kind == "needle" else runner.run_passkey
-        result = run(
-            *common,
-            depths=depths,
-            samples=args.samples,
-            out_dir=args.out,
-            seed=args.seed,
-            **options,
-        )
+        result = run(backbone, config, args.out, **options)
     for name, task in result["tasks"].items():
         cells = "  ".join(f"{r['length']}: {r['score']:.2f}" for r in task["scores"])
         print(f"{name:<18} {cells}   effective length {task['effective_length']}")
@@ -303,7 +348,7 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- extend
 def add_extend(sub: argparse._SubParsersAction) -> None:
-    from ropekit.train.extend import MODES, RECIPES
+    from ropekit.train.extend import MODES, RECIPES, ExtendConfig
 
     p = sub.add_parser(
         "extend",
@@ -311,85 +356,45 @@ def add_extend(sub: argparse._SubParsersAction) -> None:
         "parameters (backbone frozen), optionally then LoRA",
     )
     _model_args(p)
-    p.add_argument(
-        "--method",
-        required=True,
-        help="encoding spec, e.g. 'adarope:init=yarn,factor=8' or 'yarn:factor=8'",
+    fields = add_options(
+        p,
+        ExtendConfig,
+        required=("method", "target_length"),
+        help={
+            "method": "encoding spec, e.g. 'adarope:init=yarn,factor=8' or 'yarn:factor=8'; "
+            "a factor it needs and omits is target / training length",
+            "mode": "what trains: positional parameters, LoRA, or both",
+        },
+        choices={"mode": MODES},
     )
-    p.add_argument("--target-length", type=int, required=True)
-    p.add_argument("--samples", type=int, default=100)
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--mode", choices=MODES, default="positional")
     p.add_argument(
         "--recipe",
         choices=sorted(RECIPES),
         default=None,
         help="two stages: positional warm-up with --method, then LoRA or joint",
     )
-    p.add_argument("--lr", type=float, default=1e-2, help="positional learning rate")
-    p.add_argument("--lora-lr", type=float, default=2e-4)
-    p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--lora-alpha", type=int, default=16)
-    p.add_argument("--lora-targets", type=_csv, default=None)
-    p.add_argument("--data", type=_csv, default=["shakespeare"])
-    p.add_argument("--retrieval-ratio", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--bf16", action="store_true")
+    _out(p, "run folder: adapter/, train/, extend.json (stage1/ for recipes)")
     p.add_argument(
-        "--pose",
+        "--resume",
         action="store_true",
-        help="PoSE (Zhu et al. 2023): train on short windows of each sample whose positions "
-        "jump to cover --target-length; window/target of the tokens and memory",
+        help="continue an interrupted run in --out from its newest intact checkpoint",
     )
-    p.add_argument(
-        "--pose-window",
-        type=int,
-        default=None,
-        help="real tokens per PoSE sample (>= 2, <= --target-length); default: the model's "
-        "training length",
-    )
-    p.add_argument(
-        "--grad-checkpointing",
-        action="store_true",
-        help="recompute each layer in the backward: activation memory of one hidden state "
-        "per layer, for about one extra forward per step",
-    )
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
-    p.set_defaults(func=cmd_extend)
+    _overwrite(p, "replace a previous run in --out")
+    p.set_defaults(func=cmd_extend, fields=fields)
 
 
 def cmd_extend(args: argparse.Namespace) -> int:
     from ropekit.train.extend import ExtendConfig, run_extension
 
-    loaded = _load(args)
-    config = ExtendConfig(
-        method=args.method,
-        target_length=args.target_length,
-        mode=args.mode,
-        samples=args.samples,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        lora_lr=args.lora_lr,
-        lora_rank=args.lora_rank,
-        lora_alpha=args.lora_alpha,
-        lora_targets=None if args.lora_targets is None else tuple(args.lora_targets),
-        data=args.data[0] if len(args.data) == 1 else tuple(args.data),
-        retrieval_ratio=args.retrieval_ratio,
-        seed=args.seed,
-        bf16=args.bf16,
-        pose=args.pose,
-        pose_window=args.pose_window,
-        grad_checkpointing=args.grad_checkpointing,
-    )
+    config = from_args(ExtendConfig, args, args.fields)
+    backbone = _load(args)
     results = run_extension(
-        loaded,
+        backbone,
         config,
         args.out,
         recipe=args.recipe,
         overwrite=args.overwrite,
+        resume=args.resume,
         command=_command(),
     )
     last = results[-1]
@@ -405,37 +410,32 @@ def cmd_extend(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- analyze
 def add_analyze(sub: argparse._SubParsersAction) -> None:
+    from ropekit.analysis import AnalysisConfig
+
     p = sub.add_parser(
         "analyze",
         help="per-head effective length, frequency utilization, effective base, head influence",
     )
     _model_args(p)
-    p.add_argument("--lengths", type=_ints, required=True)
-    p.add_argument("--windows", type=int, default=4)
-    p.add_argument("--betas", type=lambda t: [float(x) for x in _csv(t)], default=[2.0])
-    p.add_argument("--data", type=_csv, default=["shakespeare"])
-    p.add_argument("--no-influence", action="store_true", help="skip head influence (slow)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, required=True)
-    p.set_defaults(func=cmd_analyze)
+    fields = add_options(
+        p,
+        AnalysisConfig,
+        flags={"n_windows": "--windows"},
+        required=("lengths",),
+        parsers={"betas": number},
+        help={"influence": "skip head influence (one NLL pass per head: slow)"},
+    )
+    _data(p, "held-out text the windows are drawn from")
+    _out(p, "folder for analysis.json and the head figures")
+    p.set_defaults(func=cmd_analyze, fields=fields)
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from ropekit.analysis import analyze, summary_lines
+    from ropekit.analysis import AnalysisConfig, analyze, summary_lines
 
-    loaded = _load(args)
-    result = analyze(
-        loaded,
-        None,
-        lengths=args.lengths,
-        out_dir=args.out,
-        n_windows=args.windows,
-        betas=args.betas,
-        seed=args.seed,
-        data=args.data[0] if len(args.data) == 1 else args.data,
-        influence=not args.no_influence,
-        command=_command(),
-    )
+    config = from_args(AnalysisConfig, args, args.fields)
+    backbone = _load(args)
+    result = analyze(backbone, config, args.out, data=_data_spec(args), command=_command())
     for line in summary_lines(result):
         print(line)
     return 0
@@ -476,9 +476,13 @@ def add_export(sub: argparse._SubParsersAction) -> None:
         help="write a plain HF folder whose rope_parameters serve the "
         "extended model without ropekit",
     )
-    p.add_argument("--model", required=True)
-    p.add_argument("--adapter", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument(
+        "--model", required=True, help="the base model: a Hugging Face folder or installed name"
+    )
+    p.add_argument(
+        "--adapter", type=Path, required=True, help="the adapter (or extension run) to export"
+    )
+    _out(p, "folder of the exported model (must not exist)")
     p.set_defaults(func=cmd_export)
 
 
@@ -502,9 +506,7 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
         "measures bits per byte and retrieval at L..8L, analyzes the AdaRoPE heads, and writes "
         "report.md and a self-contained report.html into --out.",
     )
-    p.add_argument(
-        "--out", type=Path, default=Path("runs/demo"), help="folder for results and the report"
-    )
+    _out(p, "folder for results and the report", False, default=Path("runs/demo"))
     p.add_argument(
         "--quick", action="store_true", help="smaller settings, under 3 minutes on 2 cores"
     )
@@ -512,22 +514,23 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
         "--recall-steps",
-        type=int,
+        type=integer,
         default=None,
         help="base model, stage 1: steps on retrieval records only (0 skips it; default: the "
         "preset's)",
     )
     p.add_argument(
         "--base-steps",
-        type=int,
+        type=integer,
         default=None,
         help="base model, stage 2: steps on text mixed with records (default: the preset's)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of training, data and samples")
     p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace --out even if it is not a previous demo's folder (a previous demo's is "
+        "--seed", type=integer, default=0, help="seed of training, data and samples (default: 0)"
+    )
+    _overwrite(
+        p,
+        "replace --out even if it is not a previous demo's folder (a previous demo's is "
         "always replaced)",
     )
     p.set_defaults(func=cmd_demo)
@@ -551,9 +554,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(line)
     for note in result["notes"]:
         print(note)
-    base = result["base"]
-    state = "reused" if base["reused"] else "trained and cached"
-    print(f"base model ({state}): {base['path']}")
+    base_record = result["base"]
+    state = "reused" if base_record["reused"] else "trained and cached"
+    print(f"base model ({state}): {base_record['path']}")
     print(f"wrote {result['report'].markdown} and {result['report'].html} (results in {args.out})")
     return 0
 
@@ -592,7 +595,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="ropekit",
         description="Positional encodings and cheap context extension for transformer LMs.",
     )
@@ -610,6 +613,23 @@ def _report_here() -> contextlib.AbstractContextManager[Any]:
     return contextlib.redirect_stdout(io.StringIO())
 
 
+def _message(error: BaseException) -> str:
+    """One line naming what is wrong: an OS error's reason and path, else the message."""
+    if isinstance(error, OSError) and error.strerror:
+        where = f": {error.filename}" if error.filename else ""
+        return f"{error.strerror}{where}"
+    text = str(error).strip() or type(error).__name__
+    return " ".join(text.split())
+
+
+def _continue_hint(args: argparse.Namespace) -> str:
+    if args.command in ("pretrain", "extend"):
+        return "run the same command with --resume to continue from the last checkpoint"
+    if args.command == "eval" and args.kind != "ppl":
+        return "run the same command again to continue from the saved predictions"
+    return "run the same command again"
+
+
 def main(argv: list[str] | None = None) -> int:
     _offline()
     parser = build_parser()
@@ -617,8 +637,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _report_here():
             return args.func(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"ropekit {args.command}: error: {e}", file=sys.stderr)
+    except BrokenPipeError:
+        # The reader went away (`ropekit encodings | head`): stop quietly, and keep Python from
+        # complaining when it flushes stdout at exit.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print(f"\nropekit {args.command}: interrupted; {_continue_hint(args)}", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as e:  # FileNotFoundError, FileExistsError are OSErrors
+        print(f"ropekit {args.command}: error: {_message(e)}", file=sys.stderr)
         return 2
 
 

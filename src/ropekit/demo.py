@@ -214,32 +214,18 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _evaluate(model: Any, config: DemoConfig, folder: Path, spec: str, command: str) -> None:
     """Bits per byte (``folder/ppl``) and retrieval accuracy (``folder/tasks``) at every
     length of ``config``."""
-    from ropekit.evals import run_perplexity, run_tasks
+    from ropekit.evals import EvalConfig, PerplexityConfig, run_perplexity, run_tasks
 
-    run_perplexity(
-        model,
-        "bytes",
-        folder / "ppl",
-        lengths=config.lengths,
-        data=config.data,
-        n_tokens=config.eval_windows * max(config.lengths),
-        seed=config.seed,
-        spec=spec,
-        command=command,
+    lengths = tuple(config.lengths)
+    perplexity = PerplexityConfig(
+        lengths, n_tokens=config.eval_windows * max(lengths), seed=config.seed
     )
+    run_perplexity(model, perplexity, folder / "ppl", data=config.data, spec=spec, command=command)
+    tasks = EvalConfig(lengths, samples=config.task_samples, seed=config.seed, batch_size=8)
     run_tasks(
-        model,
-        "bytes",
-        list(config.tasks),
-        folder / "tasks",
-        lengths=config.lengths,
-        samples=config.task_samples,
-        seed=config.seed,
-        batch_size=8,
-        kind="retrieval",
-        spec=spec,
+        model, list(config.tasks), tasks, folder / "tasks", kind="retrieval", spec=spec,
         command=command,
-    )
+    )  # fmt: skip
 
 
 def _method_row(
@@ -388,20 +374,16 @@ def _extend_all(
 
 def _analyze(config: DemoConfig, model: Any, out: Path, command: str) -> dict[str, Any]:
     """Stage 3: inside the AdaRoPE model."""
-    from ropekit.analysis import analyze
+    from ropekit.analysis import AnalysisConfig, analyze
 
-    return analyze(
-        model,
-        "bytes",
-        lengths=config.lengths,
-        out_dir=out / "analysis",
+    analysis = AnalysisConfig(
+        tuple(config.lengths),
         n_windows=config.analysis_windows,
         influence_windows=config.influence_windows,
         target_length=config.target_length,
-        data=config.data,
         seed=config.seed,
-        command=command,
     )
+    return analyze(model, analysis, out / "analysis", data=config.data, command=command)
 
 
 def _all_figures(config: DemoConfig, out: Path, rows: list[dict[str, Any]], command: str) -> dict:

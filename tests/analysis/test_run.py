@@ -162,17 +162,14 @@ def test_analyze_a_tiny_adarope_decoder_end_to_end(tmp_path: Path) -> None:
     model = tiny_decoder()
     perturb(model.encoding)
     model.train()
+    config = AnalysisConfig(
+        (16, 32, 48), n_windows=2, betas=(1.0, 2.0), seed=5, qk_pairs=128, max_distance=16
+    )
     result = analyze(
         model,
-        None,
-        lengths=(16, 32, 48),
-        out_dir=tmp_path,
-        n_windows=2,
-        betas=(1.0, 2.0),
-        seed=5,
+        config,
+        tmp_path,
         data=windows(4, 48),
-        qk_pairs=128,
-        max_distance=16,
         command="ropekit analyze --model tiny",
         progress=False,
     )
@@ -197,18 +194,12 @@ def test_analyze_a_patched_hugging_face_model_end_to_end(tmp_path: Path) -> None
 
     model = tiny_llama()
     perturb(patch(model, "adarope"))
-    result = analyze(
-        model,
-        None,
-        lengths=(16, 32),
-        out_dir=tmp_path,
-        n_windows=2,
-        betas=(2.0, math.inf),
-        data=windows(2, 32, vocab=LLAMA_VOCAB),
-        influence_windows=1,
-        qk_pairs=64,
+    config = AnalysisConfig(
+        (16, 32), n_windows=2, betas=(2.0, math.inf), influence_windows=1, qk_pairs=64,
         max_distance=8,
-        progress=False,
+    )  # fmt: skip
+    result = analyze(
+        model, config, tmp_path, data=windows(2, 32, vocab=LLAMA_VOCAB), progress=False
     )
     saved = _check_outputs(result, tmp_path, ALL_FIGURES)
     assert saved["capture"] == "encoding" and saved["model"]["patched_for_analysis"] is False

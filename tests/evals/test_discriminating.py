@@ -26,8 +26,7 @@ from torch import Tensor
 
 from ropekit.encodings import PositionEncoding
 from ropekit.encodings.base import resolve_positions
-from ropekit.evals import evaluate_tasks, run_tasks
-from ropekit.evals.runner import EvalConfig
+from ropekit.evals import EvalConfig, run_tasks
 from ropekit.model import Decoder
 
 LENGTHS = (256, 512)
@@ -41,7 +40,7 @@ TASKS = ["passkey", "niah_single_1", "niah_multikey_2"]
 def results(copy_lm, short_sighted_lm, tmp_path_factory):
     out = tmp_path_factory.mktemp("discriminating")
     return {
-        name: evaluate_tasks(lm, TASKS, CONFIG, out / name, progress=False)
+        name: run_tasks(lm, TASKS, CONFIG, out / name, progress=False)
         for name, lm in (("retriever", copy_lm), ("short_sighted", short_sighted_lm))
     }
 
@@ -137,12 +136,10 @@ def trained_scores(trained_retriever, tmp_path_factory):
         summaries = {
             name: run_tasks(
                 model,
-                "bytes",
                 [TRAINED_TASK],
+                EvalConfig((length,), samples=TRAINED_SAMPLES, batch_size=10),
                 out / name,
-                lengths=[length],
-                samples=TRAINED_SAMPLES,
-                batch_size=10,
+                tokenizer="bytes",
                 progress=False,
             )
             for name, model in (

@@ -139,12 +139,9 @@ def test_config_errors_name_what_is_allowed(stream, byte_tok):
 def test_run_perplexity_writes_json_and_png(tmp_path):
     result = run_perplexity(
         tiny_decoder(),
-        None,
+        PerplexityConfig((32, 64), n_tokens=128, seed=1),
         tmp_path,
-        lengths=[32, 64],
-        n_tokens=128,
         spec="rope",
-        seed=1,
         command="ropekit eval ppl --test",
         progress=False,
     )

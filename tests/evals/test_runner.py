@@ -4,6 +4,7 @@ tasks, Hugging Face models with a chat template."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,7 +16,7 @@ from ropekit.results import write_records as write_jsonl
 
 from .models import tiny_decoder, tiny_llama
 
-OPTIONS = {"progress": False, "batch_size": 3}
+OPTIONS = {"progress": False}
 
 
 class PromptCounter:
@@ -38,9 +39,9 @@ def _files(out):
 def test_passkey_run_writes_stages_and_resumes_without_recomputing(tmp_path):
     model = tiny_decoder()
     counter = PromptCounter(model)
-    kwargs = dict(lengths=[96, 128], depths=[0.0, 1.0], samples=2, out_dir=tmp_path, seed=3)
+    config = EvalConfig((96, 128), samples=2, depths=(0.0, 1.0), seed=3, batch_size=3)
     summary = run_passkey(
-        model, None, spec="rope", command="ropekit eval passkey", **kwargs, **OPTIONS
+        model, config, tmp_path, spec="rope", command="ropekit eval passkey", **OPTIONS
     )
     assert counter.prompts == 8  # 2 lengths x 2 depths x 2 samples
 
@@ -66,7 +67,7 @@ def test_passkey_run_writes_stages_and_resumes_without_recomputing(tmp_path):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
     before = _files(tmp_path)
-    again = run_passkey(model, None, **kwargs, **OPTIONS)
+    again = run_passkey(model, config, tmp_path, **OPTIONS)
     assert counter.prompts == 8  # nothing recomputed
     assert _files(tmp_path) == before
     assert again["tasks"] == summary["tasks"]
@@ -75,18 +76,19 @@ def test_passkey_run_writes_stages_and_resumes_without_recomputing(tmp_path):
     pred_path = tmp_path / "passkey" / "128" / "pred.jsonl"
     kept = read_jsonl(pred_path)
     write_jsonl(pred_path, kept[:2])
-    run_passkey(model, None, **kwargs, **OPTIONS)
+    run_passkey(model, config, tmp_path, **OPTIONS)
     assert counter.prompts == 10
     assert read_jsonl(pred_path) == kept  # greedy decoding: the same predictions
 
 
 def test_other_settings_in_the_same_directory_are_refused_unless_overwritten(tmp_path):
     model = tiny_decoder()
-    kwargs = dict(lengths=[96], depths=[0.5], samples=1, out_dir=tmp_path)
-    run_passkey(model, None, seed=0, **kwargs, **OPTIONS)
+    config = EvalConfig((96,), samples=1, depths=(0.5,), batch_size=3)
+    run_passkey(model, config, tmp_path, **OPTIONS)
+    other = dataclasses.replace(config, seed=1)
     with pytest.raises(ValueError, match="other settings"):
-        run_passkey(model, None, seed=1, **kwargs, **OPTIONS)
-    summary = run_passkey(model, None, seed=1, overwrite=True, **kwargs, **OPTIONS)
+        run_passkey(model, other, tmp_path, **OPTIONS)
+    summary = run_passkey(model, other, tmp_path, overwrite=True, **OPTIONS)
     assert summary["seed"] == 1
     assert (
         read_jsonl(tmp_path / "passkey" / "96" / "data.jsonl")[0]["stage"]
@@ -97,12 +99,9 @@ def test_other_settings_in_the_same_directory_are_refused_unless_overwritten(tmp
 def test_ruler_run_records_tasks_that_do_not_fit(tmp_path):
     summary = run_ruler(
         tiny_decoder(),
-        None,
-        [300, 600],
-        samples=2,
-        out_dir=tmp_path,
+        EvalConfig((300, 600), samples=2, max_new_tokens=8, batch_size=3),
+        tmp_path,
         tasks=["niah_single_1", "cwe_small", "fwe"],
-        max_new_tokens=8,
         **OPTIONS,
     )
     cwe = summary["tasks"]["cwe_small"]
@@ -122,12 +121,8 @@ def test_hugging_face_model_with_chat_template(tmp_path, bpe_tok):
     counter = PromptCounter(model)
     summary = run_passkey(
         as_language_model(model, bpe_tok),
-        None,
-        [120, 200],
-        depths=[0.5],
-        samples=2,
-        out_dir=tmp_path,
-        chat=True,
+        EvalConfig((120, 200), samples=2, depths=(0.5,), chat=True, batch_size=3),
+        tmp_path,
         **OPTIONS,
     )
     assert summary["format"] == "chat"

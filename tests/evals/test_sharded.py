@@ -5,6 +5,7 @@ the same through `accelerate launch`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from ropekit.data import heldout_stream
 from ropekit.evals import (
+    EvalConfig,
     PerplexityConfig,
     as_language_model,
     evaluate_perplexity,
@@ -27,8 +29,8 @@ from ..processes import run_ranks
 from .models import tiny_decoder
 from .test_runner import PromptCounter
 
-OPTIONS = {"progress": False, "batch_size": 1, "spec": "rope", "command": "ropekit eval"}
-PASSKEY = {"lengths": [96, 128], "depths": [0.0, 1.0], "samples": 2, "seed": 3}
+OPTIONS = {"progress": False, "spec": "rope", "command": "ropekit eval"}
+PASSKEY = EvalConfig((96, 128), samples=2, depths=(0.0, 1.0), seed=3, batch_size=1)
 
 
 def _ok(results):
@@ -100,14 +102,17 @@ def test_perplexity_shared_by_processes_equals_one_process(byte_tok, world, stri
 
 
 def test_run_perplexity_under_processes_writes_once(tmp_path, record_writers):
-    kwargs = dict(lengths=[32, 64], n_tokens=128, progress=False, command="ropekit eval ppl")
-    one = run_perplexity(tiny_decoder(), None, tmp_path / "one", **kwargs)
+    config = PerplexityConfig((32, 64), n_tokens=128)
+    kwargs = dict(progress=False, command="ropekit eval ppl")
+    one = run_perplexity(tiny_decoder(), config, tmp_path / "one", **kwargs)
     record_writers.clear()
     models = _models(2)
     two = _ok(
         run_ranks(
             2,
-            lambda p: run_perplexity(models[p.rank], None, tmp_path / "two", processes=p, **kwargs),
+            lambda p: run_perplexity(
+                models[p.rank], config, tmp_path / "two", processes=p, **kwargs
+            ),
         )
     )
     assert set(record_writers) == {"rank-0"}
@@ -121,18 +126,13 @@ def test_run_perplexity_under_processes_writes_once(tmp_path, record_writers):
 
 
 def test_tasks_shared_by_processes_equal_one_process_and_resume(tmp_path, record_writers):
-    one = run_passkey(tiny_decoder(), None, out_dir=tmp_path / "one", **PASSKEY, **OPTIONS)
+    one = run_passkey(tiny_decoder(), PASSKEY, tmp_path / "one", **OPTIONS)
     record_writers.clear()
     models = _models(2)
 
     def rank(processes):
         return run_passkey(
-            models[processes.rank],
-            None,
-            out_dir=tmp_path / "two",
-            processes=processes,
-            **PASSKEY,
-            **OPTIONS,
+            models[processes.rank], PASSKEY, tmp_path / "two", processes=processes, **OPTIONS
         )
 
     counters = [PromptCounter(m) for m in models]
@@ -159,14 +159,12 @@ def test_tasks_shared_by_processes_equal_one_process_and_resume(tmp_path, record
 
 
 def test_an_error_on_the_main_process_reaches_every_process(tmp_path):
-    run_passkey(tiny_decoder(), None, out_dir=tmp_path, **PASSKEY, **OPTIONS)
-    other = PASSKEY | {"seed": 4}  # other settings in the same folder: refused
+    run_passkey(tiny_decoder(), PASSKEY, tmp_path, **OPTIONS)
+    other = dataclasses.replace(PASSKEY, seed=4)  # other settings in the same folder: refused
     models = _models(2)
 
     def rank(processes):
-        return run_passkey(
-            models[processes.rank], None, out_dir=tmp_path, processes=processes, **other, **OPTIONS
-        )
+        return run_passkey(models[processes.rank], other, tmp_path, processes=processes, **OPTIONS)
 
     results = run_ranks(2, rank)
     assert all(isinstance(r, ValueError) and "other settings" in str(r) for r in results)

@@ -35,7 +35,6 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -426,51 +425,25 @@ def analyze_windows(
 
 
 def analyze(
-    model: nn.Module,
-    tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
-    *,
-    lengths: Sequence[int],
+    model: Backbone | nn.Module,
+    config: AnalysisConfig,
     out_dir: str | os.PathLike[str],
-    n_windows: int = 4,
-    betas: Sequence[float] = (2.0,),
-    seed: int = 0,
+    *,
+    tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
     data: Any = "shakespeare",
-    target_length: int | None = None,
-    influence: bool = True,
-    influence_windows: int | None = None,
-    qk_pairs: int = 2048,
-    max_distance: int = 128,
-    batch_tokens: int = 8192,
-    chunk_elements: int = 2**22,
-    top_k: int = 10,
-    capture: str = "auto",
     command: str = "",
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Analyse the heads of ``model`` and write ``analysis.json`` and PNGs into ``out_dir``.
+    """Analyse the heads of ``model`` as ``config`` says and write ``analysis.json`` and PNGs
+    into ``out_dir``.
 
-    ``model`` is a ropekit Decoder or a Hugging Face causal LM (patched by ``ropekit.hf.patch``
-    or ``load_adapter``; an unpatched one is analysed with its own RoPE, patched for the
-    duration). ``tokenizer`` turns ``data`` into held-out tokens (None: bytes, for Decoders);
-    ``data`` is a corpus name, files, a TokenStream or id tensor (``held_out_windows``). Every
-    other option is a field of ``AnalysisConfig``. Returns the result as written, plus
-    ``paths`` (the JSON and each figure).
+    ``model`` is a Backbone, a ropekit Decoder or a Hugging Face causal LM (patched by
+    ``ropekit.hf.patch`` or ``load_adapter``; an unpatched one is analysed with its own RoPE,
+    patched for the duration). ``tokenizer`` turns ``data`` into held-out tokens (None: the
+    model's own; bytes for Decoders); ``data`` is a corpus name, files, a TokenStream or id
+    tensor (``held_out_windows``). Returns the result as written, plus ``paths`` (the JSON
+    and each figure).
     """
-    config = AnalysisConfig(
-        lengths=tuple(lengths),
-        n_windows=n_windows,
-        betas=tuple(betas),
-        seed=seed,
-        target_length=target_length,
-        influence=influence,
-        influence_windows=influence_windows,
-        qk_pairs=qk_pairs,
-        max_distance=max_distance,
-        batch_tokens=batch_tokens,
-        chunk_elements=chunk_elements,
-        top_k=top_k,
-        capture=capture,
-    )
     out = Path(out_dir)
     backbone = as_backbone(model, tokenizer)
     module = backbone.model
@@ -489,7 +462,7 @@ def analyze(
     result = {
         **result,
         "spec": spec,
-        "seed": seed,
+        "seed": config.seed,
         "model": {
             "class": type(module).__name__,
             "n_layers": encoding.n_layers,
@@ -505,7 +478,7 @@ def analyze(
     result["figures"] = planned_figures(result)
     result = plain(result)
     json_path = out / JSON_NAME
-    meta = run_metadata(command, spec=spec, seed=seed)
+    meta = run_metadata(command, spec=spec, seed=config.seed)
     provenance = {"model": identity, "data": data_info, "config": config_json}
     write_result(json_path, "analysis", result, meta=meta, provenance=provenance, indent=1)
     figures = write_figures(result, out)

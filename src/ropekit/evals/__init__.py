@@ -21,7 +21,6 @@ from ropekit.evals.perplexity import PerplexityConfig, evaluate_perplexity, run_
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.runner import (
     EvalConfig,
-    evaluate_tasks,
     run_needle,
     run_passkey,
     run_ruler,
@@ -61,7 +60,6 @@ __all__ = [
     "as_language_model",
     "effective_length",
     "evaluate_perplexity",
-    "evaluate_tasks",
     "generate_sample",
     "get_task",
     "match_all",

@@ -3,8 +3,8 @@
 Holds:
 - `PerplexityConfig`: lengths, how many tokens to score, sliding-window stride, batching.
 - `evaluate_perplexity(lm, stream, config)`: the numbers, as a JSON-ready dict.
-- `run_perplexity(model, tokenizer, out_dir, ...)`: held-out data in, `ppl.json` and
-  `ppl.png` out (`ropekit eval ppl`).
+- `run_perplexity(model, config, out_dir, ...)`: held-out data in, `ppl.json` and `ppl.png`
+  out (`ropekit eval ppl`).
 
 Every length scores the SAME target tokens: one span of `n_tokens` tokens cut from a fixed
 held-out stream, a multiple of every length, tiled by non-overlapping windows of each length.
@@ -281,15 +281,11 @@ def evaluate_perplexity(
 
 def run_perplexity(
     model: Any,
-    tokenizer: Tokenizer | str | os.PathLike[str] | None,
+    config: PerplexityConfig,
     out_dir: str | os.PathLike[str],
     *,
-    lengths: tuple[int, ...] | list[int],
+    tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
     data: str | list[str] = "shakespeare",
-    n_tokens: int | None = None,
-    stride: int | None = None,
-    seed: int = 0,
-    batch_tokens: int = 8192,
     spec: str | None = None,
     command: str = "",
     progress: bool = True,
@@ -298,7 +294,8 @@ def run_perplexity(
 ) -> dict[str, Any]:
     """Evaluate on the held-out documents of `data` and write `ppl.json` and `ppl.png` into
     `out_dir`. `model` is a Backbone, a Decoder, a Hugging Face causal LM or a
-    `LanguageModel`; `spec` names its encoding in the result. Returns the result, with `paths`.
+    `LanguageModel` (with `tokenizer` when it has none); `spec` names its encoding in the
+    result. Returns the result, with `paths`.
 
     The result's provenance is the model (`Backbone.identity`), the held-out tokens (a digest)
     and the config: a `ppl.json` of exactly that provenance is returned as it is, without a
@@ -306,13 +303,6 @@ def run_perplexity(
     `overwrite`. Under `accelerate launch` or `torchrun` the processes share the windows (see
     `evaluate_perplexity`), all return the result and the main process writes the files;
     `processes` defaults to the current run's."""
-    config = PerplexityConfig(
-        lengths=tuple(lengths),
-        n_tokens=n_tokens,
-        stride=stride,
-        seed=seed,
-        batch_tokens=batch_tokens,
-    )
     lm = as_language_model(model, tokenizer)
     stream = heldout_stream(data, lm.tokenizer)
     provenance = {
@@ -327,8 +317,8 @@ def run_perplexity(
         result = read_result(paths["json"], "perplexity")
         return {**result, "paths": {k: str(v) for k, v in paths.items()}, "reused": True}
     result = evaluate_perplexity(lm, stream, config, progress, processes=procs)
-    result.update(data=data, spec=spec, seed=seed, model=lm.describe())
-    meta = run_metadata(command, spec=spec, seed=seed)
+    result.update(data=data, spec=spec, seed=config.seed, model=lm.describe())
+    meta = run_metadata(command, spec=spec, seed=config.seed)
     # Every process holds the whole result; one writes it, the others wait for the files.
     if procs.is_main:
         write_result(paths["json"], "perplexity", result, meta=meta, provenance=provenance)

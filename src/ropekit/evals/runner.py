@@ -2,9 +2,8 @@
 
 Holds:
 - `EvalConfig`: lengths, samples, depths, seed, batching, answer budget, chat, thresholds.
-- `evaluate_tasks(lm, tasks, config, out_dir)`: the pipeline for an adapted model.
-- Entry points: `run_tasks`, `run_needle`, `run_passkey`, `run_ruler`
-  (`ropekit eval needle|passkey|ruler`).
+- `run_tasks(model, tasks, config, out_dir)`: the pipeline; `run_needle`, `run_passkey`,
+  `run_ruler` name its task sets (`ropekit eval needle|passkey|ruler`).
 
 Output layout (stages talk through files, as in RULER):
 
@@ -78,21 +77,19 @@ from ropekit.results import (
     write_result,
 )
 
-DEFAULT_DEPTHS: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
-
 
 @dataclass(frozen=True)
 class EvalConfig:
     """Settings of one task evaluation. Lengths count the model's tokens, answer included."""
 
-    lengths: tuple[int, ...]
+    lengths: tuple[int, ...]  # prompt lengths to evaluate (tokens, answer included)
     samples: int = 10  # per length; for needle tasks with `depths`, per length and depth
     # Needle depths (0 = start of the haystack, 1 = end). None: each needle task spreads its
     # samples evenly over [0, 1] (RULER-style, one depth per sample).
     depths: tuple[float, ...] | None = None
-    seed: int = 0
+    seed: int = 0  # draws the samples (haystack spans, needles, keys): equal seeds, equal samples
     batch_size: int = 4  # prompts per generation batch
-    max_new_tokens: int | None = None  # None: each sample's answer length plus slack
+    max_new_tokens: int | None = None  # answer budget (tokens); None: each answer's length + slack
     chat: bool = False  # wrap prompts in the tokenizer's chat template (instruction models)
     threshold: float = THRESHOLD  # effective length: absolute score bar
     relative_threshold: float = RELATIVE_THRESHOLD  # ... and share of the shortest-length score
@@ -347,12 +344,13 @@ def _write_stage(stage: _Stage, summary: dict[str, Any]) -> None:
     )  # fmt: skip
 
 
-def evaluate_tasks(
-    lm: LanguageModel,
+def run_tasks(
+    model: Any,
     tasks: list[str | TaskSpec] | tuple[str | TaskSpec, ...],
     config: EvalConfig,
     out_dir: str | os.PathLike[str],
     *,
+    tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
     kind: str = "tasks",
     spec: str | None = None,
     command: str = "",
@@ -361,12 +359,14 @@ def evaluate_tasks(
     processes: Processes | None = None,
 ) -> dict[str, Any]:
     """Run every task at every length of `config` into `out_dir` (see the module docstring);
-    return the overall summary (also written to `out_dir/summary.json`). `kind` labels the run
-    (tasks, needle, passkey, ruler).
+    return the overall summary (also written to `out_dir/summary.json`). `model` is a
+    Backbone, a Decoder, a Hugging Face causal LM or a `LanguageModel` (with `tokenizer` when
+    it has none); `kind` labels the run (tasks, needle, passkey, ruler).
 
     Launched as several processes (`accelerate launch`, `torchrun`), they share the
     predictions and all return the summary; only the main process writes files. `processes`
     defaults to the current run's (`ropekit.distributed.processes()`)."""
+    lm = as_language_model(model, tokenizer)
     specs = [get_task(t) for t in tasks]
     if not specs:
         raise ValueError("tasks=[] is not allowed; allowed: one or more task names")
@@ -514,143 +514,40 @@ def _summary(
     }  # fmt: skip
 
 
-def run_tasks(
-    model: Any,
-    tokenizer: Tokenizer | str | os.PathLike[str] | None,
-    tasks: list[str | TaskSpec] | tuple[str | TaskSpec, ...],
-    out_dir: str | os.PathLike[str],
-    *,
-    lengths: list[int] | tuple[int, ...],
-    samples: int = 10,
-    depths: list[float] | tuple[float, ...] | None = None,
-    seed: int = 0,
-    batch_size: int = 4,
-    max_new_tokens: int | None = None,
-    chat: bool = False,
-    threshold: float = THRESHOLD,
-    relative_threshold: float = RELATIVE_THRESHOLD,
-    kind: str = "tasks",
-    spec: str | None = None,
-    command: str = "",
-    progress: bool = True,
-    overwrite: bool = False,
-    processes: Processes | None = None,
-) -> dict[str, Any]:
-    """Evaluate `model` (a Decoder, a Hugging Face causal LM or a `LanguageModel`) on `tasks`;
-    see `EvalConfig` for the settings and the module docstring for the files (and for
-    several processes)."""
-    config = EvalConfig(
-        lengths=tuple(lengths),
-        samples=samples,
-        depths=None if depths is None else tuple(depths),
-        seed=seed,
-        batch_size=batch_size,
-        max_new_tokens=max_new_tokens,
-        chat=chat,
-        threshold=threshold,
-        relative_threshold=relative_threshold,
-    )
-    lm = as_language_model(model, tokenizer)
-    return evaluate_tasks(
-        lm,
-        tasks,
-        config,
-        out_dir,
-        kind=kind,
-        spec=spec,
-        command=command,
-        progress=progress,
-        overwrite=overwrite,
-        processes=processes,
-    )
-
-
-def _run_depth_task(
-    model: Any,
-    tokenizer: Tokenizer | str | os.PathLike[str] | None,
-    task: str,
-    kind: str,
-    lengths: list[int] | tuple[int, ...],
-    depths: list[float] | tuple[float, ...],
-    samples: int,
-    out_dir: str | os.PathLike[str],
-    seed: int,
-    options: dict[str, Any],
-) -> dict[str, Any]:
-    """One needle-style task over length x depth: the body `run_needle` and `run_passkey`
-    share; they differ only in the task, the result's kind and the default folder."""
-    return run_tasks(
-        model,
-        tokenizer,
-        [task],
-        out_dir,
-        lengths=lengths,
-        samples=samples,
-        depths=depths,
-        seed=seed,
-        kind=kind,
-        **options,
-    )
-
-
 def run_needle(
     model: Any,
-    tokenizer: Tokenizer | str | os.PathLike[str] | None,
-    lengths: list[int] | tuple[int, ...],
-    depths: list[float] | tuple[float, ...] = DEFAULT_DEPTHS,
-    samples: int = 5,
+    config: EvalConfig,
     out_dir: str | os.PathLike[str] = "runs/needle",
-    seed: int = 0,
     *,
     task: str = "niah_single_2",
     **options: Any,
 ) -> dict[str, Any]:
     """Needle in a haystack over length x depth (default: a number in Paul Graham essays).
     `options` are `run_tasks`'s keyword arguments."""
-    return _run_depth_task(
-        model, tokenizer, task, "needle", lengths, depths, samples, out_dir, seed, options
-    )
+    return run_tasks(model, [task], config, out_dir, kind="needle", **options)
 
 
 def run_passkey(
     model: Any,
-    tokenizer: Tokenizer | str | os.PathLike[str] | None,
-    lengths: list[int] | tuple[int, ...],
-    depths: list[float] | tuple[float, ...] = DEFAULT_DEPTHS,
-    samples: int = 5,
+    config: EvalConfig,
     out_dir: str | os.PathLike[str] = "runs/passkey",
-    seed: int = 0,
     *,
     task: str = "passkey",
     **options: Any,
 ) -> dict[str, Any]:
     """Pass-key retrieval over length x depth, in the retrieval mixture's format.
     `options` are `run_tasks`'s keyword arguments."""
-    return _run_depth_task(
-        model, tokenizer, task, "passkey", lengths, depths, samples, out_dir, seed, options
-    )
+    return run_tasks(model, [task], config, out_dir, kind="passkey", **options)
 
 
 def run_ruler(
     model: Any,
-    tokenizer: Tokenizer | str | os.PathLike[str] | None,
-    lengths: list[int] | tuple[int, ...],
-    samples: int = 10,
+    config: EvalConfig,
     out_dir: str | os.PathLike[str] = "runs/ruler",
-    seed: int = 0,
     *,
     tasks: list[str] | tuple[str, ...] = RULER_TASKS,
     **options: Any,
 ) -> dict[str, Any]:
-    """RULER's synthetic tasks (all of them by default), needle depths spread per sample."""
-    return run_tasks(
-        model,
-        tokenizer,
-        list(tasks),
-        out_dir,
-        lengths=lengths,
-        samples=samples,
-        seed=seed,
-        kind="ruler",
-        **options,
-    )
+    """RULER's synthetic tasks (all of them by default), needle depths spread per sample.
+    `options` are `run_tasks`'s keyword arguments."""
+    return run_tasks(model, list(tasks), config, out_dir, kind="ruler", **options)

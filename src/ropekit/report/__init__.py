@@ -6,7 +6,6 @@ Modules:
 - `sections`: result JSON found in a run folder, one section builder per kind of result.
 - `plots`: figures comparing several runs (methods) against length and position.
 - `build`: `build_report(run_dir)`, what `ropekit report` and `ropekit demo` run.
-- `cli_reference`: docs/cli.md generated from the argument parser.
 
 Typical use:
 

@@ -1,7 +1,7 @@
 """The command-line reference (``docs/cli.md``), generated from the argparse parser so it
 cannot drift from the code (a test compares the committed file with this output).
 
-Holds: cli_reference (parser -> Markdown), main (``python -m ropekit.report.cli_reference
+Holds: cli_reference (parser -> Markdown), main (``python -m ropekit.cli_reference
 [PATH]`` prints the reference, or writes it to PATH).
 
 Output is independent of the terminal: usage lines are formatted at a fixed width and
@@ -18,7 +18,7 @@ from pathlib import Path
 from ropekit.utils import atomic_write_text
 
 USAGE_WIDTH = 88  # fixed, so the text never depends on the terminal that generated it
-REGENERATE = "python -m ropekit.report.cli_reference docs/cli.md"
+REGENERATE = "python -m ropekit.cli_reference docs/cli.md"
 
 
 def _subcommands(
