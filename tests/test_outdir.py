@@ -331,3 +331,22 @@ def test_an_out_folder_that_is_itself_a_link_is_the_users_choice(tmp_path):
     with lock_out_dir(tmp_path / "latest"):
         check_target(tmp_path / "latest" / "summary.json")
         assert (real / LOCK_FILE).is_file()
+
+
+def test_a_lock_file_released_between_open_and_flock_is_opened_again(tmp_path, monkeypatch):
+    # The race the inode check closes: another run unlinks the file (its release) after this
+    # one opened it; locking the unlinked file would leave the path free for a third run.
+    out = tmp_path / "run"
+    out.mkdir()
+    real_flock, calls = outdir._flock, []
+
+    def released_meanwhile(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            (out / LOCK_FILE).unlink()
+        return real_flock(fd)
+
+    monkeypatch.setattr(outdir, "_flock", released_meanwhile)
+    with lock_out_dir(out):
+        assert len(calls) == 2  # tried again on a fresh file
+        assert _record(out)["pid"] == os.getpid()  # the file at the path is the one held

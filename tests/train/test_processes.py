@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ropekit.outdir import OutDirLocked
+from ropekit.outdir import OutDirLocked, lock_out_dir
 from ropekit.train import latest_checkpoint, train
 from ropekit.train.checkpoint import verify_checkpoint
 
@@ -146,3 +146,20 @@ def test_a_second_run_into_a_busy_folder_fails_at_once_and_writes_nothing(tmp_pa
         _kill(run)
     steps = [m["step"] for m in metrics(out)]
     assert steps == list(range(1, len(steps) + 1))  # one run's log, not two interleaved
+
+
+def test_every_process_of_a_run_stops_when_its_folder_is_busy(tmp_path):
+    out = tmp_path / "run"
+    with lock_out_dir(out):  # this process holds it, as another run would
+        (out / "metrics.jsonl").write_text("")
+        command = [
+            str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), str(SCRIPT), str(out), "--resume",
+        ]  # fmt: skip
+        env = environment() | {"ACCELERATE_USE_CPU": "1"}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    # The main process met the lock; the other got its error instead of waiting for it.
+    assert done.stderr.count(f"in use by another run (pid {os.getpid()} on") >= 2, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
