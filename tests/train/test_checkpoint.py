@@ -329,6 +329,6 @@ def test_a_linked_checkpoints_folder_is_refused(tmp_path):
     elsewhere.mkdir()
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "checkpoints").symlink_to(elsewhere, target_is_directory=True)
-    with pytest.raises(OutputError, match="checkpoints is a symbolic link"):
+    with pytest.raises(OutputError, match="checkpoints: it is a symbolic link"):
         save(tmp_path / "run", nn.Linear(2, 2), step=1)
     assert list(elsewhere.iterdir()) == []

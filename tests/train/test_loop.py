@@ -349,3 +349,15 @@ def test_a_run_holds_its_folder_until_it_ends(tmp_path):
     train(tiny_llama(), CountingData(), tiny_config(tmp_path, steps=2), loss_fn=look)
     assert seen == [os.getpid()] * 2
     assert not (tmp_path / ".ropekit.lock").exists()
+
+
+def test_a_linked_checkpoints_folder_is_refused_before_anything_is_read_or_removed(tmp_path):
+    elsewhere, out = tmp_path / "elsewhere", tmp_path / "run"
+    train(tiny_llama(), CountingData(), tiny_config(elsewhere, steps=4))
+    out.mkdir()
+    (out / "checkpoints").symlink_to(elsewhere / "checkpoints", target_is_directory=True)
+    for resume, overwrite in ((True, False), (False, True)):
+        with pytest.raises(OutputError, match=r"checkpoints: it is a symbolic link"):
+            config = tiny_config(out, steps=4, resume=resume, overwrite=overwrite)
+            train(tiny_llama(), CountingData(), config)
+    assert latest_checkpoint(elsewhere).name == "step-00000004"  # neither moved nor removed

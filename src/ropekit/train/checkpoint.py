@@ -164,8 +164,9 @@ def save_checkpoint(
     root = out_dir / CHECKPOINTS
     final = root / f"step-{state.step:08d}"
     tmp = root / f".tmp-{final.name}"
+    # Every process looks (and so every one raises): checkpoints/ must not be a link.
+    check_target(root, out_dir)
     if accelerator.is_main_process:
-        check_target(tmp, out_dir)  # checkpoints/ must not be a link out of the run folder
         _remove_leftovers(root)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()

@@ -319,10 +319,10 @@ def _claim_out_dir(config: TrainConfig, accelerator: Accelerator) -> tuple[OutDi
                     "the run in it or overwrite=True to replace its checkpoints, metrics and "
                     "summary"
                 )
+            check_target(out / CHECKPOINTS, out)  # neither read nor removed through a link
             checkpoint = resume_checkpoint(out) if config.resume else None
             if occupied and config.overwrite:
                 # Only what a run writes: out_dir may also hold files the user put there.
-                check_target(out / CHECKPOINTS / "x", out)  # rmtree must not leave the folder
                 shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
                 (out / METRICS).unlink(missing_ok=True)
                 (out / SUMMARY).unlink(missing_ok=True)
