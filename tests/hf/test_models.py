@@ -1,16 +1,22 @@
 """Model discovery and loading (fast: tiny local folders; the real install is in
-test_smollm2.py, marked slow)."""
+test_smollm2.py, marked slow), and an install's temporary files on failure, SIGTERM, kill -9."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from ropekit.hf import KNOWN_MODELS, cache_dir, list_models, load_model, model_dir
+from ropekit.hf import KNOWN_MODELS, cache_dir, list_models, load_model, model_dir, models
 from ropekit.hf.models import find_source, resolve_model
+from ropekit.outdir import OutDirLocked
 
 from .tiny import VOCAB, tiny_model
 
@@ -94,3 +100,102 @@ def test_code_inside_a_folder_runs_only_when_trusted(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="trust_remote_code"):
         load_model(tmp_path)
     assert type(load_model(tmp_path, trust_remote_code=True)).__name__ == "RemoteForCausalLM"
+
+
+# ----------------------------------------------------------------------------- install cleanup
+# `models install` in a child process whose conversion writes part of a model, says so, and
+# then takes its time: the tests stop it there (the real conversion is test_smollm2.py's).
+SLOW_INSTALL = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from ropekit.hf import models
+
+    def slow(known, source, dtype, folder):
+        (folder / "model.safetensors").write_bytes(b"half a model")
+        print("converting", flush=True)
+        time.sleep(120)
+
+    models.find_source = lambda name: Path(sys.argv[1])
+    models._convert = slow
+    models.install_model("smollm2-135m")
+    """
+)
+
+
+def _temporary(cache: Path) -> list[str]:
+    return sorted(p.name for p in (cache / "models").glob(".smollm2-135m.*"))
+
+
+@pytest.fixture
+def cache(monkeypatch, tmp_path: Path) -> Path:
+    monkeypatch.setenv("ROPEKIT_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "fake.gguf"
+    source.write_bytes(b"GGUF")
+    monkeypatch.setattr(models, "find_source", lambda name: source)
+    return tmp_path / "cache"
+
+
+def _fast_convert(known, source, dtype, folder):
+    (folder / "config.json").write_text("{}")
+    return 7
+
+
+def _start_slow_install(cache: Path) -> subprocess.Popen:
+    src = str(Path(__file__).parents[2] / "src")
+    env = os.environ | {"PYTHONPATH": src, "ROPEKIT_CACHE": str(cache)}
+    fake = cache.parent / "fake.gguf"
+    child = subprocess.Popen(
+        [sys.executable, "-c", SLOW_INSTALL, str(fake)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().strip() == "converting"
+    return child
+
+
+def test_an_install_killed_outright_is_cleaned_up_by_the_next_one(cache, monkeypatch):
+    child = _start_slow_install(cache)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    leftovers = _temporary(cache)
+    assert any(name.endswith(".tmp") for name in leftovers)  # what kill -9 leaves
+
+    monkeypatch.setattr(models, "_convert", _fast_convert)
+    with pytest.warns(UserWarning, match=f"left by pid {child.pid}"):  # its lock, taken over
+        out = models.install_model("smollm2-135m")
+    assert _temporary(cache) == []
+    assert json.loads((out / "ropekit_model.json").read_text())["parameters"] == 7
+
+
+def test_sigterm_during_an_install_removes_its_temporary_folder(cache):
+    child = _start_slow_install(cache)
+    assert _temporary(cache)  # the folder (and the lock) exist while it runs
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == 128 + signal.SIGTERM
+    assert _temporary(cache) == []
+
+
+@pytest.mark.parametrize("error", [RuntimeError("conversion failed"), KeyboardInterrupt()])
+def test_a_failed_or_interrupted_install_leaves_nothing(cache, monkeypatch, error):
+    def failing(known, source, dtype, folder):
+        (folder / "model.safetensors").write_bytes(b"half")
+        raise error
+
+    monkeypatch.setattr(models, "_convert", failing)
+    with pytest.raises(type(error)):
+        models.install_model("smollm2-135m")
+    assert _temporary(cache) == [] and not models.is_installed("smollm2-135m")
+    assert list((cache / "models").iterdir()) == []
+
+
+def test_a_second_install_while_one_runs_fails_at_once_naming_it(cache, monkeypatch):
+    child = _start_slow_install(cache)
+    try:
+        monkeypatch.setattr(models, "_convert", _fast_convert)
+        with pytest.raises(
+            OutDirLocked, match=rf"being installed by another process \(pid {child.pid}"
+        ):
+            models.install_model("smollm2-135m")
+        assert any(name.endswith(".tmp") for name in _temporary(cache))  # its work is left alone
+    finally:
+        child.kill()
+        child.wait()

@@ -1,8 +1,10 @@
 """`ropekit report` on a run folder made by real tiny runs of every command that writes
-results: every kind gets its section, numbers come from the JSON, figures are embedded."""
+results: every kind gets its section, numbers come from the JSON, figures are embedded (only
+regular files inside the folder)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from ropekit.cli import main
+from ropekit.report import build_report
 from ropekit.report.sections import discover, fmt
 from ropekit.results import result_kind, write_result
 
@@ -138,3 +141,27 @@ def test_report_of_a_folder_without_results_is_one_error_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "holds no result JSON" in err
     assert not (tmp_path / "report.md").exists()
+
+
+def test_a_linked_figure_in_a_run_folder_is_named_as_skipped_and_never_embedded(tmp_path):
+    png = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16
+    secret = b"\x89PNG\r\n\x1a\n" + b"from outside the run" * 4
+    (tmp_path / "outside.png").write_bytes(secret)
+    experiment = tmp_path / "run" / "experiment"
+    experiment.mkdir(parents=True)
+    results = {"config": {"description": "d"}, "bits_per_byte": {}, "runs": []}
+    write_result(experiment / "results.json", "experiment", results)
+    (experiment / "bpb.png").write_bytes(png)
+    (experiment / "stolen.png").symlink_to(tmp_path / "outside.png")
+
+    paths = build_report(tmp_path / "run")
+    md, page = paths.markdown.read_text(), paths.html.read_text()
+    assert "![experiment/bpb.png](experiment/bpb.png)" in md
+    assert page.count("data:image/png;base64,") == 1
+    assert base64.b64encode(png).decode() in page
+    for text in (md, page):
+        assert (
+            "skipped figure experiment/stolen.png: experiment/stolen.png is a symbolic link" in text
+        )
+    assert "(experiment/stolen.png)" not in md
+    assert base64.b64encode(secret).decode()[:40] not in page

@@ -1,13 +1,16 @@
 """train() end to end on a tiny Llama: learning, exact resume, frozen weights, loss weighting,
-non-finite losses and output-folder safety."""
+non-finite losses, output-folder safety and the metrics log across resumes."""
 
 import json
 import math
+import os
+import warnings
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from ropekit.outdir import OutputError
 from ropekit.train import (
     NonFiniteLossError,
     TrainResult,
@@ -17,6 +20,7 @@ from ropekit.train import (
     load_checkpoint,
     train,
 )
+from ropekit.train.loop import _open_metrics
 from ropekit.train.sampling import collate, global_batch
 
 from .tiny import CountingData, tiny_config, tiny_llama
@@ -226,6 +230,7 @@ def test_a_folder_holding_other_files_is_refused_unless_overwrite(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match=str(tmp_path)):
         train(tiny_llama(), CountingData(), tiny_config(tmp_path, steps=2))
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]  # the lock was given back
 
     train(tiny_llama(), CountingData(), tiny_config(tmp_path, steps=2, overwrite=True))
     assert (tmp_path / "notes.txt").read_text() == "mine"  # overwrite removes only run outputs
@@ -272,3 +277,87 @@ def test_processes_that_do_not_see_each_other_are_stopped(tmp_path, monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="launched as 2 processes but the Accelerator sees 1"):
         train(tiny_llama(), CountingData(), tiny_config(tmp_path))
+
+
+# ----------------------------------------------------------------------------- metrics log
+def _log(path, steps, torn=""):
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in steps]
+    path.write_text("".join(lines) + torn)
+
+
+def test_resume_rewinds_the_metrics_log_then_appends(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    _log(path, range(1, 7), torn='{"step": 7, "lo')  # killed in the middle of line 7
+    with _open_metrics(path, 4) as log:
+        assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4]
+        log.write(json.dumps({"step": 5, "loss": 0.5}) + "\n")
+        log.flush()
+        inode = path.stat().st_ino
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    assert path.stat().st_ino == inode  # appended to, not rewritten
+    with _open_metrics(path, 0):
+        assert path.read_text() == ""  # resumed without a checkpoint: a fresh log
+
+
+def test_the_metrics_rewind_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    _log(path, range(1, 7))
+    before = path.read_bytes()
+
+    def killed(src, dst):
+        raise KeyboardInterrupt  # stands for a kill at the worst moment of the rewind
+
+    monkeypatch.setattr("os.replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _open_metrics(path, 2)
+    monkeypatch.undo()
+    assert path.read_bytes() == before  # every logged line is still there
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # and no temp file
+
+
+def test_a_garbled_metrics_line_is_dropped_with_a_warning(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    _log(path, range(1, 4))
+    path.write_text(path.read_text().replace('{"step": 2', '{"stop": 2'))
+    with pytest.warns(UserWarning, match=r"metrics\.jsonl:2 is not a metrics record"):
+        _open_metrics(path, 3).close()
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 3]
+
+
+def test_a_linked_metrics_log_is_refused_and_its_target_untouched(tmp_path):
+    out, outside = tmp_path / "run", tmp_path / "elsewhere.jsonl"
+    train(tiny_llama(), CountingData(), tiny_config(out, steps=4))
+    outside.write_text("not yours\n")
+    (out / "metrics.jsonl").unlink()
+    (out / "metrics.jsonl").symlink_to(outside)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(OutputError, match=r"metrics\.jsonl: it is a symbolic link"):
+            train(tiny_llama(), CountingData(), tiny_config(out, steps=4, resume=True))
+    assert not [w for w in caught if "metrics" in str(w.message)]  # not even read
+    assert outside.read_text() == "not yours\n"
+    assert not (out / ".ropekit.lock").exists()  # the refused run gave the lock back
+
+
+def test_a_run_holds_its_folder_until_it_ends(tmp_path):
+    seen = []
+
+    def look(model, batch):
+        seen.append(json.loads((tmp_path / ".ropekit.lock").read_text())["pid"])
+        return causal_lm_loss(model, batch)
+
+    train(tiny_llama(), CountingData(), tiny_config(tmp_path, steps=2), loss_fn=look)
+    assert seen == [os.getpid()] * 2
+    assert not (tmp_path / ".ropekit.lock").exists()
+
+
+def test_a_linked_checkpoints_folder_is_refused_before_anything_is_read_or_removed(tmp_path):
+    elsewhere, out = tmp_path / "elsewhere", tmp_path / "run"
+    train(tiny_llama(), CountingData(), tiny_config(elsewhere, steps=4))
+    out.mkdir()
+    (out / "checkpoints").symlink_to(elsewhere / "checkpoints", target_is_directory=True)
+    for resume, overwrite in ((True, False), (False, True)):
+        with pytest.raises(OutputError, match=r"checkpoints: it is a symbolic link"):
+            config = tiny_config(out, steps=4, resume=resume, overwrite=overwrite)
+            train(tiny_llama(), CountingData(), config)
+    assert latest_checkpoint(elsewhere).name == "step-00000004"  # neither moved nor removed

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from ropekit.outdir import OutDirLock, exit_on_sigterm, hold_lock, writing
+
 INSTALL_RECORD = "ropekit_model.json"  # written last: its presence means the install finished
 
 
@@ -128,63 +130,86 @@ def install_model(
     slightly from the original bf16 SmolLM2 release.
 
     Idempotent: a finished install (its ``ropekit_model.json`` exists) is reused unless
-    ``force``. The folder is assembled under a temporary name and renamed into place, so a
-    crash never leaves a half-written model behind.
+    ``force``. The folder is assembled under a temporary name (``.<name>.*.tmp``, some 300 MB)
+    and renamed into place, so a crash never leaves a half-written model behind. The temporary
+    folder is removed on any failure, Ctrl-C and SIGTERM included; one left by a process that
+    was killed outright (kill -9, a power cut) is removed by the next install. Installs of one
+    model take turns through a lock (``.<name>.lock`` beside it): a second one started while
+    the first runs fails at once with OutDirLocked (a ValueError) naming the first one's pid.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     known = _known(name)
     out = model_dir(name)
     if is_installed(name) and not force:
         return out
     source = find_source(name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}.", suffix=".tmp"))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            source.parent, gguf_file=source.name, local_files_only=True
-        )
-        model = AutoModelForCausalLM.from_pretrained(
-            source.parent, gguf_file=source.name, dtype=dtype, local_files_only=True
-        )
-        # The GGUF loader records quantization_config={"quant_method": "gguf", ...}; the
-        # tensors are already dequantized, so the saved folder must not claim otherwise (or
-        # from_pretrained would look for the GGUF file again).
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.hf_quantizer = None
-        model.config.name_or_path = name
-        # from_pretrained records its own kwargs in init_kwargs; the saved tokenizer should
-        # not carry local_files_only into every later load.
-        tokenizer.init_kwargs.pop("local_files_only", None)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        record = {
-            "name": name,
-            "summary": known.summary,
-            "source": str(source),
-            "source_sha256": _sha256(source),
-            "dtype": str(dtype).removeprefix("torch."),
-            "dequantized_from": "GGUF (Q4_1 matrices, Q8_0 token embedding, F32 norms)",
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "seconds": round(time.perf_counter() - started, 1),
-            "installed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        (tmp / INSTALL_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        for path in tmp.iterdir():
-            with path.open("rb") as f:
-                os.fsync(f.fileno())
-        if out.exists():
-            shutil.rmtree(out)  # a forced reinstall or an unfinished earlier one
+    with writing(out.parent):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    with exit_on_sigterm(), _install_lock(name, out.parent):
+        if is_installed(name) and not force:  # another install finished meanwhile
+            return out
+        # Holding the lock, every temporary folder of this model is a dead install's.
+        for leftover in out.parent.glob(f".{name}.*.tmp"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        started = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{name}.", suffix=".tmp"))
         try:
+            parameters = _convert(known, source, dtype, tmp)
+            record = {
+                "name": name,
+                "summary": known.summary,
+                "source": str(source),
+                "source_sha256": _sha256(source),
+                "dtype": str(dtype).removeprefix("torch."),
+                "dequantized_from": "GGUF (Q4_1 matrices, Q8_0 token embedding, F32 norms)",
+                "parameters": parameters,
+                "seconds": round(time.perf_counter() - started, 1),
+                "installed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            text = json.dumps(record, indent=2) + "\n"
+            (tmp / INSTALL_RECORD).write_text(text, encoding="utf-8")
+            for path in tmp.iterdir():
+                with path.open("rb") as f:
+                    os.fsync(f.fileno())
+            if out.exists():
+                shutil.rmtree(out)  # a forced reinstall or an unfinished earlier one
             os.replace(tmp, out)
-        except OSError:
-            if not is_installed(name):  # lost a race only if the winner finished
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _install_lock(name: str, folder: Path) -> OutDirLock:
+    return hold_lock(
+        folder / f".{name}.lock",
+        command=f"ropekit models install {name}",
+        what=f"model {name!r} is being installed by another process",
+    )
+
+
+def _convert(known: KnownModel, source: Path, dtype: torch.dtype, folder: Path) -> int:
+    """Write `known`'s model and tokenizer, converted from `source`, into `folder`; returns
+    its parameter count."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        source.parent, gguf_file=source.name, local_files_only=True
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, dtype=dtype, local_files_only=True
+    )
+    # The GGUF loader records quantization_config={"quant_method": "gguf", ...}; the
+    # tensors are already dequantized, so the saved folder must not claim otherwise (or
+    # from_pretrained would look for the GGUF file again).
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.config.name_or_path = known.name
+    # from_pretrained records its own kwargs in init_kwargs; the saved tokenizer should
+    # not carry local_files_only into every later load.
+    tokenizer.init_kwargs.pop("local_files_only", None)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
 
 
 def resolve_model(path_or_name: str | os.PathLike[str]) -> Path:

@@ -56,6 +56,7 @@ def build_report(run_dir: str | Path, *, title: str | None = None) -> ReportPath
     title = title or f"ropekit report: {root.resolve().name}"
     blocks = report_blocks(results, root, title)
     paths = ReportPaths(root / "report.md", root / "report.html", len(results))
-    atomic_write_text(paths.markdown, to_markdown(blocks))
+    # Both renderers name figures they may not read (links, `..`, outside paths) as skipped.
+    atomic_write_text(paths.markdown, to_markdown(blocks, root))
     atomic_write_text(paths.html, to_html(blocks, root, title))
     return paths

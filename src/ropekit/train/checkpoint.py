@@ -1,11 +1,14 @@
-"""Atomic training checkpoints.
+"""Atomic, self-verifying training checkpoints.
 
 Holds:
     CheckpointState     the numbers a checkpoint records besides tensors (step, data position...).
+    CheckpointError     a checkpoint is damaged, incomplete or unreadable (a ValueError, one line).
     save_checkpoint     write one checkpoint atomically (temp dir, fsync, rename); keep the last K.
-    load_checkpoint     load weights (and optionally optimizer and scheduler state) into objects.
+    load_checkpoint     verify, then load weights (and optimizer and scheduler state) into objects.
     read_checkpoint_state   what a checkpoint records besides tensors (step, config, provenance).
-    latest_checkpoint   the newest complete checkpoint of a run folder, or None.
+    verify_checkpoint   check every file of a checkpoint against its manifest.
+    latest_checkpoint   the newest intact checkpoint of a run folder, or None.
+    resume_checkpoint   the same, for resuming: damaged newer ones are moved aside, not deleted.
     restore_rng         put this process's python/numpy/torch RNG streams back as they were saved.
 
 Layout, under `<out_dir>/checkpoints/`:
@@ -16,19 +19,36 @@ Layout, under `<out_dir>/checkpoints/`:
         optimizer.pt        AdamW state_dict
         scheduler.pt        LambdaLR state_dict
         rng-<rank>.pt       python, numpy, torch (and CUDA) RNG states of each process
-        state.json          CheckpointState without its config
+        state.json          CheckpointState without its config, and "checkpoint_format": 2
         config.json         the TrainConfig, as TrainConfig.to_dict()
+        manifest.json       {"format": 1, "files": {name: {"bytes": n, "sha256": hex}}} of every
+                            other file; written last
+    damaged-step-00000700/  a damaged checkpoint a resumed run moved aside (never deleted)
 
 Weights are safetensors (no pickle). The `.pt` files hold only tensors, numbers, strings,
 lists, tuples and dicts, and are always read with `torch.load(..., weights_only=True)`, which
 refuses anything else. A checkpoint is complete the moment its folder is renamed from
 `.tmp-step-*` to `step-*`; readers look only at `step-*` names, so a crash mid-write leaves
 nothing that looks like a checkpoint.
+
+Why a manifest as well: the rename protects against a crash while writing, not against what
+happens to the files afterwards (a truncated copy, a flipped bit on disk, a file deleted by
+hand). A flipped bit in the weights would resume silently, and one in the optimizer state can
+turn the loss to NaN hundreds of steps later. So every file's sha256 is recorded, last, and
+checked before a checkpoint is used: resuming falls back to the newest checkpoint that
+verifies, with a one-line warning, and loading a damaged one is a one-line CheckpointError.
+
+Checkpoints written before manifests existed (no manifest.json, and a state.json without
+"checkpoint_format") are accepted with a warning that they cannot be verified: the atomic
+rename made them complete when written, and refusing them would strand every run in progress
+when ropekit is upgraded. A checkpoint whose state.json says it has a manifest but has none
+lost it after it was written, and is damaged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -45,9 +65,24 @@ from accelerate import Accelerator
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from ropekit.outdir import check_target
+
 CHECKPOINTS = "checkpoints"
 MODEL_FILE = "model.safetensors"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+# In state.json: 2 = the checkpoint has a manifest. Absent: written before manifests existed.
+CHECKPOINT_FORMAT = 2
+_REQUIRED = (MODEL_FILE, "state.json", "config.json")
 _STEP_DIR = re.compile(r"step-(\d+)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is damaged, incomplete or unreadable; the message names it and what."""
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped, or an old one cannot be verified."""
 
 
 @dataclass(frozen=True)
@@ -68,9 +103,46 @@ class CheckpointState:
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in `out_dir`, or None if there is none."""
-    steps = _step_dirs(Path(out_dir) / CHECKPOINTS)
-    return steps[max(steps)] if steps else None
+    """The intact checkpoint with the highest step in `out_dir`, or None if there is none.
+
+    Damaged newer checkpoints are skipped with one warning line naming them and what is wrong
+    with each (nothing is deleted or moved). Raises CheckpointError, naming every checkpoint
+    and its problem, when checkpoints exist but none is intact.
+    """
+    chosen, damaged = _newest_intact(Path(out_dir) / CHECKPOINTS)
+    if damaged:
+        warnings.warn(f"{_damaged_list(damaged)}; using {chosen}", CheckpointWarning, stacklevel=2)
+    return chosen
+
+
+def resume_checkpoint(out_dir: str | Path) -> Path | None:
+    """The checkpoint a resumed run continues from: `latest_checkpoint`, except that the
+    damaged checkpoints newer than it are renamed to `damaged-step-*` (kept for inspection,
+    and out of the way of the checkpoints the resumed run writes at those steps)."""
+    root = Path(out_dir) / CHECKPOINTS
+    chosen, damaged = _newest_intact(root)
+    if damaged:
+        moved = [_set_aside(path) for path, _ in damaged]
+        warnings.warn(
+            f"{_damaged_list(damaged)}; moved to {', '.join(p.name for p in moved)} in {root} "
+            f"and resuming from {chosen.name}",
+            CheckpointWarning,
+            stacklevel=2,
+        )
+    return chosen
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Raise CheckpointError unless every file of checkpoint `path` matches its manifest.
+
+    A checkpoint from before manifests (see the module docstring) passes with a warning.
+    """
+    path = Path(path)
+    problems, legacy = _problems(path)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}")
+    if legacy:
+        _warn_legacy(path)
 
 
 def save_checkpoint(
@@ -92,6 +164,8 @@ def save_checkpoint(
     root = out_dir / CHECKPOINTS
     final = root / f"step-{state.step:08d}"
     tmp = root / f".tmp-{final.name}"
+    # Every process looks (and so every one raises): checkpoints/ must not be a link.
+    check_target(root, out_dir)
     if accelerator.is_main_process:
         _remove_leftovers(root)
         tmp.mkdir(parents=True)
@@ -106,11 +180,14 @@ def save_checkpoint(
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             fields = dataclasses.asdict(state)
             (tmp / "config.json").write_text(json.dumps(fields.pop("config"), indent=2))
+            fields["checkpoint_format"] = CHECKPOINT_FORMAT
             (tmp / "state.json").write_text(json.dumps(fields, indent=2))
-            # Data first, then the folder entry, then the rename, then the parent's entry:
-            # after a power cut the rename is either absent or points at complete files.
+            # Data first, then the manifest of it, then the folder entry, then the rename,
+            # then the parent's entry: after a power cut the rename is either absent or points
+            # at complete files and a manifest that describes them.
             for path in tmp.iterdir():
                 _fsync(path)
+            _write_manifest(tmp)
             _fsync(tmp)
             os.replace(tmp, final)
             _fsync(root)
@@ -128,38 +205,50 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    *,
+    verify: bool = True,
 ) -> CheckpointState:
     """Load a checkpoint folder's weights into `model` (and state into the others, if given).
 
     Weights missing from the checkpoint (frozen ones, unless it was saved with save_frozen)
-    keep the values they have in `model`; a checkpoint weight the model lacks is an error.
+    keep the values they have in `model`; a checkpoint weight the model lacks, or has in
+    another shape, is a ValueError. With `verify` (the default) every file is first checked
+    against the manifest (`verify_checkpoint`); a damaged or unreadable file is a one-line
+    CheckpointError, never a parser's traceback.
     """
     path = Path(path)
-    missing = [
-        name for name in (MODEL_FILE, "state.json", "config.json") if not (path / name).is_file()
-    ]
+    missing = [name for name in _REQUIRED if not (path / name).is_file()]
     if missing:
         raise FileNotFoundError(
             f"{path} is not a complete checkpoint: {', '.join(missing)} missing"
         )
-    unexpected = model.load_state_dict(load_file(path / MODEL_FILE), strict=False).unexpected_keys
-    if unexpected:
-        raise ValueError(
-            f"{path / MODEL_FILE} holds {len(unexpected)} weights the model does not have, "
-            f"e.g. {unexpected[:3]}: was it saved from a different model?"
-        )
+    if verify:
+        verify_checkpoint(path)
+    tensors = _read(path / MODEL_FILE, load_file)
+    _check_fits(path / MODEL_FILE, tensors, model)
+    model.load_state_dict(tensors, strict=False)
     if optimizer is not None:
-        optimizer.load_state_dict(_load_pt(path / "optimizer.pt"))
+        optimizer.load_state_dict(_read(path / "optimizer.pt", _load_pt))
     if scheduler is not None:
-        scheduler.load_state_dict(_load_pt(path / "scheduler.pt"))
+        scheduler.load_state_dict(_read(path / "scheduler.pt", _load_pt))
     return read_checkpoint_state(path)
 
 
 def read_checkpoint_state(path: str | Path) -> CheckpointState:
-    """The numbers, config and provenance a checkpoint folder records (no tensors loaded)."""
+    """The numbers, config and provenance a checkpoint folder records (no tensors loaded).
+
+    An unreadable state.json or config.json is a one-line CheckpointError naming it.
+    """
     path = Path(path)
-    state = json.loads((path / "state.json").read_text())
-    return CheckpointState(**state, config=json.loads((path / "config.json").read_text()))
+    state = _read(path / "state.json", _load_json)
+    config = _read(path / "config.json", _load_json)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path / 'state.json'} is not a checkpoint state")
+    state.pop("checkpoint_format", None)
+    try:
+        return CheckpointState(**state, config=config)
+    except TypeError as e:
+        raise CheckpointError(f"{path / 'state.json'} is not a checkpoint state: {e}") from None
 
 
 def restore_rng(path: str | Path, rank: int) -> None:
@@ -172,7 +261,7 @@ def restore_rng(path: str | Path, rank: int) -> None:
     if not file.is_file():
         warnings.warn(f"{file} not found: process {rank} keeps fresh RNG seeds", stacklevel=2)
         return
-    state = _load_pt(file)
+    state = _read(file, _load_pt)
     random.setstate(state["python"])
     numpy = state["numpy"]
     key = numpy["state"]["key"].numpy().astype(np.uint32)
@@ -205,6 +294,155 @@ def _model_tensors(model: nn.Module, save_frozen: bool) -> dict[str, Tensor]:
 
 def _load_pt(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _load_json(path: Path) -> Any:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _read(path: Path, loader: Any) -> Any:
+    """`loader(path)`, with any failure to parse the file as one line naming it."""
+    try:
+        return loader(path)
+    except OSError:
+        raise
+    except Exception as e:  # safetensors, pickle, zipfile and json all have their own
+        detail = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(
+            f"{path} cannot be read, the checkpoint is damaged ({type(e).__name__}: {detail})"
+        ) from None
+
+
+def _check_fits(file: Path, tensors: dict[str, Tensor], model: nn.Module) -> None:
+    own = model.state_dict()
+    unexpected = [name for name in tensors if name not in own]
+    if unexpected:
+        raise ValueError(
+            f"{file} holds {len(unexpected)} weights the model does not have, "
+            f"e.g. {unexpected[:3]}: was it saved from a different model?"
+        )
+    shapes = [
+        f"{name} {tuple(t.shape)} vs {tuple(own[name].shape)}"
+        for name, t in tensors.items()
+        if t.shape != own[name].shape
+    ]
+    if shapes:
+        raise ValueError(
+            f"{file} holds {len(shapes)} weights of other shapes than the model's "
+            f"(checkpoint vs model: {'; '.join(shapes[:3])}): was it saved from a different model?"
+        )
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(folder.iterdir())
+        if p.name != MANIFEST
+    }
+    path = folder / MANIFEST
+    with path.open("w", encoding="utf-8") as f:
+        json.dump({"format": MANIFEST_FORMAT, "files": files}, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _problems(path: Path) -> tuple[list[str], bool]:
+    """What is wrong with checkpoint `path` (empty if intact), and whether it predates
+    manifests (then only its required files are checked for presence)."""
+    if not path.is_dir():
+        return ["it is not a folder"], False
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return _without_manifest(path)
+    except (OSError, ValueError) as e:
+        return [f"{MANIFEST} unreadable ({type(e).__name__})"], False
+    listed = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(listed, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return [f"{MANIFEST} is not a format-{MANIFEST_FORMAT} manifest"], False
+    if any(Path(name).name != name or name in ("", ".", "..") for name in listed):
+        return [f"{MANIFEST} lists names that are not files of the checkpoint"], False
+    problems = [f"{MANIFEST} does not list {name}" for name in _REQUIRED if name not in listed]
+    present = {p.name for p in path.iterdir()}
+    problems += [f"{name} is not in {MANIFEST}" for name in sorted(present - {MANIFEST, *listed})]
+    for name, entry in listed.items():
+        file = path / name
+        if name not in present or not file.is_file():
+            problems.append(f"{name} missing")
+            continue
+        try:
+            size, digest = file.stat().st_size, _sha256(file)
+            expected_size, expected_digest = int(entry["bytes"]), str(entry["sha256"])
+        except OSError as e:
+            problems.append(f"{name} unreadable ({e.strerror})")
+            continue
+        except (KeyError, TypeError, ValueError):
+            problems.append(f"{MANIFEST} entry of {name} is malformed")
+            continue
+        if size != expected_size:
+            problems.append(f"{name} is {size} bytes, {MANIFEST} says {expected_size}")
+        elif digest != expected_digest:
+            problems.append(f"{name} does not match its sha256 in {MANIFEST}")
+    return problems, False
+
+
+def _without_manifest(path: Path) -> tuple[list[str], bool]:
+    try:
+        state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return [f"{MANIFEST} missing", "state.json missing"], False
+    except (OSError, ValueError):
+        return [f"{MANIFEST} missing", "state.json unreadable"], False
+    if not isinstance(state, dict) or "checkpoint_format" in state:
+        return [f"{MANIFEST} missing"], False
+    missing = [f"{name} missing" for name in _REQUIRED if not (path / name).is_file()]
+    return missing, not missing
+
+
+def _warn_legacy(path: Path) -> None:
+    warnings.warn(
+        f"checkpoint {path} has no {MANIFEST} (written by a ropekit without checkpoint "
+        "checksums): its files cannot be verified",
+        CheckpointWarning,
+        stacklevel=3,
+    )
+
+
+def _newest_intact(root: Path) -> tuple[Path | None, list[tuple[Path, list[str]]]]:
+    """The newest checkpoint in `root` that verifies, and the newer ones that do not (with
+    their problems). Raises CheckpointError if there are checkpoints and none verifies."""
+    steps = _step_dirs(root)
+    damaged = []
+    for step in sorted(steps, reverse=True):
+        problems, legacy = _problems(steps[step])
+        if not problems:
+            if legacy:
+                _warn_legacy(steps[step])
+            return steps[step], damaged
+        damaged.append((steps[step], problems))
+    if damaged:
+        raise CheckpointError(f"no intact checkpoint in {root}: {_damaged_list(damaged)}")
+    return None, []
+
+
+def _damaged_list(damaged: list[tuple[Path, list[str]]]) -> str:
+    return "; ".join(f"{path.name} is damaged ({', '.join(p)})" for path, p in damaged)
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint out of the `step-*` names; returns its new path."""
+    target = path.with_name(f"damaged-{path.name}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"damaged-{path.name}-{n}")
+    os.replace(path, target)
+    return target
 
 
 def _fsync(path: Path) -> None:

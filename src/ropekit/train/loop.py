@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import time
+import warnings
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -30,21 +32,30 @@ from accelerate.utils import set_seed
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ropekit.distributed import check_launched
+from ropekit.distributed import Processes, check_launched
+from ropekit.outdir import (
+    LOCK_FILE,
+    OutDirLock,
+    check_target,
+    has_outputs,
+    lock_out_dir,
+    writing,
+)
 from ropekit.results import check_provenance, run_metadata, write_result
 from ropekit.train.checkpoint import (
     CHECKPOINTS,
     CheckpointState,
-    latest_checkpoint,
     load_checkpoint,
     read_checkpoint_state,
     restore_rng,
+    resume_checkpoint,
     save_checkpoint,
 )
 from ropekit.train.config import RUN_CONTROL, TrainConfig
 from ropekit.train.loss import LossFn, causal_lm_loss
 from ropekit.train.optim import build_optimizer, lr_factor
 from ropekit.train.sampling import collate, global_batch, local_batches
+from ropekit.utils import atomic_write_text
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -109,15 +120,31 @@ def train(
     tokenizer; ropekit.results) differs from the one passed is refused, naming the field.
 
     Raises NonFiniteLossError when a loss or gradient norm is not finite, FileExistsError
-    when out_dir already holds files and neither resume nor overwrite is set.
+    when out_dir already holds files and neither resume nor overwrite is set, and
+    ropekit.outdir.OutDirLocked (a ValueError) when another live run is using out_dir.
     """
     accelerator = accelerator or Accelerator()
     loss_fn = loss_fn or causal_lm_loss
     _check_setup(dataset, config, accelerator)
+    lock, checkpoint = _claim_out_dir(config, accelerator)
+    try:
+        return _train(model, dataset, config, loss_fn, accelerator, checkpoint, provenance)
+    finally:
+        lock.release()
+
+
+def _train(
+    model: nn.Module,
+    dataset: TrainDataset,
+    config: TrainConfig,
+    loss_fn: LossFn,
+    accelerator: Accelerator,
+    checkpoint: Path | None,
+    provenance: Mapping[str, Any] | None,
+) -> TrainResult:
+    """`train` in an out_dir this run holds, resuming from `checkpoint` if there is one."""
     rank, world = accelerator.process_index, accelerator.num_processes
     main = accelerator.is_main_process
-
-    checkpoint = _claim_out_dir(config, accelerator)
     set_seed(config.seed + rank)  # own streams per process, e.g. for dropout
     optimizer, scheduler = build_optimizer(model, config)
     state = CheckpointState(
@@ -134,7 +161,8 @@ def train(
     if checkpoint is not None:
         saved = read_checkpoint_state(checkpoint)
         _check_resumable(checkpoint, saved, config, len(dataset), state.provenance)
-        state = load_checkpoint(checkpoint, model, optimizer, scheduler)
+        # The main process verified every file of it against its manifest when choosing it.
+        state = load_checkpoint(checkpoint, model, optimizer, scheduler, verify=False)
     wrapped, optimizer = accelerator.prepare(model, optimizer)  # e.g. in DDP, on the device
     if checkpoint is not None:
         restore_rng(checkpoint, rank)
@@ -271,26 +299,40 @@ def _check_setup(dataset: TrainDataset, config: TrainConfig, accelerator: Accele
         raise ValueError("the training dataset is empty")
 
 
-def _claim_out_dir(config: TrainConfig, accelerator: Accelerator) -> Path | None:
-    """Make out_dir ready; returns the checkpoint to resume from, if any."""
+def _claim_out_dir(config: TrainConfig, accelerator: Accelerator) -> tuple[OutDirLock, Path | None]:
+    """Lock out_dir and make it ready; returns the lock and the checkpoint to resume from.
+
+    The main process does it all (the others would only repeat its reads) and its outcome,
+    or its error, reaches every process.
+    """
     out = config.out_dir
-    occupied = out.is_dir() and any(out.iterdir())
-    if occupied and not (config.resume or config.overwrite):
-        raise FileExistsError(
-            f"{out} already holds files (another run?); pass resume=True to continue the run "
-            "in it or overwrite=True to replace its checkpoints, metrics and summary"
-        )
-    checkpoint = latest_checkpoint(out) if config.resume else None
-    accelerator.wait_for_everyone()  # every process has looked before anything is deleted
-    if accelerator.is_main_process:
-        if occupied and config.overwrite:
-            # Only what a run writes: out_dir may also hold files the user put there.
-            shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
-            (out / METRICS).unlink(missing_ok=True)
-            (out / SUMMARY).unlink(missing_ok=True)
-        out.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
-    return checkpoint
+    lock = OutDirLock(out / LOCK_FILE, held=False)  # what the other processes hold
+
+    def claim() -> Path | None:
+        nonlocal lock
+        lock = lock_out_dir(out, main=True, command=f"train (steps={config.steps})")
+        try:
+            occupied = has_outputs(out)
+            if occupied and not (config.resume or config.overwrite):
+                raise FileExistsError(
+                    f"{out} already holds files (another run?); pass resume=True to continue "
+                    "the run in it or overwrite=True to replace its checkpoints, metrics and "
+                    "summary"
+                )
+            check_target(out / CHECKPOINTS, out)  # neither read nor removed through a link
+            checkpoint = resume_checkpoint(out) if config.resume else None
+            if occupied and config.overwrite:
+                # Only what a run writes: out_dir may also hold files the user put there.
+                shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
+                (out / METRICS).unlink(missing_ok=True)
+                (out / SUMMARY).unlink(missing_ok=True)
+            return checkpoint
+        except BaseException:
+            lock.release()
+            raise
+
+    checkpoint = Processes(accelerator.process_index, accelerator.num_processes).on_main(claim)
+    return lock, checkpoint  # the lock claim() took on the main process
 
 
 def _check_resumable(
@@ -316,14 +358,29 @@ def _check_resumable(
 
 
 def _open_metrics(path: Path, step: int) -> IO[str]:
-    """Open the metrics log for writing, keeping only lines up to `step` (those a resumed run
-    does not redo)."""
+    """Open the metrics log for appending, after rewinding it to the lines up to `step` (those
+    a resumed run does not redo).
+
+    The rewind is a new file renamed over the old one, so a kill at any moment leaves either
+    the whole old log or the rewound one, never a truncated one; the run then appends, so
+    every line written before a later kill stays. A last line without its newline (a kill
+    mid-write) is dropped; a garbled line elsewhere is dropped with a warning.
+    """
     kept = []
-    if step and path.is_file():
-        kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-    file = path.open("w")
-    file.writelines(line + "\n" for line in kept)
-    return file
+    check_target(path)  # never read or write through a link
+    if path.is_file():
+        with writing(path):
+            lines = path.read_bytes().split(b"\n")
+        for number, line in enumerate(lines[:-1], start=1):  # lines[-1]: "" or a torn line
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line.decode() + "\n")
+            except (ValueError, TypeError, KeyError):
+                warnings.warn(f"{path}:{number} is not a metrics record; dropped", stacklevel=2)
+    atomic_write_text(path, "".join(kept))
+    flags = os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    with writing(path):
+        return os.fdopen(os.open(path, flags), "a", encoding="utf-8")
 
 
 def _write_summary(

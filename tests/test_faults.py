@@ -1,0 +1,166 @@
+"""Fault injection on `ropekit pretrain`: kill -9 at random moments, resume, and end where an
+uninterrupted run ends.
+
+Each run is a fresh `python -m ropekit.cli pretrain` process (one thread) killed with SIGKILL
+at a moment drawn from a seeded generator, once training is under way: mid-step, mid-log-line,
+mid-checkpoint, mid-prune or while the final model is written, wherever it falls. `--resume`
+then continues, and the final model's weights must be bit-identical to an uninterrupted run's
+and metrics.jsonl must hold the same lines (every field but the timings). One variant also
+damages the newest checkpoint between the kill and the resume: the run must fall back to the
+older one, say so, and still end identical.
+
+The default suite runs one kill followed by a damaged checkpoint (two processes); the slow
+test runs several seeds with several kills each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ropekit.cli import main
+
+STEPS = 200
+TIMINGS = {"tokens_per_s", "elapsed"}  # the only fields a resumed log may change
+
+
+def _pretrain_args(data: Path) -> list[str]:
+    tiny = ["--d-model", "32", "--layers", "1", "--heads", "2", "--context", "32"]
+    run = ["--steps", str(STEPS), "--batch-size", "4", "--warmup", "5"]
+    return ["pretrain", *tiny, *run, "--checkpoint-interval", "7", "--data", str(data)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    rng = random.Random(0)
+    words = [
+        "".join(rng.choice("etaoinshrdlu") for _ in range(rng.randint(2, 8))) for _ in range(400)
+    ]
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    path.write_text(" ".join(rng.choice(words) for _ in range(6000)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data) -> Path:
+    """The uninterrupted run, in this process (one thread, as the killed ones)."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main([*_pretrain_args(data), "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _start(data: Path, out: Path, resume: bool) -> subprocess.Popen:
+    args = [sys.executable, "-m", "ropekit.cli", *_pretrain_args(data), "--out", str(out)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        args + ["--resume"] * resume, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+
+
+def _log_identity(out: Path) -> tuple[int, int] | None:
+    try:
+        stat = (out / "metrics.jsonl").stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def _kill_at_random(run: subprocess.Popen, out: Path, rng: random.Random, min_checkpoints=0):
+    """SIGKILL `run` a random 0-2.5 s after its training is under way (it has written its
+    metrics log, a new one after a resume's rewind, and `min_checkpoints` checkpoints exist);
+    returns whether it was still running."""
+    before = _log_identity(out)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and run.poll() is None:
+        written = len(list((out / "checkpoints").glob("step-*")))
+        log = _log_identity(out)
+        if log is not None and log != before and written >= min_checkpoints:
+            break
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, 2.5))
+    running = run.poll() is None
+    run.send_signal(signal.SIGKILL)
+    code = run.wait()
+    assert code in (0, -signal.SIGKILL), run.stderr.read().decode()[-3000:]
+    return running
+
+
+def _finish(data: Path, out: Path) -> str:
+    run = _start(data, out, resume=True)
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err.decode()[-3000:]
+    return err.decode()
+
+
+def _flip_a_bit(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) - 5] ^= 0x01  # inside the last tensor's data
+    path.write_bytes(bytes(raw))
+
+
+def _assert_same_run(out: Path, reference: Path) -> None:
+    final, expected = (
+        load_file(out / "model" / "model.safetensors"),
+        load_file(reference / "model" / "model.safetensors"),
+    )
+    assert final.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(final[name], expected[name]), name
+
+    def lines(folder):
+        records = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k not in TIMINGS} for r in records]
+
+    assert lines(out) == lines(reference)
+    assert (
+        json.loads((out / "pretrain.json").read_text())["final_loss"]
+        == json.loads((reference / "pretrain.json").read_text())["final_loss"]
+    )
+    assert not (out / ".ropekit.lock").exists()
+
+
+def test_killed_then_damaged_then_resumed_ends_like_an_uninterrupted_run(tmp_path, data, reference):
+    out, rng = tmp_path / "run", random.Random(1)
+    # Two checkpoints first (keep_last=2), so one is left when the newest is damaged.
+    _kill_at_random(_start(data, out, resume=False), out, rng, min_checkpoints=2)
+    steps = sorted((out / "checkpoints").glob("step-*"))
+    _flip_a_bit(steps[-1] / "model.safetensors")
+
+    if len(steps) == 1:  # killed while pruning, the older one already renamed away
+        run = _start(data, out, resume=True)
+        _, err = run.communicate(timeout=300)
+        assert run.returncode == 2 and "no intact checkpoint" in err.decode()
+        return
+    err = _finish(data, out)
+    assert f"{steps[-1].name} is damaged (model.safetensors does not match its sha256" in err
+    assert f"resuming from {steps[-2].name}" in err
+    assert (out / "checkpoints" / f"damaged-{steps[-1].name}").is_dir()  # kept, not deleted
+    _assert_same_run(out, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [11, 12, 13, 14])
+def test_several_kills_at_random_moments_then_resume_end_like_an_uninterrupted_run(
+    tmp_path, data, reference, seed
+):
+    out, rng = tmp_path / "run", random.Random(seed)
+    _kill_at_random(_start(data, out, resume=False), out, rng)
+    for _ in range(2):  # and kill the resumed runs too
+        _kill_at_random(_start(data, out, resume=True), out, rng)
+    _finish(data, out)
+    _assert_same_run(out, reference)
