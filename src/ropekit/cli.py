@@ -19,6 +19,7 @@ import contextlib
 import io
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -483,7 +484,9 @@ def add_export(sub: argparse._SubParsersAction) -> None:
         "--adapter", type=Path, required=True, help="the adapter (or extension run) to export"
     )
     _out(p, "folder of the exported model (must not exist)")
-    p.set_defaults(func=cmd_export)
+    # The export is assembled under a temporary name and renamed onto --out: a lock file
+    # inside --out would be renamed away with it.
+    p.set_defaults(func=cmd_export, lock_out=False)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -630,12 +633,30 @@ def _continue_hint(args: argparse.Namespace) -> str:
     return "run the same command again"
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"ropekit: {category.__name__}: {' '.join(str(message).split())}\n"
+
+
+def _holding_out(args: argparse.Namespace) -> contextlib.AbstractContextManager[Any]:
+    """The command's --out, locked for the whole command (ropekit.outdir): a second run into
+    the same folder stops at once, and nothing of this run is written through a link."""
+    from ropekit.outdir import lock_out_dir
+
+    out = getattr(args, "out", None)
+    if out is None or not getattr(args, "lock_out", True):
+        return contextlib.nullcontext()
+    return lock_out_dir(out, command=_command())
+
+
 def main(argv: list[str] | None = None) -> int:
     _offline()
     parser = build_parser()
     args = parser.parse_args(argv)
+    warnings.formatwarning = _one_line_warning
     try:
-        with _report_here():
+        from ropekit.outdir import exit_on_sigterm
+
+        with _report_here(), exit_on_sigterm(), _holding_out(args):
             return args.func(args)
     except BrokenPipeError:
         # The reader went away (`ropekit encodings | head`): stop quietly, and keep Python from

@@ -33,7 +33,6 @@ The base model lives in ``$ROPEKIT_CACHE/demo/<key>/`` (``ropekit.train.recipe``
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 import time
 from collections.abc import Callable
@@ -173,20 +172,26 @@ def check_data(config: DemoConfig) -> None:
         ) from None
 
 
+def _contents(out: Path) -> list[Path]:
+    """What ``out`` holds besides the run lock (ropekit.outdir) the command may hold on it."""
+    from ropekit.outdir import LOCK_FILE
+
+    return [p for p in out.iterdir() if p.name != LOCK_FILE]
+
+
 def _is_previous_demo(out: Path) -> bool:
+    from ropekit.results import result_kind
+
     marker = out / DEMO_JSON
     if marker.is_file():
-        try:
-            return json.loads(marker.read_text()).get("kind") == "demo"
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return False
-    return {p.name for p in out.iterdir()} <= _OLD_DEMO_FILES
+        return result_kind(marker) == "demo"
+    return {p.name for p in _contents(out)} <= _OLD_DEMO_FILES
 
 
 def claim_out_dir(out: Path, overwrite: bool) -> bool:
-    """Make ``out`` ready: create it, or replace a previous demo's folder (or any folder when
-    ``overwrite``). Returns whether something was replaced."""
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+    """Make ``out`` ready: create it, or empty a previous demo's folder (or any folder when
+    ``overwrite``), leaving a run lock in place. Returns whether something was replaced."""
+    if not out.exists() or (out.is_dir() and not _contents(out)):
         out.mkdir(parents=True, exist_ok=True)
         return False
     if not out.is_dir():
@@ -199,8 +204,11 @@ def claim_out_dir(out: Path, overwrite: bool) -> bool:
     resolved, here = out.resolve(), Path.cwd().resolve()
     if resolved == here or resolved in here.parents or resolved == Path.home().resolve():
         raise ValueError(f"refusing to replace {out}: it holds the current folder or home")
-    shutil.rmtree(out)
-    out.mkdir(parents=True)
+    for path in _contents(out):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     return True
 
 
