@@ -1,6 +1,6 @@
-"""Small shared helpers: atomic file writes and the metadata every result JSON carries.
+"""Small shared helpers: the user cache folder and atomic file writes.
 
-Holds: atomic_write_text, atomic_write_bytes, run_metadata.
+Holds: cache_dir, atomic_write_text, atomic_write_bytes.
 
 The atomic writers refuse to follow a symbolic link (see ropekit.outdir.check_target) and turn
 an OSError (full disk, read-only folder, name too long, a file where a folder should be) into
@@ -11,14 +11,15 @@ goes wrong, the temporary file is removed and the previous file is left as it wa
 from __future__ import annotations
 
 import os
-import platform
-import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 from ropekit.outdir import check_target, writing
+
+
+def cache_dir() -> Path:
+    """ropekit's user cache: ``$ROPEKIT_CACHE`` if set, else ``~/.cache/ropekit``."""
+    return Path(os.environ.get("ROPEKIT_CACHE") or Path.home() / ".cache" / "ropekit")
 
 
 def atomic_write_bytes(path: Path, data: bytes, *, root: Path | None = None) -> None:
@@ -56,29 +57,3 @@ def atomic_write_bytes(path: Path, data: bytes, *, root: Path | None = None) -> 
 
 def atomic_write_text(path: Path, text: str, *, root: Path | None = None) -> None:
     atomic_write_bytes(path, text.encode("utf-8"), root=root)
-
-
-def run_metadata(command: str = "", **extra: Any) -> dict[str, Any]:
-    """Versions, time and the command that produced a result (every result JSON records it)."""
-    import torch
-
-    from ropekit import __version__
-
-    versions = {
-        "ropekit": __version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-    try:
-        import transformers
-
-        versions["transformers"] = transformers.__version__
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass
-    return {
-        "command": command or " ".join(sys.argv),
-        "versions": versions,
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        **extra,
-    }

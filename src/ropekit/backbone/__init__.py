@@ -5,8 +5,8 @@ positional parameters, score it, analyse its heads) and which kind of model it i
 - ``decoder``, ``hf``: its two implementations, ropekit's reference decoder and Hugging Face
   causal LMs (Llama, Mistral, Qwen2, Qwen3; PEFT-wrapped or not).
 - ``adapters``: positional adapters and LoRA weights, checked by sha256, for any kind.
-- ``load``: ``open_backbone`` (a folder or an installed model name) and ``as_backbone`` (an
-  in-memory model): the only place that tells the kinds apart.
+- ``kinds``: ``as_backbone`` (an in-memory model): the only place that tells the kinds apart.
+- ``load``: ``open_backbone`` (a folder or an installed model name).
 
 Everything above this package (train, evals, analysis, the CLI) talks to models through it.
 """
@@ -28,7 +28,8 @@ from .adapters import (
 from .base import Backbone, parameter_digest
 from .decoder import DecoderBackbone
 from .hf import HFBackbone
-from .load import as_backbone, is_decoder_dir, open_backbone
+from .kinds import as_backbone
+from .load import is_decoder_dir, open_backbone
 
 __all__ = [
     "ADAPTER_CONFIG",

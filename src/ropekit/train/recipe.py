@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from ropekit.data import RetrievalConfig, make_train_dataset
-from ropekit.hf.models import cache_dir
 from ropekit.model import Decoder, DecoderConfig, count_parameters, flops_per_token, save_decoder
 from ropekit.results import digest, run_metadata, write_result
+from ropekit.utils import cache_dir
 
 from .config import TrainConfig
 from .loop import train
