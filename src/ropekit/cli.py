@@ -115,6 +115,7 @@ def add_schedules(sub: argparse._SubParsersAction) -> None:
         help="original context L0 in tokens (default: %(default)s)",
     )
     _out(p, "folder for schedules.json and schedules.png", False, default=Path("runs/schedules"))
+    _overwrite(p, "replace a schedules.json made with other settings")
     p.set_defaults(func=cmd_schedules)
 
 
@@ -128,7 +129,7 @@ def cmd_schedules(args: argparse.Namespace) -> int:
         factor=args.factor,
         original_length=args.original_length,
     )
-    paths = write_schedules(result, args.out, command=_command())
+    paths = write_schedules(result, args.out, command=_command(), overwrite=args.overwrite)
     print(f"{'method':<12} {'slowest θ':>11} {'longest λ':>11} {'attn factor':>11}")
     for row in result["methods"]:
         print(
@@ -428,6 +429,7 @@ def add_analyze(sub: argparse._SubParsersAction) -> None:
     )
     _data(p, "held-out text the windows are drawn from")
     _out(p, "folder for analysis.json and the head figures")
+    _overwrite(p, "recompute and replace an analysis made of another model, data or config")
     p.set_defaults(func=cmd_analyze, fields=fields)
 
 
@@ -436,7 +438,14 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     config = from_args(AnalysisConfig, args, args.fields)
     backbone = _load(args)
-    result = analyze(backbone, config, args.out, data=_data_spec(args), command=_command())
+    result = analyze(
+        backbone,
+        config,
+        args.out,
+        data=_data_spec(args),
+        command=_command(),
+        overwrite=args.overwrite,
+    )
     for line in summary_lines(result):
         print(line)
     return 0

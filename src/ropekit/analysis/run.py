@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import math
 import os
 from pathlib import Path
@@ -49,7 +50,14 @@ from ropekit.data.streams import TokenStream
 from ropekit.data.tokenizers import Tokenizer
 from ropekit.encodings import PositionEncoding
 from ropekit.encodings.base import check_choice
-from ropekit.results import plain, run_metadata, write_result
+from ropekit.results import (
+    check_replaceable,
+    make_record,
+    plain,
+    read_result,
+    run_metadata,
+    write_result,
+)
 
 from .capture import CAPTURE_METHODS, capture_qk, forward_logits
 from .heads import HeadStatistics
@@ -275,29 +283,26 @@ def _profile_heads(
     return unique
 
 
-def analyze_windows(
-    model: nn.Module,
+def _effective_lengths(
+    model: Backbone | nn.Module,
     encoding: PositionEncoding,
     windows: Tensor,
     config: AnalysisConfig,
-    progress: bool = False,
-) -> dict[str, Any]:
-    """The numbers of the analysis (module docstring) on windows (N, W); writes nothing."""
+    progress: bool,
+) -> tuple[dict[str, Any], HeadStatistics, str]:
+    """Section 1: E_beta per layer and head against length; the statistics at max(lengths)
+    (utilization and the distance profile read them) and the capture path used."""
     n_layers, H, K = encoding.n_layers, encoding.n_heads, encoding.n_kv_heads
     layout = rotary_layout(encoding)
     lengths, L_max = config.lengths, config.max_length
     # Causal attention: one forward at L_max serves every shorter length, unless the schedule
     # itself follows the sequence length.
     runs = [(n, (n,)) for n in lengths] if encoding.dynamic else [(L_max, lengths)]
-    n_b = len(config.betas)
-    window_mean = torch.zeros(n_b, len(lengths), n_layers, H, dtype=torch.float64)
+    window_mean = torch.zeros(len(config.betas), len(lengths), n_layers, H, dtype=torch.float64)
     last_quarter = torch.zeros_like(window_mean)
-    at_max: HeadStatistics | None = None
-    skipped: dict[str, str] = {}
-    method = config.capture
-    bar = tqdm(
-        total=windows.shape[0] * len(runs), desc="analysis", unit="window", disable=not progress
-    )
+    at_max, method = None, config.capture
+    total = windows.shape[0] * len(runs)
+    bar = tqdm(total=total, desc="analysis", unit="window", disable=not progress)
     for run_length, served in runs:
         stats = HeadStatistics(
             n_layers=n_layers,
@@ -322,89 +327,120 @@ def analyze_windows(
             at_max = stats
     bar.close()
     assert at_max is not None
+    section = {
+        "betas": [_beta_json(b) for b in config.betas],
+        "primary_beta_index": config.primary_beta,
+        "lengths": list(lengths),
+        "dynamic_schedule": encoding.dynamic,
+        "window_mean": window_mean.tolist(),  # (n_b, n_L, L, H)
+        "last_quarter": last_quarter.tolist(),  # (n_b, n_L, L, H)
+    }
+    return section, at_max, method
 
+
+def _utilization(
+    encoding: PositionEncoding, at_max: HeadStatistics, config: AnalysisConfig
+) -> tuple[dict[str, Any], Tensor]:
+    """Section 2 (rotary encodings): per-pair utilization at max(lengths) and its CoV."""
+    n_layers, H, K = encoding.n_layers, encoding.n_heads, encoding.n_kv_heads
+    layout, L_max = rotary_layout(encoding), config.max_length
+    u = at_max.utilization()  # (L, H, F)
+    cov = coefficient_of_variation(u)  # (L, H)
+    kv = kv_head_index(H, K)
+    log_theta = torch.stack(
+        [head_log_frequencies(encoding, layer, L_max)[kv] for layer in range(n_layers)]
+    )  # (L, H, F)
+    weighted_log = weighted_mean(log_theta, u)  # (L, H)
+    mean_log = log_theta.mean(-1)  # (L, H)
+    section = {
+        "length": L_max,
+        "pairing": layout.pairing,
+        "n_pairs": layout.n_pairs,
+        "qk_pairs_per_window": config.qk_pairs,
+        "mean_abs": u.tolist(),  # (L, H, F) in logit units
+        "cov": cov.tolist(),  # (L, H)
+        "max_cov": math.sqrt(layout.n_pairs - 1),
+        "weighted_frequency": weighted_mean(log_theta.exp(), u).tolist(),  # (L, H)
+        "weighted_log_frequency": weighted_log.tolist(),  # (L, H)
+        "mean_log_frequency": mean_log.tolist(),  # (L, H)
+        # Paper, Figure 8 right: learned mean ln theta vs utilization-weighted mean ln theta.
+        "log_frequency_correlation": _pearson(mean_log, weighted_log),
+    }
+    return section, cov
+
+
+def _schedule(encoding: PositionEncoding, config: AnalysisConfig) -> dict[str, Any] | None:
+    """Section 3: effective base per layer and kv head; what AdaRoPE / tuned-yarn learned."""
+    bases = effective_bases(encoding, config.max_length)
+    if bases is None:
+        return None
+    layout = rotary_layout(encoding)
+    learned = learned_schedule(encoding)
+    initial = None
+    if learned is not None and layout is not None and layout.n_pairs >= 2:
+        xi_init = torch.tensor(learned["xi_init"], dtype=torch.float64)
+        initial = float(fit_effective_base(xi_init, layout.rotary_dim)[0])
+    return {"effective_base": bases, "initial_base": initial, "learned": learned}
+
+
+def _influence(
+    model: Backbone | nn.Module,
+    encoding: PositionEncoding,
+    windows: Tensor,
+    config: AnalysisConfig,
+    progress: bool,
+) -> dict[str, Any]:
+    """Section 4 (AdaRoPE): delta NLL at the target length per head whose AdaFreq or
+    AdaScale parameters are reverted to init."""
+    T = config.influence_length
+    n = config.influence_windows or config.n_windows
+    sample = windows[:n, :T]
+    batch = max(1, config.batch_tokens // T)
+    baseline = mean_nll(model, sample, batch)
+    section: dict[str, Any] = {"target_length": T, "windows": n, "baseline_nll": baseline}
+    for kind in INFLUENCE_KINDS:
+        if not influence_units(encoding, kind):
+            section[kind] = None
+            continue
+        rows = head_influence(
+            model, encoding, sample, kind, batch_size=batch, baseline=baseline, progress=progress
+        )["units"]
+        top = sorted(rows, key=lambda r: r["delta_nll"], reverse=True)[: config.top_k]
+        section[kind] = {"units": rows, "top": top}
+    return section
+
+
+def analyze_windows(
+    model: Backbone | nn.Module,
+    encoding: PositionEncoding,
+    windows: Tensor,
+    config: AnalysisConfig,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """The numbers of the analysis (module docstring) on windows (N, W); writes nothing."""
+    skipped: dict[str, str] = {}
+    effective, at_max, method = _effective_lengths(model, encoding, windows, config, progress)
     result: dict[str, Any] = {
         "kind": "analysis",
-        "effective_length": {
-            "betas": [_beta_json(b) for b in config.betas],
-            "primary_beta_index": config.primary_beta,
-            "lengths": list(lengths),
-            "dynamic_schedule": encoding.dynamic,
-            "window_mean": window_mean.tolist(),  # (n_b, n_L, L, H)
-            "last_quarter": last_quarter.tolist(),  # (n_b, n_L, L, H)
-        },
+        "effective_length": effective,
         "utilization": None,
         "schedule": None,
         "influence": None,
     }
-
     cov = None
-    if layout is None:
+    if rotary_layout(encoding) is None:
         skipped["utilization"] = f"encoding {encoding.spec!r} has no rotary pairs"
     else:
-        u = at_max.utilization()  # (L, H, F)
-        cov = coefficient_of_variation(u)  # (L, H)
-        kv = kv_head_index(H, K)
-        log_theta = torch.stack(
-            [head_log_frequencies(encoding, layer, L_max)[kv] for layer in range(n_layers)]
-        )  # (L, H, F)
-        weighted_log = weighted_mean(log_theta, u)  # (L, H)
-        mean_log = log_theta.mean(-1)  # (L, H)
-        result["utilization"] = {
-            "length": L_max,
-            "pairing": layout.pairing,
-            "n_pairs": layout.n_pairs,
-            "qk_pairs_per_window": config.qk_pairs,
-            "mean_abs": u.tolist(),  # (L, H, F) in logit units
-            "cov": cov.tolist(),  # (L, H)
-            "max_cov": math.sqrt(layout.n_pairs - 1),
-            "weighted_frequency": weighted_mean(log_theta.exp(), u).tolist(),  # (L, H)
-            "weighted_log_frequency": weighted_log.tolist(),  # (L, H)
-            "mean_log_frequency": mean_log.tolist(),  # (L, H)
-            # Paper, Figure 8 right: learned mean ln theta vs utilization-weighted mean ln theta.
-            "log_frequency_correlation": _pearson(mean_log, weighted_log),
-        }
-
-    bases = effective_bases(encoding, L_max)
-    if bases is None:
+        result["utilization"], cov = _utilization(encoding, at_max, config)
+    result["schedule"] = _schedule(encoding, config)
+    if result["schedule"] is None:
         skipped["schedule"] = f"encoding {encoding.spec!r} has no rotary frequencies"
-    else:
-        learned = learned_schedule(encoding)
-        initial = None
-        if learned is not None and layout is not None and layout.n_pairs >= 2:
-            xi_init = torch.tensor(learned["xi_init"], dtype=torch.float64)
-            initial = float(fit_effective_base(xi_init, layout.rotary_dim)[0])
-        result["schedule"] = {"effective_base": bases, "initial_base": initial, "learned": learned}
-
-    units = {kind: influence_units(encoding, kind) for kind in INFLUENCE_KINDS}
     if not config.influence:
         skipped["influence"] = "influence=False"
-    elif not any(units.values()):
+    elif not any(influence_units(encoding, kind) for kind in INFLUENCE_KINDS):
         skipped["influence"] = f"encoding {encoding.spec!r} has no per-head learned parameters"
     else:
-        T = config.influence_length
-        n = config.influence_windows or config.n_windows
-        sample = windows[:n, :T]
-        batch = max(1, config.batch_tokens // T)
-        baseline = mean_nll(model, sample, batch)
-        section: dict[str, Any] = {"target_length": T, "windows": n, "baseline_nll": baseline}
-        for kind in INFLUENCE_KINDS:
-            if not units[kind]:
-                section[kind] = None
-                continue
-            rows = head_influence(
-                model,
-                encoding,
-                sample,
-                kind,
-                batch_size=batch,
-                baseline=baseline,
-                progress=progress,
-            )["units"]
-            top = sorted(rows, key=lambda r: r["delta_nll"], reverse=True)[: config.top_k]
-            section[kind] = {"units": rows, "top": top}
-        result["influence"] = section
-
+        result["influence"] = _influence(model, encoding, windows, config, progress)
     if cov is not None:
         profile = at_max.distance_profile()  # (L, H, F, R)
         result["utilization"]["distance_profile"] = {
@@ -416,7 +452,9 @@ def analyze_windows(
                     "why": why,
                     "contribution": profile[layer, head].tolist(),  # (F, R)
                 }
-                for layer, head, why in _profile_heads(cov, result["influence"], H // K)
+                for layer, head, why in _profile_heads(
+                    cov, result["influence"], encoding.n_heads // encoding.n_kv_heads
+                )
             ],
         }
     result["capture"] = method
@@ -433,6 +471,7 @@ def analyze(
     data: Any = "shakespeare",
     command: str = "",
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Analyse the heads of ``model`` as ``config`` says and write ``analysis.json`` and PNGs
     into ``out_dir``.
@@ -441,10 +480,13 @@ def analyze(
     ``ropekit.hf.patch`` or ``load_adapter``; an unpatched one is analysed with its own RoPE,
     patched for the duration). ``tokenizer`` turns ``data`` into held-out tokens (None: the
     model's own; bytes for Decoders); ``data`` is a corpus name, files, a TokenStream or id
-    tensor (``held_out_windows``). Returns the result as written, plus ``paths`` (the JSON
-    and each figure).
+    tensor (``held_out_windows``). The result's provenance is the model, the windows (a digest
+    of their tokens) and the config: an ``analysis.json`` of exactly that provenance is returned
+    as it is; one of another is refused, naming the field, unless ``overwrite``. Returns the
+    result as written, plus ``paths`` (the JSON and each figure).
     """
     out = Path(out_dir)
+    json_path = out / JSON_NAME
     backbone = as_backbone(model, tokenizer)
     module = backbone.model
     was_training = module.training
@@ -452,16 +494,18 @@ def analyze(
     try:
         with backbone.own_encoding() as (encoding, patched_here), torch.no_grad():
             windows, data_info = held_out_windows(backbone, None, data, config)
+            data_info["tokens"] = hashlib.sha256(windows.numpy().tobytes()).hexdigest()
+            provenance = {
+                "model": backbone.identity(), "data": data_info, "config": _config_json(config),
+            }  # fmt: skip
+            if check_replaceable(json_path, "analysis", provenance, overwrite=overwrite):
+                return _reused(json_path, out)
             result = analyze_windows(backbone, encoding, windows, config, progress)
-            spec = encoding.spec
-            identity = backbone.identity()
     finally:
         module.train(was_training)
-    config_json = dataclasses.asdict(config)
-    config_json["betas"] = [_beta_json(b) for b in config.betas]
     result = {
         **result,
-        "spec": spec,
+        "spec": encoding.spec,
         "seed": config.seed,
         "model": {
             "class": type(module).__name__,
@@ -473,16 +517,30 @@ def analyze(
             "patched_for_analysis": patched_here,
         },
         "data": data_info,
-        "config": config_json,
+        "config": _config_json(config),
     }
     result["figures"] = planned_figures(result)
-    result = plain(result)
-    json_path = out / JSON_NAME
-    meta = run_metadata(command, spec=spec, seed=config.seed)
-    provenance = {"model": identity, "data": data_info, "config": config_json}
+    meta = run_metadata(command, spec=encoding.spec, seed=config.seed)
+    result = plain(make_record("analysis", result, meta=meta, provenance=provenance))
     write_result(json_path, "analysis", result, meta=meta, provenance=provenance, indent=1)
     figures = write_figures(result, out)
     result["paths"] = {"json": str(json_path), "figures": {k: str(p) for k, p in figures.items()}}
+    return result
+
+
+def _config_json(config: AnalysisConfig) -> dict[str, Any]:
+    """The config as JSON (JSON has no infinity: an order E_inf is the string "inf")."""
+    out = dataclasses.asdict(config)
+    out["betas"] = [_beta_json(b) for b in config.betas]
+    return out
+
+
+def _reused(json_path: Path, out: Path) -> dict[str, Any]:
+    """A finished analysis of this very model, data and config, read back."""
+    result = read_result(json_path, "analysis")
+    figures = {name: str(out / file) for name, file in result["figures"].items()}
+    result["paths"] = {"json": str(json_path), "figures": figures}
+    result["reused"] = True
     return result
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ropekit.encodings import config_from_spec
 from ropekit.encodings.adarope import AdaRoPEConfig
-from ropekit.results import run_metadata, write_result
+from ropekit.results import check_replaceable, run_metadata, write_result
 
 DEFAULT_METHODS = ("rope", "linear", "ntk", "yarn", "llama3")
 
@@ -108,10 +108,18 @@ def plot_schedules(result: dict[str, Any], path: Path) -> None:
     tmp.replace(path)
 
 
-def write_schedules(result: dict[str, Any], out_dir: Path, command: str = "") -> dict[str, Path]:
-    """schedules.json and schedules.png in ``out_dir``; returns their paths."""
+def write_schedules(
+    result: dict[str, Any], out_dir: Path, command: str = "", overwrite: bool = False
+) -> dict[str, Path]:
+    """schedules.json and schedules.png in ``out_dir``; returns their paths. A schedules.json
+    of other settings is replaced only with ``overwrite``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "schedules.json", "png": out_dir / "schedules.png"}
-    write_result(paths["json"], "schedules", result, meta=run_metadata(command))
+    settings = ("head_dim", "base", "factor", "original_length")
+    provenance = {k: result[k] for k in settings}
+    provenance["methods"] = [row["method"] for row in result["methods"]]
+    check_replaceable(paths["json"], "schedules", provenance, overwrite=overwrite)
+    meta = run_metadata(command)
+    write_result(paths["json"], "schedules", result, meta=meta, provenance=provenance)
     plot_schedules(result, paths["png"])
     return paths
