@@ -660,7 +660,10 @@ def _holding_out(args: argparse.Namespace) -> contextlib.AbstractContextManager[
 def main(argv: list[str] | None = None) -> int:
     _offline()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a bad option (2, one line already printed)
+        return int(e.code or 0)
     warnings.formatwarning = _one_line_warning
     try:
         from ropekit.outdir import exit_on_sigterm

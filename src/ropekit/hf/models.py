@@ -239,8 +239,12 @@ def load_model(
 ) -> Any:
     """Open a causal LM from a local HF folder or an installed known model, offline
     (``local_files_only=True``), in eval mode. Code shipped inside a model folder runs only
-    when the caller passes ``trust_remote_code=True``."""
+    when the caller passes ``trust_remote_code=True``. A folder whose config or weights cannot
+    be read (corrupt JSON, a truncated safetensors file, missing tensors) raises one ValueError
+    naming the folder and the reason."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     path = resolve_model(path_or_name)
     options: dict[str, Any] = {"local_files_only": True, "trust_remote_code": trust_remote_code}
@@ -248,7 +252,12 @@ def load_model(
         options["dtype"] = dtype
     if attn_implementation is not None:
         options["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **options, **kwargs)
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per model is noise here
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **options, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"{path}: the Hugging Face model could not be loaded: {reason}") from None
     return model.eval()
 
 

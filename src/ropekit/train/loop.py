@@ -74,8 +74,10 @@ class TrainDataset(Protocol):
     def __getitem__(self, index: int) -> dict[str, Tensor]: ...
 
 
-class NonFiniteLossError(RuntimeError):
-    """A step's loss or gradient norm was NaN or infinite; its update was not applied."""
+class NonFiniteLossError(RuntimeError, ValueError):
+    """A step's loss or gradient norm was NaN or infinite; its update was not applied. A
+    ValueError too: it comes from settings (a learning rate too high, data that scores no
+    token), so the CLI reports it as one line."""
 
     def __init__(self, step: int, loss: float, grad_norm: float, checkpoint: Path | None):
         self.step, self.loss, self.grad_norm, self.checkpoint = step, loss, grad_norm, checkpoint
