@@ -164,3 +164,109 @@ def test_several_kills_at_random_moments_then_resume_end_like_an_uninterrupted_r
         _kill_at_random(_start(data, out, resume=True), out, rng)
     _finish(data, out)
     _assert_same_run(out, reference)
+
+
+# ----------------------------------------------------------------------------- extend, eval
+EXTEND = ["--method", "adarope:init=yarn,factor=2", "--target-length", "64", "--samples", "120"]
+EXTEND += ["--batch-size", "2", "--lr", "3e-2"]
+PASSKEY = ["--lengths", "96,128", "--depths", "3", "--samples", "10", "--batch-size", "1"]
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory, data) -> Path:
+    out = tmp_path_factory.mktemp("base") / "run"
+    tiny = ["--d-model", "32", "--layers", "1", "--heads", "2", "--context", "32", "--steps", "20"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert (
+            main(["pretrain", *tiny, "--batch-size", "4", "--warmup", "2", "--out", str(out)]) == 0
+        )
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _cli(args: list[str]) -> subprocess.Popen:
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "ropekit.cli", *args]
+    return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _kill_when(run: subprocess.Popen, started, rng: random.Random, spread: float) -> bool:
+    """SIGKILL `run` a random 0-`spread` s after ``started()`` first holds (some work is saved
+    and more is under way); returns whether it was still running."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and run.poll() is None and not started():
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, spread))
+    running = run.poll() is None
+    run.send_signal(signal.SIGKILL)
+    code = run.wait()
+    assert code in (0, -signal.SIGKILL), run.stderr.read().decode()[-3000:]
+    return running
+
+
+def _done(run: subprocess.Popen) -> None:
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err.decode()[-3000:]
+
+
+def _extend_result(out: Path) -> tuple[dict, float]:
+    weights = load_file(out / "adapter" / "adapter.safetensors")
+    return weights, json.loads((out / "extend.json").read_text())["final_loss"]
+
+
+@pytest.mark.parametrize("kills", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_extend_killed_at_random_then_resumed_ends_like_an_uninterrupted_run(
+    tmp_path, base_model, kills
+):
+    args = ["extend", "--model", str(base_model), *EXTEND]
+    _done(_cli([*args, "--out", str(tmp_path / "reference")]))
+    out, rng = tmp_path / "run", random.Random(kills)
+
+    def checkpointed() -> bool:
+        return any((out / "train" / "checkpoints").glob("step-*"))
+
+    assert _kill_when(_cli([*args, "--out", str(out)]), checkpointed, rng, 1.0)
+    assert not (out / "extend.json").exists()  # killed mid-run: the resume has work to do
+    for _ in range(kills - 1):
+        _kill_when(_cli([*args, "--resume", "--out", str(out)]), checkpointed, rng, 2.0)
+    _done(_cli([*args, "--resume", "--out", str(out)]))
+    weights, loss = _extend_result(out)
+    expected, expected_loss = _extend_result(tmp_path / "reference")
+    assert weights.keys() == expected.keys() and loss == expected_loss
+    for name in expected:
+        assert torch.equal(weights[name], expected[name]), name
+    assert not (out / ".ropekit.lock").exists()
+
+
+def _without_command(path: Path) -> dict:
+    """A result without what names its own run: the command and the output paths."""
+    record = json.loads(path.read_text())
+    record["meta"].pop("command")
+    record.pop("paths")
+    return record
+
+
+@pytest.mark.parametrize("kills", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_eval_killed_at_random_then_rerun_ends_like_an_uninterrupted_run(
+    tmp_path, base_model, kills
+):
+    args = ["eval", "passkey", "--model", str(base_model), *PASSKEY]
+    _done(_cli([*args, "--out", str(tmp_path / "reference")]))
+    out, rng = tmp_path / "run", random.Random(10 + kills)
+
+    def predicting() -> bool:
+        return any(out.rglob("pred.jsonl"))
+
+    assert _kill_when(_cli([*args, "--out", str(out)]), predicting, rng, 0.3)
+    assert not (out / "summary.json").exists()  # killed mid-run: the rerun has work to do
+    for _ in range(kills - 1):
+        _kill_when(_cli([*args, "--out", str(out)]), predicting, rng, 1.0)
+    _done(_cli([*args, "--out", str(out)]))
+    assert _without_command(out / "summary.json") == _without_command(
+        tmp_path / "reference" / "summary.json"
+    )
+    for pred in (tmp_path / "reference").rglob("pred.jsonl"):
+        assert (out / pred.relative_to(tmp_path / "reference")).read_bytes() == pred.read_bytes()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,51 @@ def test_weights_that_do_not_fit_the_spec_are_reported(trained) -> None:
 def test_saving_an_unpatched_model_is_refused(tmp_path: Path) -> None:
     with pytest.raises(AdapterError, match="not patched"):
         save_adapter(tiny_model("llama"), tmp_path)
+
+
+def _lora_run(tmp_path: Path, rank: int) -> tuple[torch.nn.Module, Path]:
+    """A patched tiny Llama with LoRA of ``rank`` (trained-looking weights), saved as an
+    extension run folder: adapter/ plus lora.safetensors and lora.json."""
+    from ropekit.backbone import add_lora, as_backbone, save_lora
+
+    model = tiny_model("llama")
+    perturb(patch(model, "adarope:init=yarn,factor=2"))
+    backbone = as_backbone(model)
+    targets = add_lora(backbone, rank, 2 * rank)
+    with torch.no_grad():
+        for p in backbone.lora_parameters().values():
+            p.normal_(0, 0.02, generator=torch.Generator().manual_seed(rank))
+    run = tmp_path / f"run-r{rank}"
+    save_adapter(model, run / "adapter")
+    save_lora(backbone, run, rank, 2 * rank, targets)
+    return model, run
+
+
+def test_lora_weights_round_trip_and_are_checked(tmp_path: Path) -> None:
+    from ropekit.backbone import LORA_WEIGHTS
+
+    model, run = _lora_run(tmp_path, rank=4)
+    fresh = tiny_model("llama")
+    load_adapter(fresh, run)
+    assert torch.equal(_logits(fresh), _logits(model))  # positional + LoRA, exactly
+    # Another run's LoRA file of another rank, swapped in: refused, not loaded.
+    _, other = _lora_run(tmp_path, rank=2)
+    swapped = tmp_path / "swapped"
+    shutil.copytree(run, swapped)
+    shutil.copy2(other / LORA_WEIGHTS, swapped / LORA_WEIGHTS)
+    with pytest.raises(AdapterError, match="sha256"):
+        load_adapter(tiny_model("llama"), swapped)
+    # One flipped bit in the LoRA weights: refused.
+    flipped = tmp_path / "flipped"
+    shutil.copytree(run, flipped)
+    data = bytearray((flipped / LORA_WEIGHTS).read_bytes())
+    data[-3] ^= 0x10
+    (flipped / LORA_WEIGHTS).write_bytes(bytes(data))
+    with pytest.raises(AdapterError, match="corrupted"):
+        load_adapter(tiny_model("llama"), flipped)
+    # LoRA weights without their lora.json: refused (nothing says what they are).
+    bare = tmp_path / "bare"
+    shutil.copytree(run, bare)
+    (bare / "lora.json").unlink()
+    with pytest.raises(AdapterError, match=r"lora\.json is missing"):
+        load_adapter(tiny_model("llama"), bare)

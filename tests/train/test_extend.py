@@ -5,6 +5,7 @@ of the tokens, adapters and recipes round-trip."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 
 import pytest
@@ -152,3 +153,72 @@ def test_bad_requests_are_refused_and_lose_nothing(base_dir, tmp_path):
         run_extension(
             model, ExtendConfig("yarn:factor=4", TARGET), tmp_path / "c", recipe="adarope->lora"
         )
+
+
+def _adapter(folder) -> dict[str, torch.Tensor]:
+    from ropekit.backbone import read_adapter
+
+    return read_adapter(folder / "adapter")[1]
+
+
+def test_an_adapter_is_continued_not_restarted(base_dir, tmp_path):
+    """`extend --adapter A --method <A's spec>` trains on from A's parameters: the result
+    differs from a fresh start on the same samples and equals continuing the same model in
+    memory; another method on top of an adapter is refused rather than silently restarted."""
+    spec = "adarope:init=yarn,factor=4"
+    first = ExtendConfig(spec, TARGET, samples=4, batch_size=2, lr=3e-2)
+    then = ExtendConfig(spec, TARGET, samples=4, batch_size=2, lr=3e-2, seed=1)
+    model = _base(base_dir)
+    extend(model, first, tmp_path / "first")
+    # By hand: the same model object, its trained encoding kept, trained on.
+    extend(model, then, tmp_path / "by-hand", keep_encoding=True)
+    # Through the adapter, as `ropekit extend --adapter first` does.
+    adapted = _base(base_dir)
+    load_adapter(adapted, tmp_path / "first")
+    extend(adapted, then, tmp_path / "continued")
+    fresh = _base(base_dir)
+    extend(fresh, then, tmp_path / "fresh")
+    continued, by_hand = _adapter(tmp_path / "continued"), _adapter(tmp_path / "by-hand")
+    assert continued.keys() == by_hand.keys()
+    for name, value in continued.items():
+        assert torch.equal(value, by_hand[name]), name
+    assert any(not torch.equal(v, _adapter(tmp_path / "fresh")[n]) for n, v in continued.items())
+    other = _base(base_dir)
+    load_adapter(other, tmp_path / "first")
+    with pytest.raises(ValueError, match="would replace it"):
+        extend(other, ExtendConfig("yarn:factor=4", TARGET), tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_method_factor_is_derived_when_missing_and_refused_when_too_small(base_dir, tmp_path):
+    lines: list[str] = []
+    result = extend(_base(base_dir), ExtendConfig("yarn", TARGET), tmp_path / "a", log=lines.append)
+    assert "factor=4" in result.spec and any("factor=4 derived" in line for line in lines)
+    with pytest.raises(ValueError, match="factor >= 4"):
+        extend(_base(base_dir), ExtendConfig("yarn:factor=2", TARGET), tmp_path / "b")
+    # A larger factor than the target needs is the user's choice (YaRN often runs above it).
+    assert "factor=8" in extend(_base(base_dir), ExtendConfig("yarn:factor=8", TARGET),
+                                tmp_path / "c").spec  # fmt: skip
+
+
+def test_extend_resume_continues_an_interrupted_run_and_returns_a_finished_one(base_dir, tmp_path):
+    config = ExtendConfig("adarope:init=yarn,factor=4", TARGET, samples=8, batch_size=2)
+    whole = _base(base_dir)
+    extend(whole, config, tmp_path / "whole")
+    # An interrupted run: the first half of the steps trained, then the process died.
+    half = _base(base_dir)
+    extend(half, dataclasses.replace(config, samples=4), tmp_path / "half")
+    stopped = tmp_path / "stopped"
+    (stopped / "train").mkdir(parents=True)
+    for name in ("checkpoints", "metrics.jsonl"):
+        src = tmp_path / "half" / "train" / name
+        dst = stopped / "train" / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
+    with pytest.raises(ValueError, match="other settings"):
+        extend(_base(base_dir), config, stopped, resume=True)  # other samples: refused
+    resumed = _base(base_dir)
+    again = extend(resumed, config, tmp_path / "whole", resume=True)  # finished: returned
+    assert again.final_loss is not None and _adapter(tmp_path / "whole").keys()
+    x = torch.randint(0, 256, (1, TARGET))
+    with torch.no_grad():
+        assert torch.equal(resumed(x).logits, whole(x).logits)  # its adapter was loaded
