@@ -165,3 +165,15 @@ def test_a_linked_figure_in_a_run_folder_is_named_as_skipped_and_never_embedded(
         )
     assert "(experiment/stolen.png)" not in md
     assert base64.b64encode(secret).decode()[:40] not in page
+
+
+def test_a_result_linked_from_outside_the_run_folder_is_not_read(tmp_path):
+    from ropekit.report.sections import discover
+
+    outside = tmp_path / "outside"
+    write_result(outside / "results.json", "experiment", {"config": {"description": "x"}})
+    run = tmp_path / "run"
+    write_result(run / "results.json", "experiment", {"config": {"description": "mine"}})
+    (run / "linked").mkdir()
+    (run / "linked" / "results.json").symlink_to(outside / "results.json")
+    assert [r.path.as_posix() for r in discover(run)] == ["results.json"]

@@ -28,7 +28,7 @@ from typing import Any
 
 from ropekit.results import ResultError, read_result, result_kind
 
-from .document import Block, Details, Figure, Heading, Table, Text
+from .document import Block, Details, Figure, Heading, Table, Text, figure_problem
 
 # kind -> section title, in the order sections appear.
 KINDS: dict[str, str] = {
@@ -66,6 +66,8 @@ def discover(root: str | Path) -> list[Result]:
         relative = path.relative_to(root)
         if any(p in _SKIP_DIRS or p.startswith(".") for p in relative.parts[:-1]):
             continue
+        if figure_problem(root, relative.as_posix()) is not None:
+            continue  # a link, or a file outside the run folder: not this run's result
         if result_kind(path) not in KINDS:
             continue
         try:
@@ -145,15 +147,15 @@ def pretrain_section(results: Sequence[Result], root: Path) -> list[Block]:
         rows.append(
             [
                 r.label,
-                f"`{d.get('encoding')}`",
-                fmt(d.get("parameters")),
-                fmt((d.get("model") or {}).get("context_length")),
-                fmt(d.get("steps", (d.get("train") or {}).get("steps"))),
-                fmt(d.get("tokens")),
-                fmt(d.get("final_loss"), 4),
-                fmt(d.get("tokens_per_s"), 0),
-                fmt(None if d.get("mfu") is None else 100 * d["mfu"], 1),
-                _seconds(d.get("elapsed_s")),
+                f"`{d['encoding']}`",
+                fmt(d["parameters"]),
+                fmt(d["model"]["context_length"]),
+                fmt(d["steps"]),
+                fmt(d["tokens"]),
+                fmt(d["final_loss"], 4),
+                fmt(d["tokens_per_s"], 0),
+                fmt(None if d["mfu"] is None else 100 * d["mfu"], 1),
+                _seconds(d["elapsed_s"]),
             ]
         )
         stages += [
@@ -167,7 +169,7 @@ def pretrain_section(results: Sequence[Result], root: Path) -> list[Block]:
                 fmt(st["final_loss"], 4),
                 _seconds(st["elapsed_s"]),
             ]
-            for st in d.get("stages", [])
+            for st in d["stages"]
         ]
     headers = ["run", "encoding", "parameters", "context", "steps", "tokens", "final loss"]
     blocks: list[Block] = [
@@ -192,19 +194,18 @@ def pretrain_section(results: Sequence[Result], root: Path) -> list[Block]:
 def extend_section(results: Sequence[Result], root: Path) -> list[Block]:
     rows = []
     for r in results:
-        d, c = r.data, r.data.get("config", {})
-        trainable = d.get("trainable") or {}
+        d, c = r.data, r.data["config"]
         rows.append(
             [
                 r.label,
-                f"`{d.get('spec')}`",
-                fmt(d.get("trained_at")),
-                fmt(c.get("target_length")),
-                str(c.get("mode")),
-                fmt(c.get("samples")),
-                fmt(trainable.get("total")),
-                fmt(d.get("final_loss"), 4),
-                _seconds(d.get("elapsed_s")),
+                f"`{d['spec']}`",
+                fmt(d["trained_at"]),
+                fmt(c["target_length"]),
+                str(c["mode"]),
+                fmt(c["samples"]),
+                fmt(d["trainable"]["total"]),
+                fmt(d["final_loss"], 4),
+                _seconds(d["elapsed_s"]),
             ]
         )
     headers = ["run", "encoding", "trained at", "target", "mode", "samples", "trained params"]
@@ -214,13 +215,13 @@ def extend_section(results: Sequence[Result], root: Path) -> list[Block]:
 
 def perplexity_section(results: Sequence[Result], root: Path) -> list[Block]:
     tables: list[Block] = []
-    for metric in dict.fromkeys(r.data.get("metric", "bits_per_byte") for r in results):
-        mine = [r for r in results if r.data.get("metric", "bits_per_byte") == metric]
+    for metric in dict.fromkeys(r.data["metric"] for r in results):
+        mine = [r for r in results if r.data["metric"] == metric]
         tables.append(
             length_table(
                 [r.label for r in mine],
-                [[f"`{r.data.get('spec')}`", fmt(_tokens(r))] for r in mine],
-                [{row["length"]: row.get(metric) for row in r.data["results"]} for r in mine],
+                [[f"`{r.data['spec']}`", fmt(r.data["results"][0]["tokens"])] for r in mine],
+                [{row["length"]: row[metric] for row in r.data["results"]} for r in mine],
                 ["run", "encoding", "targets"],
                 digits=3 if metric == "bits_per_byte" else 2,
                 caption=f"{metric.replace('_', ' ')} by context length (the same held-out "
@@ -230,25 +231,21 @@ def perplexity_section(results: Sequence[Result], root: Path) -> list[Block]:
     return [*tables, *_figures(results, root, _no_extra)]
 
 
-def _tokens(result: Result) -> int | None:
-    rows = result.data.get("results") or [{}]
-    return rows[0].get("tokens")
-
-
 def tasks_section(results: Sequence[Result], root: Path) -> list[Block]:
     labels, first, values = [], [], []
     for r in results:
         for name, task in r.data["tasks"].items():
             labels.append(r.label)
+            scores = task["scores"]
             first.append(
                 [
-                    f"`{r.data.get('spec')}`",
+                    f"`{r.data['spec']}`",
                     name,
-                    fmt((task.get("scores") or [{}])[0].get("n")),
-                    fmt(task.get("effective_length")),
+                    fmt(scores[0]["n"] if scores else None),
+                    fmt(task["effective_length"]),
                 ]
             )
-            values.append({s["length"]: s["score"] for s in task.get("scores", [])})
+            values.append({s["length"]: s["score"] for s in scores})
     table = length_table(
         labels,
         first,
@@ -261,7 +258,7 @@ def tasks_section(results: Sequence[Result], root: Path) -> list[Block]:
         f"{r.label}: {name} skipped at {s['length']} ({s['reason']})"
         for r in results
         for name, task in r.data["tasks"].items()
-        for s in task.get("skipped", [])
+        for s in task["skipped"]
     ]
     blocks: list[Block] = [table]
     if skipped:
@@ -282,18 +279,19 @@ def analysis_section(results: Sequence[Result], root: Path) -> list[Block]:
             blocks.append(Heading(r.label, 3))
         data = {k: v for k, v in r.data.items() if k != "paths"}
         blocks += [Text(line) for line in summary_lines(data)]
-        influence = r.data.get("influence") or {}
+        influence = r.data["influence"]  # None: not measured (the analysis says why)
         rows = [
             [name, u["label"], fmt(u["delta_nll"], 4)]
             for kind, name in (("freq", "AdaFreq"), ("scale", "AdaScale"))
-            for u in ((influence.get(kind) or {}).get("top") or [])[:5]
+            if influence is not None and influence[kind] is not None
+            for u in influence[kind]["top"][:5]
         ]
         if rows:
             blocks.append(
                 Table(
                     ["parameters reverted", "head", "Δ NLL (nats/token)"],
                     rows,
-                    f"Most influential heads at {influence.get('target_length')} tokens: NLL "
+                    f"Most influential heads at {influence['target_length']} tokens: NLL "
                     "increase when one head's learned parameters return to their init.",
                 )
             )
@@ -365,14 +363,14 @@ def schedules_section(results: Sequence[Result], root: Path) -> list[Block]:
                 fmt(m["wavelength"][-1], 0),
                 fmt(m["attention_factor"], 4),
             ]
-            for m in d.get("methods", [])
+            for m in d["methods"]
         ]
         blocks.append(
             Table(
                 ["method", "slowest θ (rad/token)", "longest wavelength (tokens)", "attn factor"],
                 rows,
-                f"{r.label}: head dim {d.get('head_dim')}, base {fmt(d.get('base'), 0)}, "
-                f"factor {d.get('factor')}, original length {d.get('original_length')}",
+                f"{r.label}: head dim {d['head_dim']}, base {fmt(d['base'], 0)}, "
+                f"factor {d['factor']}, original length {d['original_length']}",
             )
         )
     return [*blocks, *_figures(results, root, _no_extra)]
@@ -387,64 +385,65 @@ def demo_section(results: Sequence[Result], root: Path) -> list[Block]:
     blocks: list[Block] = []
     for r in results:
         d = r.data
+        if d["status"] != "done":
+            blocks.append(Text(f"The demo in {r.label} has not finished ({d['status']})."))
+            continue
         folder = r.path.parent
         base, lengths = d["base"], [int(n) for n in d["lengths"]]
-        reused = "reused from the cache" if base.get("reused") else "trained by this run"
+        reused = "reused from the cache" if base["reused"] else "trained by this run"
         stages = "; then ".join(
             f"{fmt(st['steps'])} steps on {st['context']}-byte samples, "
             f"{100 * st['retrieval_ratio']:.0f}% carrying a retrieval record"
-            for st in base.get("stages", [])
+            for st in base["stages"]
         )
         blocks.append(
             Text(
-                f"A {fmt(base.get('parameters'))}-parameter byte-level decoder "
-                f"(`{base.get('encoding')}`) trained at L = {d['context']} bytes ({reused}: "
-                f"{stages}; final training loss {fmt(base.get('final_loss'), 3)} nats) is "
+                f"A {fmt(base['parameters'])}-parameter byte-level decoder "
+                f"(`{base['encoding']}`) trained at L = {d['context']} bytes ({reused}: "
+                f"{stages}; final training loss {fmt(base['final_loss'], 3)} nats) is "
                 f"extended to {d['target_length']} bytes by each method, then evaluated at "
                 f"{', '.join(map(str, lengths))} bytes on held-out text ({d['data']}). Trained "
                 f"methods see the same {d['extend_samples']} samples of {d['target_length']} "
                 "bytes from the training split, with the backbone frozen."
             )
         )
-        tasks = list(d.get("tasks") or [])
+        tasks = list(d["tasks"])
         headers = ["method", "trained params"]
         headers += [f"bpb @{n}" for n in lengths]
         headers += [f"{t} @{n}" for t in tasks for n in lengths]
         rows = []
         for m in d["methods"]:
-            row = [f"{m['name']}", fmt(m.get("trainable"))]
-            row += [fmt((m.get("bpb") or {}).get(str(n))) for n in lengths]
-            scores = m.get("tasks") or {}
-            row += [_pct((scores.get(t) or {}).get(str(n))) for t in tasks for n in lengths]
+            # A length a task does not fit is missing from its scores: shown as "-".
+            row = [f"{m['name']}", fmt(m["trainable"])]
+            row += [fmt(m["bpb"].get(str(n))) for n in lengths]
+            row += [_pct(m["tasks"].get(t, {}).get(str(n))) for t in tasks for n in lengths]
             rows.append(row)
         blocks.append(
             Table(
                 headers,
                 rows,
                 "Bits per byte (lower is better) and retrieval accuracy by evaluation length "
-                f"(bytes); {d.get('task_samples')} samples per length for each task.",
+                f"(bytes); {d['task_samples']} samples per length for each task.",
             )
         )
-        blocks += [Text(note) for note in d.get("notes", [])]
+        blocks += [Text(note) for note in d["notes"]]
         blocks.append(
             Table(
                 ["method", "encoding", "extension time"],
-                [[m["name"], f"`{m['spec']}`", _seconds(m.get("extend_s"))] for m in d["methods"]],
+                [[m["name"], f"`{m['spec']}`", _seconds(m["extend_s"])] for m in d["methods"]],
             )
         )
-        for name, caption in (d.get("figures") or {}).items():
+        for name, caption in d["figures"].items():
             path = (folder / name).as_posix()
             if (root / path).is_file():
                 blocks.append(Figure(path, caption))
-        timings = d.get("timings") or {}
-        if timings:
-            blocks.append(
-                Table(
-                    ["stage", "wall time"],
-                    [[k, _seconds(v)] for k, v in timings.items()],
-                    f"Wall time on {d.get('machine', 'this machine')}.",
-                )
+        blocks.append(
+            Table(
+                ["stage", "wall time"],
+                [[k, _seconds(v)] for k, v in d["timings"].items()],
+                f"Wall time on {d['meta']['machine']}.",
             )
+        )
     return blocks
 
 

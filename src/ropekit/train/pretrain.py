@@ -82,6 +82,8 @@ def pretrain(
             "encoding": decoder.encoding.spec,
             "model": model.to_dict(),
             "parameters": count_parameters(decoder),
+            "steps": train_config.steps,
+            "stages": [],  # one run; the base recipe (train/recipe.py) records its stages here
             "train": train_config.to_dict(),
             "data": data,
             "retrieval": None if retrieval is None else dataclasses.asdict(retrieval),
