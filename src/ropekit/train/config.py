@@ -97,7 +97,7 @@ class TrainConfig:
             self.warmup_steps,
             f"an integer in [0, steps={self.steps}]",
         )
-        _require(0 < self.lr <= 10, "lr", self.lr, "a number in (0, 10]")
+        _require(0 < self.lr <= 10, "lr", self.lr, "a finite number > 0 and <= 10")
         _require(
             math.isfinite(self.weight_decay) and self.weight_decay >= 0,
             "weight_decay",

@@ -149,22 +149,9 @@ def _train(
     main = accelerator.is_main_process
     set_seed(config.seed + rank)  # own streams per process, e.g. for dropout
     optimizer, scheduler = build_optimizer(model, config)
-    state = CheckpointState(
-        step=0,
-        samples_seen=0,
-        tokens=0,
-        loss=math.nan,
-        elapsed_s=0.0,
-        num_processes=world,
-        dataset_len=len(dataset),
-        config=config.to_dict(),
-        provenance=dict(provenance or {}),
+    state = _start_state(
+        model, optimizer, scheduler, dataset, config, world, checkpoint, provenance
     )
-    if checkpoint is not None:
-        saved = read_checkpoint_state(checkpoint)
-        _check_resumable(checkpoint, saved, config, len(dataset), state.provenance)
-        # The main process verified every file of it against its manifest when choosing it.
-        state = load_checkpoint(checkpoint, model, optimizer, scheduler, verify=False)
     wrapped, optimizer = accelerator.prepare(model, optimizer)  # e.g. in DDP, on the device
     if checkpoint is not None:
         restore_rng(checkpoint, rank)
@@ -178,27 +165,14 @@ def _train(
     wrapped.train()
     try:
         while step < config.steps:
-            indices = global_batch(step, config.batch_size, len(dataset), config.seed)
-            batches = local_batches(indices, rank, world, config.grad_accum)
-            totals = _forward_backward(wrapped, dataset, batches, loss_fn, accelerator, config.bf16)
-            # A global batch with no scored token gives 0/0 = NaN here, caught below.
-            loss = float(totals[0] / totals[1])
-            # DDP averaged the summed-loss gradients over processes; this makes them the
-            # gradient of the mean over every scored token of the global batch.
-            scale = float(world / totals[1])
-            for p in trainable:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-            grad_norm = float(accelerator.clip_grad_norm_(trainable, config.grad_clip or math.inf))
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                raise NonFiniteLossError(step + 1, loss, grad_norm, checkpoint)
+            loss, grad_norm, n_tokens = _optimizer_step(
+                wrapped, dataset, config, loss_fn, accelerator, trainable, step, checkpoint
+            )
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            step += 1
-            tokens += int(totals[2])
+            step, tokens = step + 1, tokens + n_tokens
             bar.update()
-
             now = time.perf_counter()
             elapsed = elapsed_before + now - start
             if step % config.log_interval == 0 or step == config.steps:
@@ -219,30 +193,85 @@ def _train(
                     metrics.flush()
             if step % config.checkpoint_interval == 0 or step == config.steps:
                 state = dataclasses.replace(
-                    state,
-                    step=step,
-                    samples_seen=step * config.batch_size,
-                    tokens=tokens,
-                    loss=loss,
-                    elapsed_s=elapsed,
-                    num_processes=world,
+                    state, step=step, samples_seen=step * config.batch_size, tokens=tokens,
+                    loss=loss, elapsed_s=elapsed, num_processes=world,
                     config=config.to_dict(),  # run-control fields may have changed on resume
-                )
+                )  # fmt: skip
                 checkpoint = save_checkpoint(
-                    config.out_dir,
-                    state,
-                    model=model,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    accelerator=accelerator,
-                    save_frozen=config.save_frozen,
-                    keep_last=config.keep_last,
-                )
+                    config.out_dir, state, model=model, optimizer=optimizer,
+                    scheduler=scheduler, accelerator=accelerator,
+                    save_frozen=config.save_frozen, keep_last=config.keep_last,
+                )  # fmt: skip
     finally:
         bar.close()
         if metrics is not None:
             metrics.close()
+    return _finish(state, checkpoint, config, accelerator)
 
+
+def _start_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    dataset: TrainDataset,
+    config: TrainConfig,
+    world: int,
+    checkpoint: Path | None,
+    provenance: Mapping[str, Any] | None,
+) -> CheckpointState:
+    """A fresh run's state, or the checkpoint's (loaded into the objects) when resuming."""
+    state = CheckpointState(
+        step=0,
+        samples_seen=0,
+        tokens=0,
+        loss=math.nan,
+        elapsed_s=0.0,
+        num_processes=world,
+        dataset_len=len(dataset),
+        config=config.to_dict(),
+        provenance=dict(provenance or {}),
+    )
+    if checkpoint is None:
+        return state
+    saved = read_checkpoint_state(checkpoint)
+    _check_resumable(checkpoint, saved, config, len(dataset), state.provenance)
+    # The main process verified every file of it against its manifest when choosing it.
+    return load_checkpoint(checkpoint, model, optimizer, scheduler, verify=False)
+
+
+def _optimizer_step(
+    wrapped: nn.Module,
+    dataset: TrainDataset,
+    config: TrainConfig,
+    loss_fn: LossFn,
+    accelerator: Accelerator,
+    trainable: list[nn.Parameter],
+    step: int,
+    checkpoint: Path | None,
+) -> tuple[float, float, int]:
+    """Gradients of step ``step``'s global batch, scaled and clipped: (loss, grad norm before
+    clipping, input tokens). The update itself is the caller's."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    indices = global_batch(step, config.batch_size, len(dataset), config.seed)
+    batches = local_batches(indices, rank, world, config.grad_accum)
+    totals = _forward_backward(wrapped, dataset, batches, loss_fn, accelerator, config.bf16)
+    # A global batch with no scored token gives 0/0 = NaN here, caught below.
+    loss = float(totals[0] / totals[1])
+    # DDP averaged the summed-loss gradients over processes; this makes them the gradient of
+    # the mean over every scored token of the global batch.
+    scale = float(world / totals[1])
+    for p in trainable:
+        if p.grad is not None:
+            p.grad.mul_(scale)
+    grad_norm = float(accelerator.clip_grad_norm_(trainable, config.grad_clip or math.inf))
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise NonFiniteLossError(step + 1, loss, grad_norm, checkpoint)
+    return loss, grad_norm, int(totals[2])
+
+
+def _finish(
+    state: CheckpointState, checkpoint: Path, config: TrainConfig, accelerator: Accelerator
+) -> TrainResult:
     result = TrainResult(
         final_loss=state.loss,
         steps=state.step,
@@ -252,8 +281,8 @@ def _train(
         checkpoint=checkpoint,
         summary=config.out_dir / SUMMARY,
     )
-    if main:
-        _write_summary(result, config, world, state.provenance)
+    if accelerator.is_main_process:
+        _write_summary(result, config, accelerator.num_processes, state.provenance)
     accelerator.wait_for_everyone()
     return result
 
