@@ -16,7 +16,8 @@ same bytes.
 
 Holds:
     configs      read_config, config_dict, check, set_field, check_ints, check_numbers,
-                 check_specs, check_tasks, check_recipe, ByteEvaluation, ExtensionProtocol
+                 check_specs, check_data, check_depths, check_tasks, check_recipe,
+                 ByteEvaluation, ExtensionProtocol
     command      EXPERIMENTS_DIR, Invocation, parse_args
     statistics   mean_std, summarize, fmt, markdown_table, series, paired
     files        read_record, write_record, provenance, write_results
@@ -185,6 +186,33 @@ def check_specs(config: Any, name: str, *, original_length: int, empty: bool = F
     set_field(config, name, dict(value))
 
 
+def check_data(config: Any, name: str) -> None:
+    """Check field ``name`` names the text (a corpus such as 'shakespeare', or a file); the
+    data module says which exist when it loads it."""
+    value = getattr(config, name)
+    check(
+        isinstance(value, str) and bool(value),
+        config,
+        name,
+        value,
+        "it must name a corpus (e.g. 'shakespeare') or a file",
+    )
+
+
+def check_depths(config: Any, name: str) -> None:
+    """Check field ``name`` is a non-empty list of needle depths in [0, 1] (a tuple after)."""
+    value = getattr(config, name)
+    ok = isinstance(value, list | tuple) and len(value) > 0
+    check(
+        ok and all(_is_number(d) and 0 <= d <= 1 for d in value),
+        config,
+        name,
+        value,
+        "it must be a non-empty list of numbers in [0, 1]",
+    )
+    set_field(config, name, tuple(value))
+
+
 def check_tasks(config: Any, name: str) -> None:
     """Check field ``name`` is a non-empty list of registered task names (ropekit.evals)."""
     from ropekit.evals import get_task
@@ -249,27 +277,12 @@ class ByteEvaluation:
     samples_per_depth: int  # task samples per depth and length (greedy, scored exactly)
 
     def __post_init__(self) -> None:
-        check(
-            isinstance(self.data, str) and bool(self.data),
-            self,
-            "data",
-            self.data,
-            "it must name a corpus (e.g. 'shakespeare') or a file",
-        )
+        check_data(self, "data")
         check_ints(self, "eval_lengths", many=True, distinct=True)
         check_ints(self, "eval_windows")
         check_tasks(self, "tasks")
         check_ints(self, "task_lengths", many=True, distinct=True)
-        depths = self.depths
-        ok = isinstance(depths, list | tuple) and len(depths) > 0
-        check(
-            ok and all(_is_number(d) and 0 <= d <= 1 for d in depths),
-            self,
-            "depths",
-            depths,
-            "it must be a non-empty list of numbers in [0, 1]",
-        )
-        set_field(self, "depths", tuple(depths))
+        check_depths(self, "depths")
         check_ints(self, "samples_per_depth")
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from experiments.common import (
     check,
+    check_data,
     check_ints,
     check_numbers,
     config_dict,
@@ -31,6 +32,7 @@ from experiments.common import (
     parse_args,
     provenance,
     read_record,
+    set_field,
     write_record,
     write_results,
 )
@@ -92,6 +94,7 @@ class RopeVsSinusoidalConfig:
     def __post_init__(self) -> None:
         from ropekit.encodings import config_from_spec
 
+        check_ints(self, "context")
         value = self.encodings
         ok = isinstance(value, list | tuple) and len(value) > 0 and len(set(value)) == len(value)
         check(
@@ -106,9 +109,8 @@ class RopeVsSinusoidalConfig:
                 config_from_spec(spec, original_length=self.context)
             except ValueError as e:
                 raise ValueError(f"{type(self).__name__}.encodings: {e}") from None
-        object.__setattr__(self, "encodings", tuple(value))
+        set_field(self, "encodings", tuple(value))
         check_ints(self, "seeds", minimum=0, many=True, distinct=True)
-        check_ints(self, "context")
         check_ints(self, "eval_lengths", many=True, distinct=True)
         # The PI column is plain RoPE at 1x and interpolates every longer length from L.
         check(
@@ -119,13 +121,7 @@ class RopeVsSinusoidalConfig:
             f"it must start at context={self.context}",
         )
         check_ints(self, "eval_tokens")
-        check(
-            isinstance(self.data, str) and bool(self.data),
-            self,
-            "data",
-            self.data,
-            "it must name a corpus (e.g. 'shakespeare') or a file",
-        )
+        check_data(self, "data")
         for name, kind in (("model", ModelShape), ("train", Training)):
             check(
                 isinstance(getattr(self, name), kind),

@@ -34,6 +34,8 @@ from typing import Any
 
 from experiments.common import (
     check,
+    check_data,
+    check_depths,
     check_ints,
     check_numbers,
     check_specs,
@@ -108,13 +110,7 @@ class SmolLM2Config:
             self.model,
             f"known models: {', '.join(KNOWN_MODELS)}",
         )
-        check(
-            isinstance(self.data, str) and bool(self.data),
-            self,
-            "data",
-            self.data,
-            "it must name a corpus (e.g. 'shakespeare') or a file",
-        )
+        check_data(self, "data")
         check_ints(self, "target_length", minimum=ORIGINAL_LENGTH + 1)
         check(
             isinstance(self.train, PoseTraining),
@@ -139,16 +135,7 @@ class SmolLM2Config:
         check_ints(self, "eval_seed", minimum=0)
         check_tasks(self, "tasks")
         check_ints(self, "task_lengths", many=True, distinct=True)
-        depths = self.depths
-        ok = isinstance(depths, list | tuple) and len(depths) > 0
-        check(
-            ok and all(isinstance(d, int | float) and 0 <= d <= 1 for d in depths),
-            self,
-            "depths",
-            depths,
-            "it must be a non-empty list of numbers in [0, 1]",
-        )
-        object.__setattr__(self, "depths", tuple(depths))
+        check_depths(self, "depths")
         check_ints(self, "samples_per_depth")
 
 
