@@ -1,4 +1,5 @@
-"""Every experiment script runs end to end on tiny settings and writes its committed outputs.
+"""Every experiment script runs end to end on tiny settings and writes its committed outputs;
+every experiment's config is a frozen dataclass that refuses what it does not know.
 
 The scripts run as users run them (``python -m experiments.<name>.run``) in a subprocess,
 with a tiny config, their runs and results in tmp_path and the model cache there too, so the
@@ -7,6 +8,8 @@ committed results next to the scripts are never touched.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import math
 import os
@@ -15,6 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from experiments.common import config_dict, read_config
+
+from ropekit.results import read_result
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_BASE = {
@@ -40,7 +46,8 @@ TINY_EVAL = {
 
 def run_experiment(name: str, config: dict, tmp_path: Path, own_cache: bool = True) -> dict:
     """``own_cache``: models go to a cache in tmp_path (False: the user cache, where an
-    installed Hugging Face model is reused instead of copied again)."""
+    installed Hugging Face model is reused instead of copied again). Returns results.json, an
+    ``experiment`` result."""
     cfg_path = tmp_path / "config.json"
     cfg_path.write_text(json.dumps(config))
     results = tmp_path / "results"
@@ -54,7 +61,12 @@ def run_experiment(name: str, config: dict, tmp_path: Path, own_cache: bool = Tr
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (results / "results.md").is_file()
-    return json.loads((results / "results.json").read_text())
+    result = read_result(results / "results.json", "experiment")
+    assert result["meta"]["command"].startswith(f"python -m experiments.{name}.run --config")
+    assert result["provenance"]["experiment"] == name
+    # The payload holds the whole config, as the config file says it.
+    assert result["config"] == {"description": ""} | config
+    return result
 
 
 def finite(values) -> bool:
@@ -143,6 +155,12 @@ def test_pretrain_encodings_scores_every_encoding(tmp_path, encodings):
     for entry in result["encodings"].values():
         assert entry["bpb"]["96"]["n"] == 2
         assert finite(entry["bpb"]["96"]["values"])
+    # Rerun on the finished jobs: the committed files regenerate byte for byte (nothing in
+    # them depends on the invocation).
+    files = {f: (tmp_path / "results" / f).read_bytes() for f in ("results.md", "results.json")}
+    run_experiment("pretrain_encodings", config, tmp_path)
+    for name, before in files.items():
+        assert (tmp_path / "results" / name).read_bytes() == before, name
 
 
 def test_smollm2_16k_scores_every_method(tmp_path):
@@ -191,3 +209,101 @@ def test_smollm2_16k_scores_every_method(tmp_path):
         assert runs[0]["losses"] != runs[1]["losses"]
     paired = result["paired_perplexity_differences"]["adarope-global - tuned-yarn"]
     assert paired["64"]["n"] == 2
+
+
+@pytest.mark.slow
+def test_rope_vs_sinusoidal_scores_every_column(tmp_path):
+    config = {
+        "encodings": ["sinusoidal", "rope"],
+        "seeds": [0, 1],
+        "context": 64,
+        "eval_lengths": [64, 128],
+        "eval_tokens": 256,
+        "data": "shakespeare",
+        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2},
+        "train": {"steps": 2, "batch_size": 2, "lr": 0.003, "warmup_steps": 1},
+    }
+    result = run_experiment("rope_vs_sinusoidal", config, tmp_path)
+    columns = result["bits_per_byte"]
+    assert list(columns) == ["sinusoidal", "rope", "rope + PI"]
+    for column in columns.values():
+        assert all(len(c["values"]) == 2 and finite(c["values"]) for c in column.values())
+    # Position interpolation at 1x is plain RoPE; at 2x it changes the numbers.
+    assert columns["rope + PI"]["64"] == columns["rope"]["64"]
+    assert columns["rope + PI"]["128"] != columns["rope"]["128"]
+    assert sorted(p.name for p in (tmp_path / "results" / "summaries").iterdir()) == [
+        "rope-s0.json", "rope-s1.json", "sinusoidal-s0.json", "sinusoidal-s1.json"
+    ]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- configs
+EXPERIMENTS = {
+    "extend_8x": "Extend8xConfig",
+    "two_stage": "TwoStageConfig",
+    "pretrain_encodings": "PretrainEncodingsConfig",
+    "smollm2_16k": "SmolLM2Config",
+    "rope_vs_sinusoidal": "RopeVsSinusoidalConfig",
+}
+
+
+def config_type(name: str) -> type:
+    return getattr(importlib.import_module(f"experiments.{name}.run"), EXPERIMENTS[name])
+
+
+def committed(name: str) -> dict:
+    return json.loads((ROOT / "experiments" / name / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_committed_config_reads_back_as_written(name):
+    cfg = read_config(config_type(name), ROOT / "experiments" / name / "config.json")
+    assert dataclasses.is_dataclass(cfg)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.description = "changed"  # type: ignore[misc]
+    # JSON form == the file: the results record exactly the settings that were run.
+    assert json.loads(json.dumps(config_dict(cfg))) == committed(name)
+
+
+def write_config(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
+def test_config_refuses_unknown_and_missing_keys(tmp_path, name):
+    data = committed(name)
+    with pytest.raises(ValueError, match=r"unknown key 'eval_lenghts'.*allowed: .*eval_lengths"):
+        read_config(config_type(name), write_config(tmp_path, data | {"eval_lenghts": [1]}))
+    del data["eval_lengths"]
+    with pytest.raises(ValueError, match=r"needs key 'eval_lengths'"):
+        read_config(config_type(name), write_config(tmp_path, data))
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        ("extend_8x", {"eval_lengths": [128, 0]}, r"Extend8xConfig\.eval_lengths=\[128, 0\]"),
+        ("extend_8x", {"factor": 1}, r"Extend8xConfig\.factor=1 .*>= 2"),
+        ("extend_8x", {"lr_grid": [0.01, -1]}, r"Extend8xConfig\.lr_grid=.*> 0"),
+        ("extend_8x", {"seeds": [0, 0]}, r"Extend8xConfig\.seeds=\[0, 0\].*without repeats"),
+        ("extend_8x", {"depths": [1.5]}, r"Extend8xConfig\.depths=\[1\.5\].*\[0, 1\]"),
+        ("extend_8x", {"tasks": ["paskey"]}, r"Extend8xConfig\.tasks: task='paskey'"),
+        ("extend_8x", {"trained": {"yarn": "yarn:factr=8"}}, r"trained\['yarn'\].*'factr'"),
+        ("extend_8x", {"base": {"contxt": 128}}, r"Extend8xConfig\.base\.contxt=128"),
+        ("extend_8x", {"untuned": {"adarope": "rope"}}, r"either untuned or trained"),
+        ("two_stage", {"recipes": {"yarn->joint": "yarn:factor=8"}}, r"recipes='yarn->joint'"),
+        ("two_stage", {"recipes": {"yarn->lora": "ntk:factor=8"}}, r"starts from a yarn spec"),
+        ("pretrain_encodings", {"model": {"seed": 3}}, r"model\.seed=3 .*allowed"),
+        ("pretrain_encodings", {"encodings": {}}, r"encodings=\{\}"),
+        ("smollm2_16k", {"model": "gpt2"}, r"SmolLM2Config\.model='gpt2'.*smollm2-135m"),
+        ("smollm2_16k", {"train": {"samples": 1}}, r"train: PoseTraining needs key 'pose_window'"),
+        ("rope_vs_sinusoidal", {"eval_lengths": [1024, 512]}, r"must start at context=512"),
+        ("rope_vs_sinusoidal", {"model": {"d_model": 192, "n_layers": 4, "n_heads": 5}},
+         r"ModelShape\.n_heads=5 .*divide d_model=192"),
+    ],
+)  # fmt: skip
+def test_config_refuses_bad_values_naming_them(tmp_path, name, change, message):
+    path = write_config(tmp_path, committed(name) | change)
+    with pytest.raises(ValueError, match=message):
+        read_config(config_type(name), path)

@@ -16,51 +16,83 @@ results.md and the figure are written next to this file.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from experiments.common import (
+    ByteEvaluation,
+    check_ints,
+    check_recipe,
+    check_specs,
+    config_dict,
     evaluate,
     fmt,
     markdown_table,
     parse_args,
-    read_json,
+    provenance,
+    read_record,
+    series,
     summarize,
-    write_json,
+    write_record,
+    write_results,
 )
 
-HERE = Path(__file__).resolve().parent
-RUNS = Path("runs/experiments/pretrain_encodings")
+NAME = "pretrain_encodings"
 
 
-def job(cfg: dict[str, Any], name: str, spec: str, seed: int) -> dict[str, Any]:
-    """Pretrain (or reuse) one model and score it."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PretrainEncodingsConfig(ByteEvaluation):
+    """Experiment A's settings (config.json): the encodings, the seeds, the shared recipe and
+    the evaluation protocol. Lengths in bytes."""
+
+    encodings: dict[str, str]  # name -> spec of the encoding each model is pretrained with
+    seeds: tuple[int, ...]  # seed s: initialisation and data order, the same for every encoding
+    # BaseRecipe fields every model shares (its encoding, seed and data are set above).
+    model: dict[str, Any]
+    description: str = ""  # what the experiment asks (for the reader of config.json)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        recipe = check_recipe(self, "model", fixed=("encoding", "seed", "data"))
+        check_specs(self, "encodings", original_length=recipe.context)
+        check_ints(self, "seeds", minimum=0, many=True, distinct=True)
+
+    def recipe(self, spec: str, seed: int) -> Any:
+        """The BaseRecipe of one model."""
+        from ropekit.train.recipe import BaseRecipe
+
+        return BaseRecipe(encoding=spec, seed=seed, data=self.data, **self.model)
+
+
+def job(cfg: PretrainEncodingsConfig, name: str, spec: str, seed: int, runs: Path) -> dict:
+    """Pretrain (or reuse) one model and score it; the row is cached in its eval.json."""
     from ropekit.model import load_decoder
-    from ropekit.train.recipe import BaseRecipe, prepare_base_model
+    from ropekit.results import read_result
+    from ropekit.train.recipe import prepare_base_model
 
-    folder = RUNS / f"{name}-s{seed}"
+    folder = runs / f"{name}-s{seed}"
     path = folder / "eval.json"
     if path.exists():
-        return read_json(path)
-    config = BaseRecipe(encoding=spec, seed=seed, data=cfg["data"], **cfg["model"])
+        return read_record(path)
     print(f"{name} seed {seed}: pretraining `{spec}`", flush=True)
-    model_dir, _, _ = prepare_base_model(config, log=lambda _: None)
-    pretrain = read_json(model_dir / "pretrain.json")
+    model_dir, _, _ = prepare_base_model(cfg.recipe(spec, seed), log=lambda _: None)
+    pretrain = read_result(model_dir / "pretrain.json", "pretrain")
     model = load_decoder(model_dir / "model").eval()
     start = time.perf_counter()
-    tasks = list(cfg["tasks"])
     scores = evaluate(
         model,
         folder,
-        lengths=cfg["eval_lengths"],
-        data=cfg["data"],
-        eval_windows=cfg["eval_windows"],
-        tasks=tasks,
-        task_lengths=cfg["task_lengths"],
-        depths=cfg["depths"],
-        samples_per_depth=cfg["samples_per_depth"],
+        lengths=cfg.eval_lengths,
+        data=cfg.data,
+        eval_windows=cfg.eval_windows,
+        tasks=cfg.tasks,
+        task_lengths=cfg.task_lengths,
+        depths=cfg.depths,
+        samples_per_depth=cfg.samples_per_depth,
         spec=model.encoding.spec,
     )
     row = {
@@ -76,13 +108,13 @@ def job(cfg: dict[str, Any], name: str, spec: str, seed: int) -> dict[str, Any]:
         "model": str(model_dir),
         **scores,
     }
-    write_json(path, row)
+    write_record(path, row)
     return row
 
 
-def aggregate(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+def aggregate(cfg: PretrainEncodingsConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
     encodings = {}
-    for name in cfg["encodings"]:
+    for name in cfg.encodings:
         runs = [r for r in rows if r["name"] == name]
         encodings[name] = {
             "spec": runs[0]["spec"],
@@ -96,75 +128,65 @@ def aggregate(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]
             "train_s": summarize([r["train_s"] for r in runs]),
         }
     return {
-        "config": cfg,
+        "config": config_dict(cfg),
         "encodings": encodings,
         "compute_s": sum(r["train_s"] + r["eval_s"] for r in rows),
     }
 
 
-def write_outputs(result: dict[str, Any]) -> str:
-    import matplotlib
+def write_outputs(
+    cfg: PretrainEncodingsConfig, result: dict[str, Any], results: Path, *, command: str
+) -> str:
+    """The figure, results.md and results.json in ``results``; returns the table."""
+    from ropekit.figures import plot_vs_length
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cfg = result["config"]
-    lengths = [str(n) for n in cfg["eval_lengths"]]
-    L = cfg["model"]["context"]
-    fig, ax = plt.subplots(figsize=(6.8, 4.2))
-    xs = [int(n) for n in lengths]
-    for name, e in result["encodings"].items():
-        ax.errorbar(
-            xs,
-            [e["bpb"][n]["mean"] for n in lengths],
-            yerr=[e["bpb"][n]["std"] for n in lengths],
-            marker="o",
-            capsize=3,
-            label=name,
-        )
-    ax.axvline(L, color="k", ls=":", lw=1, label="training length")
-    ax.set(
-        xscale="log",
-        xlabel="evaluation length (bytes)",
+    lengths = [str(n) for n in cfg.eval_lengths]
+    L = cfg.recipe("rope", 0).context
+    means, stds = series(result["encodings"], "bpb")
+    plot_vs_length(
+        means,
+        results / "bpb_vs_length.png",
         ylabel="held-out bits per byte",
-        title=f"Pretrained at {L} bytes (mean ± std, {len(cfg['seeds'])} seeds)",
+        title=f"Pretrained at {L} bytes (mean ± std, {len(cfg.seeds)} seeds)",
+        errors=stds,
+        train_length=L,
+        xlabel="evaluation length (bytes)",
     )
-    ax.set_xticks(xs, lengths)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(HERE / "bpb_vs_length.png", dpi=120)
-    plt.close(fig)
-    at = str(cfg["task_lengths"][0])
+    at = str(cfg.task_lengths[0])
     table = markdown_table(
         ["encoding", "parameters", "final train loss"]
         + [f"bpb @{n} ({int(n) // L}x)" for n in lengths]
-        + [f"{t} @{at}" for t in cfg["tasks"]],
+        + [f"{t} @{at}" for t in cfg.tasks],
         [
             [f"`{name}`", f"{e['parameters']:,}", fmt(e["final_loss"])]
             + [fmt(e["bpb"][n]) for n in lengths]
-            + [fmt(e["tasks"][t][at], percent=True) for t in cfg["tasks"]]
+            + [fmt(e["tasks"][t][at], percent=True) for t in cfg.tasks]
             for name, e in result["encodings"].items()
         ],
     )
-    (HERE / "results.md").write_text(table + "\n")
-    write_json(HERE / "results.json", result)
+    write_results(results, result, table + "\n", command=command, provenance=provenance(NAME, cfg))
     return table
 
 
-def main() -> None:
-    global RUNS, HERE
-    args, cfg = parse_args(__doc__, HERE, RUNS)
-    RUNS, HERE = args.runs, args.results
-    # The recipe caches its models under $ROPEKIT_CACHE; keep this experiment's with its runs.
-    os.environ["ROPEKIT_CACHE"] = str((RUNS / "models").resolve())
+def run(cfg: PretrainEncodingsConfig, runs: Path, results: Path, command: str) -> tuple[dict, str]:
+    """Every model (finished jobs are reused), then the results; returns them and the table."""
     rows = [
-        job(cfg, name, spec, seed)
-        for seed in cfg["seeds"]
-        for name, spec in cfg["encodings"].items()
+        job(cfg, name, spec, seed, runs)
+        for seed in cfg.seeds
+        for name, spec in cfg.encodings.items()
     ]
     result = aggregate(cfg, rows)
-    print(write_outputs(result))
+    return result, write_outputs(cfg, result, results, command=command)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    invocation = parse_args(NAME, __doc__, PretrainEncodingsConfig, argv)
+    # The recipe caches its models under $ROPEKIT_CACHE; keep this experiment's with its runs.
+    os.environ["ROPEKIT_CACHE"] = str((invocation.runs / "models").resolve())
+    result, text = run(invocation.config, invocation.runs, invocation.results, invocation.command)
+    print(text)
     print(f"compute: {result['compute_s']:.0f} s")
+    print(f"results in {invocation.results}")
 
 
 if __name__ == "__main__":

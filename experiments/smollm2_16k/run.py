@@ -26,14 +26,117 @@ figures are written next to this file.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.common import fmt, markdown_table, parse_args, read_json, summarize, write_json
+from experiments.common import (
+    check,
+    check_data,
+    check_depths,
+    check_ints,
+    check_numbers,
+    check_specs,
+    check_tasks,
+    config_dict,
+    fmt,
+    markdown_table,
+    parse_args,
+    provenance,
+    read_record,
+    summarize,
+    write_record,
+    write_results,
+)
 
-HERE = Path(__file__).resolve().parent
-RUNS = Path("runs/experiments/smollm2_16k")
+NAME = "smollm2_16k"
+# SmolLM2-135M's training length (its max_position_embeddings): the window the untuned
+# schedules extend from and the line the figures draw.
+ORIGINAL_LENGTH = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class PoseTraining:
+    """How each trained method trains (the same for every method and seed)."""
+
+    samples: int  # training samples of target_length tokens (one epoch, batch 1)
+    pose_window: int  # tokens per PoSE window; its positions span target_length
+    lr: float  # peak learning rate (no search: one rate for every method)
+    seeds: tuple[int, ...]  # seed s draws the samples and PoSE positions: paired by seed
+    grad_checkpointing: bool  # recompute activations in backward (memory for time)
+
+    def __post_init__(self) -> None:
+        check_ints(self, "samples")
+        check_ints(self, "pose_window")
+        check_numbers(self, "lr", low=0)
+        check_ints(self, "seeds", minimum=0, many=True, distinct=True)
+        check(
+            isinstance(self.grad_checkpointing, bool),
+            self,
+            "grad_checkpointing",
+            self.grad_checkpointing,
+            "it must be true or false",
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SmolLM2Config:
+    """Experiment D's settings (config.json). Lengths in the model's tokens."""
+
+    model: str  # a model ropekit installs offline (ropekit.hf.KNOWN_MODELS)
+    data: str  # corpus: trained on its training split, scored on its held-out documents
+    target_length: int  # tokens the trained methods are extended to
+    train: PoseTraining
+    untuned: dict[str, str]  # name -> spec applied without training ("rope": the model as is)
+    trained: dict[str, str]  # name -> spec whose positional parameters train
+    eval_lengths: tuple[int, ...]  # perplexity window lengths (whole window and last quarter)
+    eval_spans: int  # held-out spans of max(eval_lengths) tokens, re-cut at every length
+    eval_seed: int  # draws where the spans start in the held-out documents
+    tasks: tuple[str, ...]  # retrieval tasks (names registered in ropekit.evals)
+    task_lengths: tuple[int, ...]  # tokens; every task is scored at each (first seed only)
+    depths: tuple[float, ...]  # needle depths, 0 = start of the haystack, 1 = its end
+    samples_per_depth: int  # task samples per depth and length
+    description: str = ""  # what the experiment asks (for the reader of config.json)
+
+    def __post_init__(self) -> None:
+        from ropekit.hf import KNOWN_MODELS
+
+        check(
+            self.model in KNOWN_MODELS,
+            self,
+            "model",
+            self.model,
+            f"known models: {', '.join(KNOWN_MODELS)}",
+        )
+        check_data(self, "data")
+        check_ints(self, "target_length", minimum=ORIGINAL_LENGTH + 1)
+        check(
+            isinstance(self.train, PoseTraining),
+            self,
+            "train",
+            self.train,
+            "it must be a PoseTraining",
+        )
+        check(
+            self.train.pose_window <= self.target_length,
+            self,
+            "train.pose_window",
+            self.train.pose_window,
+            f"it must be <= target_length={self.target_length}",
+        )
+        check_specs(self, "untuned", original_length=ORIGINAL_LENGTH)
+        check_specs(self, "trained", original_length=ORIGINAL_LENGTH)
+        both = sorted(set(self.untuned) & set(self.trained))
+        check(not both, self, "trained", both, "a method name is either untuned or trained")
+        check_ints(self, "eval_lengths", many=True, distinct=True)
+        check_ints(self, "eval_spans")
+        check_ints(self, "eval_seed", minimum=0)
+        check_tasks(self, "tasks")
+        check_ints(self, "task_lengths", many=True, distinct=True)
+        check_depths(self, "depths")
+        check_ints(self, "samples_per_depth")
 
 
 def device() -> str:
@@ -42,24 +145,24 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def open_model(cfg: dict[str, Any]) -> tuple[Any, Any]:
+def open_model(cfg: SmolLM2Config) -> tuple[Any, Any]:
     """A fresh copy of the base model (float32) and its ropekit tokenizer."""
     from ropekit.backbone import open_backbone
     from ropekit.hf import install_model
 
-    install_model(cfg["model"])
-    backbone = open_backbone(cfg["model"])
+    install_model(cfg.model)
+    backbone = open_backbone(cfg.model)
     return backbone.model.to(device()), backbone.tokenizer
 
 
-def job_folder(cfg: dict[str, Any], name: str, seed: int | None) -> Path:
-    """Where a job lives: runs/<method> for an untuned method, runs/<method>/s<seed> for a
+def job_folder(cfg: SmolLM2Config, runs: Path, name: str, seed: int | None) -> Path:
+    """Where a job lives: <runs>/<method> for an untuned method, <runs>/<method>/s<seed> for a
     trained one."""
-    return RUNS / name if name in cfg["untuned"] else RUNS / name / f"s{seed}"
+    return runs / name if name in cfg.untuned else runs / name / f"s{seed}"
 
 
 def method_model(
-    cfg: dict[str, Any], name: str, seed: int | None
+    cfg: SmolLM2Config, runs: Path, name: str, seed: int | None
 ) -> tuple[Any, Any, dict[str, Any]]:
     """The model of one job, ready to score: untuned methods patched, trained ones trained at
     ``seed`` (or reloaded from the finished run). Returns it with its training record."""
@@ -69,27 +172,27 @@ def method_model(
     from ropekit.train.extend import ExtendConfig, extend
 
     model, tokenizer = open_model(cfg)
-    folder = job_folder(cfg, name, seed)
-    if name in cfg["untuned"]:
-        spec = cfg["untuned"][name]
+    folder = job_folder(cfg, runs, name, seed)
+    if name in cfg.untuned:
+        spec = cfg.untuned[name]
         if spec != "rope":  # "rope" is the unmodified model: transformers' own attention
             patch(model, spec)
         return model, tokenizer, {"spec": spec, "trainable": {"total": 0}, "extend_s": 0.0}
     record_path = folder / "job.json"
     if record_path.exists():
         load_adapter(model, folder)
-        return model, tokenizer, read_json(record_path)
-    train = cfg["train"]
+        return model, tokenizer, read_record(record_path)
+    train = cfg.train
     config = ExtendConfig(
-        method=cfg["trained"][name],
-        target_length=cfg["target_length"],
-        samples=train["samples"],
-        lr=train["lr"],
+        method=cfg.trained[name],
+        target_length=cfg.target_length,
+        samples=train.samples,
+        lr=train.lr,
         seed=seed,
-        data=cfg["data"],
+        data=cfg.data,
         pose=True,
-        pose_window=train["pose_window"],
-        grad_checkpointing=train["grad_checkpointing"],
+        pose_window=train.pose_window,
+        grad_checkpointing=train.grad_checkpointing,
     )
     samples = f"{config.samples} PoSE samples"
     print(f"  {name}, seed {seed}: training {config.method} ({samples})", flush=True)
@@ -106,7 +209,7 @@ def method_model(
         "losses": _losses(folder),
         "config": summary["config"],
     }
-    write_json(record_path, record)
+    write_record(record_path, record)
     return model.eval(), tokenizer, record
 
 
@@ -118,32 +221,31 @@ def _losses(folder: Path) -> list[float]:
     return [r["loss"] for r in read_records(folder / "train" / METRICS) if "loss" in r]
 
 
-def _cached(path: Path, what: str, score: Any) -> dict[str, Any]:
+def _cached(path: Path, score: Any) -> dict[str, Any]:
     """``score()``'s numbers with its wall time as ``eval_s``, written to ``path`` once; a
     finished piece is read back instead of scored again."""
     if path.exists():
-        return read_json(path)
-    print(f"  {path.parent.relative_to(RUNS)}: {what}", flush=True)
+        return read_record(path)
     start = time.perf_counter()
     out = score() | {"eval_s": time.perf_counter() - start}
-    write_json(path, out)
+    write_record(path, out)
     return out
 
 
 def score_perplexity(
-    cfg: dict[str, Any], folder: Path, model: Any, tokenizer: Any, spec: str
+    cfg: SmolLM2Config, folder: Path, model: Any, tokenizer: Any, spec: str
 ) -> dict[str, Any]:
     from ropekit.evals import PerplexityConfig, run_perplexity
 
     def score() -> dict[str, Any]:
         config = PerplexityConfig(
-            tuple(cfg["eval_lengths"]),
-            n_tokens=cfg["eval_spans"] * max(cfg["eval_lengths"]),
-            seed=cfg["eval_seed"],
-            batch_tokens=max(cfg["eval_lengths"]),
+            cfg.eval_lengths,
+            n_tokens=cfg.eval_spans * max(cfg.eval_lengths),
+            seed=cfg.eval_seed,
+            batch_tokens=max(cfg.eval_lengths),
         )
         result = run_perplexity(
-            model.eval(), config, folder / "ppl", tokenizer=tokenizer, data=cfg["data"],
+            model.eval(), config, folder / "ppl", tokenizer=tokenizer, data=cfg.data,
             spec=spec, progress=False,
         )  # fmt: skip
         return {
@@ -159,8 +261,7 @@ def score_perplexity(
             for r in result["results"]
         } | {"start": result["start"]}
 
-    what = f"perplexity at {cfg['eval_lengths']}"
-    return _cached(folder / "perplexity.json", what, score)
+    return _cached(folder / "perplexity.json", score)
 
 
 def _exp(x: float | None) -> float | None:
@@ -170,17 +271,17 @@ def _exp(x: float | None) -> float | None:
 
 
 def score_tasks(
-    cfg: dict[str, Any], folder: Path, model: Any, tokenizer: Any, spec: str, n: int
+    cfg: SmolLM2Config, folder: Path, model: Any, tokenizer: Any, spec: str, n: int
 ) -> dict[str, Any]:
     from ropekit.evals import EvalConfig, run_tasks
 
     def score() -> dict[str, Any]:
         config = EvalConfig(
-            (n,), samples=cfg["samples_per_depth"], depths=tuple(cfg["depths"]), seed=0,
+            (n,), samples=cfg.samples_per_depth, depths=cfg.depths, seed=0,
             batch_size=1,
         )  # fmt: skip
         summary = run_tasks(
-            model.eval(), list(cfg["tasks"]), config, folder / f"tasks-{n}",
+            model.eval(), list(cfg.tasks), config, folder / f"tasks-{n}",
             tokenizer=tokenizer, spec=spec, progress=False, overwrite=True,
         )  # fmt: skip
         return {
@@ -188,24 +289,32 @@ def score_tasks(
             for task, entry in summary["tasks"].items()
         }
 
-    return _cached(folder / f"tasks-{n}.json", f"{', '.join(cfg['tasks'])} at {n}", score)
+    return _cached(folder / f"tasks-{n}.json", score)
 
 
 # ----------------------------------------------------------------------------- stages
-def names(cfg: dict[str, Any]) -> list[str]:
-    return list(cfg["untuned"]) + list(cfg["trained"])
+def names(cfg: SmolLM2Config) -> list[str]:
+    return [*cfg.untuned, *cfg.trained]
 
 
-def run_stage(cfg: dict[str, Any], jobs: list[tuple[str, int | None]], pieces: list[Any]) -> None:
+def run_stage(
+    cfg: SmolLM2Config, runs: Path, jobs: list[tuple[str, int | None]], pieces: list[Any]
+) -> None:
     """Score ``pieces`` ("perplexity" or a task length) for each (method, seed) job, opening
     (and, for a trained method, training) each model only when something is left to do."""
     for name, seed in jobs:
-        folder = job_folder(cfg, name, seed)
+        folder = job_folder(cfg, runs, name, seed)
         todo = [p for p in pieces if not (folder / _file(p)).exists()]
         if not todo:
             continue
-        model, tokenizer, record = method_model(cfg, name, seed)
+        model, tokenizer, record = method_model(cfg, runs, name, seed)
         for piece in todo:
+            what = (
+                f"perplexity at {list(cfg.eval_lengths)}"
+                if piece == "perplexity"
+                else (f"{', '.join(cfg.tasks)} at {piece}")
+            )
+            print(f"  {folder.relative_to(runs)}: {what}", flush=True)
             if piece == "perplexity":
                 score_perplexity(cfg, folder, model, tokenizer, record["spec"])
             else:
@@ -217,10 +326,12 @@ def _file(piece: Any) -> str:
     return "perplexity.json" if piece == "perplexity" else f"tasks-{piece}.json"
 
 
-def collect_job(cfg: dict[str, Any], name: str, seed: int | None) -> dict[str, Any] | None:
+def collect_job(
+    cfg: SmolLM2Config, runs: Path, name: str, seed: int | None
+) -> dict[str, Any] | None:
     """One job's finished pieces (None when nothing is finished)."""
-    folder = job_folder(cfg, name, seed)
-    job = read_json(folder / "job.json") if (folder / "job.json").exists() else {}
+    folder = job_folder(cfg, runs, name, seed)
+    job = read_record(folder / "job.json") if (folder / "job.json").exists() else {}
     run: dict[str, Any] = {
         "seed": seed,
         "extend_s": job.get("extend_s", 0.0 if seed is None else None),
@@ -232,39 +343,39 @@ def collect_job(cfg: dict[str, Any], name: str, seed: int | None) -> dict[str, A
         "eval_s": 0.0,
     }
     if (folder / "perplexity.json").exists():
-        ppl = read_json(folder / "perplexity.json")
+        ppl = read_record(folder / "perplexity.json")
         run["eval_s"] += ppl.pop("eval_s")
         ppl.pop("start", None)
         run["perplexity"] = ppl
-    for n in cfg["task_lengths"]:
+    for n in cfg.task_lengths:
         if (folder / f"tasks-{n}.json").exists():
-            tasks = read_json(folder / f"tasks-{n}.json")
+            tasks = read_record(folder / f"tasks-{n}.json")
             run["eval_s"] += tasks.pop("eval_s")
             run["tasks"][str(n)] = tasks
     return run if job or run["perplexity"] or run["tasks"] else None
 
 
-def collect(cfg: dict[str, Any]) -> dict[str, Any]:
+def collect(cfg: SmolLM2Config, runs: Path) -> dict[str, Any]:
     """Everything finished so far, per method: each run, and perplexity summarised over the
     seeds scored (tasks are scored on the first seed only)."""
     methods = {}
     for name in names(cfg):
-        untuned = name in cfg["untuned"]
-        seeds = [None] if untuned else cfg["train"]["seeds"]
-        runs = [r for r in (collect_job(cfg, name, s) for s in seeds) if r is not None]
-        scored = [r for r in runs if r["perplexity"] is not None]
+        untuned = name in cfg.untuned
+        seeds = [None] if untuned else cfg.train.seeds
+        done = [r for r in (collect_job(cfg, runs, name, s) for s in seeds) if r is not None]
+        scored = [r for r in done if r["perplexity"] is not None]
         entry: dict[str, Any] = {
-            "spec": cfg["untuned"][name] if untuned else cfg["trained"][name],
+            "spec": cfg.untuned[name] if untuned else cfg.trained[name],
             "trained": not untuned,
-            "trainable": runs[0]["trainable"] if runs else None,
-            "extend_s": summarize([r["extend_s"] for r in runs if r["extend_s"] is not None])
-            if runs and not untuned
+            "trainable": done[0]["trainable"] if done else None,
+            "extend_s": summarize([r["extend_s"] for r in done if r["extend_s"] is not None])
+            if done and not untuned
             else None,
             "perplexity": _summarize_perplexity(scored) if scored else None,
-            "tasks": runs[0]["tasks"] if runs else {},
-            "tasks_seed": runs[0]["seed"] if runs else None,
-            "eval_s": sum(r["eval_s"] for r in runs),
-            "runs": runs,
+            "tasks": done[0]["tasks"] if done else {},
+            "tasks_seed": done[0]["seed"] if done else None,
+            "eval_s": sum(r["eval_s"] for r in done),
+            "runs": done,
         }
         methods[name] = entry
     return methods
@@ -292,7 +403,7 @@ def _summarize_perplexity(runs: list[dict[str, Any]]) -> dict[str, Any]:
 PAIRS = (("adarope", "adarope-global"), ("adarope", "tuned-yarn"), ("adarope-global", "tuned-yarn"))
 
 
-def paired_differences(cfg: dict[str, Any], methods: dict[str, Any]) -> dict[str, Any]:
+def paired_differences(cfg: SmolLM2Config, methods: dict[str, Any]) -> dict[str, Any]:
     """Perplexity differences between trained methods, paired by seed (a seed draws the same
     samples and PoSE positions for every method)."""
     out = {}
@@ -310,13 +421,17 @@ def paired_differences(cfg: dict[str, Any], methods: dict[str, Any]) -> dict[str
                     [runs[a][s][str(n)]["perplexity"] - runs[b][s][str(n)]["perplexity"]
                      for s in seeds]
                 )
-                for n in cfg["eval_lengths"]
+                for n in cfg.eval_lengths
             }  # fmt: skip
     return out
 
 
-def write_outputs(cfg: dict[str, Any], methods: dict[str, Any], extra: dict[str, Any]) -> str:
-    lengths = [str(n) for n in cfg["eval_lengths"]]
+def write_outputs(
+    cfg: SmolLM2Config, methods: dict[str, Any], results: Path, *, command: str
+) -> str:
+    """results.md, results.json and the figure in ``results`` from what is finished; returns
+    the tables."""
+    lengths = [str(n) for n in cfg.eval_lengths]
     base = (methods.get("rope") or {}).get("perplexity")
 
     def ppl(m: dict[str, Any], n: str, key: str) -> str:
@@ -350,15 +465,15 @@ def write_outputs(cfg: dict[str, Any], methods: dict[str, Any], extra: dict[str,
             + [vs_base(m, lengths[0]), f"{m['eval_s'] / 60:.1f} min"]
         )
     tables = [markdown_table(header, rows)]
-    task_header = ["method"] + [f"{t} @{n}" for n in cfg["task_lengths"] for t in cfg["tasks"]]
+    task_header = ["method"] + [f"{t} @{n}" for n in cfg.task_lengths for t in cfg.tasks]
     task_rows = [
         [f"`{name}`"]
         + [
             "-"
             if str(n) not in m["tasks"]
             else fmt({"mean": m["tasks"][str(n)][t]["score"], "n": 1}, percent=True)
-            for n in cfg["task_lengths"]
-            for t in cfg["tasks"]
+            for n in cfg.task_lengths
+            for t in cfg.tasks
         ]
         for name, m in methods.items()
     ]
@@ -372,61 +487,55 @@ def write_outputs(cfg: dict[str, Any], methods: dict[str, Any], extra: dict[str,
             )
         )
     text = "\n\n".join(tables) + "\n"
-    (HERE / "results.md").write_text(text)
     # Compute summed from the job records, so a resumed run reports the whole cost.
     compute = {
         "training_s": sum(r["extend_s"] or 0.0 for m in methods.values() for r in m["runs"]),
         "evaluation_s": sum(m["eval_s"] for m in methods.values()),
     }
     result = {
-        "config": cfg,
+        "config": config_dict(cfg),
         "methods": methods,
         "paired_perplexity_differences": paired,
         "compute": compute,
+        "device": device(),
     }
-    write_json(HERE / "results.json", result | extra)
-    _plot(cfg, methods)
+    write_results(
+        results, result, text, command=command, provenance=provenance(NAME, cfg, model=cfg.model)
+    )
+    _plot(cfg, methods, results / "perplexity.png")
     return text
 
 
-def _plot(cfg: dict[str, Any], methods: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _plot(cfg: SmolLM2Config, methods: dict[str, Any], path: Path) -> None:
+    """Two panels: perplexity by window length, and NLL by position in the longest window."""
+    from ropekit.figures import figure, lines, save, style
 
     scored = {k: m for k, m in methods.items() if m["perplexity"] is not None}
     if not scored:
         return
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
-    xs = cfg["eval_lengths"]
+    fig, axes = figure(12, 4.6, 1, 2)
+    left, right = axes[0]
+    xs = cfg.eval_lengths
     longest = str(max(xs))
+    dashes = {name: {"ls": "-" if m["trained"] else "--"} for name, m in scored.items()}
+    means = {
+        name: {n: m["perplexity"][str(n)]["perplexity"]["mean"] for n in xs}
+        for name, m in scored.items()
+    }
+    lines(left, means, train_length=ORIGINAL_LENGTH, styles=dashes)
     for name, m in scored.items():
-        style = "-" if m["trained"] else "--"
-        left.plot(
-            xs,
-            [m["perplexity"][str(n)]["perplexity"]["mean"] for n in xs],
-            style,
-            marker="o",
-            label=name,
-        )
         curve = m["perplexity"][longest]["position_nll"]
         mids = [(a + b) / 2 for a, b in zip(curve["start"], curve["stop"], strict=True)]
-        right.plot(mids, curve["nll"], style, label=name)
-    original = 8192
-    for ax in (left, right):
-        ax.axvline(original, color="k", ls=":", lw=1)
-        ax.set_xscale("log")
-        ax.minorticks_off()
+        right.plot(mids, curve["nll"], label=name, **(style(name) | dashes[name]))
+    right.axvline(ORIGINAL_LENGTH, color="gray", ls=":", lw=1)
+    right.set_xscale("log")
+    right.minorticks_off()
+    right.grid(alpha=0.3)
     # Keep the methods that work readable: what lies above the top (linear interpolation,
     # the unmodified model past its window) is named in the title instead of squashing them.
-    best = min(m["perplexity"][str(n)]["perplexity"]["mean"] for m in scored.values() for n in xs)
+    best = min(v for curve in means.values() for v in curve.values())
     top = 1.5 * best
-    above = [
-        name
-        for name, m in scored.items()
-        if any(m["perplexity"][str(n)]["perplexity"]["mean"] > top for n in xs)
-    ]
+    above = [name for name, curve in means.items() if any(v > top for v in curve.values())]
     left.set_ylim(0.95 * best, top)
     left.set(
         xlabel="evaluation length (tokens)",
@@ -434,41 +543,45 @@ def _plot(cfg: dict[str, Any], methods: dict[str, Any]) -> None:
         title="SmolLM2-135M: perplexity by window length"
         + (f"\n(off the top: {', '.join(above)})" if above else ""),
     )
-    left.set_xticks(xs, [str(n) for n in xs])
     # Position bins below 256 hold a few tokens each of one window: noise, not a trend.
     right.set_xlim(left=256)
     right.set_ylim(3.0, 5.5)
     right.set(
-        xlabel="position in the 16k window (from 256)",
+        xlabel=f"position in the {longest}-token window (from 256)",
         ylabel="NLL (nats)",
-        title="NLL by position at 16k (log-spaced bins)",
+        title=f"NLL by position at {longest} tokens (log-spaced bins)",
     )
     left.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(HERE / "perplexity.png", dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
-def main() -> None:
-    global RUNS, HERE
-    args, cfg = parse_args(__doc__, HERE, RUNS)
-    RUNS, HERE = args.runs, args.results
-    start = time.perf_counter()
-    first, *more = cfg["train"]["seeds"]
-    untuned = [(name, None) for name in cfg["untuned"]]
-    trained = [(name, first) for name in cfg["trained"]]
+def run(cfg: SmolLM2Config, runs: Path, results: Path, command: str) -> str:
+    """The stages in order, the must-haves first; the results are rewritten after each, so an
+    interrupted run leaves honest partial results. Returns the last tables."""
+    first, *more = cfg.train.seeds
+    untuned = [(name, None) for name in cfg.untuned]
+    trained = [(name, first) for name in cfg.trained]
     stages = [
         ("untuned perplexity", untuned, ["perplexity"]),
         (f"training (seed {first}) + trained perplexity", trained, ["perplexity"]),
-        *[(f"tasks at {n}", untuned + trained, [n]) for n in cfg["task_lengths"]],
+        *[(f"tasks at {n}", untuned + trained, [n]) for n in cfg.task_lengths],
         ("more seeds: training + perplexity",
-         [(name, s) for s in more for name in cfg["trained"]], ["perplexity"]),
+         [(name, s) for s in more for name in cfg.trained], ["perplexity"]),
     ]  # fmt: skip
+    text = ""
     for title, jobs, pieces in stages:
         print(f"stage: {title}", flush=True)
-        run_stage(cfg, jobs, pieces)
-        extra = {"device": device(), "wall_s_this_invocation": time.perf_counter() - start}
-        print(write_outputs(cfg, collect(cfg), extra), flush=True)
+        run_stage(cfg, runs, jobs, pieces)
+        text = write_outputs(cfg, collect(cfg, runs), results, command=command)
+        print(text, flush=True)
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    invocation = parse_args(NAME, __doc__, SmolLM2Config, argv)
+    start = time.perf_counter()
+    run(invocation.config, invocation.runs, invocation.results, invocation.command)
+    print(f"this invocation {time.perf_counter() - start:.0f} s; results in {invocation.results}")
 
 
 if __name__ == "__main__":

@@ -17,45 +17,98 @@ Runs go to runs/experiments/two_stage/ (not committed); results are written next
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from experiments.common import (
+    ExtensionProtocol,
     base_model,
+    check,
+    check_numbers,
+    check_specs,
+    config_dict,
     extension_job,
     fmt,
     markdown_table,
+    paired,
     parse_args,
-    read_json,
+    provenance,
+    read_record,
     run_eval,
+    series,
     summarize,
-    write_json,
+    write_results,
 )
 
-HERE = Path(__file__).resolve().parent
-RUNS = Path("runs/experiments/two_stage")
+NAME = "two_stage"
+# Paired differences reported (same samples per seed): does the positional warm-up help LoRA,
+# and does it help more when it is head-wise; does training the encoding beside LoRA help?
+PAIRS = (
+    ("adarope->lora", "tuned-yarn->lora"),
+    ("adarope->lora", "yarn->lora"),
+    ("tuned-yarn->lora", "yarn->lora"),
+    ("adarope->joint", "adarope->lora"),
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TwoStageConfig(ExtensionProtocol):
+    """Experiment C's settings (config.json): the extension protocol, the two stages' learning
+    rates and the recipes. Lengths in bytes."""
+
+    positional_lr: float  # stage 1's peak learning rate (the positional parameters)
+    lora_lr_grid: tuple[float, ...]  # stage 2's LoRA learning rates, each tried at seed 0
+    # recipe -> spec of its stage-1 encoding; a recipe of ropekit.train.extend.RECIPES,
+    # "<stage 1>->lora" or "<stage 1>->joint" (stage 2 trains LoRA alone, or LoRA and the
+    # encoding together), whose spec is of the stage-1 family.
+    recipes: dict[str, str]
+    description: str = ""  # what the experiment asks (for the reader of config.json)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_numbers(self, "positional_lr", low=0)
+        check_numbers(self, "lora_lr_grid", low=0, many=True)
+        check_specs(self, "recipes", original_length=self.recipe().context)
+        from ropekit.train.extend import RECIPES
+
+        for name, spec in self.recipes.items():
+            check(name in RECIPES, self, "recipes", name, f"recipes are {', '.join(RECIPES)}")
+            family = RECIPES[name][0]
+            check(
+                spec.split(":", 1)[0] == family,
+                self,
+                f"recipes[{name!r}]",
+                spec,
+                f"{name} starts from a {family} spec",
+            )
 
 
 def slug(recipe: str) -> str:
     return recipe.replace("->", "-to-")
 
 
-def run_recipe(cfg: dict[str, Any], base: Path, recipe: str, spec: str) -> list[dict[str, Any]]:
-    job = {"lr": cfg["positional_lr"], "mode": "lora", "recipe": recipe}
+def run_recipe(
+    cfg: TwoStageConfig, base: Path, recipe: str, spec: str, runs: Path
+) -> list[dict[str, Any]]:
+    """The LoRA learning-rate search at seed 0, then every seed at the chosen rate, each
+    scored."""
+    job = {"lr": cfg.positional_lr, "mode": "lora", "recipe": recipe}
     search = {}
-    for lora_lr in cfg["lora_lr_grid"]:
-        folder = RUNS / slug(recipe) / f"lora{lora_lr:g}-s0"
+    for lora_lr in cfg.lora_lr_grid:
+        folder = runs / slug(recipe) / f"lora{lora_lr:g}-s0"
         print(f"  {recipe}: LoRA lr {lora_lr:g}, seed 0", flush=True)
         _, record = extension_job(cfg, base, spec, folder, seed=0, lora_lr=lora_lr, **job)
         search[lora_lr] = record["selection_loss"]
     chosen = min(search, key=search.get)
     rows = []
-    for seed in cfg["seeds"]:
-        folder = RUNS / slug(recipe) / f"lora{chosen:g}-s{seed}"
+    for seed in cfg.seeds:
+        folder = runs / slug(recipe) / f"lora{chosen:g}-s{seed}"
         print(f"  {recipe}: LoRA lr {chosen:g}, seed {seed}", flush=True)
         model, record = extension_job(cfg, base, spec, folder, seed=seed, lora_lr=chosen, **job)
-        stage1 = read_json(folder / "stage1" / "extend.json")
+        stage1 = _stage1(folder)
         scores = run_eval(cfg, model, folder, record["spec"])
         rows.append(
             {
@@ -70,9 +123,16 @@ def run_recipe(cfg: dict[str, Any], base: Path, recipe: str, spec: str) -> list[
     return rows
 
 
-def aggregate(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _stage1(folder: Path) -> dict[str, Any]:
+    """Stage 1's extension summary (a ropekit ``extend`` result)."""
+    from ropekit.results import read_result
+
+    return read_result(folder / "stage1" / "extend.json", "extend")
+
+
+def aggregate(cfg: TwoStageConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
     recipes = {}
-    for name in cfg["recipes"]:
+    for name in cfg.recipes:
         runs = [r for r in rows if r["name"] == name]
         recipes[name] = {
             "spec": runs[0]["spec"],
@@ -87,53 +147,39 @@ def aggregate(cfg: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]
             },
             "extend_s": summarize([r["extend_s"] for r in runs]),
         }
-    by = {(r["name"], r["seed"]): r for r in rows}
-    paired = {}
-    for a, b in (
-        ("adarope->lora", "tuned-yarn->lora"),
-        ("adarope->lora", "yarn->lora"),
-        ("tuned-yarn->lora", "yarn->lora"),
-        ("adarope->joint", "adarope->lora"),
-    ):
-        paired[f"{a} - {b}"] = {
-            n: summarize([by[(a, s)]["bpb"][n] - by[(b, s)]["bpb"][n] for s in cfg["seeds"]])
-            for n in rows[0]["bpb"]
-        }
-    return {"config": cfg, "recipes": recipes, "paired_bpb_differences": paired}
+    return {
+        "config": config_dict(cfg),
+        "recipes": recipes,
+        "paired_bpb_differences": paired(rows, PAIRS, cfg.seeds),
+    }
 
 
-def write_outputs(result: dict[str, Any]) -> str:
-    import matplotlib
+def compute_spent(runs: Path) -> dict[str, float]:
+    """Summed from the job records, so a resumed run reports the whole cost."""
+    return {
+        "extension": sum(read_record(p)["extend_s"] for p in runs.glob("*/*/job.json")),
+        "evaluation": sum(read_record(p)["eval_s"] for p in runs.glob("*/*/eval.json")),
+    }
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    cfg = result["config"]
-    lengths = [str(n) for n in cfg["eval_lengths"]]
-    xs = [int(n) for n in lengths]
-    fig, ax = plt.subplots(figsize=(6.8, 4.2))
-    for name, r in result["recipes"].items():
-        ax.errorbar(
-            xs,
-            [r["bpb"][n]["mean"] for n in lengths],
-            yerr=[r["bpb"][n]["std"] for n in lengths],
-            marker="o",
-            capsize=3,
-            label=name,
-        )
-    ax.axvline(xs[0], color="k", ls=":", lw=1)
-    ax.set(
-        xscale="log",
-        xlabel="evaluation length (bytes)",
-        ylabel="held-out bits per byte",
-        title=f"Two-stage extension to {xs[-1]} (mean ± std, {len(cfg['seeds'])} seeds)",
-    )
-    ax.set_xticks(xs, lengths)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(HERE / "bpb_vs_length.png", dpi=120)
-    plt.close(fig)
+def write_outputs(
+    cfg: TwoStageConfig, result: dict[str, Any], results: Path, *, command: str, base_id: str
+) -> str:
+    """The figure, results.md and results.json in ``results``; returns the tables."""
+    from ropekit.figures import plot_vs_length
+
+    lengths = [str(n) for n in cfg.eval_lengths]
     recipes = result["recipes"]
+    means, stds = series(recipes, "bpb")
+    plot_vs_length(
+        means,
+        results / "bpb_vs_length.png",
+        ylabel="held-out bits per byte",
+        title=f"Two-stage extension to {cfg.eval_lengths[-1]} (mean ± std, {len(cfg.seeds)} seeds)",
+        errors=stds,
+        train_length=cfg.recipe().context,
+        xlabel="evaluation length (bytes)",
+    )
     table = markdown_table(
         ["recipe", "stage 1 params", "stage 2 params", "LoRA lr"] + [f"bpb @{n}" for n in lengths],
         [
@@ -149,45 +195,49 @@ def write_outputs(result: dict[str, Any]) -> str:
     )
     tasks = [
         markdown_table(
-            ["recipe"] + [f"{t} @{n}" for n in cfg["task_lengths"]],
+            ["recipe"] + [f"{t} @{n}" for n in cfg.task_lengths],
             [
                 [f"`{name}`"]
-                + [fmt(r["tasks"][t].get(str(n)), percent=True) for n in cfg["task_lengths"]]
+                + [fmt(r["tasks"][t].get(str(n)), percent=True) for n in cfg.task_lengths]
                 for name, r in recipes.items()
             ],
         )
-        for t in cfg["tasks"]
+        for t in cfg.tasks
     ]
-    paired = markdown_table(
+    differences = markdown_table(
         ["difference (bpb, paired by seed)"] + [f"@{n}" for n in lengths],
         [
             [name] + [fmt(d[n]) for n in lengths]
             for name, d in result["paired_bpb_differences"].items()
         ],
     )
-    text = "\n\n".join([table, *tasks, paired]) + "\n"
-    (HERE / "results.md").write_text(text)
-    write_json(HERE / "results.json", result)
+    text = "\n\n".join([table, *tasks, differences]) + "\n"
+    write_results(
+        results, result, text, command=command, provenance=provenance(NAME, cfg, base_model=base_id)
+    )
     return text
 
 
-def main() -> None:
-    global RUNS, HERE
-    args, cfg = parse_args(__doc__, HERE, RUNS)
-    RUNS, HERE = args.runs, args.results
-    start = time.perf_counter()
-    base_dir, _, _ = base_model(cfg["base"])
+def run(cfg: TwoStageConfig, runs: Path, results: Path, command: str) -> tuple[dict, str]:
+    """Every recipe (finished jobs are reused), then the results; returns them and the
+    tables."""
+    base_dir, _, _ = base_model(cfg)
     rows = []
-    for recipe, spec in cfg["recipes"].items():
-        rows += run_recipe(cfg, base_dir, recipe, spec)
-    result = aggregate(cfg, rows)
-    result["compute_s"] = {
-        "extension": sum(read_json(p)["extend_s"] for p in RUNS.glob("*/*/job.json")),
-        "evaluation": sum(read_json(p)["eval_s"] for p in RUNS.glob("*/*/eval.json")),
-    }
-    result["wall_s_this_invocation"] = time.perf_counter() - start
-    print(write_outputs(result))
-    print(f"compute: {result['compute_s']}")
+    for recipe, spec in cfg.recipes.items():
+        rows += run_recipe(cfg, base_dir, recipe, spec, runs)
+    result = aggregate(cfg, rows) | {"compute_s": compute_spent(runs)}
+    text = write_outputs(cfg, result, results, command=command, base_id=base_dir.name)
+    return result, text
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    invocation = parse_args(NAME, __doc__, TwoStageConfig, argv)
+    start = time.perf_counter()
+    result, text = run(invocation.config, invocation.runs, invocation.results, invocation.command)
+    print(text)
+    took = time.perf_counter() - start
+    print(f"compute: {result['compute_s']}; this invocation {took:.0f} s")
+    print(f"results in {invocation.results}")
 
 
 if __name__ == "__main__":
