@@ -410,6 +410,34 @@ def cmd_extend(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- search
+def add_search(sub: argparse._SubParsersAction) -> None:
+    from ropekit.train.search import SearchConfig
+
+    p = sub.add_parser(
+        "search",
+        help="LongRoPE-style evolutionary search of per-pair RoPE factors for a target length "
+        "(no training); writes a longrope adapter that export serves",
+    )
+    _model_args(p)
+    fields = add_options(p, SearchConfig, required=("target_length",))
+    _out(p, "folder for candidates.jsonl (resumable), adapter/ and search.json")
+    _overwrite(p, "start again, replacing a search made of another model, data or config")
+    p.set_defaults(func=cmd_search, fields=fields)
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from ropekit.train.search import SearchConfig, search
+
+    config = from_args(SearchConfig, args, args.fields)
+    backbone = _load(args)
+    result = search(backbone, config, args.out, overwrite=args.overwrite, command=_command())
+    seeds = ", ".join(f"{name} {nll:.4f}" for name, nll in result.baselines.items())
+    print(f"best mean NLL {result.nll:.4f} nats/token after {result.forwards} forwards ({seeds})")
+    print(f"wrote {args.out / 'adapter'} ({result.spec}) and {args.out / 'search.json'}")
+    return 0
+
+
 # --------------------------------------------------------------------------- analyze
 def add_analyze(sub: argparse._SubParsersAction) -> None:
     from ropekit.analysis import AnalysisConfig
@@ -598,6 +626,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_schedules,
     add_pretrain,
     add_extend,
+    add_search,
     add_eval,
     add_analyze,
     add_export,

@@ -49,6 +49,7 @@ KINDS: dict[str, str] = {
     "pretrain": "ropekit pretrain: the trained decoder's summary (pretrain.json)",
     "train": "the training loop: one run's summary (summary.json beside checkpoints/)",
     "extend": "ropekit extend: one extension stage (extend.json)",
+    "search": "ropekit search: LongRoPE-style searched factors (search.json)",
     "perplexity": "ropekit eval ppl (ppl.json)",
     "tasks": "ropekit eval needle|passkey|ruler: every task and length (summary.json)",
     "task-stage": "one task at one length of a task run (<task>/<length>/summary.json)",

@@ -15,7 +15,8 @@ behind these methods:
 - training: ``lora_targets``, ``enable_grad_checkpointing()``, ``training_logits(module,
   batch)`` (the logits the loss is taken on, with the inputs each kind needs);
 - scoring, for evals: ``new_cache()``, ``run(ids, cache, mask, positions, last_only)``,
-  ``group_prompts(prompts)``, ``eos_ids``, ``vocab_size``, ``forward_logits(ids)``;
+  ``token_nll(ids, chunk)``, ``group_prompts(prompts)``, ``eos_ids``, ``vocab_size``,
+  ``forward_logits(ids)``;
 - ``describe()``: the JSON a result file carries about the model.
 
 Adapters (positional parameters and LoRA weights) are written and applied through the
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ropekit.data.tokenizers import Tokenizer, tokenizer_identity
@@ -206,6 +208,31 @@ class Backbone(abc.ABC):
     @abc.abstractmethod
     def group_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
         """Indices of the prompts that can be decoded in one batch, group by group."""
+
+    @torch.inference_mode()
+    def token_nll(self, input_ids: Tensor, chunk: int) -> Tensor:
+        """input_ids (B, T+1) -> float32 (B, T): NLL (nats) of token t+1 given tokens <= t.
+
+        The model reads input_ids[:, :-1] in chunks of ``chunk`` tokens through the KV cache
+        (one forward when the sequence fits): attention is causal, so the numbers are a single
+        forward's, with a (B, chunk, V) logits tensor at a time instead of (B, T, V). The
+        log-softmax is taken in float32 whatever the model's dtype (bf16 log-probabilities
+        lose the digits that tell models apart).
+        """
+        ids = input_ids.to(self.device, torch.long)
+        inputs, targets = ids[:, :-1], ids[:, 1:]  # (B, T), (B, T)
+        B, T = inputs.shape
+        nll = torch.empty(B, T, dtype=torch.float32, device=ids.device)
+        cache = None if chunk >= T else self.new_cache()
+        for start in range(0, T, chunk):
+            stop = min(T, start + chunk)
+            logits = self.run(inputs[:, start:stop], cache, None, None, last_only=False)
+            nll[:, start:stop] = F.cross_entropy(
+                logits.float().flatten(0, 1),  # (B*C, V)
+                targets[:, start:stop].flatten(),
+                reduction="none",
+            ).view(B, stop - start)
+        return nll.cpu()
 
     def forward_logits(self, ids: Tensor) -> Tensor:
         """Logits (B, T, V) of one plain forward over ids (B, T): positions 0..T-1, no cache."""

@@ -29,7 +29,6 @@ from collections.abc import Collection, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ropekit.backbone import Backbone, as_backbone
@@ -115,30 +114,12 @@ class BackboneLM:
             return self.chunk_size
         return max(64, LOGITS_BUDGET_BYTES // (4 * batch * max(self.vocab_size, 1)))
 
-    @torch.inference_mode()
     def token_nll(self, input_ids: Tensor) -> Tensor:
-        """input_ids (B, T+1) -> float32 (B, T) NLL (nats) of input_ids[:, 1:].
-
-        The model reads input_ids[:, :-1]; the log-softmax is taken in float32 whatever the
-        model's dtype, since bf16 log-probabilities lose the digits that tell models apart.
-        """
+        """input_ids (B, T+1) -> float32 (B, T) NLL (nats) of input_ids[:, 1:], chunked
+        (``Backbone.token_nll``, ``chunk_size`` tokens per forward)."""
         if input_ids.dim() != 2 or input_ids.shape[1] < 2:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} must be (B, T+1) with T >= 1")
-        ids = input_ids.to(self.device, torch.long)
-        inputs, targets = ids[:, :-1], ids[:, 1:]  # (B, T), (B, T)
-        B, T = inputs.shape
-        chunk = self._chunk(B)
-        nll = torch.empty(B, T, dtype=torch.float32, device=ids.device)
-        cache = None if chunk >= T else self.backbone.new_cache()
-        for start in range(0, T, chunk):
-            stop = min(T, start + chunk)
-            logits = self.backbone.run(inputs[:, start:stop], cache, None, None, last_only=False)
-            nll[:, start:stop] = F.cross_entropy(
-                logits.float().flatten(0, 1),  # (B*C, V)
-                targets[:, start:stop].flatten(),
-                reduction="none",
-            ).view(B, stop - start)
-        return nll.cpu()
+        return self.backbone.token_nll(input_ids, self._chunk(input_ids.shape[0]))
 
     @torch.inference_mode()
     def greedy(

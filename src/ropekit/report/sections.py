@@ -35,6 +35,7 @@ KINDS: dict[str, str] = {
     "demo": "Demo: context extension at a glance",
     "pretrain": "Pretraining",
     "extend": "Context extension",
+    "search": "Searched RoPE factors (LongRoPE-style, no training)",
     "perplexity": "Perplexity and bits per byte vs length",
     "tasks": "Retrieval tasks",
     "analysis": "Head analysis",
@@ -211,6 +212,26 @@ def extend_section(results: Sequence[Result], root: Path) -> list[Block]:
     headers = ["run", "encoding", "trained at", "target", "mode", "samples", "trained params"]
     table = Table([*headers, "final loss", "time"], rows, "Backbone frozen in positional mode.")
     return [table, *_figures(results, root, _no_extra)]
+
+
+def search_section(results: Sequence[Result], root: Path) -> list[Block]:
+    seeds = sorted({name for r in results for name in r.data["baselines"]})
+    rows = [
+        [
+            r.label,
+            fmt(r.data["config"]["target_length"]),
+            fmt(r.data["forwards"]),
+            fmt(r.data["nll"], 4),
+            *(fmt(r.data["baselines"].get(name), 4) for name in seeds),
+        ]
+        for r in results
+    ]
+    caption = (
+        "Mean NLL (nats/token) on the scoring samples (training split) of the best searched "
+        "factors and of the search's seeds, at the target length."
+    )
+    headers = ["run", "target", "forwards", "searched", *seeds]
+    return [Table(headers, rows, caption), *_figures(results, root, _no_extra)]
 
 
 def perplexity_section(results: Sequence[Result], root: Path) -> list[Block]:
@@ -451,6 +472,7 @@ SECTIONS: dict[str, Callable[[Sequence[Result], Path], list[Block]]] = {
     "demo": demo_section,
     "pretrain": pretrain_section,
     "extend": extend_section,
+    "search": search_section,
     "perplexity": perplexity_section,
     "tasks": tasks_section,
     "analysis": analysis_section,

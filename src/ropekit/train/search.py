@@ -1,0 +1,304 @@
+"""``ropekit search``: LongRoPE's evolutionary search of per-pair rescale factors, no training.
+
+LongRoPE (Ding et al. 2024, arXiv:2402.13753, sec. 3.2 and Algorithm 1) extends a model by
+dividing each rotary pair's frequency by its own factor, theta_f / lambda_f, and finds the
+factors by an evolutionary search scored by perplexity on a few long samples. Only this search
+part of LongRoPE is public; here it is, on any model ropekit can give an encoding to:
+
+1. The initial population holds the rules users already have, as per-pair factors against
+   plain RoPE: PI (lambda_f = s), NTK-aware (b -> b s^(d/(d-2))) and YaRN (NTK-by-parts), the
+   paper's seeds, plus mutations of them up to ``population``.
+2. Every candidate is scored by the mean NLL (nats per token) of the same ``samples`` samples
+   of ``target_length`` tokens from the *training* split of ``data`` (never the held-out text
+   results are measured on), with the candidate used at every length (short = long factors),
+   so the chunked scoring through the KV cache is exact.
+3. The ``parents`` best breed the next generation: mutation (each factor times
+   exp(N(0, mutation)) with probability 1/2) and crossover (each pair from one of two
+   parents). The paper's constraints hold for every candidate: lambda_f >= 1 (no pair is sped
+   up) and lambda_f non-decreasing from the fastest pair to the slowest (a slower pair never
+   interpolates less), enforced by a running maximum; factors are capped at 4 s.
+4. The search stops when its ``budget`` of forwards (candidates x samples) is spent. The best
+   candidate becomes a ``longrope`` spec whose short factors are 1, so inputs inside the
+   original window keep the original RoPE and longer ones switch to the searched factors (the
+   LongRoPE2 rule, Shang et al. 2025, as transformers applies ``longrope`` by sequence
+   length), written as an adapter that ``ropekit export`` serves.
+
+Resumable: every scored candidate is a record of ``candidates.jsonl`` carrying the digest of
+the search's provenance (model, data, config); a rerun scores only what is missing and a
+finished search makes no forward. What LongRoPE also searches and ropekit does not: the number
+of initial *tokens* kept unscaled (n-hat): positions below it would need their own rotation,
+which a frequency schedule cannot express.
+
+Holds: SearchConfig, SearchResult, initial_factors, search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ropekit.backbone import Backbone, as_backbone, write_adapter
+from ropekit.data import make_train_dataset
+from ropekit.encodings import PositionEncoding, schedules
+from ropekit.results import (
+    check_replaceable,
+    digest,
+    read_records,
+    read_result,
+    run_metadata,
+    write_records,
+    write_result,
+)
+
+SEARCH_JSON = "search.json"
+CANDIDATES = "candidates.jsonl"
+MAX_FACTOR_TIMES_S = 4.0  # factors are capped at this multiple of s
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+    """One factor search. Lengths in the model's tokens."""
+
+    target_length: int  # context the searched factors must serve (tokens)
+    samples: int = 2  # training-split samples of target_length that score every candidate
+    budget: int = 48  # forwards the search may spend: candidates x samples (paper: thousands)
+    population: int = 8  # candidates per generation (paper: 64)
+    parents: int = 4  # best candidates that breed the next generation
+    mutation: float = 0.1  # a mutated factor is multiplied by exp(N(0, mutation))
+    data: str | tuple[str, ...] = "shakespeare"  # text the candidates are scored on (train split)
+    seed: int = 0  # picks the samples, the mutations and the crossovers
+    chunk: int = 2048  # tokens per forward while scoring (memory only; the numbers are exact)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, str):
+            object.__setattr__(self, "data", tuple(self.data))
+        for name in ("target_length", "samples", "budget", "population", "parents", "chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} is not allowed; it must be an integer >= 1")
+        if self.parents > self.population:
+            raise ValueError(
+                f"parents={self.parents} is not allowed; it must be <= population={self.population}"
+            )
+        if self.budget < 3 * self.samples:
+            raise ValueError(
+                f"budget={self.budget} is not allowed: it must cover the three seeds (PI, NTK, "
+                f"YaRN), samples={self.samples} forwards each, so >= {3 * self.samples}"
+            )
+        if not (math.isfinite(self.mutation) and 0 < self.mutation <= 1):
+            raise ValueError(f"mutation={self.mutation!r} is not allowed; it must lie in (0, 1]")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r} is not allowed; it must be an integer >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["data"] = list(self.data) if isinstance(self.data, tuple) else self.data
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    out_dir: Path
+    spec: str  # the searched longrope spec (what the adapter holds)
+    nll: float  # its fitness: mean NLL (nats/token) on the scoring samples
+    baselines: dict[str, float]  # the seeds' fitness: pi, ntk, yarn
+    forwards: int  # forwards spent (this run and earlier ones together)
+    elapsed_s: float
+
+
+def _monotone(factors: np.ndarray, cap: float) -> np.ndarray:
+    """The paper's constraints: lambda >= 1, non-decreasing from fast to slow pairs, <= cap."""
+    return np.minimum(np.maximum.accumulate(np.maximum(factors, 1.0)), cap)
+
+
+def initial_factors(dim: int, base: float, factor: float, original_length: int) -> dict:
+    """The seeds of the search as per-pair factors against plain RoPE: PI, NTK and YaRN."""
+    rope, _ = schedules.rope(dim, base)
+    rules = {
+        "pi": schedules.linear(dim, base, factor)[0],
+        "ntk": schedules.ntk(dim, base, factor)[0],
+        "yarn": schedules.yarn(dim, base, factor, original_length)[0],
+    }
+    cap = MAX_FACTOR_TIMES_S * factor
+    return {name: _monotone((rope / inv).numpy(), cap) for name, inv in rules.items()}
+
+
+def _mutate(parent: np.ndarray, rng: np.random.Generator, step: float, cap: float) -> np.ndarray:
+    change = np.where(rng.random(parent.shape) < 0.5, rng.normal(0.0, step, parent.shape), 0.0)
+    return _monotone(parent * np.exp(change), cap)
+
+
+def _crossover(a: np.ndarray, b: np.ndarray, rng: np.random.Generator, cap: float) -> np.ndarray:
+    return _monotone(np.where(rng.random(a.shape) < 0.5, a, b), cap)
+
+
+def _spec(factors: np.ndarray, factor: float, original_length: int, short: bool) -> str:
+    """A longrope spec: ``factors`` beyond the original window (short factors 1 inside it), or,
+    for scoring (``short=False``), the same factors at every length."""
+    values = "[" + ",".join(f"{v:.6g}" for v in factors) + "]"
+    inside = "[1]" if short else values
+    return (
+        f"longrope:short_factor={inside},long_factor={values},factor={factor:g},"
+        f"original_length={original_length}"
+    )
+
+
+class _Scorer:
+    """Mean NLL of the scoring samples for a candidate; records every scored candidate."""
+
+    def __init__(
+        self, backbone: Backbone, config: SearchConfig, path: Path, stage: str, context: dict
+    ) -> None:
+        packed = make_train_dataset(
+            config.data if isinstance(config.data, str) else list(config.data),
+            backbone.require_tokenizer(), config.target_length, seed=config.seed,
+        )  # fmt: skip
+        if len(packed) < config.samples:
+            raise ValueError(
+                f"samples={config.samples} is not allowed: the training text holds only "
+                f"{len(packed)} samples of {config.target_length} tokens"
+            )
+        first = [packed.sample(k)[0] for k in range(config.samples)]  # (T+1,) tokens each
+        self.samples = [torch.as_tensor(tokens)[None] for tokens in first]
+        self.backbone, self.config, self.path, self.stage = backbone, config, path, stage
+        self.context = context
+        self.records = [r for r in read_records(path) if r.get("stage") == stage]
+        self.forwards = len(self.records) * config.samples
+
+    def known(self, factors: np.ndarray) -> float | None:
+        key = [round(float(v), 6) for v in factors]
+        for record in self.records:
+            if record["factors"] == key:
+                return record["nll"]
+        return None
+
+    def __call__(self, factors: np.ndarray, origin: str) -> float:
+        found = self.known(factors)
+        if found is not None:
+            return found
+        c = self.context
+        spec = _spec(factors, c["factor"], c["original_length"], short=False)
+        self.backbone.set_encoding(spec)
+        total = sum(
+            float(self.backbone.token_nll(ids, self.config.chunk).double().mean())
+            for ids in self.samples
+        )
+        nll = total / len(self.samples)
+        key = [round(float(v), 6) for v in factors]
+        self.records.append({"stage": self.stage, "origin": origin, "factors": key, "nll": nll})
+        write_records(self.path, self.records)
+        self.forwards += self.config.samples
+        return nll
+
+
+def _evolve(scorer: _Scorer, config: SearchConfig, seeds: dict, cap: float, bar: tqdm) -> dict:
+    """The generations; returns {"factors", "nll", "origin"} of the best candidate."""
+    rng = np.random.default_rng([config.seed, 7])
+    scored: list[tuple[float, np.ndarray, str]] = []
+
+    def score(factors: np.ndarray, origin: str) -> bool:
+        if scorer.forwards + config.samples > config.budget and scorer.known(factors) is None:
+            return False  # the budget is spent
+        before = scorer.forwards
+        scored.append((scorer(factors, origin), factors, origin))
+        bar.update(scorer.forwards - before)
+        return True
+
+    population = [(f, name) for name, f in seeds.items()]
+    while len(population) < config.population:
+        name, f = list(seeds.items())[len(population) % len(seeds)]
+        population.append((_mutate(f, rng, config.mutation, cap), f"mutation of {name}"))
+    generation = 0
+    while all(score(f, origin) for f, origin in population):
+        generation += 1
+        best = sorted(scored, key=lambda s: s[0])[: config.parents]
+        population = []
+        for i in range(config.population):
+            a = best[i % len(best)][1]
+            if i % 2 and len(best) > 1:
+                b = best[(i + 1) % len(best)][1]
+                child = _mutate(_crossover(a, b, rng, cap), rng, config.mutation / 2, cap)
+                population.append((child, f"generation {generation} crossover"))
+            else:
+                population.append(
+                    (_mutate(a, rng, config.mutation, cap), f"generation {generation}")
+                )
+    nll, factors, origin = min(scored, key=lambda s: s[0])
+    return {"factors": factors, "nll": nll, "origin": origin}
+
+
+def _finished(backbone: Backbone, out: Path, log: Any) -> SearchResult:
+    """A finished search of this model, data and config: its result, its spec attached."""
+    summary = read_result(out / SEARCH_JSON, "search")
+    backbone.set_encoding(summary["spec"])
+    log(f"{out} holds this search, finished: {summary['spec']}")
+    return SearchResult(
+        out, summary["spec"], summary["nll"], summary["baselines"], summary["forwards"],
+        summary["elapsed_s"],
+    )  # fmt: skip
+
+
+def search(
+    model: Backbone | nn.Module,
+    config: SearchConfig,
+    out_dir: str | Path,
+    *,
+    tokenizer: Any = None,
+    overwrite: bool = False,
+    command: str = "",
+    progress: bool = True,
+    log: Any = print,
+) -> SearchResult:
+    """Search per-pair factors for ``config.target_length`` (module docstring); writes
+    ``out_dir/candidates.jsonl`` (every scored candidate), ``out_dir/adapter`` (the best as a
+    ``longrope`` spec) and ``out_dir/search.json``. The model is left with the best spec."""
+    backbone, out = as_backbone(model, tokenizer), Path(out_dir)
+    start = time.perf_counter()
+    trained_at = backbone.training_length
+    factor = config.target_length / trained_at
+    if factor <= 1:
+        raise ValueError(
+            f"target_length={config.target_length} is not allowed: the model was trained at "
+            f"{trained_at}; a search needs a longer target"
+        )
+    fingerprint = backbone.fingerprint()
+    rope: PositionEncoding = backbone.build_encoding("rope")
+    context = {"factor": factor, "original_length": trained_at}
+    provenance = {"model": backbone.identity(), "config": config.to_dict()}
+    if check_replaceable(out / SEARCH_JSON, "search", provenance, overwrite=overwrite):
+        return _finished(backbone, out, log)
+    if overwrite:
+        (out / CANDIDATES).unlink(missing_ok=True)
+    dim = rope.rotary_dim
+    seeds = initial_factors(dim, fingerprint["base"], factor, trained_at)
+    scorer = _Scorer(backbone, config, out / CANDIDATES, digest(provenance), context)
+    log(f"searching {schedules.n_pairs(dim)} per-pair factors for {config.target_length} "
+        f"tokens ({factor:g}x), budget {config.budget} forwards")  # fmt: skip
+    bar = tqdm(total=config.budget, initial=scorer.forwards, desc="search", unit="forward",
+               disable=not progress)  # fmt: skip
+    with torch.no_grad():
+        best = _evolve(scorer, config, seeds, MAX_FACTOR_TIMES_S * factor, bar)
+        baselines = {name: scorer(f, name) for name, f in seeds.items()}
+    bar.close()
+    spec = _spec(best["factors"], factor, trained_at, short=True)
+    encoding = backbone.set_encoding(spec)
+    write_adapter(encoding, fingerprint, out / "adapter")
+    summary = {
+        "spec": encoding.spec, "nll": best["nll"], "origin": best["origin"],
+        "baselines": baselines, "forwards": scorer.forwards, "candidates": len(scorer.records),
+        "factor": factor, "trained_at": trained_at, "config": config.to_dict(),
+        "elapsed_s": time.perf_counter() - start, "adapter": str(out / "adapter"),
+    }  # fmt: skip
+    meta = run_metadata(command, spec=encoding.spec, seed=config.seed)
+    write_result(out / SEARCH_JSON, "search", summary, meta=meta, provenance=provenance)
+    return SearchResult(
+        out, encoding.spec, best["nll"], baselines, scorer.forwards, summary["elapsed_s"]
+    )
