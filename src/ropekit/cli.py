@@ -438,6 +438,54 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- compare
+def add_compare(sub: argparse._SubParsersAction) -> None:
+    from ropekit.compare import CompareConfig, parse_methods
+
+    p = sub.add_parser(
+        "compare",
+        help="which extension method for a model at a target length, and at what cost at the "
+        "original length: train, score on several held-out domains, judge, report",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="a JSON file of the fields below (methods may map labels to specs); options given "
+        "here override it",
+    )
+    fields = add_options(
+        p,
+        CompareConfig,
+        parsers={"methods": parse_methods},
+        help={"methods": "encoding specs, comma-separated (a spec's own options keep their "
+              "commas: 'rope,yarn:factor=4,beta_fast=16,adarope:init=yarn')"},
+        unset=True,
+    )  # fmt: skip
+    _out(p, "folder for compare.json, report.md/html, figures, and every run it makes")
+    p.set_defaults(func=cmd_compare, fields=fields)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from ropekit.compare import CompareConfig, from_file, run_compare
+
+    given = {name: getattr(args, name) for name in args.fields}
+    given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in given.items()}
+    if args.config is not None:
+        config = from_file(args.config, **given)
+    else:
+        missing = [k for k in ("model", "target_length", "methods") if given[k] is None]
+        if missing:
+            flags = ", ".join("--" + k.replace("_", "-") for k in missing)
+            raise ValueError(f"{flags} required (or --config FILE holding them)")
+        config = CompareConfig(**{k: v for k, v in given.items() if v is not None})
+    result = run_compare(config, args.out, command=_command())
+    verdict = result["verdict"]
+    print(verdict["sentence"] if verdict else "no verdict: the unmodified model is not scored")
+    print(f"wrote {args.out / 'compare.json'}, {args.out / 'report.md'} and report.html")
+    return 0
+
+
 # --------------------------------------------------------------------------- analyze
 def add_analyze(sub: argparse._SubParsersAction) -> None:
     from ropekit.analysis import AnalysisConfig
@@ -452,7 +500,7 @@ def add_analyze(sub: argparse._SubParsersAction) -> None:
         AnalysisConfig,
         flags={"n_windows": "--windows"},
         required=("lengths",),
-        parsers={"betas": number},
+        parsers={"betas": csv(number)},
         help={"influence": "skip head influence (one NLL pass per head: slow)"},
     )
     _data(p, "held-out text the windows are drawn from")
@@ -627,6 +675,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_pretrain,
     add_extend,
     add_search,
+    add_compare,
     add_eval,
     add_analyze,
     add_export,

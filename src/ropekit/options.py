@@ -148,11 +148,15 @@ def add_options(
     required: Iterable[str] = (),
     parsers: Mapping[str, Callable[[str], Any]] | None = None,
     choices: Mapping[str, Iterable[Any]] | None = None,
+    unset: bool = False,
 ) -> list[str]:
     """Add one option per field of the dataclass ``cls`` (``fields``, in that order, or all but
     ``exclude``); ``flags`` renames options (default ``--field-name``), ``defaults`` and
-    ``help`` override the field's, ``parsers`` the parser of one value, ``choices`` restrict it.
-    Returns the field names added (for ``from_args``)."""
+    ``help`` override the field's, ``parsers`` the parser of an option's whole value (a list
+    field then takes what it returns), ``choices`` restrict it. With ``unset`` every option
+    defaults to None (the help still shows the field's default), so a caller can tell what was
+    given from what was not, e.g. to lay options over a config file. Returns the field names
+    added (for ``from_args``)."""
     hints = typing.get_type_hints(cls)
     comments = {**field_help(cls), **(help or {})}
     all_fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -163,11 +167,22 @@ def add_options(
         default = (defaults or {}).get(name, field.default)
         if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
             default = field.default_factory()
+        if default is dataclasses.MISSING:
+            default = None
         text = comments.get(name)
         if not text:
             raise ValueError(f"{cls.__name__}.{name} has no comment to serve as its help text")
+        text = text.replace("%", "%%")  # argparse expands %-formats in help
         kind, is_list = _parser_for(hints[name])
-        kind = (parsers or {}).get(name, kind)
+        if name in (parsers or {}):
+            kind, is_list = parsers[name], False
+        if kind is None and unset:  # a switch that is only set when given
+            flag_name = "--" + name.replace("_", "-")
+            parser.add_argument(
+                (flags or {}).get(name, flag_name), dest=name, action="store_const", const=True,
+                default=None, help=f"{text} (default: {bool(default)})",
+            )  # fmt: skip
+            continue
         if kind is None:  # a switch; one that is on by default is turned off by --no-...
             off = bool(default)
             flag = (flags or {}).get(name, "--no-" + name.replace("_", "-") if off else flag)
@@ -183,10 +198,10 @@ def add_options(
         }
         if name in (choices or {}):
             options["choices"] = list(choices[name])
-        if name in required:
+        if name in required and not unset:
             options["required"] = True
         else:
-            options["default"] = default
+            options["default"] = None if unset else default
         parser.add_argument(flag, **options)
     return names
 

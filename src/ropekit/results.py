@@ -57,6 +57,7 @@ KINDS: dict[str, str] = {
     "schedules": "ropekit schedules (schedules.json)",
     "demo": "ropekit demo (demo.json)",
     "experiment": "an experiment script's committed results (results.json)",
+    "compare": "ropekit compare: methods x domains x lengths and the verdict (compare.json)",
 }
 
 

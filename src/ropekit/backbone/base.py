@@ -145,7 +145,10 @@ class Backbone(abc.ABC):
 
     def identity(self) -> dict[str, Any]:
         """What a result's provenance records about the model: kind, fingerprint, config, a
-        digest of the weights, the encoding's spec and parameters, LoRA weights, adapter."""
+        digest of the weights, the encoding's spec and a digest of its parameters, LoRA
+        weights, tokenizer. The adapter file they came from is not part of it (``describe``
+        names it): a model trained in memory and the same model reloaded from its adapter
+        are the same model."""
         encoding = self.encoding
         lora = self.lora_parameters()
         return {
@@ -156,7 +159,6 @@ class Backbone(abc.ABC):
             "spec": None if encoding is None else encoding.spec,
             "positional": parameter_digest(self.positional_parameters()) if encoding else None,
             "lora": parameter_digest(lora) if lora else None,
-            "adapter": self.adapter_sha256,
             "tokenizer": tokenizer_identity(self.tokenizer),
         }
 
@@ -246,4 +248,5 @@ class Backbone(abc.ABC):
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "tokenizer": None if self.tokenizer is None else self.tokenizer.name,
             "fingerprint": self.fingerprint(),
+            "adapter_sha256": self.adapter_sha256,
         }

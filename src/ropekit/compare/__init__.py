@@ -1,0 +1,25 @@
+"""ropekit.compare: the practitioner's main job in one command, ``ropekit compare``.
+
+Which extension method should serve a target length N, and what does it cost at the original
+length? Every method is trained (if it has parameters) on the same samples and seeds, scored
+on the same held-out windows of several domains, on whole windows and on their far positions,
+and judged by one stated rule with its uncertainty.
+
+- ``config``: ``CompareConfig`` (the question), ``from_file``, ``parse_methods``.
+- ``run``: ``run_compare`` (the stages, resumable, provenance-checked).
+- ``verdict``: the statistics and the recommendation (pure functions).
+- ``report``: report.md and report.html from compare.json.
+"""
+
+from .config import CompareConfig, from_file, parse_methods
+from .run import run_compare
+from .verdict import recommend, wilson_interval
+
+__all__ = [
+    "CompareConfig",
+    "from_file",
+    "parse_methods",
+    "recommend",
+    "run_compare",
+    "wilson_interval",
+]

@@ -1,0 +1,165 @@
+"""What a comparison runs: ``CompareConfig``, built from the command line or a JSON file.
+
+A comparison answers one question for one model: which extension method to use at a target
+length N, and what it costs at the original length L0. Every method is a spec; a method whose
+encoding has parameters (AdaRoPE, tuned-yarn) trains them with the backbone frozen, on the
+same training samples at every seed (paired), at a learning rate chosen on held-out samples of
+the *training* domain; every other method (fixed schedules, attention-level remaps, searched
+factors) is applied as it is. Every method is then scored on the same held-out windows of
+several domains.
+
+Holds: CompareConfig, parse_methods, from_file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ropekit.encodings import names as encoding_names
+
+
+def parse_methods(text: str) -> tuple[str, ...]:
+    """``"rope,yarn:factor=4,beta_fast=16,adarope"`` -> ("rope", "yarn:factor=4,beta_fast=16",
+    "adarope"): a comma starts a new spec only where the next word is an encoding's name, so
+    a spec's own options (``key=value``) keep their commas."""
+    known = set(encoding_names())
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        head = part.split(":", 1)[0].strip().lower()
+        if head in known or not specs:
+            specs.append(part)
+        else:
+            specs[-1] += "," + part
+    return tuple(specs)
+
+
+def _label(spec: str) -> str:
+    return spec.replace(":", " ").replace("=", "").replace(",", " ")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareConfig:
+    """One comparison. Lengths are in the model's tokens."""
+
+    model: str  # a ropekit run or model folder, a Hugging Face folder, or an installed model name
+    target_length: int  # N, the context the methods must serve (tokens)
+    methods: tuple[str, ...]  # encoding specs, comma-separated; rope = the model unmodified
+    names: tuple[str, ...] | None = None  # one label per method (default: derived from its spec)
+    seeds: tuple[int, ...] = (0, 1, 2)  # trained methods: one extension per seed, paired samples
+    train_data: str | tuple[str, ...] = "shakespeare"  # text the trained methods learn from
+    samples: int = 16  # training samples of N tokens per seed (the paper's protocol: 100)
+    pose: bool = False  # train on PoSE windows whose positions cover N (Zhu et al. 2023)
+    pose_window: int | None = None  # tokens per PoSE window; None: the model's training length
+    grad_checkpointing: bool = False  # recompute layers in the backward (memory for time)
+    lrs: tuple[float, ...] = (1e-2, 3e-2)  # learning rates tried at the first seed
+    selection_samples: int = 2  # unseen training-split samples that choose the learning rate
+    eval_data: tuple[str, ...] = ("shakespeare", "kjv")  # held-out domains, corpora or files
+    lengths: tuple[int, ...] | None = None  # perplexity lengths; None: L0/4, L0 and N
+    spans: int = 1  # single-document held-out spans of N tokens per domain (all lengths)
+    probe_lengths: tuple[int, ...] | None = None  # retrieval lengths; None: L0 and N
+    probes: int = 20  # retrieval probes per length (needles at spread depths)
+    margin: float = 0.01  # largest cost at L0 a recommended method may have (0.01 = +1% ppl)
+    seed: int = 0  # picks the evaluation spans and the retrieval haystacks and needles
+
+    def __post_init__(self) -> None:
+        for name in ("methods", "seeds", "eval_data", "lrs"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("names", "lengths", "probe_lengths"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if not isinstance(self.train_data, str):
+            object.__setattr__(self, "train_data", tuple(self.train_data))
+        self._check()
+
+    def _check(self) -> None:
+        def integer(name: str, value: Any, minimum: int) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(
+                    f"{name}={value!r} is not allowed; it must be an integer >= {minimum}"
+                )
+
+        integer("target_length", self.target_length, 2)
+        for name in ("samples", "selection_samples", "spans", "probes"):
+            integer(name, getattr(self, name), 1)
+        integer("seed", self.seed, 0)
+        if not self.methods:
+            raise ValueError("methods=() is not allowed; name at least one encoding spec")
+        if self.names is not None and len(self.names) != len(self.methods):
+            raise ValueError(
+                f"names has {len(self.names)} labels for {len(self.methods)} methods; give one "
+                "per method or none"
+            )
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"method labels {self.labels} repeat; give each method its name")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds={self.seeds!r} is not allowed; give distinct seeds")
+        for s in self.seeds:
+            integer("seeds", s, 0)
+        if not self.lrs or any(not (math.isfinite(lr) and 0 < lr <= 10) for lr in self.lrs):
+            raise ValueError(f"lrs={self.lrs!r} is not allowed; give learning rates in (0, 10]")
+        if not self.eval_data:
+            raise ValueError("eval_data=() is not allowed; name at least one held-out domain")
+        for name in ("lengths", "probe_lengths"):
+            for n in getattr(self, name) or ():
+                integer(name, n, 2)
+                if n > self.target_length:
+                    raise ValueError(
+                        f"{name} holds {n}, above target_length={self.target_length}; the "
+                        "comparison is about lengths up to the target"
+                    )
+        if not (math.isfinite(self.margin) and 0 <= self.margin < 1):
+            raise ValueError(f"margin={self.margin!r} is not allowed; it must lie in [0, 1)")
+        if self.pose_window is not None and not self.pose:
+            raise ValueError("pose_window applies only with pose=True (--pose)")
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self.names if self.names is not None else tuple(_label(m) for m in self.methods)
+
+    def eval_lengths(self, trained_at: int) -> tuple[int, ...]:
+        default = (max(2, trained_at // 4), trained_at, self.target_length)
+        return tuple(sorted(set(self.lengths or default)))
+
+    def retrieval_lengths(self, trained_at: int) -> tuple[int, ...]:
+        return tuple(sorted(set(self.probe_lengths or (trained_at, self.target_length))))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()
+        }
+
+
+def from_file(path: str | Path, **overrides: Any) -> CompareConfig:
+    """A CompareConfig from a JSON file holding its fields (``methods`` may also be a mapping
+    of label -> spec); ``overrides`` win. Unknown fields are refused, naming them."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object of CompareConfig fields")
+    data.pop("description", None)  # for the reader of the file
+    methods = data.get("methods")
+    if isinstance(methods, dict):
+        data["names"], data["methods"] = list(methods), list(methods.values())
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    known = {f.name for f in dataclasses.fields(CompareConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown fields {unknown}; allowed: {', '.join(sorted(known))}")
+    missing = [k for k in ("model", "target_length", "methods") if k not in data]
+    if missing:
+        raise ValueError(f"{path}: the required fields {missing} are missing")
+    try:
+        return CompareConfig(**data)
+    except TypeError as e:
+        raise ValueError(f"{path}: {e}") from None

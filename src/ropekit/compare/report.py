@@ -1,0 +1,156 @@
+"""The comparison's report: Markdown and one self-contained HTML page, with its figures,
+every number read from ``compare.json``.
+
+Sections: what was compared; the verdict; perplexity at each length on whole windows and on
+the last quarter, per domain and averaged over domains; the cost at L0 against the gain at N;
+NLL against position at N; retrieval accuracy with Wilson intervals (when probed); learning
+rates chosen; training and evaluation time.
+
+Holds: write_report.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from ropekit.figures import figure, plot_vs_length, save, style
+from ropekit.report.document import Block, Figure, Heading, Table, Text, to_html, to_markdown
+from ropekit.utils import atomic_write_text
+
+
+def _cell(stat: dict[str, Any] | None, digits: int = 2) -> str:
+    if stat is None or stat["mean"] is None:
+        return "-"
+    text = f"{stat['mean']:.{digits}f}"
+    return text + (f" ± {stat['std']:.{digits}f}" if stat["n"] > 1 else "")
+
+
+def _mean_over_domains(summary: dict, label: str, length: str, key: str) -> float | None:
+    values = [summary[label][d][length][key]["mean"] for d in summary[label]]
+    if any(v is None for v in values) or not values:
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))  # geometric mean
+
+
+def _ppl_tables(data: dict[str, Any]) -> list[Block]:
+    summary, lengths = data["summary"], [str(n) for n in data["lengths"]]
+    labels = [m["label"] for m in data["methods"] if m["label"] in summary]
+    blocks: list[Block] = []
+    for key, what in (
+        ("ppl", "whole windows"),
+        ("last_quarter_ppl", "last quarter of each window"),
+    ):
+        headers = ["method", *(f"{d} @{n}" for d in data["domains"] for n in lengths)]
+        headers += [f"mean @{n}" for n in lengths]
+        rows = []
+        for label in labels:
+            row = [label]
+            row += [_cell(summary[label][d].get(n, {}).get(key)) for d in data["domains"]
+                    for n in lengths]  # fmt: skip
+            means = [_mean_over_domains(summary, label, n, key) for n in lengths]
+            row += ["-" if m is None else f"{m:.2f}" for m in means]
+            rows.append(row)
+        caption = (
+            f"Perplexity on {what}, held-out text of each domain (mean ± std over seeds for "
+            "trained methods; 'mean' is the geometric mean over domains)."
+        )
+        blocks.append(Table(headers, rows, caption))
+    return blocks
+
+
+def _cost_gain(data: dict[str, Any], path: Path) -> Path | None:
+    verdict = data["verdict"]
+    if verdict is None:
+        return None
+    fig, axes = figure(6.4, 4.4)
+    ax = axes[0, 0]
+    for label in verdict["eligible"] + [
+        m for m in verdict["costs"] if m not in verdict["eligible"]
+    ]:
+        cost, score = verdict["costs"].get(label), verdict["scores"].get(label)
+        if cost is None or score is None:
+            continue
+        ax.scatter([100 * cost], [math.exp(score)], s=30, color=style(label).get("color"))
+        ax.annotate(label, (100 * cost, math.exp(score)), fontsize=7)
+    ax.axvline(100 * verdict["margin"], color="gray", ls=":", lw=1, label="margin")
+    ax.set(
+        xlabel=f"cost at {verdict['short_length']} tokens (% perplexity vs the unmodified model)",
+        ylabel=f"last-quarter perplexity at {verdict['target_length']} (mean over domains)",
+        title="Cost at the original length against the far positions at the target",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return save(fig, path)
+
+
+def _figures(data: dict[str, Any], out: Path) -> list[Figure]:
+    summary, figures = data["summary"], []
+    for domain in data["domains"]:
+        for key, what in (("ppl", "whole window"), ("last_quarter_ppl", "last quarter")):
+            series = {
+                label: {int(n): summary[label][domain][n][key]["mean"] for n in rows}
+                for label, domains in summary.items()
+                for rows in [domains[domain]]
+            }
+            errors = {
+                label: {int(n): summary[label][domain][n][key]["std"] for n in rows}
+                for label, domains in summary.items()
+                for rows in [domains[domain]]
+            }
+            name = f"ppl_{key}_{domain}.png".replace("/", "-")
+            plot_vs_length(
+                series, out / name, errors=errors, ylabel=f"perplexity ({what})",
+                title=f"{domain}: {what}", train_length=data["trained_at"],
+            )  # fmt: skip
+            figures.append(Figure(name, f"{domain}, {what}: perplexity against length."))
+    cost = _cost_gain(data, out / "cost_vs_gain.png")
+    if cost is not None:
+        figures.append(Figure(cost.name, "Cost at L0 against the far positions at N."))
+    return figures
+
+
+def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:
+    c = data["config"]
+    verdict = data["verdict"]
+    blocks: list[Block] = [
+        Heading(f"ropekit compare: {c['model']} to {data['target_length']} tokens", 1),
+        Text(
+            f"The model was trained at {data['trained_at']} tokens. Trained methods learn "
+            f"their positional parameters on {c['samples']} samples of {data['target_length']} "
+            f"tokens of {c['train_data']} (training split) per seed ({len(c['seeds'])} seeds, "
+            f"paired), backbone frozen; every method is scored on the same held-out windows of "
+            f"{', '.join(data['domains'])} ({c['spans']} span(s) of {data['target_length']} "
+            f"tokens per domain). Stage: {data['stage']}."
+        ),
+        Heading("Verdict", 2),
+        Text(verdict["sentence"] if verdict else "No verdict yet: the baseline is not scored."),
+    ]
+    if verdict:
+        blocks.append(Text("How it is decided: " + " ".join(verdict["rule"].split())))
+    blocks += [Heading("Perplexity", 2), *_ppl_tables(data)]
+    blocks += [Heading("Figures", 2), *_figures(data, out)]
+    if data["lr_search"]:
+        rows = [
+            [label, ", ".join(f"{lr:g}: {nll:.4f}" for lr, nll in s["selection_nll"].items())
+             or "-", f"{s['chosen']:g}"]
+            for label, s in data["lr_search"].items()
+        ]  # fmt: skip
+        blocks.append(Table(["method", "selection NLL by lr", "chosen lr"], rows))
+    rows = [[t["job"], f"{t['seconds'] / 60:.1f} min"] for t in data["times"]]
+    blocks += [
+        Heading("Time", 2),
+        Table(["job", "wall time"], rows, f"On {data['meta']['machine']}."),
+    ]
+    return blocks
+
+
+def write_report(data: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
+    """report.md and report.html (and the figures) into ``out``; returns the two paths."""
+    out = Path(out)
+    blocks = report_blocks(data, out)
+    md, html = out / "report.md", out / "report.html"
+    atomic_write_text(md, to_markdown(blocks, out))
+    atomic_write_text(html, to_html(blocks, out, "ropekit compare"))
+    return md, html

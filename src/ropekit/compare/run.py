@@ -1,0 +1,274 @@
+"""``ropekit compare``: the methods of a ``CompareConfig`` trained, scored and judged.
+
+Stages, cheapest first, so an interrupted comparison leaves honest partial results (the
+verdict is rewritten after every stage from what is done):
+
+1. every method that trains nothing (fixed schedules, attention-level remaps, searched
+   factors) is attached as an extension run (``ropekit extend``: its adapter, exportable) and
+   scored on every held-out domain;
+2. every trained method: one run per learning rate at the first seed, the rate chosen by the
+   mean NLL on ``selection_samples`` unseen samples of the training split (never the held-out
+   text the results are measured on), then the other seeds at that rate; each scored;
+3. retrieval probes of every method (its first seed), the longest stage.
+
+Every piece is a library run with its own provenance (extend, eval ppl, the probes), so a
+rerun of the same comparison recomputes nothing, and a change of model, adapter, spec or data
+in the same folder is refused rather than served from a cache.
+
+Layout of ``out_dir``:
+
+    compare.json, report.md, report.html, *.png      the verdict, the tables, the figures
+    methods/<label>/s<seed>/                          extension runs (adapter/, extend.json)
+    methods/<label>/lr-<lr>/s<seed>/                  learning-rate candidates (trained)
+    eval/<label>/s<seed>/<domain>/ppl.json            perplexity on one held-out domain
+    eval/<label>/s<seed>/probes/                      retrieval probes
+
+Holds: run_compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ropekit.backbone import Backbone, open_backbone
+from ropekit.data import make_train_dataset
+from ropekit.evals import PerplexityConfig, run_perplexity
+from ropekit.results import (
+    digest,
+    make_record,
+    read_records,
+    run_metadata,
+    write_records,
+    write_result,
+)
+from ropekit.train.extend import ExtendConfig, extend
+
+from .config import CompareConfig
+from .report import write_report
+from .verdict import mean_std, recommend
+
+COMPARE_JSON = "compare.json"
+BASELINE = "rope"  # the unmodified model: what a method's cost at L0 is measured against
+
+
+@dataclasses.dataclass(frozen=True)
+class _Method:
+    label: str
+    spec: str
+    trained: bool  # its encoding has parameters to train
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in text).strip("-") or "method"
+
+
+class _Comparison:
+    """The state of one comparison run: the config, its folder, the jobs' records."""
+
+    def __init__(self, config: CompareConfig, out: Path, command: str, log: Callable) -> None:
+        self.config, self.out, self.command, self.log = config, out, command, log
+        probe = open_backbone(config.model)
+        self.trained_at = probe.training_length
+        methods = list(zip(config.labels, config.methods, strict=True))
+        if BASELINE not in config.methods:
+            methods.insert(0, ("rope (unmodified)", BASELINE))
+        self.methods = [
+            _Method(label, spec, bool(probe.build_encoding(spec).positional_parameters()))
+            for label, spec in methods
+        ]
+        self.baseline = next(m.label for m in self.methods if m.spec == BASELINE)
+        self.times = out / "times.jsonl"  # wall time of each job, kept when a job is reused
+        self.records = {r["job"]: r for r in read_records(self.times)}
+
+    # ------------------------------------------------------------------ jobs
+    def _timed(self, job: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        value = fn()
+        if job not in self.records:
+            self.records[job] = {"job": job, "seconds": time.perf_counter() - start}
+            write_records(self.times, list(self.records.values()))
+        return value
+
+    def extension(self, method: _Method, seed: int, lr: float, folder: Path) -> Backbone:
+        """The model with ``method`` attached (trained at ``seed`` and ``lr`` if it trains)."""
+        c = self.config
+        backbone = open_backbone(c.model)
+        config = ExtendConfig(
+            method=method.spec, target_length=c.target_length, samples=c.samples, lr=lr,
+            data=c.train_data, seed=seed, pose=c.pose, pose_window=c.pose_window,
+            grad_checkpointing=c.grad_checkpointing,
+        )  # fmt: skip
+
+        def run() -> None:
+            extend(backbone, config, folder, resume=True, command=self.command, log=self.log)
+
+        self._timed(f"train {folder.relative_to(self.out)}", run)
+        return backbone
+
+    def selection_nll(self, backbone: Backbone, seed: int) -> float:
+        """Mean NLL on the training-split samples right after the ones trained on (unseen)."""
+        c = self.config
+        packed = make_train_dataset(
+            c.train_data if isinstance(c.train_data, str) else list(c.train_data),
+            backbone.require_tokenizer(), c.target_length, seed=seed,
+        )  # fmt: skip
+        total = 0.0
+        for k in range(c.samples, c.samples + c.selection_samples):
+            ids = torch.as_tensor(packed.sample(k)[0])[None]  # (1, N+1)
+            total += float(backbone.token_nll(ids, 2048).double().mean())
+        return total / c.selection_samples
+
+    def evaluate(self, method: _Method, seed: int, backbone: Backbone) -> dict[str, Any]:
+        """Perplexity of the model on every held-out domain: {domain: ppl result}."""
+        c = self.config
+        lengths = c.eval_lengths(self.trained_at)
+        config = PerplexityConfig(lengths, n_tokens=c.spans * c.target_length, seed=c.seed)
+        out = {}
+        for domain in c.eval_data:
+            folder = self.out / "eval" / _slug(method.label) / f"s{seed}" / _slug(domain)
+
+            def score(folder: Path = folder, domain: str = domain) -> dict[str, Any]:
+                return run_perplexity(
+                    backbone, config, folder, data=domain, spec=method.spec,
+                    command=self.command, progress=False,
+                )  # fmt: skip
+
+            out[domain] = self._timed(f"eval {folder.relative_to(self.out)}", score)
+        return out
+
+    # ------------------------------------------------------------------ stages
+    def free(self) -> dict[str, dict[int, dict[str, Any]]]:
+        results: dict[str, dict[int, dict[str, Any]]] = {}
+        for method in (m for m in self.methods if not m.trained):
+            folder = self.out / "methods" / _slug(method.label) / "s0"
+            self.log(f"{method.label}: attached as {method.spec}, scoring")
+            backbone = self.extension(method, 0, self.config.lrs[0], folder)
+            results[method.label] = {0: self.evaluate(method, 0, backbone)}
+        return results
+
+    def trained(self, method: _Method) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+        c = self.config
+        first, base = c.seeds[0], self.out / "methods" / _slug(method.label)
+        candidates = {}
+        for lr in c.lrs:
+            self.log(f"{method.label}: training at lr {lr:g}, seed {first}")
+            backbone = self.extension(method, first, lr, base / f"lr-{lr:g}" / f"s{first}")
+            if len(c.lrs) > 1:
+                job = f"select {method.label} lr {lr:g}"
+                candidates[lr] = self._selected(
+                    job, lambda b=backbone: self.selection_nll(b, first)
+                )
+        lr = min(candidates, key=candidates.get) if candidates else c.lrs[0]
+        search = {"lrs": list(c.lrs), "selection_nll": candidates, "chosen": lr}
+        results = {}
+        for seed in c.seeds:
+            self.log(f"{method.label}: seed {seed} at lr {lr:g}, scoring")
+            backbone = self.extension(method, seed, lr, base / f"lr-{lr:g}" / f"s{seed}")
+            results[seed] = self.evaluate(method, seed, backbone)
+        return results, search
+
+    def _selected(self, job: str, fn: Callable[[], float]) -> float:
+        """A selection score, computed once (its record keeps it with the job's provenance)."""
+        key = digest({"job": job, "config": self.config.to_dict()})
+        for record in self.records.values():
+            if record.get("key") == key:
+                return record["nll"]
+        value = self._timed(job, fn)
+        self.records[job] = {**self.records[job], "key": key, "nll": value}
+        write_records(self.times, list(self.records.values()))
+        return value
+
+    # ------------------------------------------------------------------ the verdict
+    def table(self, results: dict[str, dict[int, dict[str, Any]]]) -> dict:
+        """table[label][domain][length] = per-seed ppl, NLL and last-quarter windows."""
+        table: dict[str, Any] = {}
+        for label, by_seed in results.items():
+            table[label] = {}
+            for domain in self.config.eval_data:
+                rows: dict[int, dict[str, list]] = {}
+                for seed in sorted(by_seed):
+                    for row in by_seed[seed][domain]["results"]:
+                        entry = rows.setdefault(
+                            row["length"], {"ppl": [], "nll": [], "last_quarter_windows": []}
+                        )
+                        entry["ppl"].append(row["perplexity"])
+                        entry["nll"].append(row["nll"])
+                        entry["last_quarter_windows"].append(row["last_quarter_nll_windows"])
+                table[label][domain] = rows
+        return table
+
+    def write(self, results: dict, searches: dict, stage: str) -> dict[str, Any]:
+        c = self.config
+        table = self.table(results)
+        labels = [m.label for m in self.methods if m.label in table]
+        verdict = (
+            recommend(table, labels, self.baseline, self.trained_at, c.target_length, c.margin)
+            if self.baseline in table
+            else None
+        )
+        summary = {
+            "stage": stage, "trained_at": self.trained_at, "target_length": c.target_length,
+            "lengths": list(c.eval_lengths(self.trained_at)), "domains": list(c.eval_data),
+            "methods": [dataclasses.asdict(m) for m in self.methods], "baseline": self.baseline,
+            "table": _jsonable(table), "summary": _summary(table), "lr_search": searches,
+            "verdict": verdict, "times": list(self.records.values()), "config": c.to_dict(),
+        }  # fmt: skip
+        meta = run_metadata(self.command, seed=c.seed)
+        provenance = {"config": c.to_dict()}
+        write_result(self.out / COMPARE_JSON, "compare", summary, meta=meta, provenance=provenance)
+        record = make_record("compare", summary, meta=meta, provenance=provenance)
+        write_report(record, self.out)
+        return record
+
+
+def _jsonable(table: dict) -> dict:
+    return {
+        label: {d: {str(n): e for n, e in rows.items()} for d, rows in domains.items()}
+        for label, domains in table.items()
+    }
+
+
+def _summary(table: dict) -> dict:
+    """label -> domain -> length -> mean ± std over seeds of ppl and last-quarter ppl."""
+    out: dict[str, Any] = {}
+    for label, domains in table.items():
+        out[label] = {}
+        for domain, rows in domains.items():
+            out[label][domain] = {
+                str(n): {
+                    "ppl": mean_std(e["ppl"]),
+                    "last_quarter_ppl": mean_std(
+                        [math.exp(sum(w) / len(w)) for w in e["last_quarter_windows"]]
+                    ),
+                }
+                for n, e in rows.items()
+            }
+    return out
+
+
+def run_compare(
+    config: CompareConfig,
+    out_dir: str | Path,
+    *,
+    command: str = "",
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the comparison into ``out_dir`` (module docstring); returns compare.json's content.
+    A rerun continues where an earlier run stopped."""
+    out = Path(out_dir)
+    run = _Comparison(config, out, command, log)
+    results = run.free()
+    searches: dict[str, Any] = {}
+    summary = run.write(results, searches, "untrained methods scored")
+    for method in (m for m in run.methods if m.trained):
+        results[method.label], searches[method.label] = run.trained(method)
+        summary = run.write(results, searches, f"{method.label} trained and scored")
+    summary = run.write(results, searches, "done")
+    return summary

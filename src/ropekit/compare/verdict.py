@@ -1,0 +1,159 @@
+"""The statistics of a comparison and its recommendation, as pure functions of the numbers.
+
+The question: which method should serve N tokens, and what does it cost at L0? The rule:
+
+- **Cost at L0** of a method: the relative change of its whole-window perplexity at L0 against
+  the unmodified model's (rope), averaged over the evaluation domains (so +0.01 = 1% worse).
+- **Score at N**: the mean, over domains, of its last-quarter NLL at N (nats per token): the
+  far positions of each window, which is what extension is for (a whole-window number mixes
+  in the first 3/4 of the window, which the original context already covers).
+- **Eligible** methods cost at most ``margin`` at L0. The recommended method is the eligible
+  one with the lowest score at N.
+- **Resolved?** The recommendation is against the runner-up (the next eligible method): their
+  last-quarter NLLs at N are compared window by window (the same held-out windows for every
+  method; a trained method's value is its mean over seeds), and the lead counts as resolved
+  when the mean paired difference exceeds twice its standard error (about a 95% one-sided
+  bound on a normal approximation) with at least 3 windows. Otherwise the comparison says that
+  no difference is resolved at this sample size, names the two, and gives the numbers.
+
+Retrieval accuracy is reported beside it with Wilson score intervals (Wilson 1927, "Probable
+inference, the law of succession, and statistical inference", JASA 22: 209-212), not folded
+into the rule: a method that wins on perplexity and loses retrieval is shown as such.
+
+Holds: mean_std, wilson_interval, cost_at, score_at, paired_windows, recommend.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Z95 = 1.959963984540054  # two-sided 95% normal quantile
+
+
+def mean_std(values: Sequence[float]) -> dict[str, Any]:
+    """Mean, sample standard deviation (0 for one value) and count."""
+    values = [float(v) for v in values]
+    n = len(values)
+    if n == 0:
+        return {"mean": None, "std": None, "n": 0}
+    m = sum(values) / n
+    std = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return {"mean": m, "std": std, "n": n}
+
+
+def wilson_interval(successes: int, trials: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion: centre (p + z^2/2n) / (1 + z^2/n),
+    half-width z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n). Unlike p +- z sqrt(p(1-p)/n) it stays
+    inside [0, 1] and is not empty at p = 0 or 1."""
+    if trials < 1 or not 0 <= successes <= trials:
+        raise ValueError(f"successes={successes}, trials={trials}: need 0 <= successes <= trials")
+    p, n = successes / trials, trials
+    denominator = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+# table[method][domain][length] = {"ppl": [per seed], "last_quarter_windows": [per seed: [...]]}
+Table = Mapping[str, Mapping[str, Mapping[int, Mapping[str, Any]]]]
+
+
+def cost_at(table: Table, method: str, baseline: str, length: int) -> float | None:
+    """Mean over domains of ppl(method) / ppl(baseline) - 1 at ``length`` (seed means)."""
+    ratios = []
+    for domain, by_length in table[method].items():
+        mine = by_length.get(length)
+        base = table[baseline].get(domain, {}).get(length)
+        if mine is None or base is None:
+            return None
+        ratios.append(mean_std(mine["ppl"])["mean"] / mean_std(base["ppl"])["mean"] - 1)
+    return sum(ratios) / len(ratios) if ratios else None
+
+
+def _window_means(entry: Mapping[str, Any]) -> list[float]:
+    """Per-window last-quarter NLL, averaged over seeds (the windows are the same)."""
+    per_seed = entry["last_quarter_windows"]
+    return [sum(ws) / len(ws) for ws in zip(*per_seed, strict=True)]
+
+
+def score_at(table: Table, method: str, length: int) -> float | None:
+    """Mean over domains of the last-quarter NLL at ``length`` (nats per token)."""
+    values = []
+    for by_length in table[method].values():
+        entry = by_length.get(length)
+        if entry is None:
+            return None
+        windows = _window_means(entry)
+        values.append(sum(windows) / len(windows))
+    return sum(values) / len(values) if values else None
+
+
+def paired_windows(table: Table, a: str, b: str, length: int) -> list[float]:
+    """Per-window last-quarter NLL of ``a`` minus ``b`` at ``length``, every domain's windows."""
+    diffs = []
+    for domain in table[a]:
+        mine, theirs = table[a][domain].get(length), table[b][domain].get(length)
+        if mine is None or theirs is None:
+            continue
+        diffs += [x - y for x, y in zip(_window_means(mine), _window_means(theirs), strict=True)]
+    return diffs
+
+
+def recommend(
+    table: Table, methods: Sequence[str], baseline: str, short: int, target: int, margin: float
+) -> dict[str, Any]:
+    """The recommendation at ``target`` with at most ``margin`` cost at ``short`` (module
+    docstring), as JSON: the rule's numbers and one sentence."""
+    costs = {m: cost_at(table, m, baseline, short) for m in methods}
+    scores = {m: score_at(table, m, target) for m in methods}
+    eligible = sorted(
+        (
+            m
+            for m in methods
+            if costs[m] is not None and scores[m] is not None and costs[m] <= margin
+        ),
+        key=lambda m: scores[m],
+    )
+    out: dict[str, Any] = {
+        "rule": __doc__.split("The rule:", 1)[1].split("Retrieval accuracy", 1)[0].strip(),
+        "margin": margin, "short_length": short, "target_length": target, "baseline": baseline,
+        "costs": costs, "scores": scores, "eligible": eligible, "winner": None,
+        "runner_up": None, "difference": None, "resolved": False,
+    }  # fmt: skip
+    if not eligible:
+        out["sentence"] = (
+            f"No method costs at most {margin:.1%} at {short} tokens; none is recommended."
+        )
+        return out
+    winner = eligible[0]
+    out["winner"] = winner
+    if len(eligible) == 1:
+        out["resolved"] = True
+        out["sentence"] = (
+            f"{winner} is the only method within {margin:.1%} of the unmodified model at "
+            f"{short} tokens (last-quarter NLL at {target}: {scores[winner]:.4f})."
+        )
+        return out
+    runner = eligible[1]
+    diffs = paired_windows(table, winner, runner, target)
+    stats = mean_std(diffs)
+    se = stats["std"] / math.sqrt(stats["n"]) if stats["n"] > 1 else None
+    out.update(runner_up=runner, difference={**stats, "se": se})
+    resolved = se is not None and stats["n"] >= 3 and stats["mean"] + 2 * se < 0
+    out["resolved"] = resolved
+    lead = (
+        f"last-quarter NLL at {target} {scores[winner]:.4f} against {runner}'s "
+        f"{scores[runner]:.4f} (paired over {stats['n']} windows: {stats['mean']:+.4f}"
+        + (f" ± {se:.4f} s.e.)" if se is not None else ")")
+    )
+    cost = f"costing {costs[winner]:+.1%} at {short} tokens"
+    if resolved:
+        out["sentence"] = f"Use {winner} at {target} tokens: {lead}, {cost}."
+    else:
+        out["sentence"] = (
+            f"No difference is resolved at this sample size between {winner} and {runner} at "
+            f"{target} tokens: {lead}; {winner} is ahead, {cost}."
+        )
+    return out

@@ -1,0 +1,133 @@
+"""`ropekit compare` end to end on toy settings (two methods, toy lengths, two domains), its
+method parser, its statistics and its recommendation rule."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from ropekit.cli import main
+from ropekit.compare import CompareConfig, parse_methods, recommend, wilson_interval
+
+TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--batch-size", "4", "--warmup", "2"]
+
+
+def test_methods_split_where_an_encoding_name_starts():
+    assert parse_methods("rope,yarn:factor=4,beta_fast=16,adarope:init=yarn,factor=2") == (
+        "rope",
+        "yarn:factor=4,beta_fast=16",
+        "adarope:init=yarn,factor=2",
+    )
+
+
+def test_wilson_interval_matches_known_values():
+    # Wilson (1927); e.g. 0 of 10 -> [0, 0.2775], 5 of 10 -> [0.2366, 0.7634] at 95%.
+    low, high = wilson_interval(0, 10)
+    assert low == 0.0 and high == pytest.approx(0.27754, abs=1e-5)
+    low, high = wilson_interval(5, 10)
+    assert (low, high) == (pytest.approx(0.23659, abs=1e-5), pytest.approx(0.76341, abs=1e-5))
+    assert wilson_interval(20, 20)[1] == 1.0 and wilson_interval(20, 20)[0] < 1.0
+    with pytest.raises(ValueError):
+        wilson_interval(3, 2)
+
+
+def _table(values: dict[str, tuple[float, list[float]]]) -> dict:
+    """Two lengths (8 = L0, 32 = N) of one domain: ppl at 8, last-quarter NLL windows at 32."""
+    return {
+        m: {"d": {8: {"ppl": [ppl], "last_quarter_windows": [[1.0]]},
+                  32: {"ppl": [1.0], "last_quarter_windows": [windows]}}}
+        for m, (ppl, windows) in values.items()
+    }  # fmt: skip
+
+
+def test_the_recommendation_obeys_the_margin_and_says_when_it_is_not_resolved():
+    table = _table({
+        "rope": (10.0, [3.0, 3.1, 3.2, 3.0]),
+        "cheap": (10.05, [2.0, 2.1, 2.2, 2.0]),  # +0.5% at L0, clearly best at N
+        "costly": (12.0, [1.0, 1.0, 1.0, 1.0]),  # best at N but +20% at L0: not eligible
+        "close": (10.0, [2.01, 2.12, 2.18, 2.02]),  # within noise of "cheap"
+    })  # fmt: skip
+    verdict = recommend(table, list(table), "rope", 8, 32, margin=0.01)
+    assert verdict["winner"] == "cheap" and "costly" not in verdict["eligible"]
+    assert verdict["runner_up"] == "close" and not verdict["resolved"]
+    assert "No difference is resolved" in verdict["sentence"]
+    clear = recommend({k: v for k, v in table.items() if k != "close"}, ["rope", "cheap"],
+                      "rope", 8, 32, margin=0.01)  # fmt: skip
+    assert clear["winner"] == "cheap" and clear["resolved"]
+    assert clear["sentence"].startswith("Use cheap")
+    none = recommend(table, ["costly"], "rope", 8, 32, margin=0.01)
+    assert none["winner"] is None and "none is recommended" in none["sentence"]
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(ValueError, match="names"):
+        CompareConfig("m", 64, ("rope", "yarn"), names=("a",))
+    with pytest.raises(ValueError, match="above target_length"):
+        CompareConfig("m", 64, ("rope",), lengths=(128,))
+    with pytest.raises(ValueError, match="margin"):
+        CompareConfig("m", 64, ("rope",), margin=2.0)
+    with pytest.raises(ValueError, match="seeds"):
+        CompareConfig("m", 64, ("rope",), seeds=(0, 0))
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("compare")
+    base = root / "base"
+    assert main(["pretrain", "--context", "32", "--steps", "30", *TINY, "--out", str(base)]) == 0
+    argv = [
+        "compare", "--model", str(base), "--target-length", "64",
+        "--methods", "yarn:factor=2,adarope:init=yarn,factor=2",
+        "--names", "yarn,adarope", "--seeds", "0,1", "--samples", "2", "--lrs", "0.01,0.03",
+        "--selection-samples", "1", "--eval-data", "shakespeare,kjv", "--lengths", "16,32,64",
+        "--spans", "2", "--out", str(root / "out"),
+    ]  # fmt: skip
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return root, argv
+
+
+def test_compare_trains_scores_and_judges_every_method(compared):
+    root, _ = compared
+    data = json.loads((root / "out" / "compare.json").read_text())
+    assert data["kind"] == "compare" and data["stage"] == "done"
+    assert [m["label"] for m in data["methods"]] == ["rope (unmodified)", "yarn", "adarope"]
+    assert [m["trained"] for m in data["methods"]] == [False, False, True]
+    for label, domains in data["table"].items():
+        assert set(domains) == {"shakespeare", "kjv"}
+        for rows in domains.values():
+            assert set(rows) == {"16", "32", "64"}
+            seeds = 2 if label == "adarope" else 1
+            assert len(rows["64"]["ppl"]) == seeds
+            assert all(len(w) == 2 for w in rows["64"]["last_quarter_windows"])  # 2 spans
+    search = data["lr_search"]["adarope"]
+    assert set(search["selection_nll"]) == {"0.01", "0.03"} and search["chosen"] in (0.01, 0.03)
+    verdict = data["verdict"]
+    assert verdict["baseline"] == "rope (unmodified)" and verdict["sentence"]
+    assert all(math.isfinite(v) for v in verdict["scores"].values())
+    report = (root / "out" / "report.md").read_text()
+    assert "## Verdict" in report and verdict["sentence"] in report
+    assert (root / "out" / "cost_vs_gain.png").is_file()
+
+
+def test_a_rerun_recomputes_nothing(compared, capsys):
+    root, argv = compared
+    out = root / "out"
+    adapters = sorted(out.glob("methods/**/adapter.safetensors"))
+    before = {p: p.stat().st_mtime_ns for p in adapters}
+    ppl = {p: p.read_bytes() for p in out.glob("eval/**/ppl.json")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert {p: p.stat().st_mtime_ns for p in adapters} == before
+    assert {p: p.read_bytes() for p in out.glob("eval/**/ppl.json")} == ppl
