@@ -13,11 +13,9 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
-from ropekit.backbone import load_adapter, save_adapter
-from ropekit.hf import ExportRefused, encoding_of, export, patch
-from ropekit.hf.exporting import EXPORT_RECORD
-
-from .tiny import VOCAB, perturb, tiny_model
+from ropekit.hf import ExportRefused, encoding_of, load_adapter, patch, save_adapter
+from ropekit.serve.export import EXPORT_RECORD, export
+from tests.hf.tiny import VOCAB, perturb, tiny_model
 
 ATOL = 1e-5
 
