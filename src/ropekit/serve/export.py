@@ -67,14 +67,14 @@ from torch import nn
 
 from ropekit import __version__
 from ropekit.encodings import AdaRoPE, PositionEncoding, RotaryEncoding, TunedYarn, schedules
-from ropekit.hf.adapter import load_adapter
-from ropekit.hf.archs import base_model, original_length, unwrap
+from ropekit.hf.adapter import load_adapter, write_adapter
+from ropekit.hf.archs import base_model, fingerprint, original_length, unwrap
 from ropekit.hf.models import load_model, load_tokenizer, resolve_model
 from ropekit.hf.patching import ENCODING_ATTR, encoding_of, patch
 from ropekit.hf.rope_config import ExportRefused, rope_parameters_for
 
 EXPORT_RECORD = "ropekit_export.json"
-FORMATS = ("hf", "gguf")
+FORMATS = ("hf", "gguf", "vllm")
 
 # Learned frequencies count as shared when every row equals the first to this relative
 # precision: rows computed from identical parameters agree exactly; trained rows differ by far
@@ -300,8 +300,11 @@ def export(
 ) -> Path:
     """Write a folder that serves the model with its ropekit encoding; returns it.
 
-    ``format``: ``"hf"`` (a plain Hugging Face folder: transformers, vLLM) or ``"gguf"``
-    (``model.gguf`` for llama.cpp). ``max_length``: the length engines must accept (default:
+    ``format``: ``"hf"`` (a plain Hugging Face folder: transformers, vLLM), ``"gguf"``
+    (``model.gguf`` for llama.cpp) or ``"vllm"`` (an HF folder for vLLM with ropekit's plugin,
+    ``ropekit.serve.vllm_plugin``: the adapter travels in ``ropekit_adapter/`` and is applied
+    exactly, per head; ``rope_parameters`` hold the nearest shared schedule, which is what an
+    engine without the plugin would compute). ``max_length``: the length engines must accept (default:
     ``target_length``, factor x L0). ``nearest``: export a per-head AdaRoPE as the closest
     shared schedule (approximate; the record's notes say by how much it moved).
 
@@ -345,9 +348,25 @@ def export(
         if found is None:
             raise ValueError("the model is not patched; give an adapter folder or a spec")
         encoding = found
+    if format == "vllm" and getattr(encoding, "dynamic", False):
+        raise ExportRefused(
+            f"{encoding.spec!r} follows the sequence length; the vLLM plugin rotates by token "
+            "position only (vLLM gives the rotary no sequence lengths)"
+        )
     params, extra, notes = export_rope_parameters(
-        encoding, model.config, temperature_at=temperature_at, nearest=nearest
+        encoding,
+        model.config,
+        temperature_at=temperature_at,
+        nearest=nearest or format == "vllm",
     )
+    if format == "vllm":
+        from .vllm_plugin import ARCHITECTURE
+
+        extra = {**extra, "architectures": [ARCHITECTURE]}
+        notes = [
+            f"served exactly by vLLM with ropekit's plugin ({ARCHITECTURE}, adapter in "
+            "ropekit_adapter/); rope_parameters (what engines without the plugin compute):"
+        ] + notes
     target = int(max_length or target_length(encoding, model.config))
     fields, engine_keys = length_fields(params, model.config, target)
     params = {**params, **engine_keys}
@@ -368,6 +387,10 @@ def export(
                 model, config, tmp / GGUF_NAME, tokenizer=tokenizer, source=model_or_path
             )
         else:
+            if format == "vllm":
+                from .vllm_plugin import ADAPTER_DIR
+
+                write_adapter(encoding, fingerprint(model.config), tmp / ADAPTER_DIR)
             model.save_pretrained(tmp, state_dict=_backbone_state(model))
             config.save_pretrained(tmp)  # replaces the config save_pretrained wrote
             if tokenizer is not None:
@@ -383,7 +406,9 @@ def export(
             "ropekit": __version__,
         }
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        for path in tmp.iterdir():
+        for path in tmp.rglob("*"):
+            if not path.is_file():
+                continue
             with path.open("rb") as f:
                 os.fsync(f.fileno())
         if out.exists():
