@@ -304,8 +304,8 @@ def export(
     (``model.gguf`` for llama.cpp) or ``"vllm"`` (an HF folder for vLLM with ropekit's plugin,
     ``ropekit.serve.vllm_plugin``: the adapter travels in ``ropekit_adapter/`` and is applied
     exactly, per head; ``rope_parameters`` hold the nearest shared schedule, which is what an
-    engine without the plugin would compute). ``max_length``: the length engines must accept (default:
-    ``target_length``, factor x L0). ``nearest``: export a per-head AdaRoPE as the closest
+    engine without the plugin would compute). ``max_length``: the length engines must accept
+    (default: ``target_length``, factor x L0). ``nearest``: export a per-head AdaRoPE as the closest
     shared schedule (approximate; the record's notes say by how much it moved).
 
     ``model_or_path``: a model (patched or not) or what ``load_model`` opens (a folder or an
@@ -365,8 +365,9 @@ def export(
         extra = {**extra, "architectures": [ARCHITECTURE]}
         notes = [
             f"served exactly by vLLM with ropekit's plugin ({ARCHITECTURE}, adapter in "
-            "ropekit_adapter/); rope_parameters (what engines without the plugin compute):"
-        ] + notes
+            "ropekit_adapter/); rope_parameters (what engines without the plugin compute):",
+            *notes,
+        ]
     target = int(max_length or target_length(encoding, model.config))
     fields, engine_keys = length_fields(params, model.config, target)
     params = {**params, **engine_keys}
