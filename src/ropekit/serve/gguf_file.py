@@ -98,12 +98,12 @@ def gguf_rope(params: dict[str, Any], config: Any, target: int) -> GgufRope:
     if kind == "default":
         return GgufRope(scaling_type="none", factor=1.0, attn_factor=1.0, rope_freqs=None, **common)
     if kind == "linear":
+        # The HF export keeps max_position_embeddings at L0 for linear (vLLM multiplies it by
+        # s); llama.cpp's context_length is the scaled length.
+        factor = float(params["factor"])
+        common["context_length"] = max(int(target), round(l0 * factor))
         return GgufRope(
-            scaling_type="linear",
-            factor=float(params["factor"]),
-            attn_factor=1.0,
-            rope_freqs=None,
-            **common,
+            scaling_type="linear", factor=factor, attn_factor=1.0, rope_freqs=None, **common
         )
     if kind == "yarn":
         factor = float(params["factor"])
@@ -293,10 +293,6 @@ def write_gguf(
         )
     params = dict(config.rope_parameters)
     rope = gguf_rope(params, config, int(config.max_position_embeddings))
-    if rope.scaling_type == "linear":
-        # length_fields keeps L0 for linear (vLLM multiplies by s); llama.cpp's n_ctx_train is
-        # the scaled length.
-        rope = dataclasses.replace(rope, context_length=round(rope.original_length * rope.factor))
     head_dim = int(
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     )

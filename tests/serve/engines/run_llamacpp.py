@@ -1,13 +1,13 @@
 """Prompt log-probabilities from llama.cpp (llama-cpp-python), run in its own environment.
 
-    python run_llamacpp.py MODEL.gguf IDS.npy OUT.npy [--n-ctx N] [--kv-cache]
+    python run_llamacpp.py MODEL.gguf IDS.npy:OUT.npy [IDS.npy:OUT.npy ...] [--n-ctx N]
 
-Reads token ids (int64, (T,)), feeds them as they are (no tokenization, no BOS added) and
-writes log p(ids[t+1] | ids[:t+1]) for t < T-1 as float64 (T-1,). The KV cache is float32
-(llama.cpp's default is f16, whose rounding alone moves log-probabilities by ~1e-3) and flash
-attention is off, so the comparison measures the rope, not storage precision. With
-``--kv-cache`` the prompt is fed in two halves, so the second half reads the first half's keys
-from the cache.
+For each prompt: reads token ids (int64, (T,)), feeds them as they are (no tokenization, no
+BOS added) in batches of 512 tokens, so every batch after the first reads the earlier keys
+from llama.cpp's KV cache, and writes log p(ids[t+1] | ids[:t+1]) for t < T-1 as float64
+(T-1,). The KV cache is float32 (llama.cpp's default f16 alone moves log-probabilities by
+~1e-3) and flash attention is off, so the comparison measures the rope, not storage precision.
+Prints one ``RESULT {json}`` line: the context size, timings, and any error per prompt.
 """
 
 import argparse
@@ -23,16 +23,13 @@ def main() -> int:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
-    parser.add_argument("ids")
-    parser.add_argument("out")
+    parser.add_argument("prompts", nargs="+", help="IDS.npy:OUT.npy")
     parser.add_argument("--n-ctx", type=int, default=0, help="0: the GGUF's context_length")
-    parser.add_argument("--kv-cache", action="store_true")
     args = parser.parse_args()
-    ids = np.load(args.ids).astype(np.int64)
     started = time.perf_counter()
     llm = llama_cpp.Llama(
         model_path=args.model,
-        n_ctx=args.n_ctx or 0,
+        n_ctx=args.n_ctx,
         n_batch=512,
         n_ubatch=512,
         logits_all=True,
@@ -42,26 +39,24 @@ def main() -> int:
         n_threads=2,
         verbose=False,
     )
-    loaded = time.perf_counter()
-    tokens = [int(t) for t in ids]
-    if args.kv_cache:
-        half = len(tokens) // 2
-        llm.eval(tokens[:half])
-        llm.eval(tokens[half:])
-    else:
-        llm.eval(tokens)
-    scores = np.asarray(llm.scores[: len(tokens) - 1], dtype=np.float64)  # (T-1, V)
-    peak = scores.max(axis=-1, keepdims=True)
-    logz = peak[:, 0] + np.log(np.exp(scores - peak).sum(axis=-1))
-    got = scores[np.arange(len(tokens) - 1), ids[1:]] - logz
-    np.save(args.out, got)
-    info = {
-        "n_ctx": llm.n_ctx(),
-        "n_ctx_train": llm.n_ctx_train() if hasattr(llm, "n_ctx_train") else None,
-        "load_s": round(loaded - started, 1),
-        "eval_s": round(time.perf_counter() - loaded, 1),
-    }
-    print("RESULT " + json.dumps(info))
+    info = {"n_ctx": llm.n_ctx(), "load_s": round(time.perf_counter() - started, 1), "runs": []}
+    for pair in args.prompts:
+        ids_path, out_path = pair.split(":")
+        tokens = [int(t) for t in np.load(ids_path)]
+        t0 = time.perf_counter()
+        try:
+            llm.reset()
+            llm.eval(tokens)
+        except Exception as e:  # reported, not raised: the test records what the engine did
+            info["runs"].append({"ids": ids_path, "error": f"{type(e).__name__}: {e}"})
+            continue
+        scores = np.asarray(llm.scores[: len(tokens) - 1], dtype=np.float64)  # (T-1, V)
+        peak = scores.max(axis=-1, keepdims=True)
+        logz = peak[:, 0] + np.log(np.exp(scores - peak).sum(axis=-1))
+        got = scores[np.arange(len(tokens) - 1), tokens[1:]] - logz
+        np.save(out_path, got)
+        info["runs"].append({"ids": ids_path, "eval_s": round(time.perf_counter() - t0, 1)})
+    print("RESULT " + json.dumps(info), flush=True)
     return 0
 
 

