@@ -76,9 +76,11 @@ class RopekitLM(HFLM):
 
 def main() -> None:
     """``ropekit-lm-eval``: lm-eval's command line with the ``ropekit`` model registered."""
+    import os
+
     from lm_eval.__main__ import cli_evaluate
 
-    from ropekit.cli import _offline
-
-    _offline()
+    # Offline, as the ropekit CLI: models and data come from installed packages.
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(var, "1")
     cli_evaluate()

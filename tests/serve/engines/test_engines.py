@@ -37,6 +37,7 @@ from ropekit.hf import (
     save_adapter,
     unpatch,
 )
+from ropekit.serve.engines import vllm_max_length
 from ropekit.serve.export import export
 
 from .harness import (
@@ -47,6 +48,7 @@ from .harness import (
     Method,
     diff,
     driver_versions,
+    engine_python,
     prompt_ids,
     python_version_of,
     run_engine,
@@ -291,6 +293,10 @@ def test_vllm_serves_the_export(method: Method, ids, references, noise) -> None:
     record = run_engine("vllm", folder, [(ids[n], got[n]) for n in LENGTHS])
     assert "error" not in record, record  # no override flag: the folder's lengths suffice
     assert record["max_model_len"] >= max(LENGTHS), record
+    # ropekit inspect's prediction of the length vLLM derives is vLLM's own.
+    config = json.loads((folder / "config.json").read_text())
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert record["max_model_len"] == vllm_max_length(config, tokenizer_config)[0], record
     RESULTS.setdefault(method.name, {}).setdefault("_vllm_run", record)
     for run in record["runs"]:
         if "error" in run:
@@ -319,6 +325,47 @@ def test_vllm_plugin_is_exact_from_its_prefix_cache(ids, references, noise) -> N
     assert record["runs"][0]["cached_tokens"] >= LONG // 2 - 16, record
     verdict = _compare(method, "vllm, prefix-cached", got, references, noise)
     assert verdict[LONG], RESULTS[method.name]
+
+
+def test_inspect_rules_are_vllms_own(references, work) -> None:
+    """ropekit inspect's vLLM rule (ropekit.serve.engines.vllm_rope) against vLLM's rotary
+    modules built from every exported folder's config: per-pair frequencies and cos/sin scale
+    (read back from vLLM's float32 cache, so float32 rounding is the tolerance)."""
+    import subprocess
+
+    from ropekit.serve.engines import vllm_max_length, vllm_rope
+
+    folders = []
+    for entry in references.values():
+        for fmt in ("hf", "vllm"):
+            if fmt in entry["exports"]:
+                folders.append(entry["exports"][fmt])
+    configs = {str(f): json.loads((f / "config.json").read_text()) for f in folders}
+    lengths = {f: vllm_max_length(c)[0] for f, c in configs.items()}
+    out = work / "vllm_rope.json"
+    proc = subprocess.run(
+        [
+            engine_python("vllm"),
+            str(Path(__file__).with_name("run_vllm_rope.py")),
+            str(out),
+            *(f"{f}:{n}" for f, n in lengths.items()),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    theirs = json.loads(out.read_text())
+    for folder, config in configs.items():
+        ours = vllm_rope(config, LONG)
+        got = theirs[folder]
+        # float32 angles at position 1: theta rounded to ~1e-7 relative.
+        np.testing.assert_allclose(got["inv_freq"], ours.inv_freq.numpy(), rtol=2e-6, atol=1e-9)
+        assert got["attention_factor"] == pytest.approx(ours.attention_factor, rel=1e-6), folder
+        # The cos/sin cache covers the served length, except dynamic NTK's, which holds
+        # max_position_embeddings = L0 rows while vLLM accepts L0 x factor (the rule's note).
+        short_cache = any("cache holds" in note for note in ours.notes)
+        assert (got["cache_rows"] < LONG) == short_cache, (folder, got["cache_rows"], ours.notes)
+        _record(Path(folder).name, "inspect vs vLLM's rotary", LONG, {"max": 0.0, "mean": 0.0})
 
 
 # --------------------------------------------------------------------------- llama.cpp
