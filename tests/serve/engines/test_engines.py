@@ -314,17 +314,29 @@ def test_vllm_serves_the_export(method: Method, ids, references, noise) -> None:
     assert set(verdict) == set(LENGTHS) and all(verdict.values()), RESULTS[method.name]["vllm"]
 
 
-def test_vllm_plugin_is_exact_from_its_prefix_cache(ids, references, noise) -> None:
-    """Per-head AdaRoPE through the plugin with prefix caching: the first half of the prompt
-    is served first, the full prompt then starts from vLLM's cached blocks."""
+def test_vllm_plugin_decodes_exactly_from_its_kv_cache(model, ids, references, noise, work):
+    """Per-head AdaRoPE through the plugin, served as a user would: the prompt comes from
+    vLLM's prefix cache and 16 greedy tokens are decoded, each step reading the cached keys
+    (rotated per kv head once, at their own positions) with its query scaled by AdaScale at its
+    own position. Their log-probabilities equal the patched model's on prompt + tokens."""
     method = next(m for m in METHODS if m.vllm_format == "vllm")
     folder = references[method.name]["exports"]["vllm"]
-    got = {LONG: folder.parent / f"{folder.name}.vllm-cached{LONG}.npy"}
-    record = run_engine("vllm", folder, [(ids[LONG], got[LONG])], "--kv-cache")
-    assert "error" not in record and "error" not in record["runs"][0], record
-    assert record["runs"][0]["cached_tokens"] >= LONG // 2 - 16, record
-    verdict = _compare(method, "vllm, prefix-cached", got, references, noise)
-    assert verdict[LONG], RESULTS[method.name]
+    got = folder.parent / f"{folder.name}.vllm-decode{LONG}.npy"
+    record = run_engine("vllm", folder, [(ids[LONG], got)], "--decode", "16")
+    run = record["runs"][0]
+    assert "error" not in record and "error" not in run, record
+    # Whole cache blocks of the prompt (all but the last block) came from the cache.
+    assert run["cached_tokens"] >= LONG // 2, record
+    decoded = np.load(str(got).removesuffix(".npy") + ".decode.npz")
+    full = torch.cat([_ids(ids[LONG]), torch.from_numpy(decoded["tokens"])[None]], dim=1)
+    _patch(model, method, work)
+    try:
+        ref = token_logprobs(model, full)[-len(decoded["tokens"]) :]
+    finally:
+        unpatch(model)
+    d = diff(decoded["logprobs"], ref)
+    _record(method.name, "vllm, 16 tokens decoded from the prefix cache", LONG, d.row())
+    assert _within(d, LONG, noise), (d, noise[LONG])
 
 
 def test_inspect_rules_are_vllms_own(references, work) -> None:
