@@ -15,7 +15,8 @@ generates N greedy tokens with their log-probabilities: its prompt comes from th
 blocks (the cached-token count is reported) and every decoding step reads the cache. Those
 go to OUT.decode.npz (``tokens``, ``logprobs``). Eager mode unless ``--compile`` (compiling
 SmolLM2 adds about a minute to each start here). Start-up runs under the ``__main__``
-guard: vLLM starts worker processes. Prints one ``RESULT {json}`` line; an engine that refuses the folder reports its error there.
+guard: vLLM starts worker processes. Prints one ``RESULT {json}`` line; an engine that
+refuses the folder reports its error there.
 """
 
 import argparse
