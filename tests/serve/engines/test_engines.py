@@ -393,6 +393,15 @@ def test_llamacpp_serves_the_gguf_export(method: Method, ids, references, noise)
     got = {n: folder.parent / f"{folder.name}.llamacpp{n}.npy" for n in LENGTHS}
     record = run_engine("llamacpp", folder / "model.gguf", [(ids[n], got[n]) for n in LENGTHS])
     assert record["n_ctx"] >= max(LENGTHS), record  # n_ctx 0: the GGUF's context_length
+    # ropekit inspect's llama.cpp view of the same method's HF folder predicts that length.
+    from transformers import AutoConfig
+
+    from ropekit.serve.engines import llamacpp_from_config
+
+    hf = references[method.name]["exports"]["hf"]
+    target = json.loads((hf / "ropekit_export.json").read_text())["target_length"]
+    view = llamacpp_from_config(AutoConfig.from_pretrained(hf), LONG, target)
+    assert view.max_length == record["n_ctx"], (view, record)
     RESULTS.setdefault(method.name, {}).setdefault("_llamacpp_run", record)
     verdict = _compare(method, "llamacpp", got, references, noise)
     assert set(verdict) == set(LENGTHS) and all(verdict.values()), RESULTS[method.name]
