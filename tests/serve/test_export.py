@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ropekit.hf import ExportRefused, encoding_of, load_adapter, patch, save_adapter
-from ropekit.serve.export import EXPORT_RECORD, export
+from ropekit.serve.exporting import EXPORT_RECORD, export
 from tests.hf.tiny import VOCAB, perturb, tiny_model
 
 ATOL = 1e-5

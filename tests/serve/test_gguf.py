@@ -16,7 +16,7 @@ from ropekit.encodings import schedules
 from ropekit.encodings.rotary import rotate
 from ropekit.hf import ExportRefused, patch
 from ropekit.serve.engines import llamacpp_rope, transformers_rope
-from ropekit.serve.export import export
+from ropekit.serve.exporting import export
 from ropekit.serve.gguf_file import GGUF_NAME, gguf_rope, interleave_rows
 from tests.hf.tiny import L0, perturb, tiny_config, tiny_model
 

@@ -16,7 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from ropekit.cli import main
 from ropekit.hf import patch
 from ropekit.serve.engines import transformers_rope, vllm_max_length, vllm_rope
-from ropekit.serve.export import export
+from ropekit.serve.exporting import export
 from ropekit.serve.inspection import inspect_folder
 from tests.hf.tiny import L0, perturb, tiny_config, tiny_model
 

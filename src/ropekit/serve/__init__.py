@@ -2,7 +2,7 @@
 
 Modules:
 
-- ``export``: ``export(model_or_path, adapter, out_dir, format="hf"|"gguf")``, a plain
+- ``exporting``: ``export(model_or_path, adapter, out_dir, format="hf"|"gguf"|"vllm")``, a plain
   Hugging Face folder whose ``rope_parameters`` (and length fields) make transformers and
   vLLM compute the encoding, or a GGUF file for llama.cpp (``gguf_file``).
 - ``gguf_file``: the GGUF writer (llama architecture, llama.cpp's rope keys, ``rope_freqs``).
@@ -17,6 +17,8 @@ Modules:
 
 Attributes load on first use, so ``import ropekit.serve`` imports neither transformers nor
 the engines (the vLLM environment pins another transformers and imports only the plugin).
+The module is ``exporting``, not ``export``: a submodule named like the function would
+replace ``ropekit.serve.export`` with the module once anything imported it.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ import importlib
 from typing import Any
 
 _ATTRS = {
-    "export": "export",
-    "export_rope_parameters": "export",
-    "length_fields": "export",
-    "EXPORT_RECORD": "export",
+    "export": "exporting",
+    "export_rope_parameters": "exporting",
+    "length_fields": "exporting",
+    "target_length": "exporting",
+    "EXPORT_RECORD": "exporting",
     "export_gguf": "gguf_file",
     "inspect_folder": "inspection",
     "nearest_shared": "nearest",

@@ -10,7 +10,7 @@ log-likelihood, rolling perplexity and generation behave exactly as for ``--mode
 on a model ropekit opened and patched: ``pretrained`` is what ``ropekit.hf.load_model`` opens
 (a folder or an installed name, offline), ``method`` a spec to patch with, or ``adapter`` a
 folder ``ropekit.hf.load_adapter`` loads; ``max_length`` defaults to the encoding's target
-length (factor x L0, ``ropekit.serve.export.target_length``), so lm-eval does not truncate an
+length (factor x L0, ``ropekit.serve.exporting.target_length``), so lm-eval does not truncate an
 extended model's inputs to the original window.
 
 Why a console script: lm-eval 0.4.13 finds models only in its fixed table
@@ -32,7 +32,7 @@ from lm_eval.models.huggingface import HFLM
 
 from ropekit.hf import load_adapter, load_model, load_tokenizer, patch
 
-from .export import target_length
+from .exporting import target_length
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

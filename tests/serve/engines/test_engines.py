@@ -38,7 +38,7 @@ from ropekit.hf import (
     unpatch,
 )
 from ropekit.serve.engines import vllm_max_length
-from ropekit.serve.export import export
+from ropekit.serve.exporting import export
 
 from .harness import (
     LENGTHS,
