@@ -57,6 +57,11 @@ from .harness import (
 
 FACTOR = 5
 SHORT, LONG = LENGTHS
+# Plain transformers is checked beyond the window where its result depends on the length
+# (dynamic, longrope's switch, the noise floor's yarn, the nearest schedule's reference); the
+# static schedules below are checked inside it only, to keep the target's time down (one
+# long forward each): their frequencies do not depend on the length.
+SHORT_ONLY = ("linear", "llama3")
 RESULTS: dict[str, dict] = {}  # method -> engine -> length -> {max, mean} or {error}
 STARTED = time.perf_counter()
 
@@ -106,6 +111,7 @@ def _patch(model, method: Method, work: Path) -> None:
 def references(model, ids, tokenizer, work) -> dict[str, dict]:
     """Per method: the patched model's log-probabilities at each length and its exports."""
     out: dict[str, dict] = {}
+    computed: dict[tuple, dict[int, Path]] = {}  # (spec, setter) -> refs: one forward each
     for method in METHODS:
         started = time.perf_counter()
         _patch(model, method, work)
@@ -125,10 +131,14 @@ def references(model, ids, tokenizer, work) -> dict[str, dict]:
                 entry["exports"][fmt] = folder
             except ExportRefused as e:
                 entry["refused"][fmt] = str(e)
-        for n, path in ids.items():
-            ref = work / f"{method.name.replace(' ', '_')}.ref{n}.npy"
-            np.save(ref, token_logprobs(model, _ids(path)))
-            entry["ref"][n] = ref
+        key = (method.spec, method.setter)
+        if key not in computed:
+            computed[key] = {}
+            for n, path in ids.items():
+                ref = work / f"{method.name.replace(' ', '_')}.ref{n}.npy"
+                np.save(ref, token_logprobs(model, _ids(path)))
+                computed[key][n] = ref
+        entry["ref"] = computed[key]
         unpatch(model)
         entry["seconds"] = round(time.perf_counter() - started, 1)
         out[method.name] = entry
@@ -154,6 +164,9 @@ def noise(model, ids, references, work) -> dict[int, dict[str, float]]:
         served = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
         reload = token_logprobs(served, _ids(path))
         del served
+        saved = folder.parent / f"{folder.name}.transformers{n}.npy"
+        np.save(saved, reload)  # test_transformers_serves_the_hf_export reuses it
+        references["yarn"].setdefault("transformers", {})[n] = saved
         kernel, angles = diff(eager, ref), diff(reload, ref)
         floor[n] = {
             "kernel_max": kernel.max,
@@ -203,10 +216,10 @@ def test_noise_floor_is_float32_sized(noise) -> None:
 
 
 def test_tolerance_separates_a_real_serving_bug(model, ids, references, noise) -> None:
-    """YaRN served without its attention factor (the most reported serving bug) and dynamic
-    NTK frozen at the target length (an engine without length-following) both move the
-    log-probabilities far outside the tolerance."""
-    for spec in ("yarn:factor=2,attention_factor=1", "ntk:factor=2"):
+    """YaRN served without its attention factor (the most reported serving bug) moves the
+    log-probabilities far outside the tolerance (vLLM's static dynamic NTK beyond the window
+    is the other example, in test_vllm_serves_the_export)."""
+    for spec in ("yarn:factor=2,attention_factor=1",):
         patch(model, spec)
         try:
             n = LONG
@@ -257,7 +270,7 @@ def test_transformers_serves_the_hf_export(method: Method, ids, references, nois
             )
         return
     verdict = _compare(method, "transformers", got, references, noise)
-    assert all(verdict.values()), RESULTS[method.name]["transformers"]
+    assert verdict and all(verdict.values()), RESULTS[method.name]["transformers"]
 
 
 def test_transformers_dynamic_ntk_is_not_exact_with_its_kv_cache(model, ids, references, noise):

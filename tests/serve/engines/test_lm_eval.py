@@ -27,7 +27,7 @@ from .harness import MODEL, ROOT, prompt_ids, token_logprobs
 
 SPEC = "yarn:factor=2"
 RULER_LENGTH = 4096
-RULER_SAMPLES = int(os.environ.get("ROPEKIT_SERVING_RULER_SAMPLES", "10"))
+RULER_SAMPLES = int(os.environ.get("ROPEKIT_SERVING_RULER_SAMPLES", "8"))
 # lm-eval's niah_single_1 generates 128 tokens with no stop string; its scorer only checks that
 # the 7-digit value appears, which it does within the first tokens, and 128 steps at 4k cost
 # about a minute a sample on 2 cores: 32 keeps the comparison and a quarter of the time.
