@@ -67,8 +67,8 @@ from torch import nn
 
 from ropekit import __version__
 from ropekit.encodings import AdaRoPE, PositionEncoding, RotaryEncoding, TunedYarn, schedules
-from ropekit.hf.adapter import load_adapter, write_adapter
-from ropekit.hf.archs import base_model, fingerprint, original_length, unwrap
+from ropekit.hf.adapter import load_adapter, save_adapter
+from ropekit.hf.archs import base_model, original_length, unwrap
 from ropekit.hf.models import load_model, load_tokenizer, resolve_model
 from ropekit.hf.patching import ENCODING_ATTR, encoding_of, patch
 from ropekit.hf.rope_config import ExportRefused, rope_parameters_for
@@ -391,7 +391,7 @@ def export(
             if format == "vllm":
                 from .vllm_plugin import ADAPTER_DIR
 
-                write_adapter(encoding, fingerprint(model.config), tmp / ADAPTER_DIR)
+                save_adapter(model, tmp / ADAPTER_DIR)
             model.save_pretrained(tmp, state_dict=_backbone_state(model))
             config.save_pretrained(tmp)  # replaces the config save_pretrained wrote
             if tokenizer is not None:
