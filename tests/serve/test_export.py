@@ -13,7 +13,8 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
-from ropekit.hf import ExportRefused, encoding_of, load_adapter, patch, save_adapter
+from ropekit.backbone import load_adapter, save_adapter
+from ropekit.hf import ExportRefused, encoding_of, patch
 from ropekit.serve.exporting import EXPORT_RECORD, export
 from tests.hf.tiny import VOCAB, perturb, tiny_model
 

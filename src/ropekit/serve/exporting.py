@@ -66,8 +66,8 @@ import torch
 from torch import nn
 
 from ropekit import __version__
+from ropekit.backbone import load_adapter, save_adapter
 from ropekit.encodings import AdaRoPE, PositionEncoding, RotaryEncoding, TunedYarn, schedules
-from ropekit.hf.adapter import load_adapter, save_adapter
 from ropekit.hf.archs import base_model, original_length, unwrap
 from ropekit.hf.models import load_model, load_tokenizer, resolve_model
 from ropekit.hf.patching import ENCODING_ATTR, encoding_of, patch

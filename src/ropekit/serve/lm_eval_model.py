@@ -9,7 +9,7 @@ model.
 log-likelihood, rolling perplexity and generation behave exactly as for ``--model hf``) built
 on a model ropekit opened and patched: ``pretrained`` is what ``ropekit.hf.load_model`` opens
 (a folder or an installed name, offline), ``method`` a spec to patch with, or ``adapter`` a
-folder ``ropekit.hf.load_adapter`` loads; ``max_length`` defaults to the encoding's target
+folder ``ropekit.backbone.load_adapter`` loads; ``max_length`` defaults to the encoding's target
 length (factor x L0, ``ropekit.serve.exporting.target_length``), so lm-eval does not truncate an
 extended model's inputs to the original window.
 
@@ -30,7 +30,8 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from ropekit.hf import load_adapter, load_model, load_tokenizer, patch
+from ropekit.backbone import load_adapter
+from ropekit.hf import load_model, load_tokenizer, patch
 
 from .exporting import target_length
 

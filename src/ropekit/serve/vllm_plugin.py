@@ -41,7 +41,7 @@ from torch import nn
 
 ARCHITECTURE = "RopekitLlamaForCausalLM"
 ADAPTER_DIR = "ropekit_adapter"
-_WEIGHTS = "adapter.safetensors"  # the file names of ropekit.hf.adapter
+_WEIGHTS = "adapter.safetensors"  # the file names of ropekit.backbone.adapters
 _CONFIG = "adapter.json"
 
 

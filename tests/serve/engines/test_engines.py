@@ -28,15 +28,8 @@ import numpy as np
 import pytest
 import torch
 
-from ropekit.hf import (
-    ExportRefused,
-    load_adapter,
-    load_model,
-    load_tokenizer,
-    patch,
-    save_adapter,
-    unpatch,
-)
+from ropekit.backbone import load_adapter, save_adapter
+from ropekit.hf import ExportRefused, load_model, load_tokenizer, patch, unpatch
 from ropekit.serve.engines import vllm_max_length
 from ropekit.serve.exporting import export
 
