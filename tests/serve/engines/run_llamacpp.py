@@ -50,10 +50,13 @@ def main() -> int:
         except Exception as e:  # reported, not raised: the test records what the engine did
             info["runs"].append({"ids": ids_path, "error": f"{type(e).__name__}: {e}"})
             continue
-        scores = np.asarray(llm.scores[: len(tokens) - 1], dtype=np.float64)  # (T-1, V)
-        peak = scores.max(axis=-1, keepdims=True)
-        logz = peak[:, 0] + np.log(np.exp(scores - peak).sum(axis=-1))
-        got = scores[np.arange(len(tokens) - 1), tokens[1:]] - logz
+        got = np.empty(len(tokens) - 1, dtype=np.float64)
+        for start in range(0, len(tokens) - 1, 1024):  # float64 in slices: (T, V) is GiBs
+            rows = np.asarray(llm.scores[start : min(start + 1024, len(tokens) - 1)], np.float64)
+            peak = rows.max(axis=-1, keepdims=True)
+            logz = peak[:, 0] + np.log(np.exp(rows - peak).sum(axis=-1))
+            picked = rows[np.arange(len(rows)), tokens[start + 1 : start + 1 + len(rows)]]
+            got[start : start + len(rows)] = picked - logz
         np.save(out_path, got)
         info["runs"].append({"ids": ids_path, "eval_s": round(time.perf_counter() - t0, 1)})
     print("RESULT " + json.dumps(info), flush=True)
