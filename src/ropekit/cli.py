@@ -559,26 +559,98 @@ def cmd_models_list(args: argparse.Namespace) -> int:
 def add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "export",
-        help="write a plain HF folder whose rope_parameters serve the "
-        "extended model without ropekit",
+        help="write a folder that serves the extended model without ropekit: a plain HF folder "
+        "(transformers, vLLM), a GGUF file (llama.cpp) or a folder for ropekit's vLLM plugin",
     )
     p.add_argument(
         "--model", required=True, help="the base model: a Hugging Face folder or installed name"
     )
     p.add_argument(
-        "--adapter", type=Path, required=True, help="the adapter (or extension run) to export"
+        "--adapter", type=Path, default=None, help="the adapter folder to export (or --spec)"
     )
-    _out(p, "folder of the exported model (must not exist)")
+    p.add_argument(
+        "--spec",
+        default=None,
+        help="export a fixed schedule instead of an adapter, e.g. yarn:factor=2",
+    )
+    _out(p, "folder of the exported model (replaced only with --overwrite)")
+    p.add_argument(
+        "--format",
+        choices=("hf", "gguf", "vllm"),
+        default="hf",
+        help="hf: config.json rope_parameters (transformers, vLLM); gguf: model.gguf with "
+        "llama.cpp's rope keys and rope_freqs; vllm: an HF folder for ropekit's vLLM plugin, "
+        "which serves per-head AdaRoPE exactly (default: %(default)s)",
+    )
+    p.add_argument(
+        "--nearest",
+        action="store_true",
+        help="export a per-head AdaRoPE as the closest shared schedule (approximate; the "
+        "record's notes say how far it moved)",
+    )
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="the length engines must accept (default: the schedule's factor x original length)",
+    )
+    p.add_argument(
+        "--temperature-at",
+        type=int,
+        default=None,
+        help="freeze a length-dependent AdaScale temperature at this length (approximate)",
+    )
+    _overwrite(p, "replace a non-empty --out")
     # The export is assembled under a temporary name and renamed onto --out: a lock file
     # inside --out would be renamed away with it.
     p.set_defaults(func=cmd_export, lock_out=False)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ropekit.hf import export
+    from ropekit.serve import export
 
-    out = export(args.model, args.adapter, args.out)
+    if (args.adapter is None) == (args.spec is None):
+        raise ValueError("give --adapter DIR or --spec SPEC (one of them)")
+    out = export(
+        args.model,
+        args.adapter,
+        args.out,
+        spec=args.spec,
+        format=args.format,
+        nearest=args.nearest,
+        max_length=args.max_length,
+        temperature_at=args.temperature_at,
+        overwrite=args.overwrite,
+    )
     print(f"wrote {out}")
+    return 0
+
+
+def add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="what transformers, vLLM and llama.cpp each do with a folder's rope config, and "
+        "the config change that removes every disagreement",
+    )
+    p.add_argument("model_dir", type=Path, help="a Hugging Face model folder (config.json)")
+    p.add_argument(
+        "--json", type=Path, default=None, help="also write the full report (per-pair frequencies)"
+    )
+    p.set_defaults(func=cmd_inspect)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from ropekit.serve.inspection import format_report, inspect_folder
+
+    report = inspect_folder(args.model_dir)
+    for line in format_report(report):
+        print(line)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -679,6 +751,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_eval,
     add_analyze,
     add_export,
+    add_inspect,
     add_models,
     add_report,
 ]

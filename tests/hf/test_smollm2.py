@@ -20,7 +20,6 @@ import torch
 from ropekit.data.corpora import load_corpus
 from ropekit.hf import (
     encoding_of,
-    export,
     install_model,
     is_installed,
     load_model,
@@ -30,6 +29,7 @@ from ropekit.hf import (
     spec_from_config,
     unpatch,
 )
+from ropekit.serve import export
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m"

@@ -8,14 +8,13 @@ Modules:
   attention layer through a ropekit encoding (and how dynamic schedules stay exact with the
   KV cache).
 - ``rope_config``: transformers ``rope_parameters`` <-> ropekit specs.
-- ``exporting``: ``export(model_or_path, adapter, out_dir)`` to a plain HF folder whose
-  ``rope_parameters`` serve the encoding without ropekit.
 - ``models``: ``install_model("smollm2-135m")`` (GGUF in an installed package -> HF folder in
   the user cache), ``load_model`` / ``load_tokenizer`` (local folder or installed name, offline).
+
+Exporting to serving engines lives in ``ropekit.serve`` (it builds on this package).
 """
 
 from .archs import ARCHS, model_dims, rope_context
-from .exporting import export, export_rope_parameters
 from .models import (
     KNOWN_MODELS,
     cache_dir,
@@ -36,8 +35,6 @@ __all__ = [
     "build_for_model",
     "cache_dir",
     "encoding_of",
-    "export",
-    "export_rope_parameters",
     "install_model",
     "is_installed",
     "is_patched",

@@ -8,7 +8,7 @@ keyed by the type's name:
   computes (the spec a patch must use to leave logits unchanged).
 - ``rope_parameters_for(encoding, config)``: the ``rope_parameters`` (and any other config
   fields) that make plain transformers compute what a *static* ropekit encoding computes;
-  learned schedules go through ``exporting.export_rope_parameters``.
+  learned schedules go through ``ropekit.serve.exporting.export_rope_parameters``.
 
 Holds: spec_from_config, rope_parameters_for, format_spec, ExportRefused.
 """

@@ -1,9 +1,12 @@
-"""Export a patched model as a plain Hugging Face folder that serves without ropekit.
+"""Export a patched model to a folder that serves without ropekit: a plain Hugging Face
+folder (transformers, vLLM) or a GGUF file (llama.cpp).
 
-The folder holds the backbone weights (the encoding's parameters left out), the tokenizer when
-one is known, a ``config.json`` whose ``rope_parameters`` make transformers compute what the
-ropekit encoding computes, and ``ropekit_export.json`` recording the spec, the rule applied and
-what, if anything, the export approximates.
+The HF folder holds the backbone weights (the encoding's parameters left out), the tokenizer
+when one is known, a ``config.json`` whose ``rope_parameters`` make transformers compute what
+the ropekit encoding computes and whose length fields make every engine accept the target
+length, and ``ropekit_export.json`` recording the spec, the rule applied and what, if
+anything, the export approximates. ``format="gguf"`` writes ``model.gguf`` instead
+(``ropekit.serve.gguf_file``), with the same record.
 
 Rules, by encoding:
 
@@ -24,9 +27,28 @@ Rules, by encoding:
   scale: export refuses, or with ``temperature_at=L`` freezes lambda at length L (exact for
   queries at L, and for all queries whose L <= L_ref when L <= L_ref; recorded as approximate).
 - Frequencies or temperatures that differ across heads or layers are refused: rope_parameters
-  holds one frequency per rotary pair for the whole model.
+  holds one frequency per rotary pair for the whole model. ``nearest=True`` exports the
+  closest shared schedule instead (``ropekit.serve.nearest``), recorded as approximate.
 
-Holds: export, export_rope_parameters, EXPORT_RECORD.
+Length fields (``length_fields``), by rope type, from the engines' own rules
+(``ropekit.serve.engines`` cites them). The target length is ``factor x L0`` of the schedule
+(or ``max_length``):
+
+- vLLM 0.32 (``vllm/config/model.py: _get_and_verify_max_len``) accepts
+  ``max_position_embeddings`` for yarn, llama3 and longrope, and
+  ``max_position_embeddings x factor`` for every other type; it also caps the length at the
+  tokenizer's ``model_max_length``. Its llama3 and longrope cos/sin caches hold
+  ``max_position_embeddings`` positions.
+- transformers reads ``max_position_embeddings`` only for dynamic (the length the stretch is
+  measured against, so it must stay L0) and, as a consistency check, for yarn and longrope.
+
+So yarn, llama3, longrope and ntk (plain RoPE at a larger base) set
+``max_position_embeddings`` to the target; linear and dynamic keep L0 (vLLM multiplies by the
+factor); longrope also writes ``short_mscale = long_mscale = attention_factor`` because vLLM's
+longrope ignores ``attention_factor``; a finite tokenizer ``model_max_length`` below the target
+is raised to it.
+
+Holds: export, export_rope_parameters, target_length, length_fields, EXPORT_RECORD, FORMATS.
 """
 
 from __future__ import annotations
@@ -44,14 +66,15 @@ import torch
 from torch import nn
 
 from ropekit import __version__
+from ropekit.backbone import load_adapter, save_adapter
 from ropekit.encodings import AdaRoPE, PositionEncoding, RotaryEncoding, TunedYarn, schedules
-
-from .archs import base_model, original_length, unwrap
-from .models import load_model, load_tokenizer, resolve_model
-from .patching import ENCODING_ATTR, encoding_of, patch
-from .rope_config import ExportRefused, rope_parameters_for
+from ropekit.hf.archs import base_model, original_length, unwrap
+from ropekit.hf.models import load_model, load_tokenizer, resolve_model
+from ropekit.hf.patching import ENCODING_ATTR, encoding_of, patch
+from ropekit.hf.rope_config import ExportRefused, rope_parameters_for
 
 EXPORT_RECORD = "ropekit_export.json"
+FORMATS = ("hf", "gguf", "vllm")
 
 # Learned frequencies count as shared when every row equals the first to this relative
 # precision: rows computed from identical parameters agree exactly; trained rows differ by far
@@ -143,7 +166,7 @@ def _temperature(encoding: AdaRoPE, temperature_at: int | None) -> tuple[float, 
 
 
 def _learned_rope_parameters(
-    encoding: AdaRoPE | TunedYarn, config: Any, temperature_at: int | None
+    encoding: AdaRoPE | TunedYarn, config: Any, temperature_at: int | None, nearest: bool = False
 ) -> tuple[dict[str, Any], list[str]]:
     if encoding.pairing != "half" or encoding.rotary_dim != encoding.head_dim:
         raise ExportRefused(
@@ -152,11 +175,20 @@ def _learned_rope_parameters(
         )
     schedule = encoding.config.schedule if isinstance(encoding, AdaRoPE) else encoding.config
     base = float(schedule.base)
-    theta, factor = _learned_frequencies(encoding)
     notes: list[str] = []
     temperature = 1.0
-    if isinstance(encoding, AdaRoPE) and encoding.config.scale:
-        temperature, notes = _temperature(encoding, temperature_at)
+    try:
+        theta, factor = _learned_frequencies(encoding)
+        if isinstance(encoding, AdaRoPE) and encoding.config.scale:
+            temperature, notes = _temperature(encoding, temperature_at)
+    except ExportRefused:
+        if not (nearest and isinstance(encoding, AdaRoPE)):
+            raise
+        from .nearest import nearest_shared
+
+        fit = nearest_shared(encoding, length=temperature_at or target_length(encoding, config))
+        theta, factor, temperature = fit.theta, fit.attention_factor, fit.temperature
+        notes = list(fit.notes)
     rope_theta, _ = schedules.rope(encoding.rotary_dim, base)
     lam = (rope_theta / theta).tolist()
     params = {
@@ -175,20 +207,64 @@ def _learned_rope_parameters(
 
 
 def export_rope_parameters(
-    encoding: PositionEncoding, config: Any, *, temperature_at: int | None = None
+    encoding: PositionEncoding,
+    config: Any,
+    *,
+    temperature_at: int | None = None,
+    nearest: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """(rope_parameters, other config fields, notes) expressing ``encoding`` for plain
-    transformers; ExportRefused (a ValueError) says why when none can."""
+    transformers; ExportRefused (a ValueError) says why when none can. ``nearest``: a per-head
+    AdaRoPE exports as its closest shared schedule (an approximation, in the notes)."""
     if isinstance(encoding, RotaryEncoding):
         params, extra = rope_parameters_for(encoding, config)
         return params, extra, []
     if isinstance(encoding, (AdaRoPE, TunedYarn)):
-        params, notes = _learned_rope_parameters(encoding, config, temperature_at)
+        params, notes = _learned_rope_parameters(encoding, config, temperature_at, nearest)
         return params, {}, notes
     raise ExportRefused(
         f"{encoding.spec!r}: only rotary encodings export to rope_parameters; "
         f"{type(encoding).__name__} has no rope type in transformers"
     )
+
+
+def target_length(encoding: PositionEncoding, config: Any) -> int:
+    """The length the encoding is made for: round(factor x L0) of its schedule (an AdaRoPE's
+    init schedule), L0 when it has no factor (plain RoPE)."""
+    schedule = encoding.config.schedule if isinstance(encoding, AdaRoPE) else encoding.config
+    factor = getattr(schedule, "factor", None) or 1.0
+    l0 = getattr(schedule, "original_length", None) or original_length(config)
+    return round(float(factor) * int(l0))
+
+
+# rope types whose accepted length vLLM takes from max_position_embeddings as it is (no
+# factor): vllm/config/model.py, _get_and_verify_max_len.
+_UNSCALED_BY_VLLM = ("yarn", "llama3", "longrope")
+
+
+def length_fields(
+    params: dict[str, Any], config: Any, target: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config fields, extra rope_parameters) that make transformers keep computing ``params``
+    and make vLLM accept ``target`` tokens (the rules are in the module docstring)."""
+    kind = params.get("rope_type", "default")
+    l0 = int(params.get("original_max_position_embeddings") or original_length(config))
+    fields: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    if kind in _UNSCALED_BY_VLLM or kind == "default":
+        fields["max_position_embeddings"] = max(int(target), l0)
+    elif kind == "linear":
+        # vLLM accepts max_position_embeddings x factor (transformers' linear ignores it).
+        # dynamic is left as rope_parameters_for set it: L0, which transformers measures its
+        # stretch against (and vLLM again multiplies by the factor).
+        fields["max_position_embeddings"] = l0
+    if kind == "longrope" and params.get("attention_factor") is not None:
+        # vllm/model_executor/layers/rotary_embedding/__init__.py (get_rope) passes only
+        # short_mscale/long_mscale to Phi3LongRoPEScaledRotaryEmbedding, never
+        # attention_factor; without them it scales cos/sin by sqrt(1 + ln(max/L0)/ln L0).
+        extra["short_mscale"] = float(params["attention_factor"])
+        extra["long_mscale"] = float(params["attention_factor"])
+    return fields, extra
 
 
 def _backbone_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -198,6 +274,14 @@ def _backbone_state(model: nn.Module) -> dict[str, torch.Tensor]:
         for k, v in model.state_dict().items()
         if not (k.startswith(marker) or f".{marker}" in k)
     }
+
+
+def _raise_model_max_length(tokenizer: Any, target: int) -> None:
+    # vLLM caps its accepted length at the tokenizer's model_max_length
+    # (_get_and_verify_max_len); transformers' "no limit" is a huge sentinel (1e30).
+    current = getattr(tokenizer, "model_max_length", None)
+    if current is not None and current < target:
+        tokenizer.model_max_length = target
 
 
 def export(
@@ -210,8 +294,19 @@ def export(
     temperature_at: int | None = None,
     overwrite: bool = False,
     trust_remote_code: bool = False,
+    format: str = "hf",
+    max_length: int | None = None,
+    nearest: bool = False,
 ) -> Path:
-    """Write a plain HF folder that serves the model with its ropekit encoding; returns it.
+    """Write a folder that serves the model with its ropekit encoding; returns it.
+
+    ``format``: ``"hf"`` (a plain Hugging Face folder: transformers, vLLM), ``"gguf"``
+    (``model.gguf`` for llama.cpp) or ``"vllm"`` (an HF folder for vLLM with ropekit's plugin,
+    ``ropekit.serve.vllm_plugin``: the adapter travels in ``ropekit_adapter/`` and is applied
+    exactly, per head; ``rope_parameters`` hold the nearest shared schedule, which is what an
+    engine without the plugin would compute). ``max_length``: the length engines must accept
+    (default: ``target_length``, factor x L0). ``nearest``: export a per-head AdaRoPE as the closest
+    shared schedule (approximate; the record's notes say by how much it moved).
 
     ``model_or_path``: a model (patched or not) or what ``load_model`` opens (a folder or an
     installed model name; its tokenizer is copied too). The encoding is, in order: the
@@ -221,6 +316,10 @@ def export(
     temporary name and renamed into place; an existing ``out_dir`` is replaced only with
     ``overwrite``.
     """
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r} is not allowed; allowed: {', '.join(FORMATS)}")
+    if max_length is not None and max_length < 1:
+        raise ValueError(f"max_length={max_length} is not allowed; give a positive length")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
@@ -241,8 +340,6 @@ def export(
     if adapter is not None and spec is not None:
         raise ValueError("give an adapter or a spec, not both")
     if adapter is not None:
-        from ropekit.backbone import load_adapter  # moves to serve/ (issue 20)
-
         encoding = load_adapter(model, adapter)
     elif spec is not None:
         encoding = patch(model, spec)
@@ -251,9 +348,30 @@ def export(
         if found is None:
             raise ValueError("the model is not patched; give an adapter folder or a spec")
         encoding = found
+    if format == "vllm" and getattr(encoding, "dynamic", False):
+        raise ExportRefused(
+            f"{encoding.spec!r} follows the sequence length; the vLLM plugin rotates by token "
+            "position only (vLLM gives the rotary no sequence lengths)"
+        )
     params, extra, notes = export_rope_parameters(
-        encoding, model.config, temperature_at=temperature_at
+        encoding,
+        model.config,
+        temperature_at=temperature_at,
+        nearest=nearest or format == "vllm",
     )
+    if format == "vllm":
+        from .vllm_plugin import ARCHITECTURE
+
+        extra = {**extra, "architectures": [ARCHITECTURE]}
+        notes = [
+            f"served exactly by vLLM with ropekit's plugin ({ARCHITECTURE}, adapter in "
+            "ropekit_adapter/); rope_parameters (what engines without the plugin compute):",
+            *notes,
+        ]
+    target = int(max_length or target_length(encoding, model.config))
+    fields, engine_keys = length_fields(params, model.config, target)
+    params = {**params, **engine_keys}
+    extra = {**extra, **fields}
 
     config = copy.deepcopy(model.config)
     config.rope_parameters = params
@@ -263,19 +381,35 @@ def export(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
-        model.save_pretrained(tmp, state_dict=_backbone_state(model))
-        config.save_pretrained(tmp)  # replaces the config save_pretrained wrote
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        if format == "gguf":
+            from .gguf_file import GGUF_NAME, write_gguf
+
+            notes = notes + write_gguf(
+                model, config, tmp / GGUF_NAME, tokenizer=tokenizer, source=model_or_path
+            )
+        else:
+            if format == "vllm":
+                from .vllm_plugin import ADAPTER_DIR
+
+                save_adapter(model, tmp / ADAPTER_DIR)
+            model.save_pretrained(tmp, state_dict=_backbone_state(model))
+            config.save_pretrained(tmp)  # replaces the config save_pretrained wrote
+            if tokenizer is not None:
+                _raise_model_max_length(tokenizer, target)
+                tokenizer.save_pretrained(tmp)
         record = {
             "spec": encoding.spec,
+            "format": format,
+            "target_length": target,
             "rope_parameters": params,
             "config_changes": extra,
             "notes": notes,
             "ropekit": __version__,
         }
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        for path in tmp.iterdir():
+        for path in tmp.rglob("*"):
+            if not path.is_file():
+                continue
             with path.open("rb") as f:
                 os.fsync(f.fileno())
         if out.exists():

@@ -14,10 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ropekit.backbone import load_adapter, save_adapter
-from ropekit.hf import ExportRefused, encoding_of, export, patch
-from ropekit.hf.exporting import EXPORT_RECORD
-
-from .tiny import VOCAB, perturb, tiny_model
+from ropekit.hf import ExportRefused, encoding_of, patch
+from ropekit.serve.exporting import EXPORT_RECORD, export
+from tests.hf.tiny import VOCAB, perturb, tiny_model
 
 ATOL = 1e-5
 
@@ -181,3 +180,121 @@ def test_export_from_a_folder_and_an_adapter(tmp_path: Path) -> None:
     fresh = tiny_model("llama")
     load_adapter(fresh, adapter)
     _assert_serves_like(fresh, out, lengths=(40,))
+
+
+# --------------------------------------------------------------------------- length fields
+@pytest.mark.parametrize(
+    ("spec", "max_pos", "extra"),
+    [
+        # vLLM takes yarn/llama3/longrope lengths from max_position_embeddings unscaled ...
+        ("yarn:factor=4", 4 * 32, {}),
+        ("llama3:factor=4", 4 * 32, {}),
+        ("longrope:factor=4,short_factor=[1.1],long_factor=[1.1],attention_factor=1.2", 128, {}),
+        ("ntk:factor=4", 4 * 32, {}),
+        # ... and multiplies the others by the factor; dynamic must stay at L0 for transformers.
+        ("linear:factor=4", 32, {}),
+        ("dynamic-ntk:factor=4", 32, {}),
+        ("rope", 32, {}),
+    ],
+)
+def test_exports_set_the_length_vllm_reads(spec: str, max_pos: int, extra, tmp_path) -> None:
+    from ropekit.serve.engines import vllm_max_length
+
+    model = tiny_model("llama")
+    patch(model, spec)
+    out = export(model, None, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_position_embeddings"] == max_pos
+    target = json.loads((out / EXPORT_RECORD).read_text())["target_length"]
+    assert target == (32 if spec == "rope" else 128)
+    assert vllm_max_length(config)[0] >= target
+    _assert_serves_like(model, out)  # and transformers still computes the patched model
+
+
+def test_longrope_exports_carry_vllms_mscales(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    perturb(patch(model, SHARED.replace("share_heads", "scale=false,share_heads")))
+    params = json.loads((export(model, None, tmp_path / "o") / "config.json").read_text())[
+        "rope_parameters"
+    ]
+    # vLLM's longrope reads only short_mscale/long_mscale (get_rope), never attention_factor.
+    assert params["short_mscale"] == params["long_mscale"] == params["attention_factor"]
+
+
+def test_max_length_and_the_tokenizer_cap(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")),
+        model_max_length=32,
+    )
+    model = tiny_model("llama")
+    patch(model, "yarn:factor=4")
+    out = export(model, None, tmp_path / "o", tokenizer=tokenizer, max_length=100)
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 100
+    saved = json.loads((out / "tokenizer_config.json").read_text())
+    assert saved["model_max_length"] == 100  # vLLM caps its length at the tokenizer's
+    with pytest.raises(ValueError, match="format='onnx' is not allowed"):
+        export(model, None, tmp_path / "x", format="onnx")
+
+
+# --------------------------------------------------------------------------- nearest, plugin
+def test_nearest_exports_a_per_head_schedule_as_its_mean(tmp_path: Path) -> None:
+    from ropekit.serve.nearest import nearest_shared
+
+    model = tiny_model("llama")
+    encoding = perturb(patch(model, "adarope:init=yarn,factor=2"))
+    with pytest.raises(ExportRefused):
+        export(model, None, tmp_path / "refused")
+    out = export(model, None, tmp_path / "near", nearest=True)
+    record = json.loads((out / EXPORT_RECORD).read_text())
+    assert any("nearest shared schedule" in note for note in record["notes"])
+    fit = nearest_shared(encoding, length=64)
+    xi = torch.stack([encoding.xi(layer).detach().expand(2, -1) for layer in range(2)])
+    torch.testing.assert_close(fit.theta.log(), xi.double().mean(dim=(0, 1)), rtol=0, atol=1e-12)
+    assert fit.max_log_freq_spread > 0
+    low, high = fit.temperature_range
+    assert low < fit.temperature < high  # a geometric mean of distinct temperatures
+
+
+def test_nearest_of_a_shared_schedule_is_the_schedule(tmp_path: Path) -> None:
+    from ropekit.serve.nearest import nearest_shared
+
+    model = tiny_model("llama")
+    encoding = perturb(patch(model, SHARED), scale=False)
+    fit = nearest_shared(encoding, length=64)
+    torch.testing.assert_close(
+        fit.theta, encoding.xi(0).detach().double()[0].exp(), rtol=1e-12, atol=0
+    )
+    assert fit.max_log_freq_spread == 0 and fit.temperature == pytest.approx(1.0)
+
+
+def test_vllm_plugin_rotary_on_flat_rows_is_ropekit_on_heads(tmp_path: Path) -> None:
+    """vLLM hands the rotary (N, H*D) rows and (N,) positions; the plugin's reshape must give
+    exactly what the patched model computes on (B, H, T, D) (no vLLM needed for this)."""
+    from ropekit.serve.vllm_plugin import ADAPTER_DIR, RopekitRotary, load_adapter_encoding
+
+    model = tiny_model("llama")
+    encoding = perturb(patch(model, "adarope:init=yarn,factor=2"))
+    out = export(model, None, tmp_path / "v", format="vllm")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["RopekitLlamaForCausalLM"]
+    assert (out / ADAPTER_DIR / "adapter.safetensors").is_file()
+    loaded = load_adapter_encoding(out, model.config)
+    g = torch.Generator().manual_seed(1)
+    n, heads, kv, d = 11, 4, 2, 16
+    positions = torch.randint(0, 200, (n,), generator=g)  # any order: chunked prefill, decode
+    q = torch.randn(n, heads * d, generator=g)
+    k = torch.randn(n, kv * d, generator=g)
+    for layer in range(2):
+        got_q, got_k = RopekitRotary(loaded, layer, d)(positions, q, k)
+        want_q = encoding.rotate_q(
+            q.view(n, heads, d).transpose(0, 1)[None], positions[None], layer
+        )
+        want_k = encoding.rotate_k(k.view(n, kv, d).transpose(0, 1)[None], positions[None], layer)
+        torch.testing.assert_close(got_q, want_q[0].transpose(0, 1).reshape(n, -1), rtol=0, atol=0)
+        torch.testing.assert_close(got_k, want_k[0].transpose(0, 1).reshape(n, -1), rtol=0, atol=0)
+    with pytest.raises(ExportRefused, match="sequence length"):
+        patch(model, "dynamic-ntk:factor=2")
+        export(model, None, tmp_path / "dyn", format="vllm")

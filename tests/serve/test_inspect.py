@@ -1,0 +1,150 @@
+"""inspect's rules (ropekit.serve.engines) and reports, without engines: transformers' rule is
+held to transformers' own rope functions; ropekit's exports show no disagreement where the
+engines agree, and the known engine differences are found with the change that removes them.
+The same rules are checked against the real vLLM in ``make test-serving``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from ropekit.cli import main
+from ropekit.hf import patch
+from ropekit.serve.engines import transformers_rope, vllm_max_length, vllm_rope
+from ropekit.serve.exporting import export
+from ropekit.serve.inspection import inspect_folder
+from tests.hf.tiny import L0, perturb, tiny_config, tiny_model
+
+from .test_gguf import PARAMS
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: p["rope_type"])
+@pytest.mark.parametrize("length", [100, 4096])
+def test_the_transformers_rule_is_transformers(params: dict, length: int) -> None:
+    config = tiny_config(
+        "llama", rope_parameters=dict(params), head_dim=64, max_position_embeddings=2048
+    )
+    ours = transformers_rope({**config.to_dict(), "rope_parameters": params}, length)
+    if params["rope_type"] == "default":
+        theirs, af = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        theirs, af = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu", seq_len=length)
+    # transformers forms inv_freq in float32; ropekit's float64 agrees to float32 rounding.
+    torch.testing.assert_close(ours.inv_freq.float(), theirs, rtol=1e-6, atol=0)
+    assert ours.attention_factor == pytest.approx(af, rel=1e-6)
+
+
+def test_dynamic_rule_follows_the_length_like_transformers() -> None:
+    params = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    config = tiny_config("llama", rope_parameters=params, head_dim=64, max_position_embeddings=512)
+    for length in (256, 512, 1024, 4096):
+        ours = transformers_rope({**config.to_dict(), "rope_parameters": params}, length)
+        theirs, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=length)
+        torch.testing.assert_close(ours.inv_freq.float(), theirs, rtol=1e-6, atol=0)
+
+
+def test_vllm_lengths_follow_its_rule() -> None:
+    base = {"max_position_embeddings": 8192, "hidden_size": 64, "num_attention_heads": 4}
+    yarn = {**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}
+    linear = {**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
+    assert vllm_max_length(yarn)[0] == 8192  # yarn: max_position_embeddings as it is
+    assert vllm_max_length(linear)[0] == 16384  # linear: times the factor
+    assert vllm_max_length(yarn, {"model_max_length": 4096})[0] == 4096  # the tokenizer caps
+
+
+def test_vllm_dynamic_is_static_plain_rope_by_default() -> None:
+    params = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    config = {
+        "max_position_embeddings": 512,
+        "head_dim": 64,
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "rope_parameters": params,
+    }
+    plain = transformers_rope(
+        {**config, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, 1
+    )
+    for length in (100, 1024):
+        view = vllm_rope(config, length)
+        torch.testing.assert_close(view.inv_freq, plain.inv_freq, rtol=0, atol=0)
+    assert any("cache holds 512" in n for n in vllm_rope(config, 1024).notes)
+
+
+def _folder(spec: str, tmp_path: Path, *, learned: bool = False) -> Path:
+    model = tiny_model("llama")
+    encoding = patch(model, spec)
+    if learned:
+        perturb(encoding, scale=False)
+    return export(model, None, tmp_path / spec.split(":")[0])
+
+
+@pytest.mark.parametrize(
+    "spec", ["yarn:factor=4", "linear:factor=4", "llama3:factor=4", "ntk:factor=4", "rope"]
+)
+def test_ropekit_exports_have_no_disagreement(spec: str, tmp_path: Path) -> None:
+    report = inspect_folder(_folder(spec, tmp_path))
+    assert report["disagreements"] == [], report["disagreements"]
+    assert report["target_length"] == (L0 if spec == "rope" else 4 * L0)
+    for row in report["views"].values():
+        assert row["vllm"]["max_length"] >= report["target_length"]
+
+
+def test_a_learned_shared_schedule_has_no_disagreement(tmp_path: Path) -> None:
+    spec = "adarope:init=yarn,factor=2,share_heads=true,share_layers=true,scale=false"
+    report = inspect_folder(_folder(spec, tmp_path, learned=True))
+    assert report["disagreements"] == [], report["disagreements"]
+
+
+def test_dynamic_export_disagrees_beyond_the_window_only(tmp_path: Path) -> None:
+    report = inspect_folder(_folder("dynamic-ntk:factor=4", tmp_path))
+    vllm = [d for d in report["disagreements"] if d["engine"] == "vllm"]
+    assert {d["length"] for d in vllm} == {4 * L0}, vllm  # plain RoPE inside L0 agrees
+    assert "fixed base" in vllm[0]["fix"]
+    llama = [d for d in report["disagreements"] if d["engine"] == "llama.cpp"]
+    assert llama and "length-following" in llama[0]["what"]
+
+
+def _edit(folder: Path, change) -> Path:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config))
+    (folder / "ropekit_export.json").unlink()
+    return folder
+
+
+def test_a_yarn_folder_at_the_original_length_is_refused_by_vllm_with_the_fix(tmp_path) -> None:
+    """The bug the issue reports: max_position_embeddings left at L0."""
+    folder = _edit(
+        _folder("yarn:factor=4", tmp_path), lambda c: c.update(max_position_embeddings=L0)
+    )
+    report = inspect_folder(folder)
+    assert report["target_length"] == 4 * L0
+    fixes = [d["fix"] for d in report["disagreements"] if d["engine"] == "vllm"]
+    assert any(f"max_position_embeddings = {4 * L0}" in f for f in fixes), report["disagreements"]
+
+
+def test_longrope_without_mscales_disagrees_on_the_attention_factor(tmp_path: Path) -> None:
+    spec = "adarope:init=yarn,factor=2,share_heads=true,share_layers=true,scale=false"
+    folder = _folder(spec, tmp_path, learned=True)
+
+    def drop(config):
+        del config["rope_parameters"]["short_mscale"], config["rope_parameters"]["long_mscale"]
+
+    report = inspect_folder(_edit(folder, drop))
+    fixes = [d["fix"] for d in report["disagreements"] if d["engine"] == "vllm"]
+    assert fixes and all("short_mscale = long_mscale" in f for f in fixes), report["disagreements"]
+
+
+def test_inspect_command_prints_engines_and_writes_json(tmp_path: Path, capsys) -> None:
+    folder = _folder("yarn:factor=4", tmp_path)
+    assert main(["inspect", str(folder), "--json", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert "vllm" in out and "llama.cpp" in out and "no disagreements" in out
+    assert json.loads((tmp_path / "r.json").read_text())["target_length"] == 4 * L0
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
