@@ -257,6 +257,11 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(path, **options, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         reason = " ".join(str(e).split())[:300] or type(e).__name__
+        if "trust_remote_code" in str(e):
+            reason = (
+                "it holds custom code, which runs only with trust_remote_code=True "
+                "(--trust-remote-code)"
+            )
         raise ValueError(f"{path}: the Hugging Face model could not be loaded: {reason}") from None
     return model.eval()
 
