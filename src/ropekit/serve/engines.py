@@ -164,12 +164,9 @@ def vllm_rope(
     (default: the length vLLM derives)."""
     dim, p = _dims(config)
     kind = p.get("rope_type", "default")
-    base = float(p["rope_theta"])
     limit, key = vllm_max_length(config, tokenizer_config)
     served = max_model_len or limit
-    rotary = "vllm/model_executor/layers/rotary_embedding/"
     notes: list[str] = [f"accepts {limit} tokens ({key}; vllm/config/model.py)"]
-    max_pos = int(config["max_position_embeddings"])
     if served > limit:
         error = (
             f"max_model_len={served} is above the derived {limit} ({key}); vLLM refuses it "
@@ -178,79 +175,108 @@ def vllm_rope(
         return EngineRoPE(
             "vllm", "vllm/config/model.py: _get_and_verify_max_len", None, None, limit, error
         )
+    args = (config, p, length, limit, notes, served, dim)
     if kind in ("default", "linear", "yarn", "llama3"):
-        view = transformers_rope(config, length)
-        source = {
-            "default": rotary + "base.py: RotaryEmbedding",
-            "linear": rotary + "linear_scaling_rope.py: LinearScalingRotaryEmbedding",
-            "yarn": rotary + "yarn_scaling_rope.py: YaRNScalingRotaryEmbedding",
-            "llama3": rotary + "llama3_rope.py: Llama3RotaryEmbedding",
-        }[kind]
-        if kind == "yarn" and p.get("factor") is None:
-            return EngineRoPE(
-                "vllm",
-                source,
-                None,
-                None,
-                limit,
-                "yarn without factor: get_rope reads rope_parameters['factor'] (KeyError)",
-            )
-        cache = max_pos * (float(p["factor"]) if kind == "linear" else 1.0)
-        if kind == "yarn":
-            cache = _original(p, config) * float(p["factor"])
-        if length > cache:
-            notes.append(f"positions >= {int(cache)} fall outside its cos/sin cache")
-        return EngineRoPE(
-            "vllm", source, view.inv_freq, view.attention_factor, limit, notes=tuple(notes)
-        )
+        return _vllm_static(kind, *args)
     if kind == "dynamic":
-        source = rotary + "dynamic_ntk_scaling_rope.py: DynamicNTKScalingRotaryEmbedding"
-        if "alpha" in p:
-            return EngineRoPE(
-                "vllm",
-                source,
-                None,
-                None,
-                limit,
-                "dynamic with alpha: DynamicNTKAlphaRotaryEmbedding (no transformers equivalent)",
-            )
-        s = float(p["factor"])
-        trained = int(p.get("max_trained_positions") or max_pos)
-        scaled = base * (s * max_pos / trained - (s - 1)) ** (dim / (dim - 2))
-        theta, _ = schedules.rope(dim, scaled)
-        notes.append(
-            f"static: one base {scaled:.6g} for every length (M={max_pos}, "
-            f"max_trained_positions={trained})"
-        )
-        if limit > max_pos:
-            notes.append(f"its cos/sin cache holds {max_pos} positions but it accepts {limit}")
-        return EngineRoPE("vllm", source, theta, 1.0, limit, notes=tuple(notes))
+        return _vllm_dynamic(*args)
     if kind == "longrope":
-        source = rotary + "phi3_long_rope_scaled_rope.py: Phi3LongRoPEScaledRotaryEmbedding"
-        l0 = _original(p, config)
-        use_long = served > l0
-        factors = torch.tensor(
-            [float(x) for x in (p["long_factor"] if use_long else p["short_factor"])],
-            dtype=torch.float64,
-        )
-        rope, _ = schedules.rope(dim, base)
-        scale = max_pos / l0
-        default = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(l0))
-        mscale = p.get("long_mscale" if use_long else "short_mscale")
-        af = float(default if mscale is None else mscale)
-        notes.append(
-            f"{'long' if use_long else 'short'} factors at every length "
-            f"(max_model_len {served} {'>' if use_long else '<='} {l0})"
-        )
-        return EngineRoPE("vllm", source, rope / factors, af, limit, notes=tuple(notes))
+        return _vllm_longrope(*args)
     return EngineRoPE(
         "vllm",
-        rotary + "__init__.py: get_rope",
+        _ROTARY + "__init__.py: get_rope",
         None,
         None,
         limit,
         f"rope_type={kind!r} is not handled here",
     )
+
+
+_ROTARY = "vllm/model_executor/layers/rotary_embedding/"
+
+
+def _vllm_static(
+    kind: str, config: dict, p: dict, length: int, limit: int, notes: list, served: int, dim: int
+) -> EngineRoPE:
+    """default, linear, yarn, llama3: transformers' frequencies, in a cos/sin cache of fixed
+    size."""
+    view = transformers_rope(config, length)
+    source = {
+        "default": _ROTARY + "base.py: RotaryEmbedding",
+        "linear": _ROTARY + "linear_scaling_rope.py: LinearScalingRotaryEmbedding",
+        "yarn": _ROTARY + "yarn_scaling_rope.py: YaRNScalingRotaryEmbedding",
+        "llama3": _ROTARY + "llama3_rope.py: Llama3RotaryEmbedding",
+    }[kind]
+    if kind == "yarn" and p.get("factor") is None:
+        return EngineRoPE(
+            "vllm",
+            source,
+            None,
+            None,
+            limit,
+            "yarn without factor: get_rope reads rope_parameters['factor'] (KeyError)",
+        )
+    max_pos = int(config["max_position_embeddings"])
+    cache = max_pos * (float(p["factor"]) if kind == "linear" else 1.0)
+    if kind == "yarn":
+        cache = _original(p, config) * float(p["factor"])
+    if length > cache:
+        notes.append(f"positions >= {int(cache)} fall outside its cos/sin cache")
+    return EngineRoPE(
+        "vllm", source, view.inv_freq, view.attention_factor, limit, notes=tuple(notes)
+    )
+
+
+def _vllm_dynamic(
+    config: dict, p: dict, length: int, limit: int, notes: list, served: int, dim: int
+) -> EngineRoPE:
+    """dynamic: one NTK base computed once for max_position_embeddings, at every length."""
+    source = _ROTARY + "dynamic_ntk_scaling_rope.py: DynamicNTKScalingRotaryEmbedding"
+    if "alpha" in p:
+        return EngineRoPE(
+            "vllm",
+            source,
+            None,
+            None,
+            limit,
+            "dynamic with alpha: DynamicNTKAlphaRotaryEmbedding (no transformers equivalent)",
+        )
+    max_pos, base = int(config["max_position_embeddings"]), float(p["rope_theta"])
+    s = float(p["factor"])
+    trained = int(p.get("max_trained_positions") or max_pos)
+    scaled = base * (s * max_pos / trained - (s - 1)) ** (dim / (dim - 2))
+    theta, _ = schedules.rope(dim, scaled)
+    notes.append(
+        f"static: one base {scaled:.6g} for every length (M={max_pos}, "
+        f"max_trained_positions={trained})"
+    )
+    if limit > max_pos:
+        notes.append(f"its cos/sin cache holds {max_pos} positions but it accepts {limit}")
+    return EngineRoPE("vllm", source, theta, 1.0, limit, notes=tuple(notes))
+
+
+def _vllm_longrope(
+    config: dict, p: dict, length: int, limit: int, notes: list, served: int, dim: int
+) -> EngineRoPE:
+    """longrope: the short or the long factors for the whole run, chosen by max_model_len."""
+    source = _ROTARY + "phi3_long_rope_scaled_rope.py: Phi3LongRoPEScaledRotaryEmbedding"
+    max_pos, base = int(config["max_position_embeddings"]), float(p["rope_theta"])
+    l0 = _original(p, config)
+    use_long = served > l0
+    factors = torch.tensor(
+        [float(x) for x in (p["long_factor"] if use_long else p["short_factor"])],
+        dtype=torch.float64,
+    )
+    rope, _ = schedules.rope(dim, base)
+    scale = max_pos / l0
+    default = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(l0))
+    mscale = p.get("long_mscale" if use_long else "short_mscale")
+    af = float(default if mscale is None else mscale)
+    notes.append(
+        f"{'long' if use_long else 'short'} factors at every length "
+        f"(max_model_len {served} {'>' if use_long else '<='} {l0})"
+    )
+    return EngineRoPE("vllm", source, rope / factors, af, limit, notes=tuple(notes))
 
 
 def llamacpp_rope(rope: Any, dim: int, length: int) -> EngineRoPE:

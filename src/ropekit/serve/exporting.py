@@ -323,41 +323,73 @@ def export(
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
-    if isinstance(model_or_path, nn.Module):
-        model = model_or_path
-        if unwrap(model) is not model:
-            raise ValueError(
-                "the model is wrapped by PEFT; merge its LoRA weights first "
-                "(model = model.merge_and_unload()), then export the merged model"
-            )
-    else:
-        model = load_model(model_or_path, trust_remote_code=trust_remote_code)
-        if tokenizer is None and any(
-            (resolve_model(model_or_path) / f).is_file()
-            for f in ("tokenizer.json", "tokenizer_config.json")
-        ):
-            tokenizer = load_tokenizer(model_or_path, trust_remote_code=trust_remote_code)
-    if adapter is not None and spec is not None:
-        raise ValueError("give an adapter or a spec, not both")
-    if adapter is not None:
-        encoding = load_adapter(model, adapter)
-    elif spec is not None:
-        encoding = patch(model, spec)
-    else:
-        found = encoding_of(model)
-        if found is None:
-            raise ValueError("the model is not patched; give an adapter folder or a spec")
-        encoding = found
-    if format == "vllm" and getattr(encoding, "dynamic", False):
+    model, tokenizer = _open(model_or_path, tokenizer, trust_remote_code)
+    encoding = _encoding(model, adapter, spec)
+    if format == "vllm" and encoding.dynamic:
         raise ExportRefused(
             f"{encoding.spec!r} follows the sequence length; the vLLM plugin rotates by token "
             "position only (vLLM gives the rotary no sequence lengths)"
         )
+    config, record = _served_config(model, encoding, format, temperature_at, max_length, nearest)
+    base_model(model)  # fails early on models ropekit cannot patch
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        _write(tmp, model, config, tokenizer, record, model_or_path)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _open(
+    model_or_path: nn.Module | str | os.PathLike[str], tokenizer: Any, trust_remote_code: bool
+) -> tuple[nn.Module, Any]:
+    """The model to export and the tokenizer copied beside it (a folder's own, if any)."""
+    if isinstance(model_or_path, nn.Module):
+        if unwrap(model_or_path) is not model_or_path:
+            raise ValueError(
+                "the model is wrapped by PEFT; merge its LoRA weights first "
+                "(model = model.merge_and_unload()), then export the merged model"
+            )
+        return model_or_path, tokenizer
+    model = load_model(model_or_path, trust_remote_code=trust_remote_code)
+    if tokenizer is None and any(
+        (resolve_model(model_or_path) / f).is_file()
+        for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        tokenizer = load_tokenizer(model_or_path, trust_remote_code=trust_remote_code)
+    return model, tokenizer
+
+
+def _encoding(model: nn.Module, adapter: Any, spec: str | None) -> PositionEncoding:
+    """The encoding exported: the adapter's, else the spec's, else the model's own patch."""
+    if adapter is not None and spec is not None:
+        raise ValueError("give an adapter or a spec, not both")
+    if adapter is not None:
+        return load_adapter(model, adapter)
+    if spec is not None:
+        return patch(model, spec)
+    found = encoding_of(model)
+    if found is None:
+        raise ValueError("the model is not patched; give an adapter folder or a spec")
+    return found
+
+
+def _served_config(
+    model: nn.Module,
+    encoding: PositionEncoding,
+    format: str,
+    temperature_at: int | None,
+    max_length: int | None,
+    nearest: bool,
+) -> tuple[Any, dict[str, Any]]:
+    """The config the engines read (rope_parameters and every length field) and the export
+    record (ropekit_export.json)."""
     params, extra, notes = export_rope_parameters(
-        encoding,
-        model.config,
-        temperature_at=temperature_at,
-        nearest=nearest or format == "vllm",
+        encoding, model.config, temperature_at=temperature_at, nearest=nearest or format == "vllm"
     )
     if format == "vllm":
         from .vllm_plugin import ARCHITECTURE
@@ -372,49 +404,39 @@ def export(
     fields, engine_keys = length_fields(params, model.config, target)
     params = {**params, **engine_keys}
     extra = {**extra, **fields}
-
     config = copy.deepcopy(model.config)
     config.rope_parameters = params
     for key, value in extra.items():
         setattr(config, key, value)
-    base_model(model)  # fails early on models ropekit cannot patch
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    try:
-        if format == "gguf":
-            from .gguf_file import GGUF_NAME, write_gguf
+    record = {
+        "spec": encoding.spec, "format": format, "target_length": target,
+        "rope_parameters": params, "config_changes": extra, "notes": notes,
+        "ropekit": __version__,
+    }  # fmt: skip
+    return config, record
 
-            notes = notes + write_gguf(
-                model, config, tmp / GGUF_NAME, tokenizer=tokenizer, source=model_or_path
-            )
-        else:
-            if format == "vllm":
-                from .vllm_plugin import ADAPTER_DIR
 
-                save_adapter(model, tmp / ADAPTER_DIR)
-            model.save_pretrained(tmp, state_dict=_backbone_state(model))
-            config.save_pretrained(tmp)  # replaces the config save_pretrained wrote
-            if tokenizer is not None:
-                _raise_model_max_length(tokenizer, target)
-                tokenizer.save_pretrained(tmp)
-        record = {
-            "spec": encoding.spec,
-            "format": format,
-            "target_length": target,
-            "rope_parameters": params,
-            "config_changes": extra,
-            "notes": notes,
-            "ropekit": __version__,
-        }
-        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        for path in tmp.rglob("*"):
-            if not path.is_file():
-                continue
+def _write(
+    tmp: Path, model: nn.Module, config: Any, tokenizer: Any, record: dict, source: Any
+) -> None:
+    """The export's files in ``tmp`` (renamed into place by the caller), every one fsynced."""
+    if record["format"] == "gguf":
+        from .gguf_file import GGUF_NAME, write_gguf
+
+        notes = write_gguf(model, config, tmp / GGUF_NAME, tokenizer=tokenizer, source=source)
+        record = {**record, "notes": record["notes"] + notes}
+    else:
+        if record["format"] == "vllm":
+            from .vllm_plugin import ADAPTER_DIR
+
+            save_adapter(model, tmp / ADAPTER_DIR)
+        model.save_pretrained(tmp, state_dict=_backbone_state(model))
+        config.save_pretrained(tmp)  # replaces the config save_pretrained wrote
+        if tokenizer is not None:
+            _raise_model_max_length(tokenizer, record["target_length"])
+            tokenizer.save_pretrained(tmp)
+    (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    for path in tmp.rglob("*"):
+        if path.is_file():
             with path.open("rb") as f:
                 os.fsync(f.fileno())
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out

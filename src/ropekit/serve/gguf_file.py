@@ -106,60 +106,9 @@ def gguf_rope(params: dict[str, Any], config: Any, target: int) -> GgufRope:
             scaling_type="linear", factor=factor, attn_factor=1.0, rope_freqs=None, **common
         )
     if kind == "yarn":
-        factor = float(params["factor"])
-        betas = (float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1))
-        if betas != (32.0, 1.0):
-            raise ExportRefused(
-                f"yarn with beta_fast={betas[0]:g}, beta_slow={betas[1]:g}: llama.cpp's llama "
-                "architecture reads no yarn_beta keys from GGUF (llama-model.cpp reads them for "
-                "grok only) and uses 32 and 1; pass yarn_beta_fast/yarn_beta_slow in the "
-                "context parameters at run time, or export with the defaults"
-            )
-        if params.get("truncate") is False:
-            raise ExportRefused(
-                "yarn with truncate=false: ggml rounds YaRN's ramp ends to whole pairs "
-                "(ggml.c: ggml_rope_yarn_corr_dims uses floorf/ceilf) and has no switch"
-            )
-        attention = _yarn_attention(params, factor)
-        return GgufRope(
-            scaling_type="yarn",
-            factor=factor,
-            # llama.cpp multiplies cos/sin by attn_factor * (1 + 0.1 ln s) (module docstring).
-            attn_factor=attention / (1.0 + 0.1 * math.log(factor)),
-            rope_freqs=None,
-            **common,
-        )
+        return _yarn(params, common)
     if kind in ("llama3", "longrope"):
-        if kind == "llama3":
-            theta, attention = schedules.llama3(
-                dim,
-                base,
-                float(params["factor"]),
-                l0,
-                float(params["low_freq_factor"]),
-                float(params["high_freq_factor"]),
-            )
-        else:
-            short, long = list(params["short_factor"]), list(params["long_factor"])
-            if [float(x) for x in short] != [float(x) for x in long]:
-                raise ExportRefused(
-                    "longrope with different short and long factors: transformers switches "
-                    "between them by sequence length, llama.cpp's llama architecture has one "
-                    "rope_freqs tensor for every length (phi3's rope_long/rope_short are picked "
-                    "once per context, llama-model.cpp: get_rope_factors)"
-                )
-            factor = params.get("factor") or config.max_position_embeddings / l0
-            theta, attention = schedules.longrope(
-                dim, base, short, long, l0, float(factor), params.get("attention_factor")
-            )
-        rope, _ = schedules.rope(dim, base)
-        return GgufRope(
-            scaling_type="none",
-            factor=1.0,
-            attn_factor=float(attention),
-            rope_freqs=(rope / theta).to(torch.float32).numpy(),
-            **common,
-        )
+        return _per_pair(kind, params, config, dim, base, l0, common)
     if kind == "dynamic":
         raise ExportRefused(
             "dynamic NTK: llama.cpp has no length-following schedule (rope.scaling.type is "
@@ -167,6 +116,70 @@ def gguf_rope(params: dict[str, Any], config: Any, target: int) -> GgufRope:
             "a fixed one (yarn, or ntk at the target length) for llama.cpp"
         )
     raise ExportRefused(f"rope_type={kind!r} has no llama.cpp equivalent")
+
+
+def _yarn(params: dict[str, Any], common: dict[str, Any]) -> GgufRope:
+    """YaRN in llama.cpp's own terms (its betas are fixed; its ramp ends are rounded)."""
+    factor = float(params["factor"])
+    betas = (float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1))
+    if betas != (32.0, 1.0):
+        raise ExportRefused(
+            f"yarn with beta_fast={betas[0]:g}, beta_slow={betas[1]:g}: llama.cpp's llama "
+            "architecture reads no yarn_beta keys from GGUF (llama-model.cpp reads them for "
+            "grok only) and uses 32 and 1; pass yarn_beta_fast/yarn_beta_slow in the "
+            "context parameters at run time, or export with the defaults"
+        )
+    if params.get("truncate") is False:
+        raise ExportRefused(
+            "yarn with truncate=false: ggml rounds YaRN's ramp ends to whole pairs "
+            "(ggml.c: ggml_rope_yarn_corr_dims uses floorf/ceilf) and has no switch"
+        )
+    attention = _yarn_attention(params, factor)
+    return GgufRope(
+        scaling_type="yarn",
+        factor=factor,
+        # llama.cpp multiplies cos/sin by attn_factor * (1 + 0.1 ln s) (module docstring).
+        attn_factor=attention / (1.0 + 0.1 * math.log(factor)),
+        rope_freqs=None,
+        **common,
+    )
+
+
+def _per_pair(
+    kind: str, params: dict[str, Any], config: Any, dim: int, base: float, l0: int,
+    common: dict[str, Any],
+) -> GgufRope:  # fmt: skip
+    """llama3 and longrope as per-pair frequency factors (llama.cpp's rope_freqs tensor)."""
+    if kind == "llama3":
+        theta, attention = schedules.llama3(
+            dim,
+            base,
+            float(params["factor"]),
+            l0,
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+        )
+    else:
+        short, long = list(params["short_factor"]), list(params["long_factor"])
+        if [float(x) for x in short] != [float(x) for x in long]:
+            raise ExportRefused(
+                "longrope with different short and long factors: transformers switches "
+                "between them by sequence length, llama.cpp's llama architecture has one "
+                "rope_freqs tensor for every length (phi3's rope_long/rope_short are picked "
+                "once per context, llama-model.cpp: get_rope_factors)"
+            )
+        factor = params.get("factor") or config.max_position_embeddings / l0
+        theta, attention = schedules.longrope(
+            dim, base, short, long, l0, float(factor), params.get("attention_factor")
+        )
+    rope, _ = schedules.rope(dim, base)
+    return GgufRope(
+        scaling_type="none",
+        factor=1.0,
+        attn_factor=float(attention),
+        rope_freqs=(rope / theta).to(torch.float32).numpy(),
+        **common,
+    )
 
 
 def interleave_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

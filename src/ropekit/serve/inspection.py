@@ -197,21 +197,19 @@ def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
         "original_length": l0,
         "target_length": target,
         "lengths": lengths,
-        "views": {
-            n: {
-                name: {
-                    "source": v.source,
-                    "inv_freq": None if v.inv_freq is None else [float(x) for x in v.inv_freq],
-                    "attention_factor": v.attention_factor,
-                    "max_length": v.max_length,
-                    "error": v.error,
-                    "notes": list(v.notes),
-                }
-                for name, v in row.items()
-            }
-            for n, row in views.items()
-        },
+        "views": {n: {name: _view_json(v) for name, v in row.items()} for n, row in views.items()},
         "disagreements": [dataclasses.asdict(d) for d in disagreements],
+    }
+
+
+def _view_json(v: EngineRoPE) -> dict[str, Any]:
+    return {
+        "source": v.source,
+        "inv_freq": None if v.inv_freq is None else [float(x) for x in v.inv_freq],
+        "attention_factor": v.attention_factor,
+        "max_length": v.max_length,
+        "error": v.error,
+        "notes": list(v.notes),
     }
 
 
