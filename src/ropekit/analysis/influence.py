@@ -3,7 +3,8 @@ to their initial values and measure how much the held-out NLL at the target leng
 
 Shape legend: N windows · T window length · B windows per forward · V vocabulary.
 
-Units (AdaRoPE only; every parameter is 0 at init, so reverting a row means zeroing it):
+Units (the encoding's ``head_rows``: AdaRoPE's; every parameter is 0 at init, so reverting a
+row means zeroing it):
 - ``freq`` (AdaFreq): one row ``dxi[layer, kv_head]`` (F pairs). Frequencies live per
   key/value head, so the unit is the kv head; all of its g query heads read those keys.
 - ``scale`` (AdaScale): one query head's ``log_tau[layer, head]`` and ``gamma[layer, head]``.
@@ -30,13 +31,12 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ropekit.backbone import Backbone, as_backbone
-from ropekit.encodings import AdaRoPE, PositionEncoding
+from ropekit.encodings import PositionEncoding
 from ropekit.encodings.base import check_choice
 
 from .capture import forward_logits
 
 INFLUENCE_KINDS = ("freq", "scale")
-_PARAMETERS = {"freq": ("dxi",), "scale": ("log_tau", "gamma")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,14 +58,11 @@ class Unit:
 def influence_units(encoding: PositionEncoding, kind: str) -> list[Unit]:
     """Every unit of ``kind`` the encoding has; [] when it has no such per-head parameters."""
     check_choice("kind", kind, INFLUENCE_KINDS)
-    if not isinstance(encoding, AdaRoPE):
+    head_rows = encoding.head_rows(kind)
+    if head_rows is None:
         return []
-    if (kind == "freq" and not encoding.config.freq) or (
-        kind == "scale" and not encoding.config.scale
-    ):
-        return []
-    rows = getattr(encoding, _PARAMETERS[kind][0]).shape[:2]  # (L|1, K|1) or (L|1, H|1)
-    shared_layers, shared_heads = encoding.config.share_layers, encoding.config.share_heads
+    rows = head_rows.parameters[0].shape[:2]  # (L|1, K|1) or (L|1, H|1)
+    shared_layers, shared_heads = head_rows.shared_layers, head_rows.shared_heads
     return [
         Unit(kind, (i, j), None if shared_layers else i, None if shared_heads else j)
         for i in range(rows[0])
@@ -73,8 +70,11 @@ def influence_units(encoding: PositionEncoding, kind: str) -> list[Unit]:
     ]
 
 
-def _parameters(encoding: PositionEncoding, unit: Unit) -> list[nn.Parameter]:
-    return [getattr(encoding, name) for name in _PARAMETERS[unit.kind]]
+def _parameters(encoding: PositionEncoding, unit: Unit) -> tuple[nn.Parameter, ...]:
+    head_rows = encoding.head_rows(unit.kind)
+    if head_rows is None:
+        raise ValueError(f"encoding {encoding.spec!r} has no {unit.kind!r} rows to revert")
+    return head_rows.parameters
 
 
 def at_init(encoding: PositionEncoding, unit: Unit) -> bool:

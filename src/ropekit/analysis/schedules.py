@@ -25,8 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ropekit.encodings import AdaRoPE, PositionEncoding, RotaryEncoding, TunedYarn, schedules
-from ropekit.encodings.adarope import yarn_inv_freq
+from ropekit.encodings import PositionEncoding
 
 from .metrics import fit_effective_base
 
@@ -43,9 +42,9 @@ class RotaryLayout:
 def rotary_layout(encoding: PositionEncoding) -> RotaryLayout | None:
     """The layout of a rotary encoding; None for encodings that do not rotate (NoPE, ALiBi,
     absolute)."""
-    if isinstance(encoding, RotaryEncoding | AdaRoPE | TunedYarn):
-        return RotaryLayout(encoding.rotary_dim, encoding.n_pairs, encoding.pairing)
-    return None
+    if encoding.rotary_dim == 0 or encoding.pairing is None:
+        return None
+    return RotaryLayout(encoding.rotary_dim, encoding.n_pairs, encoding.pairing)
 
 
 def head_log_frequencies(
@@ -53,12 +52,10 @@ def head_log_frequencies(
 ) -> Tensor | None:
     """ln theta (K, F) float64 of one layer, one row per key/value head; None when the
     encoding does not rotate. ``length`` is the sequence length a dynamic schedule follows."""
-    if isinstance(encoding, AdaRoPE | TunedYarn):
-        log_theta = encoding.inv_freq(layer)[0].detach().double().log()  # (K|1, F)
-    elif isinstance(encoding, RotaryEncoding):
-        log_theta = encoding.frequencies(length)[0].double().log()[None]  # (1, F)
-    else:
+    if encoding.rotary_dim == 0:
         return None
+    with torch.no_grad():
+        log_theta = encoding.inv_freq(layer, length)[0].double().log()  # (K|1, F)
     return log_theta.cpu().expand(encoding.n_kv_heads, -1)  # (K, F)
 
 
@@ -83,65 +80,7 @@ def effective_bases(encoding: PositionEncoding, length: int | None = None) -> di
     }
 
 
-def _adarope(encoding: AdaRoPE) -> dict[str, Any]:
-    config = encoding.config
-    out: dict[str, Any] = {
-        "kind": "adarope",
-        "share_layers": config.share_layers,
-        "share_heads": config.share_heads,
-        "l_ref": encoding.l_ref,
-        "xi_init": encoding.xi_init().tolist(),  # (F,)
-        "dxi": None,
-        "gamma": None,
-        "tau": None,
-    }
-    if config.freq:
-        out["dxi"] = encoding.dxi.detach().double().cpu().tolist()  # (L|1, K|1, F)
-    if config.scale:
-        out["gamma"] = encoding.gamma.detach().double().cpu().tolist()  # (L|1, H|1)
-        out["tau"] = encoding.log_tau.detach().double().exp().cpu().tolist()  # (L|1, H|1)
-    return out
-
-
-def _tuned_yarn(encoding: TunedYarn) -> dict[str, Any]:
-    config = encoding.config
-    knobs = {k: float(v.detach()) for k, v in encoding.knobs().items()}
-    init = {  # the configured values the knobs start from (log-ratios 0)
-        "factor": config.factor,
-        "beta_fast": config.beta_fast,
-        "beta_slow": config.beta_slow,
-        "attention_factor": schedules.yarn_attention_factor(
-            config.factor, config.mscale, config.mscale_all_dim, config.attention_factor
-        ),
-    }
-
-    def log_theta(values: dict[str, float]) -> Tensor:
-        as_tensor = {k: torch.tensor(float(v), dtype=torch.float64) for k, v in values.items()}
-        return yarn_inv_freq(
-            encoding.rotary_dim,
-            config.base,
-            config.original_length,
-            as_tensor["factor"],
-            as_tensor["beta_fast"],
-            as_tensor["beta_slow"],
-        ).log()  # (F,)
-
-    return {
-        "kind": "tuned-yarn",
-        "knobs": knobs,
-        "init_knobs": {k: float(v) for k, v in init.items()},
-        "xi_init": log_theta(init).tolist(),
-        "dxi": [[(log_theta(knobs) - log_theta(init)).tolist()]],  # (1, 1, F): one schedule
-        "gamma": None,
-        "tau": None,
-    }
-
-
 def learned_schedule(encoding: PositionEncoding) -> dict[str, Any] | None:
     """Learned-versus-initial parameters of AdaRoPE or tuned-yarn (module docstring); None for
-    encodings with nothing learned in their schedule."""
-    if isinstance(encoding, AdaRoPE):
-        return _adarope(encoding)
-    if isinstance(encoding, TunedYarn):
-        return _tuned_yarn(encoding)
-    return None
+    encodings with nothing learned in their schedule (``PositionEncoding.learned_state``)."""
+    return encoding.learned_state()

@@ -46,6 +46,7 @@ class SinusoidalConfig(EncodingConfig):
 
 class Sinusoidal(PositionEncoding):
     config: SinusoidalConfig
+    adds_to_embeddings: ClassVar[bool] = True
 
     def embed(self, h: Tensor, positions: Tensor) -> Tensor:
         d = h.shape[-1]
@@ -72,6 +73,7 @@ class LearnedConfig(EncodingConfig):
 
 class Learned(PositionEncoding):
     config: LearnedConfig
+    adds_to_embeddings: ClassVar[bool] = True
 
     def __init__(self, config: LearnedConfig, **dims: int) -> None:
         super().__init__(config, **dims)

@@ -6,11 +6,14 @@ T length · D head dim · F rotary pairs · L layers (1 when shared).
 AdaRoPE (Wang et al. 2026, "Not All Attention Heads Should Rotate and Scale Equally"):
 - AdaFreq, sec. 3.2: theta_f^(l,k) = exp(xi[l, k, f]), initialised from a base schedule (plain
   RoPE for pretraining; YaRN/PI/NTK/Llama-3 for extension). The parameter is the change
-  ``dxi = xi - xi_init`` (init 0) on top of the base schedule's log-frequencies, which are
-  recomputed in float64 from the config rather than stored: AdaRoPE then equals its base
-  schedule bit for bit at init in any dtype (a float32 xi would be off by ~5e-7 relative, 3e-3
-  rad at position 5,000), and weight decay pulls towards the base schedule, not towards
-  theta = 1. Frequencies live per key/value
+  ``dxi = xi - xi_init`` (init 0) on top of the base schedule's log-frequencies, and theta is
+  formed as theta_init * exp(dxi) with theta_init the base schedule's float64 frequencies,
+  recomputed from the config rather than stored: exp(0) = 1 exactly, so at init AdaRoPE's theta
+  *is* its base schedule's, bit for bit, and so are its rotations in any dtype. (Forming
+  exp(xi_init + dxi) instead is off by up to ~4 float64 ulps, |ln theta| being up to ~10, which
+  already flips float32 rotations at large positions; a float32 xi would be off by ~5e-7
+  relative, 3e-3 rad at position 5,000.) Weight decay pulls towards the base schedule, not
+  towards theta = 1. Frequencies live per key/value
   head: with grouped-query attention a key is rotated once and read by g query heads, and
   relative-position invariance needs a query and its key rotated alike.
 - AdaScale, sec. 3.3: lambda_h(L) = (1/tau_h) * ln(1 + max(L, L_ref)/L_ref)^gamma_h multiplies
@@ -35,7 +38,15 @@ import torch
 from torch import Tensor, nn
 
 from . import schedules
-from .base import EncodingConfig, PositionEncoding, check_choice, check_positive, resolve_positions
+from .base import (
+    EncodingConfig,
+    Extension,
+    HeadRows,
+    PositionEncoding,
+    check_choice,
+    check_positive,
+    resolve_positions,
+)
 from .rope import (
     LinearConfig,
     Llama3Config,
@@ -57,18 +68,23 @@ INIT_SCHEDULES: dict[str, type[RopeConfig]] = {
 
 @dataclasses.dataclass(frozen=True)
 class AdaRoPEConfig(EncodingConfig):
-    """AdaRoPE options; every option it does not own goes to the ``init`` schedule."""
+    """AdaRoPE options; every option it does not own goes to the ``init`` schedule.
+
+    ``l_ref`` defaults to the init schedule's original length, else to an ``l_ref`` the model
+    supplies as context (a pretrained model being extended: the paper's extension setting uses
+    L_ref = its training length), else to the paper's pretraining value, 64.
+    """
 
     name: ClassVar[str] = "adarope"
     init: str = "rope"  # base schedule theta starts from: rope, linear, ntk, yarn, llama3
-    l_ref: int | None = None  # L_ref (tokens): default the init's original_length, else 64 (paper)
+    l_ref: int | None = None  # L_ref (tokens): default the init's L0, else the context's, else 64
     share_heads: bool = False  # one schedule/temperature per layer (the review's global control)
     share_layers: bool = False  # one schedule/temperature for all layers
     freq: bool = True  # AdaFreq: learn log-frequencies xi (False: ablation "w/o AdaFreq")
     scale: bool = True  # AdaScale: learn tau, gamma (False: ablation "w/o AdaScale")
     schedule: RopeConfig = dataclasses.field(default_factory=RopeConfig)  # parsed init options
 
-    CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = RopeConfig.CONTEXT_FIELDS
+    CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = (*RopeConfig.CONTEXT_FIELDS, "l_ref")
     PAPER_PRETRAIN_L_REF: ClassVar[int] = 64
 
     def __post_init__(self) -> None:
@@ -78,9 +94,18 @@ class AdaRoPEConfig(EncodingConfig):
                 f"schedule {type(self.schedule).__name__} does not match init={self.init!r}"
             )
         if self.l_ref is None:
-            default = getattr(self.schedule, "original_length", None) or self.PAPER_PRETRAIN_L_REF
-            object.__setattr__(self, "l_ref", int(default))
+            object.__setattr__(self, "l_ref", self._default_l_ref())
         check_positive("l_ref", self.l_ref, minimum=1, strict=False)
+
+    def _default_l_ref(self) -> int:
+        return int(self.schedule.extension().original_length or self.PAPER_PRETRAIN_L_REF)
+
+    @property
+    def base_schedule(self) -> RopeConfig:
+        return self.schedule
+
+    def extension(self) -> Extension:
+        return self.schedule.extension()
 
     @classmethod
     def from_options(cls, options: dict[str, str], context: dict[str, Any] | None = None):
@@ -95,13 +120,18 @@ class AdaRoPEConfig(EncodingConfig):
             allowed = ", ".join([*own_types, *INIT_SCHEDULES[init].field_types()])
             raise ValueError(f"{e} (adarope with init={init} allows: {allowed})") from None
         kwargs = {k: cls.parse_value(k, v, own_types[k]) for k, v in own.items()}
+        context_l_ref = (context or {}).get("l_ref")
+        if (
+            "l_ref" not in kwargs
+            and context_l_ref is not None
+            and schedule.extension().original_length is None
+        ):
+            kwargs["l_ref"] = int(context_l_ref)
         return cls(schedule=schedule, **kwargs)
 
     def options(self) -> dict[str, Any]:
         own = {k: v for k, v in super().options().items() if k != "schedule"}
-        if self.l_ref == (
-            getattr(self.schedule, "original_length", None) or self.PAPER_PRETRAIN_L_REF
-        ):
+        if self.l_ref == self._default_l_ref():
             own.pop("l_ref", None)
         return {**own, **self.schedule.options()}
 
@@ -114,9 +144,8 @@ def _check_layer(layer: int, n_layers: int) -> None:
 class _LearnedRotary(PositionEncoding):
     """Shared machinery: per-(layer, key-head) tables and grouped query rotation."""
 
+    learned_frequencies: ClassVar[bool] = True
     pairing: str
-    rotary_dim: int
-    n_pairs: int
 
     def _setup_dims(self, schedule: RopeConfig) -> None:
         if self.head_dim % 2:
@@ -133,8 +162,9 @@ class _LearnedRotary(PositionEncoding):
         self.n_pairs = schedules.n_pairs(self.rotary_dim)
         self.pairing = schedule.pairing
 
-    def inv_freq(self, layer: int) -> tuple[Tensor, Tensor | float]:
-        """theta (K|1, F) for one layer and the cos/sin attention factor."""
+    def inv_freq(self, layer: int = 0, length: int | None = None) -> tuple[Tensor, Tensor | float]:
+        """theta (K|1, F) float64 for one layer and the cos/sin attention factor (learned
+        schedules do not follow the length)."""
         raise NotImplementedError
 
     # True: the stored-table path (cos/sin built as autograd ops and kept for backward, for q
@@ -184,7 +214,8 @@ class AdaRoPE(_LearnedRotary):
         super().__init__(config, **dims)
         self._setup_dims(config.schedule)
         inv_freq, attention_factor = config.schedule.schedule(self.rotary_dim)
-        self._xi_init = inv_freq.log()  # (F,) float64, derived from the config, never cast
+        self._theta_init = inv_freq  # (F,) float64, derived from the config, never cast
+        self._xi_init = inv_freq.log()  # (F,) float64
         self.attention_factor = float(attention_factor)  # the init schedule's (YaRN mscale)
         n_layers = 1 if config.share_layers else self.n_layers
         n_kv = 1 if config.share_heads else self.n_kv_heads
@@ -211,8 +242,48 @@ class AdaRoPE(_LearnedRotary):
             return self._xi_init[None]
         return self._xi_init.to(self.dxi.device) + self.dxi[row].double()
 
-    def inv_freq(self, layer: int) -> tuple[Tensor, float]:
-        return self.xi(layer).exp(), self.attention_factor
+    def inv_freq(self, layer: int = 0, length: int | None = None) -> tuple[Tensor, float]:
+        """theta = theta_init * exp(dxi) (K|1, F): exactly the base schedule at init."""
+        row = self._row(layer)
+        if not self.config.freq:
+            return self._theta_init[None], self.attention_factor
+        theta = self._theta_init.to(self.dxi.device) * self.dxi[row].double().exp()
+        return theta, self.attention_factor
+
+    def log_frequencies(self, layer: int = 0, length: int | None = None) -> Tensor:
+        return self.xi(layer)
+
+    def query_temperature(self, positions: Tensor, layer: int = 0) -> Tensor | None:
+        return self.temperature(positions, layer) if self.config.scale else None
+
+    def head_rows(self, kind: str) -> HeadRows | None:
+        check_choice("kind", kind, ("freq", "scale"))
+        if kind == "freq" and self.config.freq:
+            parameters: tuple[nn.Parameter, ...] = (self.dxi,)
+        elif kind == "scale" and self.config.scale:
+            parameters = (self.log_tau, self.gamma)
+        else:
+            return None
+        return HeadRows(parameters, self.config.share_layers, self.config.share_heads)
+
+    def learned_state(self) -> dict[str, Any]:
+        config = self.config
+        out: dict[str, Any] = {
+            "kind": "adarope",
+            "share_layers": config.share_layers,
+            "share_heads": config.share_heads,
+            "l_ref": self.l_ref,
+            "xi_init": self.xi_init().tolist(),  # (F,)
+            "dxi": None,
+            "gamma": None,
+            "tau": None,
+        }
+        if config.freq:
+            out["dxi"] = self.dxi.detach().double().cpu().tolist()  # (L|1, K|1, F)
+        if config.scale:
+            out["gamma"] = self.gamma.detach().double().cpu().tolist()  # (L|1, H|1)
+            out["tau"] = self.log_tau.detach().double().exp().cpu().tolist()  # (L|1, H|1)
+        return out
 
     def temperature(self, positions: Tensor, layer: int) -> Tensor:
         """lambda_h(L) for L = position + 1: (B, H|1, T, 1)."""
@@ -295,15 +366,37 @@ class TunedYarn(_LearnedRotary):
             k: self._init[k] * getattr(self, f"log_{k}_ratio").double().exp() for k in self.KNOBS
         }
 
-    def inv_freq(self, layer: int) -> tuple[Tensor, Tensor]:
-        _check_layer(layer, self.n_layers)
-        knobs = self.knobs()
-        theta = yarn_inv_freq(
+    def _theta(self, knobs: dict[str, Tensor]) -> Tensor:
+        return yarn_inv_freq(
             self.rotary_dim,
             self.config.base,
             self.config.original_length,
             knobs["factor"],
             knobs["beta_fast"],
             knobs["beta_slow"],
-        )
-        return theta[None], knobs["attention_factor"]
+        )  # (F,)
+
+    def inv_freq(self, layer: int = 0, length: int | None = None) -> tuple[Tensor, Tensor]:
+        _check_layer(layer, self.n_layers)
+        knobs = self.knobs()
+        return self._theta(knobs)[None], knobs["attention_factor"]
+
+    def learned_state(self) -> dict[str, Any]:
+        """The four knobs, their configured values, and the change in ln theta (F,) they make
+        (as dxi (1, 1, F): one schedule for every layer and head)."""
+        knobs = {k: float(v.detach()) for k, v in self.knobs().items()}
+        init = {k: float(v) for k, v in self._init.items()}
+
+        def log_theta(values: dict[str, float]) -> Tensor:
+            tensors = {k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()}
+            return self._theta(tensors).log()  # (F,)
+
+        return {
+            "kind": "tuned-yarn",
+            "knobs": knobs,
+            "init_knobs": init,
+            "xi_init": log_theta(init).tolist(),
+            "dxi": [[(log_theta(knobs) - log_theta(init)).tolist()]],
+            "gamma": None,
+            "tau": None,
+        }

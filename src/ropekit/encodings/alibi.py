@@ -45,6 +45,7 @@ class ALiBiConfig(EncodingConfig):
 
 
 class ALiBi(PositionEncoding):
+    has_score_bias: ClassVar[bool] = True
     # The bias is the same in every layer: a model may build it once per forward and share it.
     layer_independent_bias: ClassVar[bool] = True
 

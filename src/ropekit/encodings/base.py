@@ -3,9 +3,27 @@
 Shape legend: B batch · H query heads · K key/value heads · T query length · S key length ·
 D head dim · d model width.
 
-Holds: PositionEncoding (the one interface: embed, rotate_q, rotate_k, score_bias),
-EncodingConfig (frozen options parsed from spec strings, validated in ``__post_init__``),
-check_positive / check_choice helpers that word errors the same way everywhere.
+Holds: PositionEncoding (the one interface: embed, rotate_q, rotate_k, score_bias, and the
+typed surface that says what an encoding does, so no caller has to ask ``getattr``/``hasattr``
+or compare methods: see "What an encoding declares" below), EncodingConfig (frozen options
+parsed from spec strings, validated in ``__post_init__``), HeadRows, PositionsKey,
+split_options / parse_options (the option grammar of spec strings), check_positive /
+check_choice helpers that word errors the same way everywhere.
+
+What an encoding declares (class attributes, overridden where they differ; read them, never
+probe for methods):
+- ``adds_to_embeddings``: ``embed`` changes the token states (sinusoidal, learned);
+- ``has_score_bias``: ``score_bias`` returns a tensor (ALiBi); ``layer_independent_bias``: that
+  bias is the same in every layer, so a model may build it once per forward;
+- ``dynamic``: the frequencies follow the current length (dynamic NTK, LongRoPE's switch), so
+  caches must keep keys unrotated;
+- ``learned_frequencies``: the frequencies are parameters (AdaRoPE, tuned-yarn);
+- the rotary layout ``rotary_dim`` (0 when nothing rotates), ``n_pairs`` (F, 0) and
+  ``pairing`` (None); ``l_ref`` (AdaScale's reference length, None without AdaScale).
+Typed accessors: ``base_schedule`` (the fixed schedule config the encoding starts from),
+``base``, ``factor``, ``original_length``, ``inv_freq(layer, length)``,
+``log_frequencies(layer, length)``, ``query_temperature(positions, layer)``,
+``head_rows(kind)`` and ``learned_state()``.
 """
 
 from __future__ import annotations
@@ -14,7 +32,7 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -57,6 +75,15 @@ def _parse_scalar(text: str, kind: type, field: str) -> Any:
         except ValueError:
             raise ValueError(f"{field}={text!r} is not a number") from None
     return text
+
+
+class Extension(NamedTuple):
+    """The knobs that place a rotary schedule: base b, stretch factor s and original length L0
+    (None where the schedule has none: plain RoPE has neither s nor L0, PI and NTK no L0)."""
+
+    base: float
+    factor: float | None
+    original_length: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +143,16 @@ class EncodingConfig:
             raise TypeError(f"unsupported field type {annotation} for {name}")
         return _parse_scalar(text.strip(), annotation, name)
 
+    @property
+    def base_schedule(self) -> EncodingConfig | None:
+        """The fixed rotary schedule (a ``RopeConfig``) this encoding starts from; None for
+        encodings that do not rotate. Rotary configs return themselves, AdaRoPE its init."""
+        return None
+
+    def extension(self) -> Extension:
+        """Base, factor and original length of a rotary schedule (``Extension``)."""
+        raise ValueError(f"{self.name!r} is not a rotary schedule; it has no base or factor")
+
     def options(self) -> dict[str, Any]:
         """Fields that differ from their defaults (what a spec string must say)."""
         out = {}
@@ -137,18 +174,143 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def split_options(body: str, spec: str) -> list[str]:
+    """Split a spec's option text on commas outside brackets, so lists like [1,2,3] stay
+    whole."""
+    parts, depth, current = [], 0, []
+    for ch in body:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"spec {spec!r} has an unmatched ']'")
+        if ch == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+    if depth:
+        raise ValueError(f"spec {spec!r} has an unmatched '['")
+    parts.append("".join(current))
+    return parts
+
+
+def parse_options(body: str, spec: str) -> dict[str, str]:
+    """``"k=v,k=v"`` -> {k: v} with values still strings (the part of a spec after ':')."""
+    options: dict[str, str] = {}
+    if not body.strip():
+        return options
+    for part in split_options(body, spec):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or not key or not value.strip():
+            raise ValueError(f"option {part!r} in spec {spec!r} must look like key=value")
+        if key in options:
+            raise ValueError(f"option {key!r} appears twice in spec {spec!r}")
+        options[key] = value.strip()
+    return options
+
+
+def spec_of(config: EncodingConfig) -> str:
+    """The spec string of a config: its name and its non-default options."""
+    opts = config.options()
+    if not opts:
+        return config.name
+    return config.name + ":" + ",".join(f"{k}={format_value(v)}" for k, v in opts.items())
+
+
+def check_rebuilds_from_spec(config: EncodingConfig) -> None:
+    """Refuse a config that its own spec string does not rebuild (e.g. ``original_length=512.5``
+    given in Python, where a spec needs an integer, or a list where a tuple is meant): such an
+    encoding would save a spec that loads as another encoding, or not at all. ValueError naming
+    the option."""
+    spec = spec_of(config)
+    _, _, body = spec.partition(":")
+    try:
+        rebuilt = type(config).from_options(parse_options(body, spec))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"this config cannot be written as a spec ({spec!r}: {e})") from None
+    if rebuilt == config:
+        return
+    mine, theirs = config.options(), rebuilt.options()
+    for key in [*mine, *(k for k in theirs if k not in mine)]:
+        a, b = mine.get(key), theirs.get(key)
+        if a != b or type(a) is not type(b):
+            raise ValueError(
+                f"{key}={a!r} does not survive its spec: {spec!r} rebuilds {key}={b!r}; give "
+                f"{key} as {type(b).__name__ if b is not None else 'its default'}"
+            )
+    raise ValueError(f"this config is not rebuilt by its spec {spec!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadRows:
+    """Per-head parameters a head-influence analysis reverts one row at a time.
+
+    Each parameter is (L|1, X|1, ...): row [i, j] belongs to layer i and head j (a key/value
+    head for frequencies, a query head for temperatures); a dimension of 1 is shared by every
+    layer (``shared_layers``) or head (``shared_heads``). Every parameter is 0 at init.
+    """
+
+    parameters: tuple[nn.Parameter, ...]
+    shared_layers: bool
+    shared_heads: bool
+
+
+class PositionsKey:
+    """What a table cache compares positions by: the very tensor and its version counter.
+
+    Identity alone is wrong: a decoding loop that advances positions in place (``pos += 1``)
+    keeps the tensor and changes its values. Every in-place write through torch (``+=``,
+    ``copy_``, index assignment, on the tensor or on a view of it) bumps ``_version``, so
+    (identity, version) means "the same values" without reading them (no device sync).
+    Inference tensors (``torch.inference_mode``) have no version counter: their values are kept
+    and compared instead. Writes torch cannot see (through ``.numpy()`` or ``.data``) are not
+    detected; pass a fresh tensor after those.
+    """
+
+    def __init__(self, positions: Tensor) -> None:
+        self.tensor = positions
+        inference = positions.is_inference()
+        self.values = positions.clone() if inference else None
+        self.version = None if inference else positions._version
+
+    def matches(self, positions: Tensor) -> bool:
+        if positions is not self.tensor:
+            return False
+        if self.values is not None:
+            return torch.equal(self.values, positions)
+        return positions._version == self.version
+
+
 class PositionEncoding(nn.Module):
     """One module per model; ``layer`` selects per-layer parameters.
 
     Default methods are identities, so each encoding overrides only what it changes:
     absolute encodings ``embed``, rotary encodings ``rotate_q``/``rotate_k``, bias encodings
     ``score_bias``. ``positions`` is a LongTensor (B, T) of absolute positions; packed and
-    offset batches are allowed.
+    offset batches are allowed. What an encoding does is declared below (module docstring):
+    integrations read these declarations, they never probe the class.
     """
 
+    # embed() adds to the token states (absolute encodings).
+    adds_to_embeddings: ClassVar[bool] = False
+    # score_bias() returns an additive logit bias (ALiBi).
+    has_score_bias: ClassVar[bool] = False
+    # That bias is the same in every layer: a model may build it once per forward and share it.
+    layer_independent_bias: ClassVar[bool] = False
     # True when frequencies depend on the current length (dynamic NTK, LongRoPE's switch):
     # integrations must then cache *unrotated* keys and rotate them again as the cache grows.
-    dynamic: ClassVar[bool] = False
+    dynamic: bool = False
+    # The rotation frequencies are trainable parameters (AdaRoPE, tuned-yarn).
+    learned_frequencies: ClassVar[bool] = False
+    # Rotary layout: channels that rotate (0: none), pairs F, pairing ("half"/"interleaved").
+    rotary_dim: int = 0
+    n_pairs: int = 0
+    pairing: str | None = None
+    # AdaScale's reference length L_ref (tokens); None when queries carry no temperature.
+    l_ref: int | None = None
 
     def __init__(
         self,
@@ -161,6 +323,7 @@ class PositionEncoding(nn.Module):
         d_model: int,
     ) -> None:
         super().__init__()
+        check_rebuilds_from_spec(config)
         self.config = config
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim, self.n_layers, self.d_model = head_dim, n_layers, d_model
@@ -168,16 +331,14 @@ class PositionEncoding(nn.Module):
     @property
     def spec(self) -> str:
         """The spec string that rebuilds this encoding (non-default options only)."""
-        opts, name = self.config.options(), self.config.name
-        if not opts:
-            return name
-        return name + ":" + ",".join(f"{k}={format_value(v)}" for k, v in opts.items())
+        return spec_of(self.config)
 
     def extra_repr(self) -> str:
         return (
             f"spec={self.spec!r}, heads={self.n_heads}/{self.n_kv_heads}, head_dim={self.head_dim}"
         )
 
+    # ------------------------------------------------------------------ the interface
     def embed(self, h: Tensor, positions: Tensor) -> Tensor:
         """Add absolute position information to token states h (B, T, d)."""
         return h
@@ -197,6 +358,56 @@ class PositionEncoding(nn.Module):
     def positional_parameters(self) -> dict[str, nn.Parameter]:
         """The trainable parameters of this encoding (what an adapter saves)."""
         return {n: p for n, p in self.named_parameters() if p.requires_grad}
+
+    # ------------------------------------------------------------------ the typed surface
+    @property
+    def base_schedule(self) -> EncodingConfig | None:
+        """The fixed rotary schedule this encoding starts from (a ``RopeConfig``): itself for
+        fixed schedules, AdaRoPE's init schedule, tuned-yarn's untruncated YaRN; None when it
+        does not rotate."""
+        return self.config.base_schedule
+
+    @property
+    def base(self) -> float | None:
+        """The RoPE base b of the base schedule; None when the encoding does not rotate."""
+        schedule = self.base_schedule
+        return None if schedule is None else schedule.extension().base
+
+    @property
+    def factor(self) -> float | None:
+        """The base schedule's stretch factor s; None where it has none (plain RoPE)."""
+        schedule = self.base_schedule
+        return None if schedule is None else schedule.extension().factor
+
+    @property
+    def original_length(self) -> int | None:
+        """The base schedule's original length L0 (tokens); None where it has none."""
+        schedule = self.base_schedule
+        return None if schedule is None else schedule.extension().original_length
+
+    def inv_freq(self, layer: int = 0, length: int | None = None) -> tuple[Tensor, float | Tensor]:
+        """theta (K|1, F) float64 of one layer and the cos/sin attention factor; ``length`` is
+        the sequence length a dynamic schedule follows. ValueError when nothing rotates."""
+        raise ValueError(f"encoding {self.spec!r} does not rotate; it has no frequencies")
+
+    def log_frequencies(self, layer: int = 0, length: int | None = None) -> Tensor:
+        """ln theta (K|1, F) float64 of one layer (see ``inv_freq``)."""
+        return self.inv_freq(layer, length)[0].log()
+
+    def query_temperature(self, positions: Tensor, layer: int = 0) -> Tensor | None:
+        """The factor ``rotate_q`` multiplies queries by after rotating them, (B|1, H|1, T, 1)
+        for positions (B|1, T) (AdaScale); None when queries are not scaled."""
+        return None
+
+    def head_rows(self, kind: str) -> HeadRows | None:
+        """Per-head parameters of ``kind`` ("freq" or "scale") for head-influence analysis;
+        None when the encoding has none of that kind."""
+        return None
+
+    def learned_state(self) -> dict[str, Any] | None:
+        """What training moved in the schedule, as plain lists for analysis files (AdaRoPE's
+        dxi, gamma and tau; tuned-yarn's knobs); None when nothing in it is learned."""
+        return None
 
 
 def resolve_positions(x: Tensor, positions: Tensor | None, what: str) -> Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 from .absolute import Learned, LearnedConfig, NoPE, NoPEConfig, Sinusoidal, SinusoidalConfig
 from .adarope import AdaRoPE, AdaRoPEConfig, TunedYarn, TunedYarnConfig
 from .alibi import ALiBi, ALiBiConfig
-from .base import EncodingConfig, PositionEncoding
+from .base import EncodingConfig, PositionEncoding, parse_options
 from .rope import (
     DynamicNTKConfig,
     LinearConfig,
@@ -106,27 +106,6 @@ REGISTRY: dict[str, Entry] = {
 _NAME = re.compile(r"^[a-z][a-z0-9-]*$")
 
 
-def _split_options(body: str, spec: str) -> list[str]:
-    """Split on commas outside brackets, so lists like [1,2,3] stay whole."""
-    parts, depth, current = [], 0, []
-    for ch in body:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"spec {spec!r} has an unmatched ']'")
-        if ch == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    if depth:
-        raise ValueError(f"spec {spec!r} has an unmatched '['")
-    parts.append("".join(current))
-    return parts
-
-
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``"name:k=v,k=v"`` -> (name, {k: v}) with values still strings."""
     if not isinstance(spec, str) or not spec.strip():
@@ -141,17 +120,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
         )
     if name not in REGISTRY:
         raise ValueError(f"unknown encoding {name!r}; known: {', '.join(names())}")
-    options: dict[str, str] = {}
-    if body.strip():
-        for part in _split_options(body, spec):
-            key, eq, value = part.partition("=")
-            key = key.strip()
-            if not eq or not key or not value.strip():
-                raise ValueError(f"option {part!r} in spec {spec!r} must look like key=value")
-            if key in options:
-                raise ValueError(f"option {key!r} appears twice in spec {spec!r}")
-            options[key] = value.strip()
-    return name, options
+    return name, parse_options(body, spec)
 
 
 def names() -> list[str]:

@@ -6,7 +6,8 @@ F rotary pairs.
 
 One module, ``RotaryEncoding``, serves every schedule: the config names the schedule
 function (see ``schedules.py``), the module turns it into cos/sin tables once per forward
-(cached on the positions tensor, so every layer reuses them) and rotates q and k.
+(cached for the positions tensor and its version counter, so every layer reuses them and a
+positions tensor advanced in place gets new ones) and rotates q and k.
 
 Holds: RopeConfig and one subclass per schedule, RotaryEncoding.
 """
@@ -20,7 +21,15 @@ import torch
 from torch import Tensor
 
 from . import schedules
-from .base import EncodingConfig, PositionEncoding, check_choice, check_positive, resolve_positions
+from .base import (
+    EncodingConfig,
+    Extension,
+    PositionEncoding,
+    PositionsKey,
+    check_choice,
+    check_positive,
+    resolve_positions,
+)
 from .rotary import PAIRINGS, angles, rotate, tables
 
 
@@ -46,6 +55,13 @@ class RopeConfig(EncodingConfig):
         """Rotated channels, as transformers computes them: int(head_dim * fraction)."""
         return int(head_dim * self.fraction)
 
+    @property
+    def base_schedule(self) -> RopeConfig:
+        return self
+
+    def extension(self) -> Extension:
+        return Extension(self.base, None, None)
+
     def schedule(self, dim: int, length: int | None = None) -> schedules.Schedule:
         return schedules.rope(dim, self.base)
 
@@ -67,6 +83,9 @@ class LinearConfig(RopeConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _require(self, "factor", 1.0)
+
+    def extension(self) -> Extension:
+        return Extension(self.base, self.factor, None)
 
     def schedule(self, dim: int, length: int | None = None) -> schedules.Schedule:
         return schedules.linear(dim, self.base, self.factor)
@@ -94,6 +113,9 @@ class DynamicNTKConfig(LinearConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _require(self, "original_length", 1)
+
+    def extension(self) -> Extension:
+        return Extension(self.base, self.factor, self.original_length)
 
     def schedule(self, dim: int, length: int | None = None) -> schedules.Schedule:
         length = self.original_length if length is None else length
@@ -124,6 +146,9 @@ class YarnConfig(LinearConfig):
             )
         if self.attention_factor is not None:
             check_positive("attention_factor", self.attention_factor)
+
+    def extension(self) -> Extension:
+        return Extension(self.base, self.factor, self.original_length)
 
     def schedule(self, dim: int, length: int | None = None) -> schedules.Schedule:
         return schedules.yarn(
@@ -158,6 +183,9 @@ class Llama3Config(LinearConfig):
                 f"high_freq_factor={self.high_freq_factor!r} is not allowed; it must exceed "
                 f"low_freq_factor={self.low_freq_factor!r}"
             )
+
+    def extension(self) -> Extension:
+        return Extension(self.base, self.factor, self.original_length)
 
     def schedule(self, dim: int, length: int | None = None) -> schedules.Schedule:
         return schedules.llama3(
@@ -195,6 +223,9 @@ class LongRopeConfig(RopeConfig):
                 check_positive(name, v)
         if self.attention_factor is not None:
             check_positive("attention_factor", self.attention_factor)
+
+    def extension(self) -> Extension:
+        return Extension(self.base, self.factor, self.original_length)
 
     def factors(self, name: str, n: int) -> tuple[float, ...]:
         values = getattr(self, name) or (1.0,)  # unset: no rescaling
@@ -240,11 +271,16 @@ class RotaryEncoding(PositionEncoding):
         self.dynamic = config.dynamic
         # Validate the schedule now (e.g. LongRoPE factor counts) rather than at first forward.
         self.frequencies(None)
-        self._cache: list[tuple[Tensor, torch.dtype, tuple[Tensor, Tensor]]] = []
+        self._cache: list[tuple[PositionsKey, torch.dtype, tuple[Tensor, Tensor]]] = []
 
     def frequencies(self, length: int | None) -> schedules.Schedule:
         """(inv_freq (F,), attention_factor) for a sequence of ``length`` positions."""
         return self.config.schedule(self.rotary_dim, length if self.dynamic else None)
+
+    def inv_freq(self, layer: int = 0, length: int | None = None) -> tuple[Tensor, float]:
+        """theta (1, F): one schedule for every layer and key/value head."""
+        inv_freq, attention_factor = self.frequencies(length)
+        return inv_freq[None], float(attention_factor)
 
     def tables(
         self, positions: Tensor, dtype: torch.dtype = torch.float32
@@ -252,16 +288,18 @@ class RotaryEncoding(PositionEncoding):
         """cos, sin (B|1, 1, T, F) for positions (B|1, T); cached for reuse by every layer.
 
         A dynamic schedule takes its length from the positions seen in this call
-        (max + 1, as transformers does), so queries and their keys agree.
+        (max + 1, as transformers does), so queries and their keys agree. The cache matches
+        the same tensor at the same version only (``PositionsKey``): positions advanced in
+        place (``pos += 1`` in a decoding loop) get new tables.
         """
-        for cached_positions, cached_dtype, result in self._cache:
-            if cached_positions is positions and cached_dtype == dtype:
+        for key, cached_dtype, result in self._cache:
+            if cached_dtype == dtype and key.matches(positions):
                 return result
         length = int(positions.max()) + 1 if self.dynamic else None
         inv_freq, attention_factor = self.frequencies(length)
         phi = angles(positions, inv_freq.to(positions.device))  # (B, T, F)
         cos, sin = tables(phi[:, None], attention_factor, dtype)  # (B, 1, T, F)
-        self._cache = [(positions, dtype, (cos, sin)), *self._cache[:1]]
+        self._cache = [(PositionsKey(positions), dtype, (cos, sin)), *self._cache[:1]]
         return cos, sin
 
     def _rotate(self, x: Tensor, positions: Tensor | None, what: str) -> Tensor:

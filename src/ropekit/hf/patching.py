@@ -34,11 +34,14 @@ for sliding-window layers). The attention of the newest query in every layer is 
 what a full forward at the final length computes from the same layer inputs. What a cache
 cannot change is the past tokens' hidden states: in layers > 0 the keys and values of an earlier
 token were computed (in the layers below) at the length of its own step, as in any cached
-decoder; only recomputing the prefix removes that. ``cache.crop`` (assisted decoding) drops the
-newest positions with the newest keys; beam search reorders beams of one prompt, which share
-their positions; a cache this patched model did not fill is refused (its keys are rotated or
-their positions unknown); static caches are refused (unfilled slots have no position). Static
-schedules cache rotated keys exactly as transformers does, in any cache.
+decoder; only recomputing the prefix removes that (measured on ``tests/hf/tiny.py``'s 2-layer
+Llama, 24 prompt + 24 new tokens past L0 = 32: max |cached - full| logit 0.035 for
+dynamic-ntk x4, 0.11 for longrope, against a logit std of 0.65; one layer: 1e-7).
+``cache.crop`` (assisted decoding) drops the newest positions with the newest keys; beam
+search reorders beams of one prompt, which share their positions; a cache this patched model
+did not fill is refused (its keys are rotated or their positions unknown); static caches are
+refused (unfilled slots have no position). Static schedules cache rotated keys exactly as
+transformers does, in any cache.
 
 Holds: patch, unpatch, is_patched, encoding_of, build_for_model, ENCODING_ATTR.
 """
@@ -54,8 +57,7 @@ import torch
 from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ropekit.encodings import PositionEncoding, config_from_spec, parse_spec
-from ropekit.encodings.adarope import AdaRoPEConfig
+from ropekit.encodings import PositionEncoding, config_from_spec
 
 from .archs import ArchSpec, arch_for, base_model, model_dims, rope_context, unwrap
 
@@ -68,8 +70,10 @@ _DTYPES_ATTR = "_ropekit_dtypes"  # on the encoding: the dtypes the guard restor
 @dataclasses.dataclass(eq=False)
 class _PatchState:
     """What the replaced forwards share: the encoding, the architecture, and the key positions
-    of the last dynamic step (reused by every layer, so the encoding's tables cache, keyed on
-    the positions tensor, computes cos/sin once per step)."""
+    of the last dynamic step. Every layer builds its own (B, S) key positions; handing each the
+    one tensor of equal *values* lets the encoding's table cache (keyed on a tensor and its
+    version counter) compute cos/sin once per step. The comparison is by value, so a cache
+    grown, cropped or refilled in between never gets another step's positions."""
 
     encoding: PositionEncoding
     arch: ArchSpec
@@ -94,17 +98,14 @@ def build_for_model(config: Any, spec: str, **context: Any) -> PositionEncoding:
 
     Options the spec omits come from ``context``, then from the model (``rope_context``:
     base = rope_theta, original_length, fraction = partial_rotary_factor, pairing = half).
-    AdaRoPE's ``l_ref`` defaults to the model's original length when the spec names neither
-    ``l_ref`` nor an init schedule that carries one: a pretrained model is being extended, and
-    the paper's extension setting uses L_ref = the training length (its pretraining value, 64,
-    is what the encodings library falls back to).
+    The model also offers ``l_ref`` = its original length: AdaRoPE takes it when the spec names
+    neither ``l_ref`` nor an init schedule that carries one, because a pretrained model is
+    being extended and the paper's extension setting uses L_ref = the training length (its
+    pretraining value, 64, is what the encodings library falls back to).
     """
     merged = {**rope_context(config), **context}
+    merged.setdefault("l_ref", merged["original_length"])
     entry, cfg = config_from_spec(spec, **merged)
-    if isinstance(cfg, AdaRoPEConfig):
-        _, options = parse_spec(spec)
-        if "l_ref" not in options and getattr(cfg.schedule, "original_length", None) is None:
-            cfg = dataclasses.replace(cfg, l_ref=int(merged["original_length"]))
     try:
         return entry.module(cfg, **model_dims(config).as_kwargs())
     except ValueError as e:
@@ -114,8 +115,7 @@ def build_for_model(config: Any, spec: str, **context: Any) -> PositionEncoding:
 def _check_wirable(encoding: PositionEncoding) -> None:
     # Only rotate_q/rotate_k are wired into transformers' attention; an encoding that adds to
     # the embeddings or to the attention logits would silently lose that part.
-    cls = type(encoding)
-    if cls.embed is not PositionEncoding.embed or cls.score_bias is not PositionEncoding.score_bias:
+    if encoding.adds_to_embeddings or encoding.has_score_bias:
         raise ValueError(
             f"encoding {encoding.spec!r} adds to token embeddings or attention logits; "
             "ropekit.hf wires only rotary encodings (rotate_q/rotate_k, or nope) into "

@@ -116,15 +116,17 @@ def spec_from_config(config: Any) -> str:
 
 
 def _check_exportable_shape(encoding: PositionEncoding, config: Any) -> None:
-    pairing = getattr(encoding, "pairing", "half")
+    if encoding.rotary_dim == 0:
+        raise ExportRefused(f"{encoding.spec!r} does not rotate; no rope_parameters express it")
+    pairing = encoding.pairing
     if pairing != "half":
         raise ExportRefused(
             f"{encoding.spec!r} pairs channels {pairing}; {config.model_type} attention in "
             "transformers rotates with rotate_half (pairing=half), so its weights would need "
             "permuting q/k rows to serve this"
         )
-    rotary_dim = getattr(encoding, "rotary_dim", None)
-    if rotary_dim is not None and rotary_dim != encoding.head_dim:
+    rotary_dim = encoding.rotary_dim
+    if rotary_dim != encoding.head_dim:
         raise ExportRefused(
             f"{encoding.spec!r} rotates {rotary_dim} of {encoding.head_dim} channels; "
             f"{config.model_type} attention in transformers rotates the whole head "
@@ -169,9 +171,12 @@ def rope_parameters_for(
             "beta_slow": float(c.beta_slow),
             "truncate": bool(c.truncate),
         }
-        for key in ("mscale", "mscale_all_dim", "attention_factor"):
-            if getattr(c, key) is not None:
-                params[key] = float(getattr(c, key))
+        optional = {
+            "mscale": c.mscale,
+            "mscale_all_dim": c.mscale_all_dim,
+            "attention_factor": c.attention_factor,
+        }
+        params.update({key: float(v) for key, v in optional.items() if v is not None})
     elif name == "llama3":
         params = {
             "rope_type": "llama3",

@@ -14,7 +14,12 @@ What the keys hold depends on the encoding (the decoder decides, this class only
   above the first, an earlier token's keys and values were computed at the length of its own
   step. So a one-layer model decodes exactly as full forwards over each prefix; a deeper one
   differs from them past the original length (recomputing the prefix is the only cure), as
-  ``ropekit.hf``'s patched models do too.
+  ``ropekit.hf``'s patched models do too. Measured (float64, greedy steps past 5x the
+  original length of 8 on ``tests/model/tiny.py``'s sharp-attention decoder, logit std 1.4):
+  max |cached - full forward of the prefix| = 9e-15 with one layer, 1.15 (dynamic-ntk x2) and
+  2.0 (longrope) with two layers, 0.9 and 1.7 with four; within the original length 1e-14.
+  On ``tests/hf/tiny.py``'s 2-layer Llama (L0 = 32, 24 prompt + 24 new tokens, logit std
+  0.65): 0.035 (dynamic-ntk x4) and 0.11 (longrope); one layer 1e-7.
 
 Positions of every cached key are kept too: bias encodings (ALiBi) need them, dynamic
 encodings re-rotate with them, and packed rows (positions that restart) need them to mask
@@ -53,9 +58,14 @@ class KVCache:
         return 0 if self.positions is None else self.positions.shape[-1]
 
     def append_positions(self, positions: Tensor) -> Tensor:
-        """Record the new tokens' positions (B|1, T); return those of all keys (B|1, S)."""
+        """Record the new tokens' positions (B|1, T); return those of all keys (B|1, S).
+
+        The cache keeps its own copy: a caller that advances its positions tensor in place
+        (``pos += 1``) must not rewrite the positions of keys already cached."""
         if self.positions is not None:
-            positions = _cat(self.positions, positions, dim=-1)  # (B|1, S)
+            positions = _cat(self.positions, positions, dim=-1)  # (B|1, S), a new tensor
+        else:
+            positions = positions.clone()
         self.positions = positions
         return positions
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from ropekit.encodings import config_from_spec
-from ropekit.encodings.adarope import AdaRoPEConfig
 from ropekit.results import check_replaceable, run_metadata, write_result
 
 DEFAULT_METHODS = ("rope", "linear", "ntk", "yarn", "llama3")
@@ -49,14 +48,13 @@ def compare_schedules(
     for method in methods:
         spec = method_spec(method, factor, original_length)
         entry, config = config_from_spec(spec, base=base, original_length=original_length)
-        if isinstance(config, AdaRoPEConfig):
-            config = config.schedule  # at init AdaRoPE is its base schedule
-        if not hasattr(config, "schedule"):
+        schedule = config.base_schedule  # learned schedules equal theirs at init
+        if schedule is None:
             raise ValueError(
                 f"{entry.name!r} is not a rotary schedule; compare rotary methods only"
             )
-        dim = config.rotary_dim(head_dim)
-        inv_freq, attention_factor = config.schedule(dim, target if config.dynamic else None)
+        dim = schedule.rotary_dim(head_dim)
+        inv_freq, attention_factor = schedule.schedule(dim, target if schedule.dynamic else None)
         rows.append(
             {
                 "method": method,

@@ -1,0 +1,198 @@
+"""The typed encoding surface: what every encoding declares agrees with what it does, the typed
+accessors (base schedule, base, factor, original length, frequencies, temperature) say the
+right thing, AdaRoPE at init *is* its base schedule, and configs whose spec would not rebuild
+them are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ropekit.encodings import build, names
+from ropekit.encodings.rope import LongRopeConfig, RotaryEncoding, YarnConfig
+
+from .conftest import SHAPE, perturb
+
+# One spec per registered encoding, and what each must declare:
+# (adds_to_embeddings, has_score_bias, layer_independent_bias, dynamic, learned_frequencies,
+#  rotates)
+DECLARED = {
+    "nope": ("nope", (False, False, False, False, False, False)),
+    "sinusoidal": ("sinusoidal", (True, False, False, False, False, False)),
+    "learned": ("learned:max_length=64", (True, False, False, False, False, False)),
+    "alibi": ("alibi", (False, True, True, False, False, False)),
+    "rope": ("rope", (False, False, False, False, False, True)),
+    "linear": ("linear:factor=4", (False, False, False, False, False, True)),
+    "ntk": ("ntk:factor=4", (False, False, False, False, False, True)),
+    "dynamic-ntk": (
+        "dynamic-ntk:factor=4,original_length=16",
+        (False, False, False, True, False, True),
+    ),
+    "yarn": ("yarn:factor=4,original_length=16", (False, False, False, False, False, True)),
+    "llama3": ("llama3:factor=4,original_length=16", (False, False, False, False, False, True)),
+    "longrope": (
+        "longrope:factor=4,original_length=16,long_factor=[2],short_factor=[1.5]",
+        (False, False, False, True, False, True),
+    ),
+    "adarope": ("adarope", (False, False, False, False, True, True)),
+    "tuned-yarn": (
+        "tuned-yarn:factor=4,original_length=16",
+        (False, False, False, False, True, True),
+    ),
+}
+
+
+def test_the_table_covers_the_registry():
+    assert set(DECLARED) == set(names())
+
+
+@pytest.mark.parametrize("name", sorted(DECLARED))
+def test_declarations_agree_with_behaviour(name):
+    spec, (embeds, biased, shared, dynamic, learned, rotates) = DECLARED[name]
+    enc = perturb(build(spec, **SHAPE))
+    assert (
+        enc.adds_to_embeddings,
+        enc.has_score_bias,
+        enc.layer_independent_bias,
+        enc.dynamic,
+        enc.learned_frequencies,
+        enc.rotary_dim > 0,
+    ) == (embeds, biased, shared, dynamic, learned, rotates)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 6, 4 * SHAPE["head_dim"], generator=g)
+    pos = torch.arange(3, 9)[None]
+    assert (not torch.equal(enc.embed(h, pos), h)) == embeds
+    bias = enc.score_bias(pos, pos, 1)
+    assert (bias is not None) == biased
+    if biased:
+        assert torch.equal(bias, enc.score_bias(pos, pos, 2)) == shared
+    q = torch.randn(1, SHAPE["n_heads"], 6, SHAPE["head_dim"], generator=g)
+    assert (not torch.equal(enc.rotate_q(q, pos, 1), q)) == rotates
+    if rotates:
+        assert enc.pairing in ("half", "interleaved")
+        assert enc.n_pairs == enc.rotary_dim // 2 and enc.base_schedule is not None
+        theta = enc.inv_freq(1, 64)[0]
+        assert theta.dtype == torch.float64 and theta.shape[-1] == enc.n_pairs
+        assert theta.shape[0] in (1, SHAPE["n_kv_heads"])
+        torch.testing.assert_close(enc.log_frequencies(1, 64), theta.log())
+    else:
+        assert (enc.pairing, enc.n_pairs, enc.base_schedule, enc.base) == (None, 0, None, None)
+        with pytest.raises(ValueError, match="does not rotate"):
+            enc.inv_freq(0)
+
+
+@pytest.mark.parametrize(
+    ("spec", "base", "factor", "original_length"),
+    [
+        ("rope:base=500000", 500000.0, None, None),
+        ("linear:factor=4", 10000.0, 4.0, None),
+        ("ntk:factor=2,base=1000", 1000.0, 2.0, None),
+        ("yarn:factor=8,original_length=512", 10000.0, 8.0, 512),
+        ("dynamic-ntk:factor=2,original_length=64", 10000.0, 2.0, 64),
+        ("longrope:factor=4,original_length=64", 10000.0, 4.0, 64),
+        ("adarope:init=yarn,factor=8,original_length=512,base=1e6", 1e6, 8.0, 512),
+        ("adarope", 10000.0, None, None),
+        ("tuned-yarn:factor=2,original_length=32", 10000.0, 2.0, 32),
+        ("alibi", None, None, None),
+        ("nope", None, None, None),
+    ],
+)
+def test_base_factor_and_original_length_come_from_the_base_schedule(
+    spec, base, factor, original_length
+):
+    enc = build(spec, **SHAPE)
+    assert (enc.base, enc.factor, enc.original_length) == (base, factor, original_length)
+
+
+def test_base_schedule_is_the_fixed_schedule_an_encoding_starts_from():
+    ada = build("adarope:init=linear,factor=4", **SHAPE)
+    assert ada.base_schedule == build("linear:factor=4", **SHAPE).config
+    tuned = build("tuned-yarn:factor=4,original_length=16", **SHAPE)
+    assert tuned.base_schedule is tuned.config  # its knobs start at this yarn schedule
+    rope = build("rope", **SHAPE)
+    assert rope.base_schedule is rope.config
+
+
+def test_dynamic_frequencies_follow_the_length_static_ones_do_not():
+    dyn = build("dynamic-ntk:factor=4,original_length=16", **SHAPE)
+    assert torch.equal(dyn.inv_freq(0, 16)[0], build("rope", **SHAPE).inv_freq(0)[0])
+    assert not torch.equal(dyn.inv_freq(0, 64)[0], dyn.inv_freq(0, 16)[0])
+    yarn = build("yarn:factor=4,original_length=16", **SHAPE)
+    assert torch.equal(yarn.inv_freq(0, 16)[0], yarn.inv_freq(0, 1000)[0])
+
+
+def test_query_temperature_is_adascale_or_none():
+    pos = torch.tensor([[0, 10, 100]])
+    ada = perturb(build("adarope:l_ref=8", **SHAPE))
+    torch.testing.assert_close(ada.query_temperature(pos, 2), ada.temperature(pos, 2))
+    q = torch.randn(1, SHAPE["n_heads"], 3, SHAPE["head_dim"])
+    unscaled = build("adarope:l_ref=8,scale=false", **SHAPE)
+    unscaled.load_state_dict({"dxi": ada.dxi.detach()})
+    torch.testing.assert_close(
+        ada.rotate_q(q, pos, 2), unscaled.rotate_q(q, pos, 2) * ada.query_temperature(pos, 2)
+    )
+    assert unscaled.query_temperature(pos, 2) is None
+    assert build("rope", **SHAPE).query_temperature(pos) is None
+    assert ada.l_ref == 8 and build("rope", **SHAPE).l_ref is None
+
+
+def test_head_rows_name_adaropes_per_head_parameters():
+    ada = build("adarope:share_heads=true", **SHAPE)
+    freq, scale = ada.head_rows("freq"), ada.head_rows("scale")
+    assert freq.parameters == (ada.dxi,) and scale.parameters == (ada.log_tau, ada.gamma)
+    assert (freq.shared_layers, freq.shared_heads) == (False, True)
+    assert build("adarope:freq=false", **SHAPE).head_rows("freq") is None
+    assert build("tuned-yarn:factor=2,original_length=8", **SHAPE).head_rows("freq") is None
+    with pytest.raises(ValueError, match="kind"):
+        ada.head_rows("bogus")
+
+
+# ----------------------------------------------------------------------------- AdaRoPE at init
+@pytest.mark.parametrize(
+    ("init", "extra"),
+    [
+        ("rope", ""),
+        ("yarn", ",factor=8,original_length=512"),
+        ("linear", ",factor=4"),
+        ("ntk", ",factor=4"),
+        ("llama3", ",factor=8,original_length=512"),
+    ],
+)
+def test_adarope_at_init_is_its_base_schedule_bit_for_bit(init, extra):
+    """theta = theta_init * exp(0) is theta_init exactly; forming exp(xi_init + 0) instead was
+    off by up to ~4 float64 ulps, which flipped float32 rotations at large positions."""
+    shape = {"n_heads": 8, "n_kv_heads": 4, "head_dim": 64, "n_layers": 2}
+    ada = build(f"adarope:init={init}{extra}", **shape)
+    base = build(init + (":" + extra[1:] if extra else ""), **shape)
+    for layer in range(2):
+        assert torch.equal(ada.inv_freq(layer)[0], base.inv_freq(layer)[0].expand(4, -1))
+    pos = torch.arange(0, 200_000, 7)[None]
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.float64):
+        q = torch.randn(1, 8, pos.shape[1], 64, generator=g, dtype=dtype)
+        k = torch.randn(1, 4, pos.shape[1], 64, generator=g, dtype=dtype)
+        assert torch.equal(ada.rotate_q(q, pos, 1), base.rotate_q(q, pos, 1))
+        assert torch.equal(ada.rotate_k(k, pos, 1), base.rotate_k(k, pos, 1))
+
+
+# ----------------------------------------------------------------------------- spec round trips
+def test_a_config_its_spec_cannot_rebuild_is_refused_naming_the_option():
+    dims = {"n_heads": 2, "n_kv_heads": 2, "head_dim": 16, "n_layers": 1, "d_model": 32}
+    with pytest.raises(ValueError, match="original_length") as info:
+        RotaryEncoding(YarnConfig(factor=2.0, original_length=512.5), **dims)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="long_factor"):
+        config = LongRopeConfig(
+            factor=2.0, original_length=64, long_factor=[1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+        )
+        RotaryEncoding(config, **dims)
+    # The same values written the way a spec reads them build.
+    RotaryEncoding(YarnConfig(factor=2.0, original_length=512), **dims)
+    RotaryEncoding(LongRopeConfig(factor=2.0, original_length=64, long_factor=(2.0,) * 8), **dims)
+
+
+@pytest.mark.parametrize("name", sorted(DECLARED))
+def test_every_encoding_rebuilds_from_its_spec(name):
+    enc = perturb(build(DECLARED[name][0], **SHAPE))
+    again = build(enc.spec, **SHAPE)
+    assert again.config == enc.config and again.spec == enc.spec
