@@ -168,3 +168,19 @@ def test_fuzzed_specs_build_or_raise_value_error(name, options):
 def test_parse_spec_never_raises_anything_but_value_error(text):
     with contextlib.suppress(ValueError):
         parse_spec(text)
+
+
+# The encodings that build from their bare name. A new registry entry lands in neither set
+# until someone decides: this test then fails and names it.
+BUILD_WITH_DEFAULTS = {"nope", "sinusoidal", "learned", "alibi", "rope", "adarope"}
+NEED_OPTIONS = {"linear", "ntk", "dynamic-ntk", "yarn", "llama3", "longrope", "tuned-yarn"}
+
+
+def test_exactly_the_listed_encodings_build_with_defaults():
+    assert set(names()) == BUILD_WITH_DEFAULTS | NEED_OPTIONS, "classify the new encoding here"
+    for name in names():
+        if name in BUILD_WITH_DEFAULTS:
+            assert build(name, **SHAPE).spec == name
+        else:
+            with pytest.raises(ValueError, match="required"):
+                build(name, **SHAPE)

@@ -196,20 +196,58 @@ def test_decoder_checkpointing_reaches_frozen_backbones_positional_parameters():
         torch.testing.assert_close(checkpointed[name], grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_decoder_checkpointing_is_inert_in_eval_without_grad_and_with_a_cache():
+def test_decoder_checkpointing_is_inert_in_eval_without_grad_and_with_a_cache(monkeypatch):
+    """The decoder recomputes blocks only in training, with grad on and without a cache.
+    Each guard matters: a recompute in eval mode wastes a forward, one under no_grad has
+    nothing to save, and one with a cache appends the recomputed keys to the cache a second
+    time during the backward (the cache then holds 2T keys and the next step attends to
+    duplicates). Calls to torch's checkpoint are counted, and the cache is checked after a
+    backward."""
     from ropekit.model import KVCache
 
+    calls = []
+    original = torch.utils.checkpoint.checkpoint
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counting)
     model = tiny_decoder("adarope:l_ref=4")
     ids = random_ids(1, 12)
     with torch.no_grad():
         expected = model(ids).logits
-        model.gradient_checkpointing_enable()
-        model.train()
-        assert torch.equal(model(ids).logits, expected)
+    model.gradient_checkpointing_enable()
+
+    model.eval()  # grad on, eval mode: no recompute
+    assert torch.equal(model(ids).logits.detach(), expected) and not calls
+    model.train()
+    with torch.no_grad():  # training mode, grad off: no recompute
+        assert torch.equal(model(ids).logits, expected) and not calls
         cache = KVCache()
         first = model(ids[:, :8], cache=cache).logits
         rest = model(ids[:, 8:], cache=cache).logits
     torch.testing.assert_close(torch.cat((first, rest), 1), expected, rtol=1e-5, atol=1e-5)
+
+    # Training mode, grad on, with a cache: no recompute, and the backward leaves the cache
+    # as the forward filled it, with the gradients of the plain model.
+    model.gradient_checkpointing_disable()
+    plain_cache = KVCache()
+    model(ids[:, :8], cache=plain_cache).logits.sum().backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model.gradient_checkpointing_enable()
+    cache = KVCache()
+    model(ids[:, :8], cache=cache).logits.sum().backward()
+    assert not calls
+    assert all(k.shape[-2] == 8 for k in cache.keys.values()) and len(cache) == 8
+    for name, grad in plain.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name].grad, grad, msg=name)
+
+    # And the recompute does happen where it should: training, grad on, no cache.
+    model(ids).logits.sum().backward()
+    assert len(calls) == model.config.n_layers
+    model.gradient_checkpointing_disable()
 
 
 def test_hf_checkpointing_gives_the_same_gradients_and_turns_off_again():

@@ -25,7 +25,8 @@ The fast path has two kernels for the rotation itself (``rotate_tensor``):
   ``auto`` uses it only for tensors of at least ``min_numel`` elements (2^21 by default, where
   one call saves ~10 ms here and the compile pays for itself within about a thousand calls)
   and only where compilation works; any compile failure falls back to eager for the rest of
-  the process, with one warning. ``ROPEKIT_COMPILE=auto|always|never`` or ``set_compile``
+  the process, with one warning. ``ROPEKIT_COMPILE=auto|always|never`` (read at the first
+  rotation, not at import; a bad value is a one-line ValueError there) or ``set_compile``
   choose; ``never`` is the eager path everywhere.
 
 Learnable frequencies (AdaRoPE, tuned-yarn) rotate through ``rotate_angles``: it takes the
@@ -141,14 +142,27 @@ def _fused(x: Tensor, cos: Tensor, sin: Tensor, pairing: str) -> Tensor:
 
 
 _settings: dict[str, Any] = {
-    "mode": os.environ.get("ROPEKIT_COMPILE", "auto"),
+    # None until first use: ``ROPEKIT_COMPILE`` is read (and checked) then, not at import, so a
+    # bad value cannot break ``import ropekit`` and is reported where it matters.
+    "mode": None,
     "min_numel": 1 << 21,
     "failed": None,  # why compilation failed (then eager for the rest of the process)
 }
-if _settings["mode"] not in COMPILE_MODES:
-    raise ValueError(
-        f"ROPEKIT_COMPILE={_settings['mode']!r} is not allowed; use one of {COMPILE_MODES}"
-    )
+
+
+def _mode() -> str:
+    """The kernel mode: set by ``set_compile``, else ``ROPEKIT_COMPILE`` (default auto), read
+    on first use; a bad value raises a one-line ValueError (and is read again next time)."""
+    if _settings["mode"] is None:
+        mode = os.environ.get("ROPEKIT_COMPILE", "auto")
+        if mode not in COMPILE_MODES:
+            raise ValueError(
+                f"ROPEKIT_COMPILE={mode!r} is not allowed; use one of {', '.join(COMPILE_MODES)}"
+            )
+        _settings["mode"] = mode
+    return _settings["mode"]
+
+
 # One compiled kernel per (device type, dtype, rank, pairing, partial): each wraps its own copy
 # of _fused's code object, so every variant gets dynamo's full recompile budget (shape and
 # stride changes) instead of all variants sharing one. None marks a variant that ran out of it.
@@ -173,11 +187,12 @@ def set_compile(mode: str = "auto", min_numel: int | None = None) -> None:
 
 def compile_settings() -> dict[str, Any]:
     """The current mode, threshold and compile failure (None when none happened)."""
+    _mode()
     return {k: _settings[k] for k in ("mode", "min_numel", "failed")}
 
 
 def _use_compiled(x: Tensor) -> bool:
-    mode = _settings["mode"]
+    mode = _mode()
     if mode == "never" or _settings["failed"] is not None:
         return False
     if mode == "auto" and x.numel() < _settings["min_numel"]:

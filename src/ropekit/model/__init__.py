@@ -8,9 +8,9 @@ semantics are described in ``decoder`` and ``cache``.
 """
 
 from .cache import KVCache
-from .checkpoint import load_decoder, save_decoder
+from .checkpoint import save_decoder
 from .config import DecoderConfig, default_ffn_hidden
-from .decoder import IGNORE_INDEX, Decoder, DecoderOutput, Probe, lm_loss
+from .decoder import IGNORE_INDEX, Decoder, DecoderOutput, Probe, lm_loss, load_decoder
 from .flops import count_parameters, flops_per_token, matmul_parameters, model_flops_utilization
 
 __all__ = [

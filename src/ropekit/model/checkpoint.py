@@ -5,9 +5,14 @@ stored once and re-tied on load. ``config.json`` records the DecoderConfig, the 
 encoding spec and the SHA-256 of the weights file, so a weights file that was corrupted,
 truncated or swapped for another is refused with a message naming it. Each file is written
 to a temporary name, fsynced and renamed; a crash between the two writes leaves a checksum
-mismatch that ``load_decoder`` reports, never a silently mixed model.
+mismatch that ``Decoder.load`` reports, never a silently mixed model.
 
-Holds: save_decoder, load_decoder, WEIGHTS_FILE, CONFIG_FILE.
+Dependencies point one way: ``decoder`` imports this module, this module never imports
+``decoder`` (it writes and reads the files of any model shaped like a ``Decoder``: a
+``config`` DecoderConfig, an ``encoding`` with a spec, a state dict). ``Decoder.load`` (and
+``ropekit.model.load_decoder``) reads the folder here, builds the model, and fills it here.
+
+Holds: save_decoder, read_decoder, fill_decoder, WEIGHTS_FILE, CONFIG_FILE.
 """
 
 from __future__ import annotations
@@ -19,12 +24,11 @@ from typing import Any
 
 import safetensors.torch
 from safetensors import SafetensorError
-from torch import Tensor
+from torch import Tensor, nn
 
 from ropekit.utils import atomic_write_bytes, atomic_write_text
 
 from .config import DecoderConfig
-from .decoder import Decoder
 from .flops import count_parameters
 
 WEIGHTS_FILE = "model.safetensors"
@@ -33,7 +37,7 @@ FORMAT = "ropekit-decoder"  # what config.json says it describes
 FORMAT_VERSION = 1
 
 
-def _aliases(model: Decoder) -> tuple[dict[str, Tensor], set[str]]:
+def _aliases(model: nn.Module) -> tuple[dict[str, Tensor], set[str]]:
     """The state dict with each shared tensor once (first name kept), and the dropped names."""
     unique: dict[str, Tensor] = {}
     seen: set[tuple] = set()
@@ -48,8 +52,8 @@ def _aliases(model: Decoder) -> tuple[dict[str, Tensor], set[str]]:
     return unique, dropped
 
 
-def save_decoder(model: Decoder, directory: str | Path) -> Path:
-    """Write the model into ``directory`` (created if needed); returns the folder."""
+def save_decoder(model: nn.Module, directory: str | Path) -> Path:
+    """Write a ``Decoder`` into ``directory`` (created if needed); returns the folder."""
     directory = Path(directory)
     tensors, _ = _aliases(model)
     data = safetensors.torch.save({k: v.cpu() for k, v in tensors.items()})
@@ -86,8 +90,8 @@ def _read_record(path: Path) -> dict[str, Any]:
     return record
 
 
-def load_decoder(directory: str | Path) -> Decoder:
-    """The decoder saved in ``directory``, on the CPU, weights checked and loaded strictly."""
+def read_decoder(directory: str | Path) -> tuple[DecoderConfig, dict[str, Tensor], dict[str, Any]]:
+    """The config, the weights (checksum verified) and the record of a saved decoder."""
     directory = Path(directory)
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     record = _read_record(config_path)
@@ -111,8 +115,15 @@ def load_decoder(directory: str | Path) -> Decoder:
         raise ValueError(
             f"{weights_path} is not a valid safetensors file (corrupted or truncated): {e}"
         ) from None
+    return config, tensors, record
 
-    model = Decoder(config)
+
+def fill_decoder(
+    model: nn.Module, tensors: dict[str, Tensor], record: dict[str, Any], directory: str | Path
+) -> None:
+    """Load ``read_decoder``'s weights strictly into a model freshly built from its config."""
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if record.get("encoding") not in (None, model.encoding.spec):
         raise ValueError(
             f"{config_path} records encoding {record['encoding']!r} but its config now builds "
@@ -129,4 +140,3 @@ def load_decoder(directory: str | Path) -> Decoder:
             f"{weights_path} does not fit the model in {config_path}: missing {missing}, "
             f"unexpected {sorted(unexpected)}"
         )
-    return model

@@ -37,7 +37,8 @@ The attention logits are ``q @ k.T / sqrt(D) (+ bias)``. A hook may return a rep
 ``(q, k)`` to intervene (e.g. ablate a head). In training the tensors carry autograd
 history: detach what a hook keeps.
 
-Holds: Probe, Visibility, Attention, SwiGLU, Block, DecoderOutput, Decoder, lm_loss.
+Holds: Probe, Visibility, Attention, SwiGLU, Block, DecoderOutput, Decoder, lm_loss,
+load_decoder.
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils import checkpoint as activation_checkpoint
 
 from ropekit.encodings import PositionEncoding, build
 
 from .cache import KVCache
+from .checkpoint import fill_decoder, read_decoder, save_decoder
 from .config import DecoderConfig
 
 IGNORE_INDEX = -100  # label value that carries no loss (PyTorch and Hugging Face convention)
@@ -125,7 +128,7 @@ class Visibility:
         An encoding whose bias does not depend on the layer (``layer_independent_bias``, e.g.
         ALiBi) gets it built once per forward and shared by every layer (autograd then keeps
         one copy for backward, not one per layer)."""
-        shared = getattr(encoding, "layer_independent_bias", False)
+        shared = encoding.layer_independent_bias
         biases = self.__dict__.setdefault("_biases", {})  # dtype -> the shared bias
         if shared and dtype in biases:
             return biases[dtype]
@@ -201,7 +204,7 @@ class Attention(nn.Module):
             # unrotated) is rotated at this step's length, as a full forward would (KVCache).
             k = encoding.rotate_k(k, key_positions, self.layer)
 
-        if _has_score_bias(encoding) and not _needs_full_bias(self.probe, q, k, v):
+        if encoding.has_score_bias and not _needs_full_bias(self.probe, q, k, v):
             y = self._attend_in_row_blocks(q, k, v, encoding, positions, key_positions, visibility)
             return self.proj(y.transpose(1, 2).reshape(B, T, H * D))  # (B, T, d)
         bias = visibility.score_bias(encoding, positions, key_positions, self.layer, q.dtype)
@@ -261,10 +264,6 @@ class Attention(nn.Module):
                 )
             )  # (B, H, rows, D)
         return out[0] if len(out) == 1 else torch.cat(out, dim=2)  # (B, H, T, D)
-
-
-def _has_score_bias(encoding: PositionEncoding) -> bool:
-    return type(encoding).score_bias is not PositionEncoding.score_bias
 
 
 def _needs_full_bias(probe: Probe, *tensors: Tensor) -> bool:
@@ -333,9 +332,12 @@ class DecoderOutput:
 def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     """Mean next-token cross-entropy over labels != -100, computed in float32.
 
-    Labels are aligned with the inputs (the Hugging Face convention, as ``train.loss`` uses):
-    ``logits[:, t]`` is scored against ``labels[:, t + 1]``, so ``labels = input_ids`` trains
-    a language model.
+    Labels are aligned with the inputs (the Hugging Face convention for ``model(...,
+    labels=)``): ``logits[:, t]`` is scored against ``labels[:, t + 1]``, so
+    ``labels = input_ids`` trains a language model. ropekit's training loop does *not* use
+    this: ``ropekit.train.loss.cross_entropy_sum`` takes labels already shifted (packed
+    samples are cut from T + 1 tokens, ``labels[:, t]`` is the token after input t) and
+    scores ``logits[:, t]`` against ``labels[:, t]``; it calls the model without labels.
     """
     if labels.shape != logits.shape[:2]:
         raise ValueError(f"labels {tuple(labels.shape)} must be (B, T) = {tuple(logits.shape[:2])}")
@@ -419,7 +421,8 @@ class Decoder(nn.Module):
 
         position_ids (B|1, T): absolute positions; default arange, continuing after the last
         cached position. Packed (restarting) and offset positions are allowed.
-        labels (B, T): aligned with input_ids (see ``lm_loss``); -100 = no loss.
+        labels (B, T): aligned with input_ids, shifted here (``lm_loss``, the Hugging Face
+        convention; the training loop's loss takes pre-shifted labels instead); -100 = no loss.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} must be (B, T)")
@@ -436,9 +439,7 @@ class Decoder(nn.Module):
         for block in self.blocks:
             args = (h, self.encoding, positions, key_positions, visibility, cache)
             if recompute:
-                from torch.utils.checkpoint import checkpoint
-
-                h = checkpoint(block, *args, use_reentrant=False)
+                h = activation_checkpoint.checkpoint(block, *args, use_reentrant=False)
             else:
                 h = block(*args)
         logits = self.lm_head(self.norm(h))  # (B, T, V)
@@ -504,13 +505,19 @@ class Decoder(nn.Module):
 
     def save(self, directory: str | Path) -> Path:
         """Write ``model.safetensors`` and ``config.json`` into ``directory`` (atomically)."""
-        from .checkpoint import save_decoder
-
         return save_decoder(self, directory)
 
     @classmethod
     def load(cls, directory: str | Path) -> Decoder:
-        """The decoder saved in ``directory``, on the CPU; clear errors on missing or bad files."""
-        from .checkpoint import load_decoder
+        """The decoder saved in ``directory``, on the CPU; clear errors on missing or bad files
+        (a corrupted or swapped weights file, a config that no longer builds the recorded
+        encoding, weights that do not fit)."""
+        config, tensors, record = read_decoder(directory)
+        model = cls(config)
+        fill_decoder(model, tensors, record, directory)
+        return model
 
-        return load_decoder(directory)
+
+def load_decoder(directory: str | Path) -> Decoder:
+    """``Decoder.load(directory)``: the decoder saved there, weights checked, on the CPU."""
+    return Decoder.load(directory)
