@@ -172,8 +172,28 @@ def test_parse_spec_never_raises_anything_but_value_error(text):
 
 # The encodings that build from their bare name. A new registry entry lands in neither set
 # until someone decides: this test then fails and names it.
-BUILD_WITH_DEFAULTS = {"nope", "sinusoidal", "learned", "alibi", "rope", "adarope"}
-NEED_OPTIONS = {"linear", "ntk", "dynamic-ntk", "yarn", "llama3", "longrope", "tuned-yarn"}
+BUILD_WITH_DEFAULTS = {
+    "nope",
+    "sinusoidal",
+    "learned",
+    "alibi",
+    "rope",
+    "adarope",
+    "rerope",
+    "self-extend",
+}
+NEED_OPTIONS = {
+    "linear",
+    "ntk",
+    "dynamic-ntk",
+    "yarn",
+    "llama3",
+    "longrope",
+    "tuned-yarn",
+    "mixed",
+    "dca",
+    "string",
+}
 
 
 def test_exactly_the_listed_encodings_build_with_defaults():

@@ -15,7 +15,7 @@ from .conftest import SHAPE, perturb
 
 # One spec per registered encoding, and what each must declare:
 # (adds_to_embeddings, has_score_bias, layer_independent_bias, dynamic, learned_frequencies,
-#  rotates)
+#  rotates); distance remaps are listed in REMAPS.
 DECLARED = {
     "nope": ("nope", (False, False, False, False, False, False)),
     "sinusoidal": ("sinusoidal", (True, False, False, False, False, False)),
@@ -39,7 +39,16 @@ DECLARED = {
         "tuned-yarn:factor=4,original_length=16",
         (False, False, False, False, True, True),
     ),
+    "mixed": (
+        "mixed:method=adarope,init=yarn,factor=4,original_length=4",
+        (False, False, False, True, True, True),
+    ),
+    "rerope": ("rerope:window=2", (False, False, False, False, False, True)),
+    "self-extend": ("self-extend:group=2,window=2", (False, False, False, False, False, True)),
+    "dca": ("dca:chunk_size=3,local_size=1", (False, False, False, False, False, True)),
+    "string": ("string:shift=2,window=1", (False, False, False, False, False, True)),
 }
+REMAPS = {"rerope", "self-extend", "dca", "string"}
 
 
 def test_the_table_covers_the_registry():
@@ -68,6 +77,8 @@ def test_declarations_agree_with_behaviour(name):
         assert torch.equal(bias, enc.score_bias(pos, pos, 2)) == shared
     q = torch.randn(1, SHAPE["n_heads"], 6, SHAPE["head_dim"], generator=g)
     assert (not torch.equal(enc.rotate_q(q, pos, 1), q)) == rotates
+    assert enc.remaps_distance == (name in REMAPS)
+    assert (len(enc.bands(pos, pos, 1)) > 1) == (name in REMAPS)
     if rotates:
         assert enc.pairing in ("half", "interleaved")
         assert enc.n_pairs == enc.rotary_dim // 2 and enc.base_schedule is not None

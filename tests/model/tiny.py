@@ -3,6 +3,7 @@
 Holds:
     SPECS          registry name -> a spec that builds it at the tiny shape (context 8).
     DYNAMIC        the names whose schedule follows the current length.
+    REMAPS         the names that remap the query-key distance (banded attention).
     RELATIVE       specs whose logits depend only on relative positions.
     FP32           assert_close tolerances for float32 paths that sum in a different order.
     tiny_model     a seeded tiny Decoder, learnable encoding parameters moved off their init.
@@ -30,10 +31,18 @@ SPECS = {
     "longrope": "longrope:factor=4,long_factor=[2],short_factor=[1.5]",
     "adarope": "adarope:l_ref=4",
     "tuned-yarn": "tuned-yarn:factor=4",
+    "mixed": "mixed:method=adarope,init=yarn,factor=4",  # rope within 8 tokens, AdaRoPE beyond
+    "rerope": "rerope:window=5,leaky=2",
+    "self-extend": "self-extend:group=2,window=4",
+    "dca": "dca:chunk_size=6,local_size=2",
+    "string": "string:shift=5,window=2",
 }
 
 # Length-following schedules: keys are cached unrotated and re-rotated every step.
-DYNAMIC = {"dynamic-ntk", "longrope"}
+DYNAMIC = {"dynamic-ntk", "longrope", "mixed"}
+
+# Distance remaps: attention in bands over cached unrotated keys.
+REMAPS = {"rerope", "self-extend", "dca", "string"}
 
 # Logits invariant to shifting every position: no absolute table, no length-following
 # schedule, no AdaScale (its temperature follows the absolute length by design).

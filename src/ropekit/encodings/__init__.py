@@ -2,11 +2,13 @@
 
 ``build(spec, n_heads=, n_kv_heads=, head_dim=, n_layers=)`` returns a ``PositionEncoding``;
 ``names()`` lists the registered encodings; ``schedules`` holds the pure frequency functions;
-``rotary`` the rotation itself. This package imports nothing from the rest of ropekit.
+``rotary`` the rotation itself; ``bands`` the attention of distance-remapping encodings
+(``banded_attention``). This package imports nothing from the rest of ropekit.
 """
 
-from . import rotary, schedules
+from . import bands, rotary, schedules
 from .adarope import AdaRoPE, TunedYarn
+from .bands import Band, banded_attention
 from .base import EncodingConfig, PositionEncoding
 from .registry import REGISTRY, build, config_from_spec, describe, names, parse_spec
 from .rope import RotaryEncoding
@@ -14,10 +16,13 @@ from .rope import RotaryEncoding
 __all__ = [
     "REGISTRY",
     "AdaRoPE",
+    "Band",
     "EncodingConfig",
     "PositionEncoding",
     "RotaryEncoding",
     "TunedYarn",
+    "banded_attention",
+    "bands",
     "build",
     "config_from_spec",
     "describe",

@@ -37,6 +37,8 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from .bands import Band
+
 
 def check_positive(name: str, value: float, *, minimum: float = 0.0, strict: bool = True) -> None:
     """Raise ValueError naming the field, the value and what is allowed."""
@@ -305,6 +307,10 @@ class PositionEncoding(nn.Module):
     dynamic: bool = False
     # The rotation frequencies are trainable parameters (AdaRoPE, tuned-yarn).
     learned_frequencies: ClassVar[bool] = False
+    # The distance each query-key pair sees is remapped (ReRoPE, Self-Extend, DCA, STRING):
+    # attention must be computed from ``bands`` (``bands.banded_attention``) over cached
+    # *unrotated* keys; rotate_q/rotate_k alone give only the identity band.
+    remaps_distance: ClassVar[bool] = False
     # Rotary layout: channels that rotate (0: none), pairs F, pairing ("half"/"interleaved").
     rotary_dim: int = 0
     n_pairs: int = 0
@@ -359,6 +365,22 @@ class PositionEncoding(nn.Module):
         """The trainable parameters of this encoding (what an adapter saves)."""
         return {n: p for n, p in self.named_parameters() if p.requires_grad}
 
+    # ------------------------------------------------------------------ the attention-level hook
+    def bands(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> list[Band]:
+        """The attention as bands (``bands.Band``) for queries at q_pos (B|1, T) over keys at
+        k_pos (B|1, S). Every encoding is one band at the true positions; distance remaps
+        (``remaps_distance``) return several. (``banded_attention`` rotates queries block by
+        block, so a dynamic schedule, whose length comes from each call's positions, belongs
+        in ordinary attention, not in this kernel.)"""
+        return [Band(q_pos, k_pos)]
+
+    def rotate_band(self, x: Tensor, positions: Tensor, query: bool, layer: int = 0) -> Tensor:
+        """Rotate queries (B, H, R, D) (``query``) or keys (B, K, S, D) at a band's positions
+        (B|1, R) or (B|1, S): the ``rotate`` that ``bands.banded_attention`` calls."""
+        if query:
+            return self.rotate_q(x, positions, layer)
+        return self.rotate_k(x, positions, layer)
+
     # ------------------------------------------------------------------ the typed surface
     @property
     def base_schedule(self) -> EncodingConfig | None:
@@ -367,23 +389,27 @@ class PositionEncoding(nn.Module):
         does not rotate."""
         return self.config.base_schedule
 
+    def _extension(self) -> Extension | None:
+        return None if self.base_schedule is None else self.config.extension()
+
     @property
     def base(self) -> float | None:
         """The RoPE base b of the base schedule; None when the encoding does not rotate."""
-        schedule = self.base_schedule
-        return None if schedule is None else schedule.extension().base
+        ext = self._extension()
+        return None if ext is None else ext.base
 
     @property
     def factor(self) -> float | None:
-        """The base schedule's stretch factor s; None where it has none (plain RoPE)."""
-        schedule = self.base_schedule
-        return None if schedule is None else schedule.extension().factor
+        """The stretch factor s of the schedule; None where it has none (plain RoPE)."""
+        ext = self._extension()
+        return None if ext is None else ext.factor
 
     @property
     def original_length(self) -> int | None:
-        """The base schedule's original length L0 (tokens); None where it has none."""
-        schedule = self.base_schedule
-        return None if schedule is None else schedule.extension().original_length
+        """The original length L0 (tokens) the encoding is placed by (a schedule's L0, a
+        remap's, the mixed window); None where it has none."""
+        ext = self._extension()
+        return None if ext is None else ext.original_length
 
     def inv_freq(self, layer: int = 0, length: int | None = None) -> tuple[Tensor, float | Tensor]:
         """theta (K|1, F) float64 of one layer and the cos/sin attention factor; ``length`` is

@@ -18,6 +18,17 @@ from .absolute import Learned, LearnedConfig, NoPE, NoPEConfig, Sinusoidal, Sinu
 from .adarope import AdaRoPE, AdaRoPEConfig, TunedYarn, TunedYarnConfig
 from .alibi import ALiBi, ALiBiConfig
 from .base import EncodingConfig, PositionEncoding, parse_options
+from .mixed import MixedConfig, MixedWindow
+from .remap import (
+    DCA,
+    DCAConfig,
+    ReRope,
+    ReRopeConfig,
+    SelfExtend,
+    SelfExtendConfig,
+    String,
+    StringConfig,
+)
 from .rope import (
     DynamicNTKConfig,
     LinearConfig,
@@ -99,6 +110,36 @@ REGISTRY: dict[str, Entry] = {
             TunedYarnConfig,
             "YaRN with learnable global knobs",
             "ropekit (review's control)",
+        ),
+        Entry(
+            MixedWindow,
+            MixedConfig,
+            "original RoPE within the original window, any schedule or adapter beyond it",
+            "Shang et al. 2025 (LongRoPE2)",
+        ),
+        Entry(
+            ReRope,
+            ReRopeConfig,
+            "distances clipped at a window (leaky: slowed by 1/k beyond it)",
+            "Su 2023",
+        ),
+        Entry(
+            SelfExtend,
+            SelfExtendConfig,
+            "neighbour window with normal positions, grouped positions floor(p/G) beyond",
+            "Jin et al. 2024",
+        ),
+        Entry(
+            DCA,
+            DCAConfig,
+            "dual chunk attention: intra-, successive- and inter-chunk positions",
+            "An et al. 2024",
+        ),
+        Entry(
+            String,
+            StringConfig,
+            "large distances shifted onto well-trained small ones (shift S, window W)",
+            "An et al. 2025",
         ),
     ]
 }

@@ -5,6 +5,9 @@ Shape legend: B batch · K key/value heads · T new tokens · S cached + new tok
 What the keys hold depends on the encoding (the decoder decides, this class only stores):
 - static encodings (``encoding.dynamic`` False): keys are stored *rotated*, once, since a
   key's rotation depends only on its own position;
+- distance remaps (``encoding.remaps_distance``: ReRoPE, Self-Extend, DCA, STRING): keys are
+  stored *unrotated*; each band rotates them at its own positions when attending (a key is
+  rotated differently for near and far queries), which is exact at every step;
 - dynamic encodings (dynamic NTK, LongRoPE): the frequencies follow the current length
   L = max(position) + 1, so keys are stored *unrotated* and every step rotates all of them
   again at the current L. Every layer's attention for the new tokens is then exactly what a

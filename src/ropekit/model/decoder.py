@@ -11,7 +11,10 @@ The encoding is ONE module, ``model.encoding``, shared by every layer; each atte
 its layer index so per-layer parameters (AdaRoPE) are selected there. Absolute encodings add
 to the token states (``embed``), rotary ones rotate q and k (``rotate_q``/``rotate_k``), bias
 ones add to the attention logits (``score_bias``); every path is always called, and the
-defaults are identities.
+defaults are identities. Encodings that remap the query-key distance (``remaps_distance``:
+ReRoPE, Self-Extend, DCA, STRING) attend instead through their ``bands``
+(``ropekit.encodings.bands.banded_attention``: per band, q and k rotated at that band's
+positions, merged exactly, in blocks of query rows), with the cache holding unrotated keys.
 
 Masking: attention is causal within a row. A position that does not exceed its predecessor
 in ``position_ids`` starts a new document (packed rows), and tokens then attend only within
@@ -52,7 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils import checkpoint as activation_checkpoint
 
-from ropekit.encodings import PositionEncoding, build
+from ropekit.encodings import PositionEncoding, banded_attention, build
 
 from .cache import KVCache
 from .checkpoint import fill_decoder, read_decoder, save_decoder
@@ -115,6 +118,13 @@ class Visibility:
             ones = torch.ones(stop - start, keys, dtype=torch.bool, device=self.device)
             return ones.triu(diagonal=start + 1)  # (rows, keys): key j > query i is hidden
         return None
+
+    def allowed_rows(self, start: int, stop: int, keys: int) -> Tensor | None:
+        """``allowed[..., start:stop, :keys]`` (True = visible) for a block of query rows;
+        None when only causality restricts them."""
+        if self.allowed is None:
+            return None
+        return self.allowed[..., start:stop, :keys]
 
     def score_bias(
         self,
@@ -194,6 +204,13 @@ class Attention(nn.Module):
         k = k.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
         v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
 
+        if encoding.remaps_distance:
+            # Distance remaps attend in bands, each rotating q and the (unrotated, cached
+            # unrotated) keys at its own positions (ropekit.encodings.bands).
+            if cache is not None:
+                k, v = cache.update(self.layer, k, v)  # (B, K, S, D) unrotated
+            y = self._attend_in_bands(q, k, v, encoding, positions, key_positions, visibility)
+            return self.proj(y.transpose(1, 2).reshape(B, T, H * D))  # (B, T, d)
         q = encoding.rotate_q(q, positions, self.layer)
         if not encoding.dynamic:
             k = encoding.rotate_k(k, positions, self.layer)  # rotated once, cached rotated
@@ -219,6 +236,31 @@ class Attention(nn.Module):
             enable_gqa=K != H,
         )  # (B, H, T, D)
         return self.proj(y.transpose(1, 2).reshape(B, T, H * D))  # (B, T, d)
+
+    def _attend_in_bands(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        encoding: PositionEncoding,
+        positions: Tensor,
+        key_positions: Tensor,
+        visibility: Visibility,
+    ) -> Tensor:
+        """Attention of a distance-remapping encoding: its bands, merged exactly, blockwise
+        over query rows (``banded_attention``); causal, with documents from ``visibility``.
+        The probe is not called: no single (q, k) pair of tensors describes these logits."""
+        S, T = k.shape[-2], q.shape[-2]
+        return banded_attention(
+            q,
+            k,
+            v,
+            encoding.bands(positions, key_positions, self.layer),
+            key_positions,
+            functools.partial(encoding.rotate_band, layer=self.layer),
+            causal_offset=S - T,
+            mask=visibility.allowed_rows if visibility.allowed is not None else None,
+        )  # (B, H, T, D)
 
     def _attend_in_row_blocks(
         self,

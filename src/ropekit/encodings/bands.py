@@ -1,0 +1,291 @@
+"""Banded attention: the attention of encodings that remap the query-key distance.
+
+Shape legend: B batch · H query heads · K key/value heads · g = H/K query heads per key head ·
+T query length · S key length · D head dim · R query rows in one block · N keys in one block.
+
+ReRoPE, Self-Extend, DCA and STRING change the relative distance each query-key pair sees
+(clip it, group it, chunk it, shift it). With RoPE the logit of query i and key j depends on
+their positions only through P_q - P_k, so a remap is expressed by rotating queries and keys at
+*other* positions; but which positions depends on the pair, not on i or j alone, so one
+rotation of q and one of k cannot express it. Every such method is a small number of *bands*:
+
+    band b: queries rotated at P_q^b(i), keys at P_k^b(j), covering the keys with
+            lo_b(i) <= pos(j) < hi_b(i)          (bands partition the keys of each query)
+
+    logit(i, j) = scale * <R(P_q^b(i)) q_i, R(P_k^b(j)) k_j>  for the band b that covers j
+    out_i       = sum_j softmax_j(logit(i, .) + mask(i, .)) v_j
+
+(ReRoPE: a near band d < w at true positions and a far band at clipped distance; Self-Extend:
+neighbours and groups; DCA: intra-, successive- and inter-chunk; STRING: near and shifted.)
+Plain RoPE is one band covering every key. ``banded_attention`` computes this exactly, block
+by block over query rows: per block and band the ordinary q k^T on the band's keys, the
+logits of each pair taken from the band that covers it, then one softmax over the block's
+row (the selected-logits form of an exact log-sum-exp merge). No (T, S) tensor per head ever
+exists: a block holds at most ``block_entries`` logits. Keys are rotated once per band for
+the whole sequence (once per distinct key positions: what a cache of unrotated keys needs
+anyway), queries per block. With
+autograd each block is recomputed in the backward (``torch.utils.checkpoint``), so the
+backward keeps no logits either.
+
+Band membership is decided on the *true* key positions (those the KV cache keeps), the
+masks of the caller (causal, documents, padding) are applied on top, so packed and padded
+rows work as in ordinary attention. Positions may be fractional (Leaky ReRoPE's P / k):
+rotations are formed in float64 from any real position.
+
+Holds: Band, band_membership, banded_attention, BLOCK_ENTRIES.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils import checkpoint as activation_checkpoint
+
+# Logits per block of query rows (entries of one (B, H, R, N) tensor): the block's extra memory
+# is a few tensors of this size, independent of the sequence length.
+BLOCK_ENTRIES = 1 << 19
+
+
+@dataclasses.dataclass(frozen=True)
+class Band:
+    """One band of a distance-remapping attention (module docstring).
+
+    ``q_positions`` (B|1, T) and ``k_positions`` (B|1, S): where queries and keys of this band
+    are rotated (int64, or float64 for fractional positions). ``lo`` / ``hi`` (B|1, T) int64:
+    the band covers, for query i, the keys whose true position p satisfies lo[i] <= p < hi[i];
+    None means unbounded. ``q_scale`` (B|1, 1, T, 1) or None: a factor on the queries (ReRoPE's
+    log-n scaling) applied before rotating.
+    """
+
+    q_positions: Tensor
+    k_positions: Tensor
+    lo: Tensor | None = None
+    hi: Tensor | None = None
+    q_scale: Tensor | None = None
+
+
+def band_membership(band: Band, key_positions: Tensor, start: int, stop: int) -> Tensor | None:
+    """Which keys (B|1, 1, R, N) of query rows [start, stop) the band covers; None: all.
+
+    key_positions (B|1, N): the true positions of the block's keys.
+    """
+    member = None
+    keys = key_positions[:, None, None, :]  # (B|1, 1, 1, N)
+    if band.lo is not None:
+        member = keys >= band.lo[:, None, start:stop, None]  # (B|1, 1, R, N)
+    if band.hi is not None:
+        below = keys < band.hi[:, None, start:stop, None]
+        member = below if member is None else member & below
+    return member
+
+
+def _key_ranges(
+    bands: Sequence[Band], key_positions: Tensor, rows: int, blocks: list[tuple[int, int, int]]
+) -> list[list[tuple[int, int]]]:
+    """Per block and band, the slice [a, b) of key indices that can hold the band's keys.
+
+    Only when key positions never decrease along each row (no packed documents) can a position
+    bound become an index bound (binary search); otherwise every band reads all keys of the
+    block and membership alone selects. Bounds for every block are found at once and read back
+    once (one device sync per call, not one per block)."""
+    full = [[(0, n) for _ in bands] for _, _, n in blocks]
+    S = key_positions.shape[-1]
+    bounded = [b for band in bands for b in (band.lo, band.hi) if b is not None]
+    if S < 2 or not bounded or not bool((key_positions[:, 1:] >= key_positions[:, :-1]).all()):
+        return full
+    n_blocks = len(blocks)
+    padded = n_blocks * rows
+    edges = []  # (2 * n_bands, n_blocks): first key index of each bound, -1 when unbounded
+    for band in bands:
+        for bound, lower in ((band.lo, True), (band.hi, False)):
+            if bound is None:
+                edges.append(torch.full((n_blocks,), -1, device=key_positions.device))
+                continue
+            # The loosest bound over each block's rows and over the batch: smallest lo, largest
+            # hi (padding rows past T with values that never win).
+            per_row = bound.amin(0) if lower else bound.amax(0)  # (T,)
+            fill = torch.iinfo(torch.int64).max if lower else torch.iinfo(torch.int64).min
+            per_row = torch.cat((per_row, per_row.new_full((padded - per_row.shape[0],), fill)))
+            per_block = per_row.view(n_blocks, rows)
+            per_block = per_block.amin(1) if lower else per_block.amax(1)  # (n_blocks,)
+            # First key index at or above the bound in each batch row, then the loosest row.
+            sorted_keys = key_positions.contiguous()
+            wanted = per_block[None].expand(sorted_keys.shape[0], -1).contiguous()
+            idx = torch.searchsorted(sorted_keys, wanted)
+            edges.append(idx.amin(0) if lower else idx.amax(0))
+    values = torch.stack(edges).tolist()  # one sync
+    ranges = []
+    for i, (_, _, n) in enumerate(blocks):
+        row = []
+        for j in range(len(bands)):
+            lo_idx, hi_idx = values[2 * j][i], values[2 * j + 1][i]
+            a = 0 if lo_idx < 0 else min(lo_idx, n)
+            b = n if hi_idx < 0 else min(hi_idx, n)
+            row.append((a, max(a, b)))
+        ranges.append(row)
+    return ranges
+
+
+def _block(
+    q: Tensor,
+    keys: tuple[Tensor, ...],
+    v: Tensor,
+    q_positions: tuple[Tensor, ...],
+    q_scales: tuple[Tensor | None, ...],
+    members: tuple[Tensor | None, ...],
+    ranges: tuple[tuple[int, int], ...],
+    mask: Tensor | None,
+    rotate: Callable[[Tensor, Tensor, bool], Tensor],
+    scale: float,
+    inplace: bool,
+) -> Tensor:
+    """Attention of one block of query rows q (B, H, R, D) over keys [0, N): (B, H, R, D).
+
+    ``inplace`` (no autograd): the logits are selected, masked and normalised in their own
+    buffer, so a block costs about two (B, H, R, N) buffers; with autograd the same steps run
+    out of place (and are recomputed in the backward)."""
+    B, H, R = q.shape[:3]
+    K, N = v.shape[1], v.shape[2]
+    g = H // K
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # softmax precision
+    logits = q.new_full((B, K, g, R, N), float("-inf"), dtype=acc)
+    for kb, qp, qs, member, (a, b) in zip(
+        keys, q_positions, q_scales, members, ranges, strict=True
+    ):
+        if b <= a:
+            continue
+        qb = q if qs is None else q * qs.to(q.dtype)
+        qr = rotate(qb, qp, True).unflatten(1, (K, g))  # (B, K, g, R, D)
+        part = (qr @ kb[:, :, None, a:b].transpose(-1, -2)).to(acc)  # (B, K, g, R, b-a)
+        window = logits[..., a:b]
+        inside = None if member is None else member[..., a:b].unsqueeze(1)  # (B|1, 1, 1, R, n)
+        if inplace:
+            part.mul_(scale)
+            if inside is None:
+                window.copy_(part)
+            else:
+                # Bands are disjoint and the buffer starts at -inf: keep the maximum.
+                torch.maximum(window, part.masked_fill_(~inside, float("-inf")), out=window)
+        elif inside is None:
+            window.copy_(part * scale)
+        else:
+            window.copy_(torch.where(inside, part * scale, window))
+    logits = logits.flatten(1, 2)  # (B, H, R, N)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            logits = (
+                logits.masked_fill_(~mask, float("-inf"))
+                if inplace
+                else logits.masked_fill(~mask, float("-inf"))
+            )
+        else:
+            logits = logits.add_(mask.to(acc)) if inplace else logits + mask.to(acc)
+    # Softmax that leaves rows with no visible key at 0 instead of NaN (padding rows), so no
+    # NaN reaches the values of later layers through a masked-out pad token.
+    top = logits.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    tiny = torch.finfo(acc).tiny
+    if inplace:
+        weights = logits.sub_(top).exp_()
+        weights = weights.div_(weights.sum(-1, keepdim=True).clamp_min_(tiny))
+    else:
+        weights = (logits - top).exp()
+        weights = weights / weights.sum(-1, keepdim=True).clamp_min(tiny)
+    weights = weights.to(v.dtype).unflatten(1, (K, g))  # (B, K, g, R, N)
+    return (weights @ v[:, :, None]).flatten(1, 2)  # (B, H, R, D)
+
+
+def banded_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bands: Sequence[Band],
+    key_positions: Tensor,
+    rotate: Callable[[Tensor, Tensor, bool], Tensor],
+    *,
+    scale: float | None = None,
+    causal_offset: int | None = None,
+    mask: Callable[[int, int, int], Tensor | None] | None = None,
+    block_entries: int = BLOCK_ENTRIES,
+) -> Tensor:
+    """Exact attention of unrotated q (B, H, T, D) over unrotated k, v (B, K, S, D) as bands.
+
+    ``rotate(x, positions, query)`` rotates queries (B, H, R, D) (``query`` True) or keys
+    (B, K, S, D) at positions (B|1, R) or (B|1, S), int or float (an encoding's
+    ``rotate_band``). ``key_positions`` (B|1, S): the true positions of the
+    keys (band membership). ``scale``: logit scale, default 1/sqrt(D). ``causal_offset``: query
+    row r sees key indices <= r + causal_offset (a causal decoder: S - T); None: every key
+    (masking left to ``mask``). ``mask(start, stop, n)``: the caller's mask for query rows
+    [start, stop) and keys [0, n), broadcastable to (B, H, R, n), bool (True = visible) or
+    float (added to the logits), or None. Returns (B, H, T, D) in v's dtype.
+    """
+    B, H, T, D = q.shape
+    K, S = k.shape[1], k.shape[2]
+    if k.shape[0] != B or v.shape != k.shape or H % K:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be (B, H, T, D) "
+            "and (B, K, S, D) with K dividing H"
+        )
+    if not bands:
+        raise ValueError("banded_attention needs at least one band")
+    if key_positions.shape[-1] != S:
+        raise ValueError(f"key_positions {tuple(key_positions.shape)} must have S = {S} columns")
+    scale = 1 / math.sqrt(D) if scale is None else float(scale)
+    # Keys once per distinct positions tensor (DCA's three bands and STRING's two share one).
+    rotated: dict[int, Tensor] = {}
+    for band in bands:
+        if id(band.k_positions) not in rotated:
+            rotated[id(band.k_positions)] = rotate(k, band.k_positions, False)  # (B, K, S, D)
+    keys = tuple(rotated[id(band.k_positions)] for band in bands)
+    rows = max(1, min(T, block_entries // max(1, B * H * S)))
+    blocks = []
+    for start in range(0, T, rows):
+        stop = min(T, start + rows)
+        n = S if causal_offset is None else max(0, min(S, stop + causal_offset))
+        blocks.append((start, stop, n))
+    ranges = _key_ranges(bands, key_positions, rows, blocks)
+    recompute = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, *(b.q_scale for b in bands if b.q_scale is not None))
+    )
+    out = []
+    for (start, stop, n), block_ranges in zip(blocks, ranges, strict=True):
+        if n == 0:
+            out.append(q.new_zeros(B, H, stop - start, D, dtype=v.dtype))
+            continue
+        block_mask = None if mask is None else mask(start, stop, n)
+        if causal_offset is not None:
+            causal = torch.ones(stop - start, n, dtype=torch.bool, device=q.device).tril(
+                diagonal=start + causal_offset
+            )  # (R, n): key j visible to row r iff j <= r + offset
+            block_mask = causal if block_mask is None else _combine(block_mask, causal)
+        args = (
+            q[:, :, start:stop],
+            tuple(kb[:, :, :n] for kb in keys),
+            v[:, :, :n],
+            tuple(band.q_positions[:, start:stop] for band in bands),
+            tuple(
+                None if band.q_scale is None else band.q_scale[..., start:stop, :] for band in bands
+            ),
+            tuple(band_membership(band, key_positions[:, :n], start, stop) for band in bands),
+            tuple(block_ranges),
+            block_mask,
+            rotate,
+            scale,
+            not recompute,
+        )
+        if recompute:
+            out.append(activation_checkpoint.checkpoint(_block, *args, use_reentrant=False))
+        else:
+            out.append(_block(*args))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)  # (B, H, T, D)
+
+
+def _combine(mask: Tensor, causal: Tensor) -> Tensor:
+    """The caller's mask (bool or additive) with the causal one folded in."""
+    if mask.dtype == torch.bool:
+        return mask & causal
+    return mask.masked_fill(~causal, float("-inf"))

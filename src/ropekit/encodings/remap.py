@@ -1,0 +1,363 @@
+"""Encodings that remap the relative distance per query-key pair: rerope (and Leaky ReRoPE),
+self-extend, dca, string. Each describes its attention as bands (``bands.py``) over a base
+rotary schedule (plain RoPE by default; any fixed schedule with ``init=``).
+
+Shape legend: B batch · T query length · S key length · i, j query and key positions,
+d = i - j their distance (>= 0 under causal attention).
+
+Every method maps the distance d to the distance the model sees, d', by rotating queries and
+keys at other positions in a few bands:
+
+- ReRoPE (Su 2023, "Rectified Rotary Position Embeddings", kexue.fm/archives/9708 and
+  bojone/rerope): d' = d for d < w, else w (clipped); Leaky ReRoPE: w + (d - w) / k.
+  Near band at true positions; far band with queries at w and keys at 0 (clipped), or queries
+  at (i + w (k - 1)) / k and keys at j / k (leaky, fractional positions). Su's patch also
+  scales queries by max(1, ln(i + 1) / ln L0) (log-n scaling); ``logn=true`` does that.
+  Defaults from the patch: w = 512, k = 16 for the leaky variant.
+- Self-Extend (Jin et al. 2024, ICML, "LLM Maybe LongLM", datamllab/LongLM): neighbours with
+  d < W keep their positions; beyond, queries at floor(i / G) + W - floor(W / G) and keys at
+  floor(j / G), so d' = floor(i / G) - floor(j / G) + W - floor(W / G). Defaults from the
+  authors' code: G = 8, W = 1024. ``mode=llama.cpp`` reproduces llama.cpp's group attention
+  (``--grp-attn-n G --grp-attn-w W``), which groups the KV cache in whole blocks of W tokens
+  as it grows: keys of completed blocks sit at floor(j / G), the query and the keys of its own
+  block continue from floor(i / W) * W / G (docs/decisions.md has the check).
+- DCA, dual chunk attention (An et al. 2024, "Training-Free Long-Context Scaling of Large
+  Language Models", HKUNLP/ChunkLlama; Qwen2.5-1M's ``dual_chunk_attention_config`` names its
+  parameters ``chunk_size`` and ``local_size``): chunks of c = chunk_size - local_size tokens;
+  keys at j mod c; queries at i mod c for keys of their own chunk (intra), at
+  min(i mod c + c, chunk_size) for the previous chunk (successive: exact distances for the
+  first local_size rows of a chunk), at min(2c - 1, chunk_size) for older chunks (inter).
+  Every distance stays <= chunk_size. Defaults from ChunkLlama: chunk_size = 3 L0 / 4,
+  local_size = L0 / 16.
+- STRING (An et al. 2025, ICLR, "Why Does the Effective Context Length of LLMs Fall Short?",
+  HKUNLP/STRING): d' = d for d < S, else d - S + W: the well-trained small distances are
+  shifted over the rarely trained large ones, W restoring locality at the seam. Far band with
+  queries at i - S + W. Defaults from the authors' code: S = int(0.33 L0), W = 128.
+
+Where the remap is the identity (sequences shorter than w, W, the chunk length or S; G = 1;
+k = 1; W = S) each equals its base schedule exactly.
+
+``rotate_q`` / ``rotate_k`` rotate at the true positions (the identity band): attention that
+does not read ``bands`` would compute the base schedule, so integrations check
+``remaps_distance`` (ropekit's decoder and patched Hugging Face models do).
+
+Holds: RemapConfig, ReRopeConfig, SelfExtendConfig, DCAConfig, StringConfig, RemapEncoding,
+ReRope, SelfExtend, DCA, String.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from .adarope import INIT_SCHEDULES
+from .bands import Band
+from .base import EncodingConfig, Extension, PositionEncoding, check_choice, check_positive
+from .rope import RopeConfig, RotaryEncoding
+from .rotary import rotate
+
+
+@dataclasses.dataclass(frozen=True)
+class RemapConfig(EncodingConfig):
+    """Options shared by the distance remaps: the base schedule (``init`` and its options, as
+    for AdaRoPE) and the original length L0 some defaults derive from. An ``original_length``
+    option is the base schedule's too when that schedule has one (yarn, llama3)."""
+
+    init: str = "rope"  # base rotary schedule: rope, linear, ntk, yarn, llama3
+    original_length: int | None = None  # L0 (tokens): the model's training length
+    schedule: RopeConfig = dataclasses.field(default_factory=RopeConfig)  # parsed init options
+
+    CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = RopeConfig.CONTEXT_FIELDS
+
+    def __post_init__(self) -> None:
+        check_choice("init", self.init, tuple(INIT_SCHEDULES))
+        if not isinstance(self.schedule, INIT_SCHEDULES[self.init]):
+            raise ValueError(
+                f"schedule {type(self.schedule).__name__} does not match init={self.init!r}"
+            )
+        inner = self.schedule.extension().original_length
+        if self.original_length is None and inner is not None:
+            object.__setattr__(self, "original_length", inner)
+        if inner is not None and self.original_length != inner:
+            raise ValueError(
+                f"original_length={self.original_length} differs from the {self.init} "
+                f"schedule's original_length={inner}"
+            )
+        if self.original_length is not None:
+            check_positive("original_length", self.original_length, minimum=1, strict=False)
+        self._resolve()
+
+    def _resolve(self) -> None:
+        """Fill defaults derived from L0 and validate the method's own options."""
+
+    def _defaults(self) -> dict[str, Any]:
+        """The values the derived options take by default (omitted from the spec)."""
+        return {}
+
+    def _require_length(self, what: str) -> int:
+        if self.original_length is None:
+            raise ValueError(
+                f"{what} is required for {self.name}, or original_length (the model's "
+                "training length, which a model supplies when patched) to derive it"
+            )
+        return self.original_length
+
+    @classmethod
+    def own_fields(cls) -> dict[str, Any]:
+        return {k: v for k, v in cls.field_types().items() if k != "schedule"}
+
+    @classmethod
+    def from_options(cls, options: dict[str, str], context: dict[str, Any] | None = None):
+        own_types = cls.own_fields()
+        init = options.get("init", "rope")
+        check_choice("init", init, tuple(INIT_SCHEDULES))
+        schedule_cls = INIT_SCHEDULES[init]
+        schedule_types = schedule_cls.field_types()
+        shared = {"original_length"} & set(schedule_types)
+        own = {k: v for k, v in options.items() if k in own_types}
+        rest = {k: v for k, v in options.items() if k not in own_types or k in shared}
+        try:
+            schedule = schedule_cls.from_options(rest, context)
+        except ValueError as e:
+            allowed = ", ".join(dict.fromkeys([*own_types, *schedule_types]))
+            raise ValueError(f"{e} ({cls.name} with init={init} allows: {allowed})") from None
+        kwargs = {k: cls.parse_value(k, v, own_types[k]) for k, v in own.items()}
+        length = (context or {}).get("original_length")
+        if "original_length" not in kwargs and "original_length" not in shared and length:
+            kwargs["original_length"] = int(length)
+        return cls(schedule=schedule, **kwargs)
+
+    def options(self) -> dict[str, Any]:
+        own = {k: v for k, v in super().options().items() if k != "schedule"}
+        if self.schedule.extension().original_length is not None:
+            own.pop("original_length", None)  # the schedule's options spell it
+        for key, default in self._defaults().items():
+            if own.get(key) == default:
+                own.pop(key)
+        return {**own, **self.schedule.options()}
+
+    @property
+    def base_schedule(self) -> RopeConfig:
+        return self.schedule
+
+    def extension(self) -> Extension:
+        inner = self.schedule.extension()
+        return Extension(inner.base, inner.factor, self.original_length)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is not allowed; it must be an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReRopeConfig(RemapConfig):
+    """ReRoPE / Leaky ReRoPE (Su 2023): distances past ``window`` clipped, or slowed by 1/leaky."""
+
+    name: ClassVar[str] = "rerope"
+    window: int = 512  # w (tokens): distances below it keep their positions (Su's patch: 512)
+    leaky: float | None = None  # k: beyond w, distance w + (d - w)/k; None = clip (Su: k = 16)
+    logn: bool = False  # scale queries by max(1, ln(i+1)/ln L0), as Su's patches do
+
+    def _resolve(self) -> None:
+        _positive_int("window", self.window)
+        if self.leaky is not None:
+            check_positive("leaky", self.leaky, minimum=1.0, strict=False)
+        if self.logn and (self.original_length is None or self.original_length < 2):
+            raise ValueError(
+                f"original_length is required for rerope with logn=true (log-n scaling divides "
+                f"by ln L0; it must be >= 2, got {self.original_length!r})"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfExtendConfig(RemapConfig):
+    """Self-Extend (Jin et al. 2024): neighbour window W, group size G beyond it."""
+
+    name: ClassVar[str] = "self-extend"
+    group: int = 8  # G: positions beyond the window are floor(p / G) (authors' default 8)
+    window: int = 1024  # W (tokens): neighbour window with normal positions (authors' 1024)
+    mode: str = "paper"  # "paper" (sliding neighbour window) or "llama.cpp" (grouped blocks)
+
+    MODES: ClassVar[tuple[str, ...]] = ("paper", "llama.cpp")
+
+    def _resolve(self) -> None:
+        _positive_int("group", self.group)
+        _positive_int("window", self.window)
+        check_choice("mode", self.mode, self.MODES)
+        if self.mode == "llama.cpp" and self.window % self.group:
+            raise ValueError(
+                f"window={self.window} is not allowed with mode=llama.cpp; llama.cpp requires "
+                f"--grp-attn-w to be a multiple of --grp-attn-n (group={self.group})"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DCAConfig(RemapConfig):
+    """Dual chunk attention (An et al. 2024); parameter names as Qwen2.5-1M's config."""
+
+    name: ClassVar[str] = "dca"
+    chunk_size: int | None = None  # tokens; the largest distance seen; default 3 L0 / 4
+    local_size: int | None = None  # tokens; chunk length = chunk_size - local_size; L0 / 16
+
+    def _defaults(self) -> dict[str, Any]:
+        if self.original_length is None:
+            return {}
+        return {
+            "chunk_size": self.original_length * 3 // 4,
+            "local_size": self.original_length // 16,
+        }
+
+    def _resolve(self) -> None:
+        for name in ("chunk_size", "local_size"):
+            if getattr(self, name) is None:
+                self._require_length(name)
+                object.__setattr__(self, name, self._defaults()[name])
+        _positive_int("chunk_size", self.chunk_size)
+        if isinstance(self.local_size, bool) or not isinstance(self.local_size, int):
+            raise ValueError(f"local_size={self.local_size!r} is not an integer")
+        if not 0 <= self.local_size < self.chunk_size:
+            raise ValueError(
+                f"local_size={self.local_size} is not allowed; it must lie in "
+                f"[0, chunk_size={self.chunk_size})"
+            )
+
+    @property
+    def chunk_len(self) -> int:
+        """c: the tokens in one chunk."""
+        return self.chunk_size - self.local_size
+
+
+@dataclasses.dataclass(frozen=True)
+class StringConfig(RemapConfig):
+    """STRING (An et al. 2025): distances >= shift are shifted down by shift - window."""
+
+    name: ClassVar[str] = "string"
+    shift: int | None = None  # S (tokens): distances >= S become d - S + W; default int(0.33 L0)
+    window: int = 128  # W (tokens): the local window kept at the seam (authors' 128)
+
+    def _defaults(self) -> dict[str, Any]:
+        if self.original_length is None:
+            return {}
+        return {"shift": int(0.33 * self.original_length)}
+
+    def _resolve(self) -> None:
+        if self.shift is None:
+            self._require_length("shift")
+            object.__setattr__(self, "shift", self._defaults()["shift"])
+        _positive_int("shift", self.shift)
+        _positive_int("window", self.window)
+        if self.window > self.shift:
+            raise ValueError(
+                f"window={self.window} is not allowed; it must not exceed shift={self.shift} "
+                "(window = shift is the identity)"
+            )
+
+
+class RemapEncoding(PositionEncoding):
+    """A distance remap over a base rotary schedule (module docstring)."""
+
+    config: RemapConfig
+    remaps_distance: ClassVar[bool] = True
+
+    def __init__(self, config: RemapConfig, **dims: int) -> None:
+        super().__init__(config, **dims)
+        self.inner = RotaryEncoding(config.schedule, **dims)
+        self.rotary_dim, self.n_pairs, self.pairing = (
+            self.inner.rotary_dim,
+            self.inner.n_pairs,
+            self.inner.pairing,
+        )
+
+    # The identity band: what attention that ignores bands would compute.
+    def rotate_q(self, q: Tensor, positions: Tensor | None = None, layer: int = 0) -> Tensor:
+        return self.inner.rotate_q(q, positions, layer)
+
+    def rotate_k(self, k: Tensor, positions: Tensor | None = None, layer: int = 0) -> Tensor:
+        return self.inner.rotate_k(k, positions, layer)
+
+    def inv_freq(self, layer: int = 0, length: int | None = None) -> tuple[Tensor, float]:
+        return self.inner.inv_freq(layer, length)
+
+    def rotate_band(self, x: Tensor, positions: Tensor, query: bool, layer: int = 0) -> Tensor:
+        """x (B, H|K, N, D) rotated at any positions (B|1, N), integer or fractional; queries
+        and keys alike (the base schedules have no query-only factor)."""
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        cos, sin = self.inner.tables(positions, dtype)  # float64 angles from any real position
+        return rotate(x, cos, sin, self.pairing)
+
+    def bands(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> list[Band]:
+        """The bands (``bands.Band``) for queries at q_pos (B|1, T) over keys at k_pos (B|1, S)."""
+        raise NotImplementedError
+
+
+class ReRope(RemapEncoding):
+    config: ReRopeConfig
+
+    def bands(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> list[Band]:
+        w, k = self.config.window, self.config.leaky
+        seam = q_pos - w + 1  # keys at positions >= seam are within the window (d < w)
+        scale = None
+        if self.config.logn:
+            L0 = self.config.original_length
+            logn = (torch.log((q_pos + 1).double()) / math.log(L0)).clamp(min=1)  # (B|1, T)
+            scale = logn[:, None, :, None]  # (B|1, 1, T, 1)
+        if k is None:  # clipped: every far pair sees exactly w
+            far_q = torch.full_like(q_pos, w)
+            far_k = torch.zeros_like(k_pos)
+        else:  # leaky: (i + w (k - 1)) / k - j / k = w + (d - w) / k
+            far_q = (q_pos.double() + w * (k - 1)) / k
+            far_k = k_pos.double() / k
+        return [
+            Band(q_pos, k_pos, lo=seam, q_scale=scale),
+            Band(far_q, far_k, hi=seam, q_scale=scale),
+        ]
+
+
+class SelfExtend(RemapEncoding):
+    config: SelfExtendConfig
+
+    def bands(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> list[Band]:
+        G, W = self.config.group, self.config.window
+        if self.config.mode == "paper":
+            seam = q_pos - W + 1  # neighbours: d < W
+            group_q = torch.div(q_pos, G, rounding_mode="floor") + W - W // G
+        else:
+            # llama.cpp: the query's own block of W tokens keeps relative positions; the keys
+            # of completed blocks were divided by G, and the query's block continues from
+            # the grouped ones: floor(i / W) * W / G + (i mod W).
+            block = torch.div(q_pos, W, rounding_mode="floor")
+            seam = block * W
+            group_q = block * (W // G) + (q_pos - seam)
+        group_k = torch.div(k_pos, G, rounding_mode="floor")
+        return [Band(q_pos, k_pos, lo=seam), Band(group_q, group_k, hi=seam)]
+
+
+class DCA(RemapEncoding):
+    config: DCAConfig
+
+    def bands(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> list[Band]:
+        c, top = self.config.chunk_len, self.config.chunk_size
+        chunk_start = torch.div(q_pos, c, rounding_mode="floor") * c  # (B|1, T)
+        q_in = q_pos - chunk_start  # i mod c
+        k_in = torch.remainder(k_pos, c)  # j mod c
+        succ_q = (q_in + c).clamp(max=top)
+        inter_q = torch.full_like(q_pos, min(2 * c - 1, top))
+        return [
+            Band(q_in, k_in, lo=chunk_start),  # intra: the query's own chunk
+            Band(succ_q, k_in, lo=chunk_start - c, hi=chunk_start),  # successive chunk
+            Band(inter_q, k_in, hi=chunk_start - c),  # inter: older chunks
+        ]
+
+
+class String(RemapEncoding):
+    config: StringConfig
+
+    def bands(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> list[Band]:
+        S, W = self.config.shift, self.config.window
+        seam = q_pos - S + 1  # d < S keeps its position
+        return [Band(q_pos, k_pos, lo=seam), Band(q_pos - S + W, k_pos, hi=seam)]

@@ -1,0 +1,369 @@
+"""Distance-remapping encodings (rerope, self-extend, dca, string) and the banded attention
+kernel: each against a brute-force definition written from its paper (the full logit matrix
+with the remapped distance computed pair by pair), forward and backward; equal to plain RoPE
+where the remap is the identity; blocks, packed rows and llama.cpp's group attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ropekit.encodings import banded_attention, build
+
+from .conftest import perturb
+
+SHAPE = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "n_layers": 2}
+T = 40
+TOL = {"rtol": 1e-10, "atol": 1e-10}  # float64 throughout: the two paths differ by rounding
+
+
+# ----------------------------------------------------------------------------- the definitions
+# d'(i, j) for query position i and key position j, written from each paper, pair by pair.
+def rerope_distance(w: int, k: float | None):
+    def remap(i: int, j: int) -> float:
+        d = i - j
+        if d < w:
+            return float(d)
+        return float(w) if k is None else w + (d - w) / k
+
+    return remap
+
+
+def self_extend_distance(G: int, W: int):
+    def remap(i: int, j: int) -> float:
+        if i - j < W:
+            return float(i - j)
+        return float((i // G + W - W // G) - j // G)
+
+    return remap
+
+
+def dca_distance(chunk_size: int, local_size: int):
+    c = chunk_size - local_size
+
+    def remap(i: int, j: int) -> float:
+        if i // c == j // c:  # intra-chunk
+            return float(i % c - j % c)
+        if j // c == i // c - 1:  # successive chunk
+            return float(min(i % c + c, chunk_size) - j % c)
+        return float(min(2 * c - 1, chunk_size) - j % c)  # inter-chunk
+
+    return remap
+
+
+def string_distance(S: int, W: int):
+    def remap(i: int, j: int) -> float:
+        d = i - j
+        return float(d if d < S else d - S + W)
+
+    return remap
+
+
+def rotate_pairs(x, cos, sin, pairing: str):
+    """x (..., D) rotated pair by pair (RoPE paper, eq. 13) by broadcast tables (..., F)."""
+    n = cos.shape[-1]
+    if pairing == "half":
+        x1, x2 = x[..., :n], x[..., n : 2 * n]
+        pairs = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+    else:
+        x1, x2 = x[..., 0 : 2 * n : 2], x[..., 1 : 2 * n : 2]
+        pairs = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).flatten(-2)
+    tail = x[..., 2 * n :].expand(*pairs.shape[:-1], -1)  # channels that do not rotate
+    return torch.cat((pairs, tail), -1)
+
+
+def brute_force(enc, q, k, v, positions, remap, *, q_scale=None, mask=None):
+    """softmax_j(scale * a^2 <R(d'(i, j)) q_i, k_j>) v_j, the rotation by the remapped distance
+    applied to the query alone (RoPE logits depend on P_q - P_k only), pair by pair."""
+    H, D = q.shape[1], q.shape[3]
+    theta, factor = enc.inv_freq(0)
+    theta = theta[0]
+    d = torch.tensor(
+        [[[remap(int(i), int(j)) for j in row] for i in row] for row in positions],
+        dtype=torch.float64,
+    )  # (B, T, S)
+    phi = d[..., None] * theta  # (B, T, S, F)
+    if q_scale is not None:
+        q = q * q_scale(positions)[:, None, :, None]
+    rotated = rotate_pairs(q[:, :, :, None, :], phi.cos()[:, None], phi.sin()[:, None], enc.pairing)
+    keys = k.repeat_interleave(H // k.shape[1], dim=1)[:, :, None]  # (B, H, 1, S, D)
+    logits = (rotated * keys).sum(-1) * float(factor) ** 2 / math.sqrt(D)  # (B, H, T, S)
+    if mask is None:
+        mask = torch.ones(d.shape[-2:], dtype=torch.bool).tril()
+    logits = logits.masked_fill(~mask, float("-inf"))
+    return logits.softmax(-1) @ v.repeat_interleave(H // v.shape[1], dim=1)
+
+
+def banded(enc, q, k, v, positions, block_entries=1 << 19, mask=None):
+    return banded_attention(
+        q,
+        k,
+        v,
+        enc.bands(positions, positions),
+        positions,
+        enc.rotate_band,
+        causal_offset=0 if mask is None else None,
+        mask=None if mask is None else (lambda a, b, n: mask[..., a:b, :n]),
+        block_entries=block_entries,
+    )
+
+
+def _inputs(seed: int = 0, B: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, SHAPE["n_heads"], T, SHAPE["head_dim"], generator=g, dtype=torch.float64)
+    k = torch.randn(B, SHAPE["n_kv_heads"], T, SHAPE["head_dim"], generator=g, dtype=torch.float64)
+    v = torch.randn(B, SHAPE["n_kv_heads"], T, SHAPE["head_dim"], generator=g, dtype=torch.float64)
+    positions = torch.arange(T)[None] + torch.tensor([[0], [5]])[:B]  # offset rows
+    return q, k, v, positions
+
+
+def _logn(L0: int):
+    return lambda p: (torch.log((p + 1).double()) / math.log(L0)).clamp(min=1)
+
+
+CASES = [
+    ("rerope:window=6", rerope_distance(6, None), None),
+    ("rerope:window=6,leaky=3", rerope_distance(6, 3), None),
+    ("rerope:window=5,leaky=2.5,logn=true,original_length=16", rerope_distance(5, 2.5), _logn(16)),
+    ("rerope:window=7,init=linear,factor=2", rerope_distance(7, None), None),
+    ("self-extend:group=3,window=7", self_extend_distance(3, 7), None),  # W not a multiple of G
+    ("self-extend:group=4,window=8,init=ntk,factor=2", self_extend_distance(4, 8), None),
+    ("dca:chunk_size=12,local_size=3", dca_distance(12, 3), None),
+    ("dca:chunk_size=10,local_size=0", dca_distance(10, 0), None),
+    ("dca:original_length=16", dca_distance(12, 1), None),  # ChunkLlama's defaults: 3/4, 1/16
+    ("dca:chunk_size=13,local_size=9", dca_distance(13, 9), None),  # 2c - 1 < chunk_size
+    (
+        "dca:chunk_size=12,local_size=2,init=yarn,factor=2,original_length=16",
+        dca_distance(12, 2),
+        None,
+    ),
+    ("string:shift=9,window=3", string_distance(9, 3), None),
+    ("string:original_length=30,window=2", string_distance(9, 2), None),  # S = int(0.33 L0)
+]
+
+
+@pytest.mark.parametrize(("spec", "remap", "q_scale"), CASES, ids=[c[0] for c in CASES])
+def test_banded_attention_equals_the_pairwise_definition_forward_and_backward(spec, remap, q_scale):
+    enc = build(spec, **SHAPE).double()
+    q, k, v, positions = _inputs()
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    grads = []
+    for fn in (
+        lambda *a: banded(enc, *a, positions, block_entries=200),  # many blocks of a few rows
+        lambda *a: brute_force(enc, *a, positions, remap, q_scale=q_scale),
+    ):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        (out * w).sum().backward()
+        grads.append((out.detach(), *(t.grad for t in leaves)))
+    for got, expected in zip(*grads, strict=True):
+        torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_remaps_change_what_plain_rope_computes():
+    """The brute force is not trivially plain RoPE: at T = 40 every case differs from it."""
+    q, k, v, positions = _inputs()
+    for spec, _, _ in CASES:
+        enc = build(spec, **SHAPE).double()
+        plain = brute_force(enc, q, k, v, positions, lambda i, j: float(i - j))
+        assert (banded(enc, q, k, v, positions) - plain).abs().max() > 1e-3, spec
+
+
+def _plain(spec: str, q, k, v, positions):
+    rope = build(spec, **SHAPE).double()
+    return F.scaled_dot_product_attention(
+        rope.rotate_q(q, positions), rope.rotate_k(k, positions), v, is_causal=True, enable_gqa=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "plain"),
+    [
+        ("rerope:window=45", "rope"),  # T + offset within the window
+        ("rerope:window=3,leaky=1", "rope"),  # k = 1: the far band is the identity
+        ("rerope:window=3,leaky=1,logn=true,original_length=64", "rope"),  # log-n <= 1 inside L0
+        ("self-extend:group=1,window=5", "rope"),
+        ("self-extend:group=4,window=45,init=linear,factor=2", "linear:factor=2"),
+        ("dca:chunk_size=50,local_size=5", "rope"),  # one chunk covers positions 0..44
+        ("string:shift=45,window=8", "rope"),
+        ("string:shift=6,window=6", "rope"),  # W = S
+        (
+            "string:shift=50,window=8,init=yarn,factor=2,original_length=16",
+            "yarn:factor=2,original_length=16",
+        ),
+    ],
+)
+def test_an_identity_remap_equals_its_base_schedule(spec, plain):
+    enc = build(spec, **SHAPE).double()
+    q, k, v, positions = _inputs(1)
+    torch.testing.assert_close(
+        banded(enc, q, k, v, positions), _plain(plain, q, k, v, positions), **TOL
+    )
+
+
+@pytest.mark.parametrize("spec", ["rope", "adarope:init=yarn,factor=2,original_length=16", "alibi"])
+def test_every_encoding_is_one_band(spec):
+    """Plain RoPE (and AdaRoPE with its temperature) through the kernel as its single band is
+    ordinary attention; so is an encoding that does not rotate (ALiBi's bias aside, none)."""
+    enc = perturb(build(spec, **SHAPE)).double()
+    q, k, v, positions = _inputs(2)
+    assert len(enc.bands(positions, positions)) == 1
+    expected = F.scaled_dot_product_attention(
+        enc.rotate_q(q, positions), enc.rotate_k(k, positions), v, is_causal=True, enable_gqa=True
+    )
+    torch.testing.assert_close(banded(enc, q, k, v, positions, block_entries=300), expected, **TOL)
+
+
+@pytest.mark.parametrize("spec", [c[0] for c in CASES[::3]])
+def test_blocks_and_key_ranges_do_not_change_the_result(spec):
+    enc = build(spec, **SHAPE).double()
+    q, k, v, positions = _inputs(3)
+    whole = banded(enc, q, k, v, positions, block_entries=1 << 30)
+    for entries in (1, 97, 4 * 40 * 7):
+        torch.testing.assert_close(
+            banded(enc, q, k, v, positions, block_entries=entries), whole, **TOL
+        )
+
+
+def test_packed_rows_fall_back_to_full_key_ranges_and_stay_exact():
+    """Positions that restart (packed documents) cannot be searched; with a document mask the
+    result still equals the pairwise definition."""
+    enc = build("self-extend:group=2,window=5", **SHAPE).double()
+    q, k, v, _ = _inputs(4, B=1)
+    positions = torch.cat((torch.arange(25), torch.arange(15)))[None]  # (1, 40): two documents
+    doc = torch.cat((torch.zeros(25), torch.ones(15))).long()
+    mask = (doc[:, None] == doc[None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    got = banded(enc, q, k, v, positions, block_entries=160, mask=mask)
+    expected = brute_force(enc, q, k, v, positions, self_extend_distance(2, 5), mask=mask)
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_rows_that_see_no_key_give_zeros_not_nan():
+    enc = build("string:shift=4,window=2", **SHAPE)
+    q, k, v, positions = (t.float() if t.is_floating_point() else t for t in _inputs(5, B=1))
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    mask[:3] = False  # three padding rows
+    out = banded(enc, q, k, v, positions, mask=mask)
+    assert torch.isfinite(out).all() and not out[:, :, :3].any()
+
+
+# ----------------------------------------------------------------------------- llama.cpp
+def llama_cpp_group_attention(n_tokens: int, ga_n: int, ga_w: int) -> list[tuple[int, list[int]]]:
+    """What llama.cpp's main example does with --grp-attn-n ga_n --grp-attn-w ga_w when it
+    decodes one token at a time: before each decode, while the cache has a full block past
+    ga_i, it shifts and divides the cached cells' positions (llama_kv_cache_seq_add /
+    llama_kv_cache_seq_div, which re-rotate the cached keys); the new token takes position
+    n_past. Returns, per token, (its query position, the positions of cells 0..i)."""
+    cells: list[int] = []
+    n_past, ga_i = 0, 0
+
+    def seq_add(p0: int, p1: int, delta: int) -> None:
+        for c, pos in enumerate(cells):
+            if p0 <= pos < p1:
+                cells[c] = pos + delta
+
+    def seq_div(p0: int, p1: int, d: int) -> None:
+        for c, pos in enumerate(cells):
+            if p0 <= pos < p1:
+                cells[c] = pos // d
+
+    steps = []
+    for _ in range(n_tokens):
+        while n_past >= ga_i + ga_w:
+            ib = (ga_n * ga_i) // ga_w
+            bd = (ga_w // ga_n) * (ga_n - 1)
+            dd = (ga_w // ga_n) - ib * bd - ga_w
+            seq_add(ga_i, n_past, ib * bd)
+            seq_div(ga_i + ib * bd, ga_i + ib * bd + ga_w, ga_n)
+            seq_add(ga_i + ib * bd + ga_w, n_past + ib * bd, dd)
+            n_past -= bd
+            ga_i += ga_w // ga_n
+        cells.append(n_past)
+        steps.append((n_past, list(cells)))
+        n_past += 1
+    return steps
+
+
+@pytest.mark.parametrize(("G", "W"), [(2, 4), (4, 8), (3, 6)])
+def test_self_extend_llama_cpp_mode_matches_llama_cpp_group_attention(G, W):
+    """Logits of every decoding step, with plain RoPE at the positions llama.cpp's cache holds,
+    equal self-extend:mode=llama.cpp's; the paper's definition differs from both."""
+    enc = build(f"self-extend:group={G},window={W},mode=llama.cpp", **SHAPE).double()
+    paper = build(f"self-extend:group={G},window={W}", **SHAPE).double()
+    q, k, v, positions = _inputs(6, B=1)
+    steps = llama_cpp_group_attention(T, G, W)
+    reference = []
+    for i, (q_pos, cells) in enumerate(steps):
+        remap = {j: float(q_pos - p) for j, p in enumerate(cells)}
+        row = brute_force(
+            enc,
+            q[:, :, : i + 1],
+            k[:, :, : i + 1],
+            v[:, :, : i + 1],
+            positions[:, : i + 1],
+            lambda a, b, r=remap: r[b],
+        )
+        reference.append(row[:, :, -1])
+    reference = torch.stack(reference, dim=2)  # (1, H, T, D)
+    torch.testing.assert_close(banded(enc, q, k, v, positions), reference, **TOL)
+    assert (banded(paper, q, k, v, positions) - reference).abs().max() > 1e-3
+
+
+# ----------------------------------------------------------------------------- specs
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        ("rerope:window=0", ["window", ">= 1"]),
+        ("rerope:leaky=0.5", ["leaky", ">= 1"]),
+        ("rerope:logn=true", ["original_length is required"]),
+        ("self-extend:group=0", ["group", ">= 1"]),
+        ("self-extend:mode=vllm", ["mode", "paper", "llama.cpp"]),
+        ("self-extend:group=3,window=8,mode=llama.cpp", ["multiple", "grp-attn"]),
+        ("dca", ["chunk_size is required"]),
+        ("dca:chunk_size=8,local_size=8", ["local_size", "[0, chunk_size=8)"]),
+        ("string", ["shift is required"]),
+        ("string:shift=4,window=5", ["window", "shift=4"]),
+        ("dca:chunk_size=8,init=dynamic-ntk", ["init", "rope", "yarn"]),
+        ("string:shift=8,original_length=16,init=yarn,factor=2,bogus=1", ["bogus", "shift"]),
+    ],
+)
+def test_bad_remap_specs_name_the_problem(spec, words):
+    with pytest.raises(ValueError) as info:
+        build(spec, **SHAPE)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "rerope:window=512,leaky=16",
+        "self-extend:group=16,window=2048,mode=llama.cpp",
+        "dca:original_length=32768",
+        "dca:chunk_size=262144,local_size=8192,base=10000000",  # Qwen2.5-1M's config
+        "string:original_length=131072,init=yarn,factor=2",
+    ],
+)
+def test_remap_specs_round_trip(spec):
+    enc = build(spec, **SHAPE)
+    assert build(enc.spec, **SHAPE).config == enc.config
+
+
+def test_context_supplies_the_original_length_defaults_derive_from():
+    """A patched model supplies L0; the defaults follow it and the spec then records L0, so
+    the spec rebuilds the same encoding without the model."""
+    dca = build("dca", **SHAPE, original_length=4096)
+    assert (dca.config.chunk_size, dca.config.local_size) == (3072, 256)
+    assert dca.spec == "dca:original_length=4096"
+    string = build("string", **SHAPE, original_length=131072)
+    assert string.config.shift == 43253  # the authors' README: 131072 * 0.33
+    yarn_based = build("string:init=yarn,factor=2,window=8", **SHAPE, original_length=64)
+    assert yarn_based.config.shift == 21 and yarn_based.config.schedule.original_length == 64
+    assert build(yarn_based.spec, **SHAPE).config == yarn_based.config
+    assert (
+        build("dca:chunk_size=100,local_size=10", **SHAPE, original_length=64).config.chunk_len
+        == 90
+    )
