@@ -43,6 +43,14 @@ did not fill is refused (its keys are rotated or their positions unknown); stati
 refused (unfilled slots have no position). Static schedules cache rotated keys exactly as
 transformers does, in any cache.
 
+Distance remaps (``encoding.remaps_distance``: rerope, self-extend, dca, string) replace the
+attention function: q, k and v go unrotated to ``ropekit.encodings.banded_attention``, which
+computes each band (its own rotations of q and k, its own keys) and merges them exactly,
+block by block over query rows, with transformers' mask (sdpa's boolean one, or None for
+``is_causal``; eager's additive one) applied on top, so padding, GQA and sliding windows keep
+their meaning and no (T, S) logit tensor per head is built. The cache holds unrotated keys
+with their positions, as for dynamic schedules; decoding is exact at every step.
+
 Holds: patch, unpatch, is_patched, encoding_of, build_for_model, ENCODING_ATTR.
 """
 
@@ -57,7 +65,7 @@ import torch
 from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ropekit.encodings import PositionEncoding, config_from_spec
+from ropekit.encodings import PositionEncoding, banded_attention, config_from_spec
 
 from .archs import ArchSpec, arch_for, base_model, model_dims, rope_context, unwrap
 
@@ -185,7 +193,7 @@ def _held_positions(layer_cache: Any, layer_idx: int, batch: int, device: torch.
     return held[:, :n_held]
 
 
-def _update_unrotated(
+def _cache_unrotated(
     state: _PatchState,
     cache: Any,
     layer_idx: int,
@@ -193,13 +201,14 @@ def _update_unrotated(
     v: Tensor,
     positions: Tensor,
     kwargs: dict[str, Any],
-) -> tuple[Tensor, Tensor]:
-    """Cache unrotated keys, then rotate every key the query sees at the current length."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Cache unrotated keys with their positions; return every stored key, value (B, K, S, D)
+    and the keys' positions (B, S)."""
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise RuntimeError(
-            f"{type(cache).__name__} has no per-layer storage; dynamic schedules need "
-            "transformers' DynamicCache"
+            f"{type(cache).__name__} has no per-layer storage; dynamic schedules and distance "
+            "remaps need transformers' DynamicCache"
         )
     batch = k.shape[0]
     before = layers[layer_idx] if layer_idx < len(layers) else None
@@ -210,15 +219,62 @@ def _update_unrotated(
     if seen.shape[-1] != keys.shape[-2]:
         raise RuntimeError(
             f"{type(layer_cache).__name__} returned {keys.shape[-2]} keys for {seen.shape[-1]} "
-            "known positions; dynamic schedules need a DynamicCache (static caches return "
-            "unfilled slots whose positions are unknown)"
+            "known positions; dynamic schedules and distance remaps need a DynamicCache "
+            "(static caches return unfilled slots whose positions are unknown)"
         )
     # Keep the positions of exactly the keys the layer stores (sliding-window layers keep the
     # last window - 1 of them, DynamicSlidingWindowLayer.update).
     stored = layer_cache.keys.shape[-2]
     setattr(layer_cache, _POSITIONS_ATTR, seen[:, seen.shape[-1] - stored :])
-    key_positions = state.shared_positions(seen)
-    return state.encoding.rotate_k(keys, key_positions, layer_idx), values
+    return keys, values, state.shared_positions(seen)
+
+
+def _banded(
+    module: nn.Module,
+    state: _PatchState,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    key_positions: Tensor,
+    attention_mask: Tensor | None,
+) -> Tensor:
+    """A distance remap's attention (``ropekit.encodings.bands``): (B, T, H, D).
+
+    transformers hands sdpa a boolean mask (True = attend) or None when ``is_causal`` suffices,
+    and eager an additive float mask; both mean the same causal, padding and sliding-window
+    pattern, which the banded kernel applies block by block on top of the bands."""
+    if module.training and module.attention_dropout:
+        raise ValueError(
+            f"{state.encoding.spec!r} attends in bands, which have no attention dropout; "
+            f"set attention_dropout=0 (it is {module.attention_dropout})"
+        )
+    S, T = k.shape[-2], q.shape[-2]
+    mask_rows = None
+    if attention_mask is not None:
+        if attention_mask.dim() != 4:
+            raise ValueError(
+                f"{state.encoding.spec!r} attends in bands and reads 4-D attention masks (sdpa "
+                f"and eager attention); attn_implementation="
+                f"{module.config._attn_implementation!r} passed a {attention_mask.dim()}-D one"
+            )
+        full = attention_mask[..., -T:, -S:]  # (B, 1, T, S); static masks may be longer
+
+        def mask_rows(start: int, stop: int, n: int) -> Tensor:
+            return full[..., start:stop, :n]
+
+    out = banded_attention(
+        q,
+        k,
+        v,
+        state.encoding.bands(positions, key_positions, module.layer_idx),
+        key_positions,
+        functools.partial(state.encoding.rotate_band, layer=module.layer_idx),
+        scale=module.scaling,
+        causal_offset=S - T,  # these decoders are causal; the mask adds padding and windows
+        mask=mask_rows,
+    )  # (B, H, T, D)
+    return out.transpose(1, 2)  # (B, T, H, D)
 
 
 def _attention_forward(
@@ -247,12 +303,23 @@ def _attention_forward(
     if state.arch.qk_norm:
         # Qwen3Attention normalises each head's q and k before rotating them.
         q, k = module.q_norm(q), module.k_norm(k)
-    q = encoding.rotate_q(q.transpose(1, 2), positions, layer)  # (B, H, T, D)
+    q = q.transpose(1, 2)  # (B, H, T, D)
     k = k.transpose(1, 2)  # (B, K, T, D)
     v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, K, T, D)
 
+    if encoding.remaps_distance:
+        key_positions = positions
+        if cache is not None:
+            k, v, key_positions = _cache_unrotated(state, cache, layer, k, v, positions, kwargs)
+        out = _banded(module, state, q, k, v, positions, key_positions, attention_mask)
+        return module.o_proj(out.reshape(*input_shape, -1).contiguous()), None
+
+    q = encoding.rotate_q(q, positions, layer)  # (B, H, T, D)
     if cache is not None and encoding.dynamic:
-        k, v = _update_unrotated(state, cache, layer, k, v, positions, kwargs)  # (B, K, S, D)
+        # The schedule follows the current length: every key is kept unrotated and rotated
+        # again at this step's length, as a full forward would.
+        k, v, key_positions = _cache_unrotated(state, cache, layer, k, v, positions, kwargs)
+        k = encoding.rotate_k(k, key_positions, layer)  # (B, K, S, D)
     else:
         k = encoding.rotate_k(k, positions, layer)
         if cache is not None:
