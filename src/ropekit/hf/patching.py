@@ -133,8 +133,13 @@ def _check_wirable(encoding: PositionEncoding) -> None:
 
 def _check_dims(encoding: PositionEncoding, config: Any) -> None:
     dims = model_dims(config)
-    for field in ("n_heads", "n_kv_heads", "head_dim", "n_layers"):
-        got, expected = getattr(encoding, field), getattr(dims, field)
+    pairs = {
+        "n_heads": (encoding.n_heads, dims.n_heads),
+        "n_kv_heads": (encoding.n_kv_heads, dims.n_kv_heads),
+        "head_dim": (encoding.head_dim, dims.head_dim),
+        "n_layers": (encoding.n_layers, dims.n_layers),
+    }
+    for field, (got, expected) in pairs.items():
         if got != expected:
             raise ValueError(
                 f"encoding {encoding.spec!r} was built for {field}={got}; this model has {expected}"
