@@ -60,14 +60,18 @@ def test_inference_tensors_are_compared_by_value():
 
 # ----------------------------------------------------------------------------- ROPEKIT_COMPILE
 def test_a_bad_compile_mode_is_a_one_line_value_error_at_first_use(monkeypatch):
-    monkeypatch.setenv("ROPEKIT_COMPILE", "banana")
-    monkeypatch.setitem(rotary._settings, "mode", None)  # as in a fresh process
+    """First use is building an encoding (a program stops when it makes its model) or, for
+    code that calls the kernels directly, the first rotation."""
     enc = build("rope", **SHAPE)
     q = torch.randn(1, SHAPE["n_heads"], 3, SHAPE["head_dim"])
-    with pytest.raises(ValueError, match="ROPEKIT_COMPILE='banana'") as info:
-        enc.rotate_q(q)
-    message = str(info.value)
-    assert "\n" not in message and "auto" in message and "never" in message
+    cos, sin = enc.tables(torch.arange(3)[None])
+    monkeypatch.setenv("ROPEKIT_COMPILE", "banana")
+    monkeypatch.setitem(rotary._settings, "mode", None)  # as in a fresh process
+    for first_use in (lambda: build("rope", **SHAPE), lambda: rotary.rotate(q, cos, sin)):
+        with pytest.raises(ValueError, match="ROPEKIT_COMPILE='banana'") as info:
+            first_use()
+        message = str(info.value)
+        assert "\n" not in message and "auto" in message and "never" in message
     monkeypatch.setenv("ROPEKIT_COMPILE", "never")
     assert torch.equal(enc.rotate_q(q), enc.rotate_q(q))  # read again once it is fixed
     assert rotary.compile_settings()["mode"] == "never"

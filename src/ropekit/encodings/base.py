@@ -37,6 +37,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from . import rotary
 from .bands import Band
 
 
@@ -330,6 +331,9 @@ class PositionEncoding(nn.Module):
     ) -> None:
         super().__init__()
         check_rebuilds_from_spec(config)
+        # The first use of the rotation machinery: a bad ROPEKIT_COMPILE stops the program
+        # when it builds its model, not midway through a run.
+        rotary.check_environment()
         self.config = config
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim, self.n_layers, self.d_model = head_dim, n_layers, d_model

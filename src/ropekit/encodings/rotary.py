@@ -25,9 +25,9 @@ The fast path has two kernels for the rotation itself (``rotate_tensor``):
   ``auto`` uses it only for tensors of at least ``min_numel`` elements (2^21 by default, where
   one call saves ~10 ms here and the compile pays for itself within about a thousand calls)
   and only where compilation works; any compile failure falls back to eager for the rest of
-  the process, with one warning. ``ROPEKIT_COMPILE=auto|always|never`` (read at the first
-  rotation, not at import; a bad value is a one-line ValueError there) or ``set_compile``
-  choose; ``never`` is the eager path everywhere.
+  the process, with one warning. ``ROPEKIT_COMPILE=auto|always|never`` (read when the first
+  encoding is built or the first rotation runs, not at import; a bad value is a one-line
+  ValueError there) or ``set_compile`` choose; ``never`` is the eager path everywhere.
 
 Learnable frequencies (AdaRoPE, tuned-yarn) rotate through ``rotate_angles``: it takes the
 positions and the frequencies theta instead of tables, forms cos/sin inside, and in backward
@@ -38,7 +38,7 @@ this drops the saved float64 angles plus float32 cos and sin (16 bytes per table
 for q and again for k in every layer) and the saved unrotated input.
 
 Holds: PAIRINGS, angles, tables, rotate, rotate_reference, rotate_tensor, rotate_angles,
-set_compile, compile_settings.
+set_compile, compile_settings, check_environment.
 """
 
 from __future__ import annotations
@@ -148,6 +148,13 @@ _settings: dict[str, Any] = {
     "min_numel": 1 << 21,
     "failed": None,  # why compilation failed (then eager for the rest of the process)
 }
+
+
+def check_environment() -> None:
+    """Read and check ``ROPEKIT_COMPILE`` now: a one-line ValueError naming the value and the
+    allowed modes when it is bad. Encodings call it when they are built, so a bad value stops
+    a program when it makes its model, before it writes or computes anything."""
+    _mode()
 
 
 def _mode() -> str:
