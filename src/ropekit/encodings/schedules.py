@@ -16,6 +16,7 @@ Holds: rope, linear (PI), ntk, dynamic_ntk, yarn (+ its helpers), llama3, longro
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -45,9 +46,29 @@ def linear(dim: int, base: float, factor: float) -> Schedule:
     return inv_freq / factor, 1.0
 
 
+def _stretched_base(dim: int, base: float, multiplier: float, factor: float) -> float:
+    """b * m^(d/(d-2)), refusing (ValueError naming the factor) what float64 cannot hold: a
+    huge factor overflows the power, or cancels to m = 0 in dynamic NTK's s L / L0 - (s - 1)."""
+    if dim <= 2:
+        raise ValueError(
+            f"NTK scaling needs more than one rotary pair: b * s^(d/(d-2)) is undefined for "
+            f"rotated dim d = {dim}; rotate more channels (fraction) or use linear scaling"
+        )
+    exponent = dim / (dim - 2)
+    limit = math.log(sys.float_info.max)
+    if not (math.isfinite(multiplier) and multiplier > 0) or (
+        math.log(base) + exponent * math.log(multiplier) >= limit
+    ):
+        raise ValueError(
+            f"factor={factor!r} is too large: the NTK base b * s^(d/(d-2)) (b = {base:g}, "
+            f"d = {dim}) does not fit a float64; it must stay below {sys.float_info.max:.3g}"
+        )
+    return base * multiplier**exponent
+
+
 def ntk_base(dim: int, base: float, factor: float) -> float:
     """NTK-aware base (bloc97 2023): b' = b * s^(d/(d-2)); the slowest pair ends up exactly PI."""
-    return base * factor ** (dim / (dim - 2))
+    return _stretched_base(dim, base, factor, factor)
 
 
 def ntk(dim: int, base: float, factor: float) -> Schedule:
@@ -64,8 +85,8 @@ def dynamic_ntk(
     original window see plain RoPE and the stretch grows only as the input does.
     """
     length = max(length, original_length)
-    scaled = base * ((factor * length / original_length) - (factor - 1)) ** (dim / (dim - 2))
-    return rope(dim, scaled)
+    multiplier = (factor * length / original_length) - (factor - 1)
+    return rope(dim, _stretched_base(dim, base, multiplier, factor))
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

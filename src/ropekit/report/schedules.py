@@ -43,6 +43,13 @@ def compare_schedules(
     """
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim={head_dim} is not allowed; it must be an even integer >= 2")
+    if not (math.isfinite(factor) and factor >= 1):
+        raise ValueError(f"factor={factor!r} is not allowed; it must be a finite number >= 1")
+    if not math.isfinite(factor * original_length):
+        raise ValueError(
+            f"factor={factor!r} is too large: the target length factor x original_length="
+            f"{original_length} is not a finite number"
+        )
     target = int(factor * original_length)
     rows = []
     for method in methods:
