@@ -102,6 +102,11 @@ def capture_qk(
         return
 
     encoding = model_encoding(model)
+    if encoding.remaps_distance:
+        raise ValueError(
+            f"encoding {encoding.spec!r} remaps query-key distances band by band; capturing one "
+            "rotation of q and k would misrepresent its attention, so it is not analysed"
+        )
     rotate_q, rotate_k = encoding.rotate_q, encoding.rotate_k  # the bound originals
     queries: dict[int, Tensor] = {}
     keys: dict[int, Tensor] = {}

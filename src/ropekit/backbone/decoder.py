@@ -60,7 +60,7 @@ class DecoderBackbone(Backbone):
     def build_encoding(self, spec: str) -> PositionEncoding:
         c = self.config
         context = c.encoding_context()
-        base = _base_of(self.decoder.encoding)
+        base = self.decoder.encoding.base
         if base is not None:
             context["base"] = base
         return build(
@@ -99,7 +99,7 @@ class DecoderBackbone(Backbone):
             "n_heads": c.n_heads,
             "n_kv_heads": c.n_kv_heads,
             "head_dim": c.head_dim,
-            "base": _base_of(self.model.encoding),
+            "base": self.model.encoding.base,
             "original_length": c.context_length,
         }
 
@@ -142,13 +142,3 @@ class DecoderBackbone(Backbone):
         for i, prompt in enumerate(prompts):
             groups.setdefault(len(prompt), []).append(i)
         return list(groups.values())
-
-
-def _base_of(encoding: PositionEncoding) -> float | None:
-    """The RoPE base of a rotary encoding (AdaRoPE keeps it in its init schedule)."""
-    from ropekit.encodings.adarope import AdaRoPEConfig
-
-    config = encoding.config
-    if isinstance(config, AdaRoPEConfig):
-        config = config.schedule
-    return getattr(config, "base", None)

@@ -67,7 +67,7 @@ from torch import nn
 
 from ropekit import __version__
 from ropekit.backbone import load_adapter, save_adapter
-from ropekit.encodings import AdaRoPE, PositionEncoding, RotaryEncoding, TunedYarn, schedules
+from ropekit.encodings import PositionEncoding, schedules
 from ropekit.hf.archs import base_model, original_length, unwrap
 from ropekit.hf.models import load_model, load_tokenizer, resolve_model
 from ropekit.hf.patching import ENCODING_ATTR, encoding_of, patch
@@ -112,7 +112,13 @@ def _learned_frequencies(encoding: PositionEncoding) -> tuple[torch.Tensor, floa
     return ref, factors[0]
 
 
-def _temperature(encoding: AdaRoPE, temperature_at: int | None) -> tuple[float, list[str]]:
+def _has_temperature(encoding: PositionEncoding) -> bool:
+    """Whether the encoding multiplies queries by a temperature (AdaScale on)."""
+    probe = torch.zeros(1, 1, dtype=torch.long, device=next(encoding.parameters()).device)
+    return encoding.query_temperature(probe) is not None
+
+
+def _temperature(encoding: PositionEncoding, temperature_at: int | None) -> tuple[float, list[str]]:
     """AdaScale's query multiplier as one constant, if it is one (see the module docstring)."""
     l_ref = int(encoding.l_ref)
     # Lengths L = position + 1 that probe both regimes: below L_ref the log-log term is
@@ -120,11 +126,12 @@ def _temperature(encoding: AdaRoPE, temperature_at: int | None) -> tuple[float, 
     lengths = sorted({1, l_ref, l_ref + 1, 2 * l_ref, 16 * l_ref, 256 * l_ref})
     if temperature_at is not None:
         lengths = sorted({*lengths, int(temperature_at)})
-    positions = torch.tensor([lengths]) - 1  # (1, T)
+    device = next(encoding.parameters()).device
+    positions = (torch.tensor([lengths]) - 1).to(device)  # (1, T)
     with torch.no_grad():
         temps = torch.stack(
             [
-                encoding.temperature(positions.to(encoding.log_tau.device), layer)[0, ..., 0]
+                encoding.query_temperature(positions, layer)[0, ..., 0]
                 .double()
                 .cpu()
                 .expand(encoding.n_heads, -1)
@@ -166,23 +173,22 @@ def _temperature(encoding: AdaRoPE, temperature_at: int | None) -> tuple[float, 
 
 
 def _learned_rope_parameters(
-    encoding: AdaRoPE | TunedYarn, config: Any, temperature_at: int | None, nearest: bool = False
+    encoding: PositionEncoding, config: Any, temperature_at: int | None, nearest: bool = False
 ) -> tuple[dict[str, Any], list[str]]:
     if encoding.pairing != "half" or encoding.rotary_dim != encoding.head_dim:
         raise ExportRefused(
             f"{encoding.spec!r}: {config.model_type} attention in transformers rotates the whole "
             "head with rotate_half; this encoding pairs or rotates channels otherwise"
         )
-    schedule = encoding.config.schedule if isinstance(encoding, AdaRoPE) else encoding.config
-    base = float(schedule.base)
+    base = float(encoding.base)
     notes: list[str] = []
     temperature = 1.0
     try:
         theta, factor = _learned_frequencies(encoding)
-        if isinstance(encoding, AdaRoPE) and encoding.config.scale:
+        if _has_temperature(encoding):  # AdaScale: a length-aware query temperature
             temperature, notes = _temperature(encoding, temperature_at)
     except ExportRefused:
-        if not (nearest and isinstance(encoding, AdaRoPE)):
+        if not (nearest and encoding.head_rows("freq") is not None):
             raise
         from .nearest import nearest_shared
 
@@ -197,10 +203,10 @@ def _learned_rope_parameters(
         "short_factor": lam,
         "long_factor": lam,
         "original_max_position_embeddings": int(
-            getattr(schedule, "original_length", None) or original_length(config)
+            encoding.original_length or original_length(config)
         ),
         # Only feeds transformers' default attention factor, which is set explicitly below.
-        "factor": float(getattr(schedule, "factor", None) or 1.0),
+        "factor": float(encoding.factor or 1.0),
         "attention_factor": factor * math.sqrt(temperature),
     }
     return params, notes
@@ -216,10 +222,20 @@ def export_rope_parameters(
     """(rope_parameters, other config fields, notes) expressing ``encoding`` for plain
     transformers; ExportRefused (a ValueError) says why when none can. ``nearest``: a per-head
     AdaRoPE exports as its closest shared schedule (an approximation, in the notes)."""
-    if isinstance(encoding, RotaryEncoding):
+    if encoding.remaps_distance:
+        raise ExportRefused(
+            f"{encoding.spec!r} remaps query-key distances in attention; no serving engine's "
+            "rope config can express it (transformers, vLLM and llama.cpp rotate q and k once)"
+        )
+    if encoding.rotary_dim > 0 and not encoding.learned_frequencies:
         params, extra = rope_parameters_for(encoding, config)
         return params, extra, []
-    if isinstance(encoding, (AdaRoPE, TunedYarn)):
+    if encoding.learned_frequencies:
+        if encoding.dynamic:
+            raise ExportRefused(
+                f"{encoding.spec!r} follows the sequence length and learned its frequencies; "
+                "no rope type expresses both"
+            )
         params, notes = _learned_rope_parameters(encoding, config, temperature_at, nearest)
         return params, {}, notes
     raise ExportRefused(
@@ -231,9 +247,8 @@ def export_rope_parameters(
 def target_length(encoding: PositionEncoding, config: Any) -> int:
     """The length the encoding is made for: round(factor x L0) of its schedule (an AdaRoPE's
     init schedule), L0 when it has no factor (plain RoPE)."""
-    schedule = encoding.config.schedule if isinstance(encoding, AdaRoPE) else encoding.config
-    factor = getattr(schedule, "factor", None) or 1.0
-    l0 = getattr(schedule, "original_length", None) or original_length(config)
+    factor = encoding.factor or 1.0
+    l0 = encoding.original_length or original_length(config)
     return round(float(factor) * int(l0))
 
 

@@ -23,7 +23,7 @@ import dataclasses
 
 import torch
 
-from ropekit.encodings import AdaRoPE
+from ropekit.encodings import PositionEncoding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,28 +38,32 @@ class NearestFit:
     notes: tuple[str, ...]
 
 
-def nearest_shared(encoding: AdaRoPE, *, length: int) -> NearestFit:
-    """Fit one shared schedule to ``encoding`` (any AdaRoPE, shared or per head); the
-    temperature is evaluated at ``length`` tokens (L = position + 1)."""
-    if not isinstance(encoding, AdaRoPE):
-        raise ValueError(f"nearest_shared fits AdaRoPE schedules; got {type(encoding).__name__}")
+def nearest_shared(encoding: PositionEncoding, *, length: int) -> NearestFit:
+    """Fit one shared schedule to ``encoding`` (a learned schedule, shared or per head, such
+    as AdaRoPE); the temperature is evaluated at ``length`` tokens (L = position + 1)."""
+    if not encoding.learned_frequencies or encoding.dynamic:
+        raise ValueError(
+            f"nearest_shared fits learned fixed-length schedules (AdaRoPE); got {encoding.spec!r}"
+        )
     if length < 1:
         raise ValueError(f"length={length} is not allowed; give a positive number of tokens")
     with torch.no_grad():
         xi = torch.stack(
             [
-                encoding.xi(layer).double().cpu().expand(encoding.n_kv_heads, -1)
+                encoding.log_frequencies(layer).double().cpu().expand(encoding.n_kv_heads, -1)
                 for layer in range(encoding.n_layers)
             ]
         )  # (L, K, F)
         xi_star = xi.mean(dim=(0, 1))  # (F,)
         spread = float((xi - xi_star).abs().max())
         temperature, low, high = 1.0, 1.0, 1.0
-        if encoding.config.scale:
-            position = torch.tensor([[length - 1]], device=encoding.log_tau.device)  # (1, 1)
+        device = next(encoding.parameters()).device
+        position = torch.tensor([[length - 1]], device=device)  # (1, 1)
+        scaled = encoding.query_temperature(position) is not None  # AdaScale on
+        if scaled:
             lam = torch.stack(
                 [
-                    encoding.temperature(position, layer)[0, :, 0, 0]
+                    encoding.query_temperature(position, layer)[0, :, 0, 0]
                     .double()
                     .cpu()
                     .expand(encoding.n_heads)
@@ -77,9 +81,9 @@ def nearest_shared(encoding: AdaRoPE, *, length: int) -> NearestFit:
     )
     return NearestFit(
         theta=xi_star.exp(),
-        attention_factor=float(encoding.attention_factor),
+        attention_factor=float(encoding.inv_freq(0)[1]),
         temperature=temperature,
         max_log_freq_spread=spread,
         temperature_range=(low, high),
-        notes=notes if encoding.config.scale else notes[:1],
+        notes=notes if scaled else notes[:1],
     )

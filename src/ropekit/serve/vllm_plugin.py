@@ -70,7 +70,7 @@ def load_adapter_encoding(folder: str | Path, config: Any) -> Any:
         head_dim=head_dim,
         n_layers=config.num_hidden_layers,
     )
-    if getattr(encoding, "dynamic", False):
+    if encoding.dynamic:
         raise ValueError(
             f"{meta['spec']!r} follows the sequence length (dynamic); vLLM's rotary sees token "
             "positions, not sequence lengths, so the plugin cannot serve it"
