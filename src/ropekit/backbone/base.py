@@ -15,8 +15,9 @@ behind these methods:
 - training: ``lora_targets``, ``enable_grad_checkpointing()``, ``training_logits(module,
   batch)`` (the logits the loss is taken on, with the inputs each kind needs);
 - scoring, for evals: ``new_cache()``, ``run(ids, cache, mask, positions, last_only)``,
-  ``token_nll(ids, chunk)``, ``group_prompts(prompts)``, ``eos_ids``, ``vocab_size``,
-  ``forward_logits(ids)``;
+  ``cache_length(cache)``, ``crop_cache(cache, length)`` (back to a prefix, so many questions
+  share one prefill), ``token_nll(ids, chunk)``, ``group_prompts(prompts)``, ``eos_ids``,
+  ``vocab_size``, ``forward_logits(ids)``;
 - ``describe()``: the JSON a result file carries about the model.
 
 Adapters (positional parameters and LoRA weights) are written and applied through the
@@ -206,6 +207,16 @@ class Backbone(abc.ABC):
 
         mask (B, S) covers every key so far (cached + new), positions (B, C); both None for
         unpadded rows. Returns logits (B, C, V), or (B, 1, V) when ``last_only``."""
+
+    @abc.abstractmethod
+    def cache_length(self, cache: Any) -> int:
+        """S: the tokens ``cache`` holds."""
+
+    @abc.abstractmethod
+    def crop_cache(self, cache: Any, length: int) -> None:
+        """Keep the first ``length`` tokens of ``cache`` (0 <= length <= S), in place: what
+        follows then continues that prefix exactly as after a fresh prefill of it (positions
+        included). ValueError for a length out of range or a cache that cannot be cropped."""
 
     @abc.abstractmethod
     def group_prompts(self, prompts: Sequence[Sequence[int]]) -> list[list[int]]:

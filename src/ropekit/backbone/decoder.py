@@ -132,6 +132,12 @@ class DecoderBackbone(Backbone):
     def new_cache(self) -> KVCache:
         return KVCache()
 
+    def cache_length(self, cache: KVCache) -> int:
+        return len(cache)
+
+    def crop_cache(self, cache: KVCache, length: int) -> None:
+        cache.crop(length)  # keys, values and positions (model/cache.py)
+
     def run(self, ids, cache, mask, positions, last_only):
         # Default positions continue after the cached ones, which is what unpadded rows need.
         logits = self.model(ids, cache=cache).logits  # (B, C, V)

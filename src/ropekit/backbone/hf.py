@@ -8,6 +8,12 @@ model runs its own RoPE, and ``own_encoding`` patches it for a block with the ro
 equal to that RoPE (``spec_from_config``). Unequal prompts are left-padded, with an attention
 mask and positions counted from each row's first real token.
 
+``crop_cache`` uses transformers' ``Cache.crop`` (which, in 5.24, takes the number of tokens
+to remove, as a negative int). A dynamic schedule's key positions, kept beside each cache
+layer, need no trimming: ``ropekit.hf.patching`` reads the positions of the oldest keys a layer
+still holds. A sliding-window layer that has filled its window no longer holds the prefix, so
+cropping it is refused.
+
 Training batches with ``position_ids`` (PoSE: positions that jump) get an all-ones attention
 mask: transformers (5.24) reads a jump in ``position_ids`` as the start of a new packed
 sequence when it gets neither a mask nor a cache (``masking_utils.
@@ -26,7 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-from transformers import DynamicCache
+from transformers import Cache, DynamicCache
 
 from ropekit.data.tokenizers import HFTokenizer, Tokenizer
 from ropekit.encodings import PositionEncoding
@@ -168,6 +174,27 @@ class HFBackbone(Backbone):
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
+
+    def cache_length(self, cache: Cache) -> int:
+        return int(cache.get_seq_length())
+
+    def crop_cache(self, cache: Cache, length: int) -> None:
+        held = self.cache_length(cache)
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= held:
+            raise ValueError(
+                f"length={length!r} is not allowed; allowed: an integer in 0..{held} (the "
+                "tokens cached)"
+            )
+        for index, layer in enumerate(getattr(cache, "layers", ())):
+            window = getattr(layer, "sliding_window", None)
+            if window is not None and layer.get_seq_length() >= window:
+                raise ValueError(
+                    f"the cache of layer {index} is a sliding window of {window} tokens and "
+                    f"holds {layer.get_seq_length()}: it no longer holds the prefix, so it "
+                    f"cannot be cropped back; allowed: prefixes shorter than {window} tokens"
+                )
+        if length < held:
+            cache.crop(length - held)  # a negative count: the tokens to remove
 
     def run(self, ids, cache, mask, positions, last_only):
         kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": cache is not None}

@@ -28,7 +28,13 @@ Positions of every cached key are kept too: bias encodings (ALiBi) need them, dy
 encodings re-rotate with them, and packed rows (positions that restart) need them to mask
 across documents.
 
-Holds: KVCache.
+``crop(n)`` keeps the first n tokens: keys, values and positions alike, so a cache cropped
+back to a prefix is the cache a fresh prefill of that prefix leaves (bit for bit: nothing is
+recomputed, and with a dynamic schedule the kept keys are still unrotated, their positions
+beside them). Many questions can then be asked of one long prefix, each from the same state
+(``ropekit.evals.probes``).
+
+Holds: KVCache (``update``, ``append_positions``, ``crop``).
 """
 
 from __future__ import annotations
@@ -71,6 +77,25 @@ class KVCache:
             positions = positions.clone()
         self.positions = positions
         return positions
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` cached tokens (0 <= length <= len(self)), drop the rest.
+
+        The kept tensors are views of the old ones: the next ``update`` concatenates, so it
+        writes new storage and the prefix is never modified in place."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= len(self):
+            raise ValueError(
+                f"length={length!r} is not allowed; allowed: an integer in 0..{len(self)} (the "
+                "tokens cached)"
+            )
+        if length == 0:  # empty again: default positions restart at 0, as in a new cache
+            self.keys, self.values, self.positions = {}, {}, None
+            return
+        for layer in self.keys:
+            self.keys[layer] = self.keys[layer][:, :, :length]  # (B, K, length, D)
+            self.values[layer] = self.values[layer][:, :, :length]
+        assert self.positions is not None
+        self.positions = self.positions[:, :length]  # (B|1, length)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append k, v (B, K, T, D) to ``layer``; return all keys and values (B, K, S, D)."""
