@@ -53,6 +53,8 @@ KINDS: dict[str, str] = {
     "perplexity": "ropekit eval ppl (ppl.json)",
     "tasks": "ropekit eval needle|passkey|ruler: every task and length (summary.json)",
     "task-stage": "one task at one length of a task run (<task>/<length>/summary.json)",
+    "probes": "ropekit eval probes: many retrieval probes per long prefill (summary.json)",
+    "probe-stage": "one length of a probes run (<length>/summary.json)",
     "analysis": "ropekit analyze (analysis.json)",
     "schedules": "ropekit schedules (schedules.json)",
     "demo": "ropekit demo (demo.json)",

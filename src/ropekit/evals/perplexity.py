@@ -4,10 +4,21 @@ Holds:
 - `PerplexityConfig`: lengths, how many tokens to score, sliding-window stride, batching.
 - `evaluate_perplexity(lm, stream, config)`: the numbers, as a JSON-ready dict.
 - `run_perplexity(model, config, out_dir, ...)`: held-out data in, `ppl.json` and `ppl.png`
-  out (`ropekit eval ppl`).
+  out (`ropekit eval ppl`). Called once per domain with the same model, it takes the
+  domain's tokenized `stream` (`heldout_stream(domain, tokenizer)`, made once per domain and
+  tokenizer) and the model as a Backbone (whose weight digest is computed once).
+- `document_spans(stream, tokenizer, span, count, context, rng)`: the single-document spans.
 
 Every length scores the SAME target tokens: one span of `n_tokens` tokens cut from a fixed
 held-out stream, a multiple of every length, tiled by non-overlapping windows of each length.
+The stream joins the held-out documents end to end, so a long window may cross from one
+document into an unrelated one. With `single_documents`, the targets are instead
+n_tokens / lcm(lengths) spans of lcm(lengths) tokens (the shortest span every length tiles),
+each inside one held-out document (the token before it too, when there is no BOS): drawn
+(seeded) from the documents at least that long, spread over as many of them as there are
+spans (several non-overlapping spans per document only when documents run short), the same
+spans at every length. The result names each span's document and offset and gives the
+numbers per span beside the overall ones.
 A window of length L reads L tokens and is scored on L targets (the token before the window,
 or BOS, is its first input), so lengths differ only in how much context each target sees.
 With `stride`, windows overlap (sliding evaluation): each scores only its last `stride`
@@ -70,6 +81,9 @@ class PerplexityConfig:
     position_bins: int = 48  # log-spaced bins of the NLL-vs-position curve kept in the JSON
     seed: int = 0  # picks where the span starts in the held-out stream
     bos: bool | None = None  # windows start with BOS; None: if the tokenizer adds one itself
+    # Score spans of lcm(lengths) tokens each inside one held-out document, from several
+    # documents (none crosses into another); off: one span of the documents joined end to end.
+    single_documents: bool = False
 
     def __post_init__(self) -> None:
         lengths = tuple(self.lengths)
@@ -110,6 +124,69 @@ def _windows(start: int, span: int, length: int, stride: int | None) -> list[tup
     return windows
 
 
+def _separator_tokens(tokenizer: Tokenizer) -> int:
+    """Tokens of the separator a stream puts between documents (`data.streams`)."""
+    separator = tokenizer.separator
+    return len(tokenizer.encode(separator)) if isinstance(separator, str) else 1
+
+
+def document_spans(
+    stream: TokenStream,
+    tokenizer: Tokenizer,
+    span: int,
+    count: int,
+    context: int,
+    rng: np.random.Generator,
+) -> list[tuple[int, int]]:
+    """``count`` spans of ``span`` target tokens, each with ``context`` tokens before it (1
+    without BOS: the first target's input), inside one document of ``stream``: (document
+    index, stream index of the first target), sorted by position.
+
+    Documents with room for one span (``span + context`` tokens, separator excluded) take the
+    spans in turns, in a seeded order, so ``count`` spans lie in ``count`` documents when that
+    many are long enough; a document gets several (non-overlapping) only when there are fewer.
+    Within a document its m spans sit at seeded offsets: the slack (room - m spans) is cut
+    at m sorted uniform points, one gap before each span. ValueError, naming the longest
+    document, when none is long enough or all together cannot hold ``count`` spans."""
+    need = span + context
+    starts = stream.doc_starts.tolist()
+    n_docs = len(starts) - 1
+    sep = _separator_tokens(tokenizer)
+    # Document d's own tokens: [starts[d], starts[d+1]) less the separator after it.
+    bounds = [(starts[d], starts[d + 1] - (sep if d < n_docs - 1 else 0)) for d in range(n_docs)]
+    room = [max(0, b - a) for a, b in bounds]
+    capacity = [r // need for r in room]
+    longest = max(range(n_docs), key=lambda d: room[d])
+    if capacity[longest] == 0:
+        raise ValueError(
+            f"single_documents=True needs a held-out document of at least {need} tokens (a span "
+            f"of lcm(lengths)={span} targets{' and the token before it' if context else ''}); "
+            f"the longest of the {n_docs} held-out documents, {stream.names[longest]!r}, holds "
+            f"{room[longest]}; allowed: lengths whose lcm fits it, or longer documents"
+        )
+    if sum(capacity) < count:
+        raise ValueError(
+            f"n_tokens={count * span} is not allowed with single_documents=True: the held-out "
+            f"documents hold at most {sum(capacity)} spans of {span} tokens; allowed: n_tokens "
+            f"<= {sum(capacity) * span}, or more held-out documents"
+        )
+    order = [int(d) for d in rng.permutation(n_docs) if capacity[int(d)] > 0]
+    taken = dict.fromkeys(order, 0)
+    while sum(taken.values()) < count:  # in turns: one more span for each document with room
+        for d in order:
+            if taken[d] < capacity[d] and sum(taken.values()) < count:
+                taken[d] += 1
+    spans = []
+    for d in order:
+        m = taken[d]
+        if m == 0:
+            continue
+        cuts = np.sort(rng.integers(0, room[d] - m * need + 1, size=m))
+        first = bounds[d][0]
+        spans += [(d, first + int(cut) + j * need + context) for j, cut in enumerate(cuts)]
+    return sorted(spans, key=lambda s: s[1])
+
+
 def _bin_edges(length: int, bins: int) -> np.ndarray:
     """Log-spaced bin edges over positions [0, length): fine near the start, where NLL falls
     fastest, and coarse far out."""
@@ -148,6 +225,31 @@ def _score_windows(
     return rows
 
 
+def _per_span(
+    rows: list[torch.Tensor],
+    last_quarter: list[float] | None,
+    spans: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Each span's numbers: its windows are a contiguous, equal share of the rows."""
+    per = len(rows) // len(spans)
+    out = []
+    for i, span in enumerate(spans):
+        mine = rows[i * per : (i + 1) * per]
+        total = float(sum(float(r.sum()) for r in mine))
+        nll = total / span["tokens"]
+        quarter = None if last_quarter is None else last_quarter[i * per : (i + 1) * per]
+        out.append(
+            {
+                "document": span["document"],
+                "nll": nll,
+                "perplexity": math.exp(nll),
+                "bits_per_byte": total / math.log(2) / span["bytes"],
+                "last_quarter_nll": None if quarter is None else float(np.mean(quarter)),
+            }
+        )
+    return out
+
+
 def _summarize(
     length: int,
     windows: list[tuple[int, int]],
@@ -155,8 +257,10 @@ def _summarize(
     span: int,
     n_bytes: int,
     config: PerplexityConfig,
+    spans: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One length's numbers from the NLL rows of all its windows.
+    """One length's numbers from the NLL rows of all its windows (and, given the document
+    ``spans`` the windows tile in order, each span's).
 
     The sums walk the windows in the batches a single process scores them in, so one or
     several processes give bit-identical numbers whenever their NLL rows are."""
@@ -201,6 +305,8 @@ def _summarize(
                 "nll": [float(curve[a:b].mean()) for a, b in itertools.pairwise(edges)],
             },
         )
+    if spans is not None:
+        result["spans"] = _per_span(rows, last_quarter if config.stride is None else None, spans)
     return result
 
 
@@ -230,19 +336,41 @@ def evaluate_perplexity(
             "by default, not a single BOS id; allowed: bos=False"
         )
     span = config.n_tokens
-    need = span + (0 if use_bos else 1)  # without BOS, the first target's input precedes it
-    if len(stream) < need:
-        raise ValueError(
-            f"n_tokens={span} is not allowed: the held-out stream holds {len(stream)} tokens "
-            f"and {need} are needed; allowed: n_tokens <= {len(stream) - need + span}, or more "
-            "held-out data"
-        )
+    context = 0 if use_bos else 1  # without BOS, the first target's input precedes it
     rng = np.random.default_rng(config.seed)
-    start = (0 if use_bos else 1) + int(rng.integers(0, len(stream) - need + 1))
-    n_bytes = stream.n_bytes(start, start + span)
+    spans: list[dict[str, Any]] | None = None
+    if config.single_documents:
+        span = math.lcm(*config.lengths)
+        count = config.n_tokens // span
+        drawn = document_spans(stream, lm.tokenizer, span, count, context, rng)
+        starts = [first for _, first in drawn]
+        spans = [
+            {
+                "document": stream.names[d],
+                "offset": first - int(stream.doc_starts[d]),  # first target, in the document
+                "start": first,  # first target, in the stream
+                "tokens": span,
+                "bytes": stream.n_bytes(first, first + span),
+            }
+            for d, first in drawn
+        ]
+        start = None
+    else:
+        need = span + context
+        if len(stream) < need:
+            raise ValueError(
+                f"n_tokens={span} is not allowed: the held-out stream holds {len(stream)} "
+                f"tokens and {need} are needed; allowed: n_tokens <= "
+                f"{len(stream) - need + span}, or more held-out data"
+            )
+        start = context + int(rng.integers(0, len(stream) - need + 1))
+        starts = [start]
+    n_bytes = sum(stream.n_bytes(a, a + span) for a in starts)
     ids = stream.ids
 
-    plan = {L: _windows(start, span, L, config.stride) for L in config.lengths}
+    plan = {
+        L: [w for a in starts for w in _windows(a, span, L, config.stride)] for L in config.lengths
+    }
     procs = processes if processes is not None else current_processes()
     place_on(lm, procs.device)
     # Each process scores a contiguous share of every length's windows; the shares are
@@ -267,8 +395,9 @@ def evaluate_perplexity(
     results = []
     for length, windows in plan.items():
         rows = [row for share in scored for row in share[length]]  # every window, in order
-        results.append(_summarize(length, windows, rows, span, n_bytes, config))
-    return {
+        total = span * len(starts)
+        results.append(_summarize(length, windows, rows, total, n_bytes, config, spans))
+    out = {
         "kind": "perplexity",
         "metric": "bits_per_byte" if isinstance(lm.tokenizer, ByteTokenizer) else "perplexity",
         "tokenizer": lm.tokenizer.name,
@@ -277,6 +406,10 @@ def evaluate_perplexity(
         "config": asdict(config),
         "results": results,
     }
+    if spans is not None:
+        out["spans"] = spans
+        out["documents"] = len({s["document"] for s in spans})
+    return out
 
 
 def run_perplexity(
@@ -286,6 +419,7 @@ def run_perplexity(
     *,
     tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
     data: str | list[str] = "shakespeare",
+    stream: TokenStream | None = None,
     spec: str | None = None,
     command: str = "",
     progress: bool = True,
@@ -295,7 +429,9 @@ def run_perplexity(
     """Evaluate on the held-out documents of `data` and write `ppl.json` and `ppl.png` into
     `out_dir`. `model` is a Backbone, a Decoder, a Hugging Face causal LM or a
     `LanguageModel` (with `tokenizer` when it has none); `spec` names its encoding in the
-    result. Returns the result, with `paths`.
+    result. Returns the result, with `paths`. `stream`: the held-out documents of `data`
+    already tokenized with the model's tokenizer (`heldout_stream(data, tokenizer)`), so a
+    caller evaluating several models on one domain tokenizes it once; None tokenizes here.
 
     The result's provenance is the model (`Backbone.identity`), the held-out tokens (a digest)
     and the config: a `ppl.json` of exactly that provenance is returned as it is, without a
@@ -304,11 +440,21 @@ def run_perplexity(
     `evaluate_perplexity`), all return the result and the main process writes the files;
     `processes` defaults to the current run's."""
     lm = as_language_model(model, tokenizer)
-    stream = heldout_stream(data, lm.tokenizer)
+    if stream is None:
+        stream = heldout_stream(data, lm.tokenizer)
+    elif stream.tokenizer != lm.tokenizer.name:
+        raise ValueError(
+            f"stream tokenizer={stream.tokenizer!r} is not allowed for a model read with "
+            f"{lm.tokenizer.name!r}; allowed: heldout_stream(data, the model's tokenizer)"
+        )
+    settings = asdict(config)
+    if not config.single_documents:
+        # Left out at its default, so results made before the field existed are still reused.
+        del settings["single_documents"]
     provenance = {
         "model": lm.identity(),
         "data": {"spec": data, "tokens": stream.digest(), "n_tokens": len(stream)},
-        "config": asdict(config),
+        "config": settings,
     }
     out = Path(out_dir)
     paths = {"json": out / "ppl.json", "png": out / "ppl.png"}

@@ -9,9 +9,10 @@ Holds:
 A file's kind is the ``kind`` its writer recorded (``ropekit.results``), never guessed from
 its name: ``demo`` (`ropekit demo`), ``pretrain`` (`ropekit pretrain`), ``extend``
 (`ropekit extend`), ``perplexity`` (`ropekit eval ppl`), ``tasks`` (`ropekit eval
-needle|passkey|ruler`), ``analysis`` (`ropekit analyze`), ``experiment`` (an experiment's
-results) and ``schedules`` (`ropekit schedules`). Task stages and training summaries are parts
-of those runs, not sections of their own.
+needle|passkey|ruler`), ``probes`` (`ropekit eval probes`), ``analysis`` (`ropekit
+analyze`), ``experiment`` (an experiment's results) and ``schedules`` (`ropekit schedules`).
+Task and probe stages and training summaries are parts of those runs, not sections of their
+own.
 
 A section is a table of every result of its kind (one row per file, labelled by its folder)
 followed by the PNGs written beside those files; when a section holds several results, each
@@ -38,6 +39,7 @@ KINDS: dict[str, str] = {
     "search": "Searched RoPE factors (LongRoPE-style, no training)",
     "perplexity": "Perplexity and bits per byte vs length",
     "tasks": "Retrieval tasks",
+    "probes": "Retrieval probes (many per prefill, Wilson intervals)",
     "analysis": "Head analysis",
     "experiment": "Experiment results",
     "schedules": "Frequency schedules",
@@ -291,6 +293,44 @@ def tasks_section(results: Sequence[Result], root: Path) -> list[Block]:
     return [*blocks, *_figures(results, root, heatmaps)]
 
 
+def _interval(entry: Mapping[str, Any]) -> str:
+    """ "0.85 [0.64, 0.95]": an accuracy and its Wilson interval."""
+    return f"{entry['accuracy']:.2f} [{entry['low']:.2f}, {entry['high']:.2f}]"
+
+
+def probes_section(results: Sequence[Result], root: Path) -> list[Block]:
+    """Accuracy per length and per needle depth, each with its Wilson interval, from the
+    ``probes`` summaries (``ropekit.evals.probes``)."""
+    by_length = length_table(
+        [r.label for r in results],
+        [
+            [
+                f"`{r.data['spec']}`",
+                r.data["task"]["name"],
+                fmt(r.data["probes_per_length"]),
+                fmt(r.data["prefills_per_length"]),
+            ]
+            for r in results
+        ],
+        [{e["length"]: _interval(e) for e in r.data["by_length"]} for r in results],
+        ["run", "encoding", "task", "probes/length", "prefills/length"],
+        caption="Accuracy by context length (exact match of the recalled value) with its "
+        f"{100 * results[0].data['config']['confidence']:g}% Wilson score interval; each "
+        "haystack holds one needle per depth, all asked from one prefill.",
+    )
+    depths = sorted({d["depth"] for r in results for d in r.data["by_depth"]})
+    rows = []
+    for r in results:
+        cells = {d["depth"]: _interval(d) for d in r.data["by_depth"]}
+        rows.append([r.label, f"`{r.data['spec']}`", *(cells.get(d, "-") for d in depths)])
+    by_depth = Table(
+        ["run", "encoding", *(f"depth {d:.2f}" for d in depths)],
+        rows,
+        "Accuracy by needle depth (0 = start of the haystack), all lengths pooled.",
+    )
+    return [by_length, by_depth, *_figures(results, root, _no_extra)]
+
+
 def analysis_section(results: Sequence[Result], root: Path) -> list[Block]:
     from ropekit.analysis import summary_lines
 
@@ -475,6 +515,7 @@ SECTIONS: dict[str, Callable[[Sequence[Result], Path], list[Block]]] = {
     "search": search_section,
     "perplexity": perplexity_section,
     "tasks": tasks_section,
+    "probes": probes_section,
     "analysis": analysis_section,
     "experiment": experiment_section,
     "schedules": schedules_section,

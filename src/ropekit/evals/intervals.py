@@ -1,0 +1,68 @@
+"""Confidence intervals for accuracies: how far a score measured on n probes can be trusted.
+
+Holds: `wilson_interval(successes, n, confidence)`, `accuracy_entry(successes, n, confidence)`.
+
+Why Wilson: an accuracy of k correct out of n is a binomial proportion. The textbook (Wald)
+interval p +- z sqrt(p(1-p)/n) collapses to a single point at 0/n and n/n, exactly where
+retrieval scores of failing and working models sit, and its coverage is erratic for small n.
+The score interval of Wilson (1927) inverts the normal test of the proportion instead; it
+stays inside [0, 1], is never empty at 0 or n, and its coverage is close to nominal from
+n ~ 10 (Brown, Cai & DasGupta 2001, "Interval Estimation for a Binomial Proportion",
+Statistical Science 16(2), who recommend it for n < 40; Newcombe 1998, "Two-sided confidence
+intervals for the single proportion", Statistics in Medicine 17, method 3).
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+from typing import Any
+
+CONFIDENCE = 0.95  # the default two-sided level: z = 1.95996...
+
+
+def wilson_interval(successes: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """The Wilson score interval (lower, upper) of a proportion successes / n.
+
+    With p = k / n and z the (1 + confidence) / 2 quantile of the standard normal
+    (Wilson 1927, "Probable inference, the law of succession, and statistical inference",
+    JASA 22(158), p. 209-212; Brown, Cai & DasGupta 2001, eq. 4):
+
+        center = (p + z^2 / (2n)) / (1 + z^2 / n)
+        half   = z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / (4 n^2))
+        interval = [center - half, center + half]
+
+    At k = 0 the lower end is exactly 0 and at k = n the upper end exactly 1 (the two
+    expressions are then equal); they are set so, not left to rounding.
+    """
+    for name, value in (("successes", successes), ("n", n)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}={value!r} is not allowed; allowed: an integer")
+    if n < 1:
+        raise ValueError(f"n={n!r} is not allowed; allowed: n >= 1 (no interval of no probes)")
+    if not 0 <= successes <= n:
+        raise ValueError(f"successes={successes!r} is not allowed; allowed: 0..n={n}")
+    if isinstance(confidence, bool) or not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence!r} is not allowed; allowed: 0 < confidence < 1")
+    z = NormalDist().inv_cdf((1.0 + confidence) / 2.0)
+    p = successes / n
+    z2n = z * z / n
+    center = (p + z2n / 2.0) / (1.0 + z2n)
+    half = z / (1.0 + z2n) * math.sqrt(p * (1.0 - p) / n + z2n / (4.0 * n))
+    lower = 0.0 if successes == 0 else max(0.0, center - half)
+    upper = 1.0 if successes == n else min(1.0, center + half)
+    return lower, upper
+
+
+def accuracy_entry(successes: int, n: int, confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """{"correct", "n", "accuracy", "low", "high", "confidence"}: an accuracy with its Wilson
+    interval, the form every probe summary records."""
+    low, high = wilson_interval(successes, n, confidence)
+    return {
+        "correct": successes,
+        "n": n,
+        "accuracy": successes / n,
+        "low": low,
+        "high": high,
+        "confidence": confidence,
+    }

@@ -1,0 +1,729 @@
+"""Many retrieval probes per long forward: K needles in one haystack, each asked from the same
+cached prefix.
+
+Holds:
+- `ProbeConfig`: lengths, needles per haystack (K), haystacks per length, task, seed, budget.
+- `Probe`, `ProbeHaystack`: one haystack of a length with its K needles and their questions,
+  as token ids (`build_haystack`).
+- `answer_probes(lm, haystack, stop)`: prefill the haystack once, answer every question from
+  that cached prefix (the KV cache cropped back after each); `answer_separately` is the
+  reference, one full prompt (haystack + question) per probe.
+- `exact_match(prediction, value)`: the score of one probe.
+- `run_probes(model, config, out_dir, ...)`: the staged, resumable evaluation
+  (`ropekit eval probes`), per-probe JSONL, a summary with Wilson intervals, figures.
+
+Why: a needle-in-a-haystack sample costs one long prefill, so a length x depth grid with
+enough probes to be an accuracy (>= 20 per length) costs 20 long prefills per length. Here a
+haystack of L tokens carries K needles "The value of key <key> is <value>." at K depths
+(evenly spaced over [0, 1], depth 0 = start), the prefix (preamble + haystack) is read once
+into the KV cache, and each question "What is the value of key <key>? The value of key <key>
+is" runs after it, is answered greedily, and is then cropped off the cache
+(`Backbone.crop_cache`), so the next question sees exactly the prefix again. The other K - 1
+needles are distractors of the asked one (RULER's multikey setting). H haystacks per length
+give H x K probes for H prefills; the needles of haystack h are the same at every length (only
+the filler around them grows), as in the task runner.
+
+The format is a registered niah-style task (`evals/tasks.py`): its haystack (noise, essay,
+corpus:<data> or needles), key and value types, digits and preamble; its number of keys is
+replaced by K, and it must ask one value of one key (`n_values = n_queries = 1`).
+`kv1_shakespeare` is the retrieval training mixture's kv record (3-letter keys, 4-digit
+values), so a model trained on that mixture is probed in distribution.
+
+Equal to one prompt per probe: every probe's prompt is the prefix's ids followed by its
+question's ids (tokenized apart, so all probes share the prefix token for token), and the
+reference decodes exactly that prompt from scratch. Attention is causal, so the question's
+logits are those of the full prompt: for static encodings the answers are the same up to
+float noise (tested). Dynamic schedules (dynamic NTK, LongRoPE) past the original length read
+the haystack at the length it was prefilled with, as any cached decoding does (see
+`ropekit.model.cache`); the reference's chunked prefill does too, only at other chunk
+boundaries.
+
+Score: exact match of the first word of the answer line (trailing punctuation and quotes
+stripped, case ignored) with the value: "4819302." is right, "48193021" and "the value is
+4819302" are not. RULER's substring rule is recorded beside it (`contains`). Accuracies come
+with Wilson score intervals (`evals/intervals.py`).
+
+Output layout:
+
+    out_dir/
+      summary.json              kind "probes": accuracy per length, per depth, per cell,
+                                overall, each with its Wilson interval
+      accuracy_vs_length.png    accuracy with its interval
+      heatmap.png               accuracy over length x depth
+      <length>/summary.json     kind "probe-stage": the stage's provenance and score
+      <length>/probes.jsonl     one record per answered probe (its needle, prompt sizes,
+                                answer, score, the stage digest), rewritten after each haystack
+
+Resuming and provenance, as in `evals/runner.py`: a stage's provenance is what its probes
+depend on (generator versions, task, K, H, length, seed, tokenizer, prompt format, answer
+budget) and the model (`Backbone.identity`); its `summary.json` records it from the start and
+every record carries its digest. A rerun regenerates the haystacks (deterministic, checked
+against the records) and prefills only those with unanswered probes: a finished run makes no
+model call. A stage of other settings or another model is refused, naming the field, unless
+`overwrite`. Several processes (`accelerate launch`, `torchrun`) take the haystacks in turns
+and the main process writes the files.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import shutil
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ropekit.data.tokenizers import Tokenizer
+from ropekit.distributed import Processes
+from ropekit.distributed import processes as current_processes
+from ropekit.evals.adapters import (
+    BackboneLM,
+    LanguageModel,
+    as_language_model,
+    newline_ids,
+    place_on,
+)
+from ropekit.evals.haystack import Haystack, load_haystack
+from ropekit.evals.intervals import CONFIDENCE, accuracy_entry
+from ropekit.evals.plots import plot_heatmap
+from ropekit.evals.prompts import PromptFormat
+from ropekit.evals.scoring import clean_prediction, match_all
+from ropekit.evals.tasks import (
+    ANSWER_SLACK_FRACTION,
+    ANSWER_SLACK_MIN,
+    BASE_TASKS,
+    GENERATOR_VERSION,
+    KEY_TYPES,
+    VALUE_TYPES,
+    TaskDoesNotFit,
+    TaskSpec,
+    _check_choice,
+    _check_min,
+    _key_source,
+    _largest_fitting,
+    _seed,
+    _value_source,
+    get_task,
+    stable_hash,
+)
+from ropekit.figures import figure, length_axis, save
+from ropekit.results import (
+    ProvenanceMismatch,
+    ResultError,
+    check_replaceable,
+    digest,
+    make_record,
+    read_records,
+    run_metadata,
+    write_records,
+    write_result,
+)
+
+# Bump when the haystacks or questions built for the same settings change: stored probes of
+# another version are then refused instead of mixed with new ones.
+PROBES_VERSION = 1
+_TRAILING = ".,;:!?\"')]"
+_LEADING = "\"'(["
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """Settings of a many-probes retrieval evaluation. Lengths count the model's tokens."""
+
+    lengths: tuple[
+        int, ...
+    ]  # haystack prompt lengths (tokens, longest question and answer included)
+    needles: int = 5  # K: keys with values per haystack, at K evenly spaced depths; each asked once
+    haystacks: int = 4  # H: haystacks per length; H x K probes per length for H long prefills
+    # A registered niah-style task giving the format (haystack text, key and value types,
+    # preamble); kv1_shakespeare is the retrieval training mixture's kv record.
+    task: str = "niah_single_2"
+    seed: int = 0  # draws keys, values and which needle sits at which depth
+    max_new_tokens: int | None = None  # answer budget (tokens); None: each value's length + slack
+    chat: bool = False  # wrap prompts in the tokenizer's chat template (instruction models)
+    confidence: float = CONFIDENCE  # level of the Wilson score intervals
+
+    def __post_init__(self) -> None:
+        lengths = tuple(self.lengths)
+        if not lengths or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths
+        ):
+            raise ValueError(
+                f"lengths={self.lengths!r} is not allowed; allowed: one or more integers >= 1"
+            )
+        object.__setattr__(self, "lengths", tuple(sorted(set(lengths))))
+        for name in ("needles", "haystacks"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is not allowed; allowed: an integer >= 1")
+        if self.max_new_tokens is not None and (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, int)
+            or self.max_new_tokens < 1
+        ):
+            raise ValueError(
+                f"max_new_tokens={self.max_new_tokens!r} is not allowed; allowed: None or an "
+                "integer >= 1"
+            )
+        if isinstance(self.confidence, bool) or not 0.0 < self.confidence < 1.0:
+            raise ValueError(
+                f"confidence={self.confidence!r} is not allowed; allowed: 0 < confidence < 1"
+            )
+        probe_task(self.task)  # an unknown or unsuitable task fails here, not at the first stage
+
+    @property
+    def depths(self) -> tuple[float, ...]:
+        """The K needle depths: k / (K - 1), or the middle for one needle."""
+        k = self.needles
+        return tuple(i / (k - 1) for i in range(k)) if k > 1 else (0.5,)
+
+
+def probe_task(task: str | TaskSpec) -> TaskSpec:
+    """The registered task whose format the probes use; ValueError unless it is niah-style
+    and asks one value of one key."""
+    spec = get_task(task)
+    args = _niah_args(spec) if spec.base == "niah" else {}
+    if spec.base != "niah" or args["n_values"] != 1 or args["n_queries"] != 1:
+        raise ValueError(
+            f"task={spec.name!r} is not allowed for probes: it is a {spec.base} task"
+            + (
+                f" asking {args['n_queries']} key(s) with {args['n_values']} value(s)"
+                if args
+                else ""
+            )
+            + "; allowed: a niah task asking one value of one key (niah_single_1/2/3, "
+            "niah_multikey_1/2/3, kv1_shakespeare, kv_shakespeare)"
+        )
+    _check_choice("key_type", args["key_type"], KEY_TYPES)
+    _check_choice("value_type", args["value_type"], VALUE_TYPES)
+    _check_min("value_digits", args["value_digits"], 1)
+    return spec
+
+
+def _niah_args(spec: TaskSpec) -> dict[str, Any]:
+    """The task's arguments over ``tasks.niah``'s defaults."""
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(BASE_TASKS["niah"]).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
+    return {**defaults, **spec.args}
+
+
+# ----------------------------------------------------------------------------- haystacks
+@dataclass(frozen=True)
+class Probe:
+    """One needle of a haystack and the question that asks for it."""
+
+    needle: int  # index of the needle in its haystack (the order keys were drawn)
+    depth: float  # requested depth (0 = start of the haystack, 1 = end)
+    key: str
+    value: str
+    needle_position: int  # token index where the needle starts in the prefix
+    needle_depth: float  # measured: share of the haystack's tokens before the needle
+    question: tuple[int, ...]  # ids after the prefix: question and answer prefix
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class ProbeHaystack:
+    """A haystack of one length with its needles: every probe's prompt is prefix + question."""
+
+    length: int
+    index: int  # h: draws the needles (the same at every length)
+    prefix: tuple[int, ...]  # preamble and haystack with the needles, BOS or chat header first
+    probes: tuple[Probe, ...]
+    units: int  # haystack units used
+
+    def prompt(self, probe: Probe) -> list[int]:
+        """The full prompt of one probe, as the one-prompt-per-probe reference reads it."""
+        return [*self.prefix, *probe.question]
+
+
+def _budget(fmt: PromptFormat, value: str, max_new_tokens: int | None) -> int:
+    """Generation budget of one answer: the ideal answer's tokens plus slack (tasks.py)."""
+    if max_new_tokens is not None:
+        return max_new_tokens
+    n = len(fmt.tokenizer.encode(f" {value}."))
+    return n + max(ANSWER_SLACK_MIN, math.ceil(ANSWER_SLACK_FRACTION * n))
+
+
+def build_haystack(
+    spec: TaskSpec, fmt: PromptFormat, config: ProbeConfig, length: int, index: int
+) -> ProbeHaystack:
+    """Haystack ``index`` of ``length`` tokens with ``config.needles`` needles: the most
+    haystack units with which the prefix, the longest question and its answer budget fit.
+    Randomness comes from (seed, task, index) only. TaskDoesNotFit when even an empty
+    haystack with the needles is too long."""
+    args = _niah_args(spec)
+    key_type, value_type = args["key_type"], args["value_type"]
+    digits, preamble = args["value_digits"], args["preamble"]
+    K = config.needles
+    rng = np.random.default_rng([config.seed, stable_hash(spec.name), stable_hash("probes"), index])
+    keys = _key_source(key_type, _seed(rng)).take(K)
+    values = _value_source(value_type, digits, _seed(rng), exclude=keys).take(K)
+    # Which needle sits at which depth: a seeded permutation, so depth and draw order differ.
+    depths = [config.depths[int(i)] for i in rng.permutation(K)]
+    pieces = [
+        (d, f"The value of key {k} is {v}.") for d, k, v in zip(depths, keys, values, strict=True)
+    ]
+    hay = _haystack(args["haystack"], rng, key_type, value_type, digits, keys, values)
+
+    questions = [(f"What is the value of key {k}?", f"The value of key {k} is") for k in keys]
+    budgets = [_budget(fmt, v, config.max_new_tokens) for v in values]
+
+    def split(n: int) -> tuple[str, list[str], int]:
+        """(prefix text, question texts, character where the context starts)."""
+        context = hay.context(n, pieces).text
+        prefix_text, tails, start = None, [], 0
+        for question, answer_prefix in questions:
+            text, offset = fmt.render(f"{preamble}{context}\n{question}", answer_prefix)
+            cut = offset + len(preamble) + len(context)
+            if prefix_text is None:
+                prefix_text, start = text[:cut], offset + len(preamble)
+            elif text[:cut] != prefix_text:
+                raise ValueError(
+                    f"the chat template of {fmt.tokenizer.name!r} renders the text before the "
+                    "question differently for each question, so the probes cannot share a "
+                    "prefix; allowed: chat=False"
+                )
+            tails.append(text[cut:])
+        assert prefix_text is not None
+        return prefix_text, tails, start
+
+    _, tails, _ = split(0)
+    tail_ids = [fmt.tokenizer.encode(t) for t in tails]
+    room = length - max(len(t) + b for t, b in zip(tail_ids, budgets, strict=True))
+    smallest = len(fmt.encode(split(0)[0]))
+    if smallest > room:
+        raise TaskDoesNotFit(
+            f"{K} needles of task {spec.name!r} do not fit length={length}: the prefix without "
+            f"haystack takes {smallest} tokens and the longest question with its answer "
+            f"{length - room}; allowed: length >= {smallest + length - room}, or fewer needles"
+        )
+    n = _largest_fitting(lambda u: len(fmt.encode(split(u)[0])), 0, room)
+    prefix_text, tails, start = split(n)
+    context = hay.context(n, pieces)
+    chars = [start, start + len(context.text)]
+    chars += [start + a for a, _ in context.spans] + [start + b for _, b in context.spans]
+    n_prefix, positions = fmt.locate(prefix_text, chars)
+    prefix = fmt.encode(prefix_text)
+    if len(prefix) != n_prefix:  # locate and encode tokenize the same text
+        raise AssertionError(f"prefix of {len(prefix)} tokens located as {n_prefix}")
+    context_start, context_end = positions[0], positions[1]
+    starts, ends = positions[2 : 2 + K], positions[2 + K :]
+    sizes = [b - a for a, b in zip(starts, ends, strict=True)]
+    filler = context_end - context_start - sum(sizes)
+    probes = []
+    for k in range(K):
+        # Depth in haystack tokens, the needles themselves not counted (as generate_sample).
+        before = starts[k] - context_start
+        before -= sum(size for s, size in zip(starts, sizes, strict=True) if s < starts[k])
+        probes.append(
+            Probe(
+                needle=k,
+                depth=depths[k],
+                key=keys[k],
+                value=values[k],
+                needle_position=starts[k],
+                needle_depth=before / filler if filler > 0 else 0.0,
+                question=tuple(fmt.tokenizer.encode(tails[k])),
+                max_new_tokens=budgets[k],
+            )
+        )
+    return ProbeHaystack(length, index, tuple(prefix), tuple(probes), n)
+
+
+def _haystack(
+    name: str,
+    rng: np.random.Generator,
+    key_type: str,
+    value_type: str,
+    digits: int,
+    keys: list[str],
+    values: list[str],
+) -> Haystack:
+    """The filler: a named text haystack, or (``needles``, RULER's multikey 2 and 3) lines of
+    distractor needles sharing no key or value with the real ones, as ``tasks.niah`` makes."""
+    if name != "needles":
+        return load_haystack(name)
+    taken = [*keys, *values]
+    keys_out = _key_source(key_type, _seed(rng), exclude=taken)
+    values_out = _value_source(value_type, digits, _seed(rng), exclude=taken)
+    return Haystack("needles", lambda i: f"The value of key {keys_out[i]} is {values_out[i]}.\n")
+
+
+# ----------------------------------------------------------------------------- answering
+def exact_match(prediction: str, value: str) -> bool:
+    """Whether the first word of ``prediction`` (quotes and brackets around it and trailing
+    punctuation stripped, case ignored) is ``value`` (module docstring)."""
+    words = prediction.split()
+    return bool(words) and words[0].lstrip(_LEADING).rstrip(_TRAILING).lower() == value.lower()
+
+
+def _backbone_lm(lm: LanguageModel) -> BackboneLM:
+    if not isinstance(lm, BackboneLM):
+        raise ValueError(
+            f"model={type(lm).__name__} is not allowed for probes: they crop the KV cache "
+            "through a Backbone; allowed: a Backbone, a ropekit Decoder, a Hugging Face causal "
+            "LM, or a BackboneLM"
+        )
+    return lm
+
+
+@torch.inference_mode()
+def answer_probes(
+    lm: LanguageModel, haystack: ProbeHaystack, stop: Collection[int] = ()
+) -> list[list[int]]:
+    """Greedy answers (token ids, ending before the first stop id) to every probe of
+    ``haystack``: one prefill of its prefix, then each question after the same cached prefix
+    (the cache cropped back to the prefix after each answer)."""
+    bl = _backbone_lm(lm)
+    backbone, device = bl.backbone, bl.device
+    stops = frozenset(stop)
+    prefix = torch.tensor([haystack.prefix], dtype=torch.long, device=device)  # (1, P)
+    P = prefix.shape[1]
+    # The chunk the one-prompt path (BackboneLM.greedy) prefills with, for a batch of one.
+    chunk = bl._chunk(1)
+    cache = backbone.new_cache()
+    for start in range(0, P, chunk):
+        backbone.run(prefix[:, start : start + chunk], cache, None, None, last_only=True)
+    answers = []
+    for probe in haystack.probes:
+        question = torch.tensor([probe.question], dtype=torch.long, device=device)  # (1, Q)
+        for start in range(0, question.shape[1], chunk):
+            logits = backbone.run(
+                question[:, start : start + chunk], cache, None, None, last_only=True
+            )
+        new: list[int] = []
+        for step in range(probe.max_new_tokens):
+            token = int(logits[0, -1].argmax())
+            if token in stops:
+                break
+            new.append(token)
+            if step == probe.max_new_tokens - 1:
+                break
+            ids = torch.tensor([[token]], dtype=torch.long, device=device)  # (1, 1)
+            logits = backbone.run(ids, cache, None, None, last_only=True)
+        answers.append(new)
+        backbone.crop_cache(cache, P)  # the next question sees exactly the prefix again
+    return answers
+
+
+def answer_separately(
+    lm: LanguageModel, haystack: ProbeHaystack, stop: Collection[int] = ()
+) -> list[list[int]]:
+    """The reference: each probe's full prompt (prefix + question) decoded on its own, one
+    prefill per probe (``LanguageModel.greedy``)."""
+    return [lm.greedy([haystack.prompt(p)], p.max_new_tokens, stop)[0] for p in haystack.probes]
+
+
+# ----------------------------------------------------------------------------- stages
+@dataclass
+class _Stage:
+    length: int
+    directory: Path
+    provenance: dict[str, Any]
+    haystacks: list[ProbeHaystack] | None = None
+    records: dict[tuple[int, int], dict[str, Any]] | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        """The digest every record of the stage carries."""
+        return digest(self.provenance, size=8)
+
+
+def _provenance(
+    spec: TaskSpec, length: int, config: ProbeConfig, fmt: PromptFormat, model: dict[str, Any]
+) -> dict[str, Any]:
+    """What a stage's probes and answers depend on (module docstring)."""
+    probes = {
+        "generator": [PROBES_VERSION, GENERATOR_VERSION],
+        "task": spec.to_json(),
+        "needles": config.needles,
+        "haystacks": config.haystacks,
+        "length": length,
+        "seed": config.seed,
+        "tokenizer": fmt.tokenizer.name,
+        "format": fmt.name,
+        "max_new_tokens": config.max_new_tokens,
+    }
+    return {"probes": probes, "model": model}
+
+
+def _check_stage(stage: _Stage, overwrite: bool) -> None:
+    """Refuse (or, with overwrite, clear) a stage folder of other settings or another model;
+    leave this stage's provenance in its summary.json."""
+    summary = stage.directory / "summary.json"
+    try:
+        if summary.exists():
+            check_replaceable(summary, "probe-stage", stage.provenance)
+        elif any(
+            r.get("stage") != stage.fingerprint
+            for r in read_records(stage.directory / "probes.jsonl")
+        ):
+            raise ProvenanceMismatch(
+                f"{stage.directory / 'probes.jsonl'} was made with other settings (task, "
+                "needles, haystacks, seed, tokenizer, prompt format, answer budget or model); "
+                "use another output folder, or --overwrite to recompute it"
+            )
+    except ResultError:
+        if not overwrite:
+            raise
+        shutil.rmtree(stage.directory)
+    if not summary.exists():
+        payload = {"length": stage.length, "stage": stage.fingerprint, "complete": False}
+        write_result(
+            summary, "probe-stage", payload, meta=run_metadata(), provenance=stage.provenance
+        )
+
+
+def _prepare(
+    stage: _Stage, spec: TaskSpec, fmt: PromptFormat, config: ProbeConfig, overwrite: bool
+) -> None:
+    """Build the stage's haystacks and load its answered probes, checked against them."""
+    _check_stage(stage, overwrite)
+    stage.haystacks = [
+        build_haystack(spec, fmt, config, stage.length, h) for h in range(config.haystacks)
+    ]
+    by_id = {(hay.index, p.needle): (hay, p) for hay in stage.haystacks for p in hay.probes}
+    stage.records = {}
+    for r in read_records(stage.directory / "probes.jsonl"):
+        key = (r["haystack"], r["needle"])
+        hay, probe = by_id.get(key, (None, None))
+        if hay is None or (r["key"], r["value"], r["prefix_tokens"]) != (
+            probe.key,
+            probe.value,
+            len(hay.prefix),
+        ):
+            raise ProvenanceMismatch(
+                f"{stage.directory / 'probes.jsonl'}: probe {key} does not match the haystack "
+                "these settings build (the tokenizer or the generator changed); use another "
+                "output folder, or --overwrite to recompute it"
+            )
+        stage.records[key] = r
+
+
+def _answer(
+    stage: _Stage,
+    lm: LanguageModel,
+    stop: frozenset[int],
+    haystack: ProbeHaystack | None,
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """Records of every probe of one haystack (one prefill); {} for no haystack."""
+    if haystack is None:
+        return {}
+    start = time.perf_counter()
+    answers = answer_probes(lm, haystack, stop)
+    seconds = time.perf_counter() - start
+    records = {}
+    for probe, ids in zip(haystack.probes, answers, strict=True):
+        text = lm.tokenizer.decode(ids)
+        pred = clean_prediction(text)
+        records[(haystack.index, probe.needle)] = {
+            "haystack": haystack.index,
+            "needle": probe.needle,
+            "stage": stage.fingerprint,
+            "depth": probe.depth,
+            "key": probe.key,
+            "value": probe.value,
+            "needle_position": probe.needle_position,
+            "needle_depth": probe.needle_depth,
+            "prefix_tokens": len(haystack.prefix),
+            "prompt_tokens": len(haystack.prefix) + len(probe.question),
+            "pred": pred,
+            "generated": text,
+            "n_generated": len(ids),
+            "correct": exact_match(pred, probe.value),
+            "contains": match_all(pred, [probe.value]) == 1.0,
+            "haystack_seconds": seconds,  # the haystack's prefill and all its answers
+        }
+    return records
+
+
+def _run_stage(
+    stage: _Stage,
+    lm: LanguageModel,
+    stop: frozenset[int],
+    bar: tqdm,
+    procs: Processes,
+) -> None:
+    assert stage.haystacks is not None and stage.records is not None
+    pending = [
+        hay
+        for hay in stage.haystacks
+        if any((hay.index, p.needle) not in stage.records for p in hay.probes)
+    ]
+    bar.set_postfix_str(f"@ {stage.length}")
+    # Several processes take the haystacks in turns, one each per round; after every round
+    # the main process rewrites probes.jsonl with everything answered so far.
+    for first in range(0, len(pending), procs.world):
+        mine = pending[first + procs.rank] if first + procs.rank < len(pending) else None
+        for records in procs.each(lambda mine=mine: _answer(stage, lm, stop, mine)):
+            stage.records.update(records)
+        if procs.is_main:
+            write_records(
+                stage.directory / "probes.jsonl",
+                [stage.records[k] for k in sorted(stage.records)],
+            )
+        bar.update(sum(len(h.probes) for h in pending[first : first + procs.world]))
+
+
+# ----------------------------------------------------------------------------- summaries
+def _accuracy(records: Sequence[dict[str, Any]], confidence: float) -> dict[str, Any]:
+    return accuracy_entry(sum(bool(r["correct"]) for r in records), len(records), confidence)
+
+
+def summarize_records(
+    records: Sequence[dict[str, Any]], confidence: float = CONFIDENCE
+) -> dict[str, Any]:
+    """Accuracy (with its Wilson interval) per length, per depth (all lengths pooled), per
+    (length, depth) cell and overall, from per-probe records carrying "length", "depth",
+    "correct" and "needle_depth"."""
+    if not records:
+        raise ValueError("records=[] is not allowed; allowed: at least one answered probe")
+    lengths = sorted({r["length"] for r in records})
+    depths = sorted({r["depth"] for r in records})
+
+    def group(**where: Any) -> list[dict[str, Any]]:
+        return [r for r in records if all(r[k] == v for k, v in where.items())]
+
+    return {
+        "overall": _accuracy(records, confidence),
+        "by_length": [{"length": n, **_accuracy(group(length=n), confidence)} for n in lengths],
+        "by_depth": [
+            {
+                "depth": d,
+                **_accuracy(group(depth=d), confidence),
+                "needle_depth": float(np.mean([r["needle_depth"] for r in group(depth=d)])),
+            }
+            for d in depths
+        ],
+        "cells": [
+            {"length": n, "depth": d, **_accuracy(cell, confidence)}
+            for n in lengths
+            for d in depths
+            if (cell := group(length=n, depth=d))
+        ],
+    }
+
+
+def plot_accuracy(by_length: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """Accuracy vs length with its (asymmetric) Wilson interval as error bars."""
+    fig, axes = figure(6.8, 4.2)
+    ax = axes[0, 0]
+    xs = [e["length"] for e in by_length]
+    ys = [e["accuracy"] for e in by_length]
+    below = [e["accuracy"] - e["low"] for e in by_length]
+    above = [e["high"] - e["accuracy"] for e in by_length]
+    ax.errorbar(xs, ys, yerr=[below, above], marker="o", ms=4, capsize=3, lw=1.5)
+    length_axis(ax, xs, rotate=True)
+    level = f"{100 * by_length[0]['confidence']:g}%" if by_length else ""
+    ax.set(
+        xlabel="context length (tokens)",
+        ylabel=f"accuracy ({level} Wilson interval)",
+        ylim=(-0.03, 1.03),
+        title=title,
+    )
+    ax.grid(alpha=0.3)
+    return save(fig, path)
+
+
+def run_probes(
+    model: Any,
+    config: ProbeConfig,
+    out_dir: str | os.PathLike[str],
+    *,
+    tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
+    spec: str | None = None,
+    command: str = "",
+    progress: bool = True,
+    overwrite: bool = False,
+    processes: Processes | None = None,
+) -> dict[str, Any]:
+    """Probe `model` at every length of `config` into `out_dir` (module docstring); return
+    the summary (also `out_dir/summary.json`, kind "probes"). `model` is a Backbone, a
+    Decoder, a Hugging Face causal LM or a `BackboneLM` (with `tokenizer` when it has none);
+    `spec` names its encoding in the result. Under several processes all return the summary
+    and the main process writes the files."""
+    lm = _backbone_lm(as_language_model(model, tokenizer))
+    task = probe_task(config.task)
+    procs = processes if processes is not None else current_processes()
+    place_on(lm, procs.device)
+    progress = progress and procs.is_main
+    out = Path(out_dir)
+    identity = lm.identity()
+    provenance = {"model": identity}
+    if procs.is_main:  # another command's or another model's summary is never replaced
+        check_replaceable(out / "summary.json", "probes", provenance, overwrite=overwrite)
+    fmt = PromptFormat(lm.tokenizer, chat=config.chat)
+    stages = [
+        _Stage(n, out / str(n), _provenance(task, n, config, fmt, identity)) for n in config.lengths
+    ]
+
+    def prepare() -> list[tuple[Any, Any]]:
+        for stage in tqdm(stages, desc="haystacks", unit="length", disable=not progress):
+            _prepare(stage, task, fmt, config, overwrite)
+        return [(s.haystacks, s.records) for s in stages]
+
+    # The main process checks the stage files and builds the haystacks; the others take them.
+    for stage, (haystacks, records) in zip(stages, procs.on_main(prepare), strict=True):
+        stage.haystacks, stage.records = haystacks, records
+    stop = newline_ids(lm.tokenizer) | lm.eos_ids
+    total = config.needles * config.haystacks * len(stages)
+    done = sum(len(s.records or {}) for s in stages)
+    with tqdm(total=total - done, desc="probes", unit="probe", disable=not progress) as bar:
+        for stage in stages:
+            _run_stage(stage, lm, stop, bar, procs)
+
+    records = [{**r, "length": s.length} for s in stages for r in (s.records or {}).values()]
+    summary = summarize_records(records, config.confidence)
+    for stage, entry in zip(stages, summary["by_length"], strict=True):
+        haystacks = stage.haystacks or []
+        entry["haystacks"] = len(haystacks)
+        entry["mean_prefix_tokens"] = float(np.mean([len(h.prefix) for h in haystacks]))
+        entry["stage"] = stage.fingerprint
+        if procs.is_main:
+            meta = run_metadata(command, spec=spec, seed=config.seed)
+            write_result(
+                stage.directory / "summary.json", "probe-stage",
+                {**entry, "complete": True}, meta=meta, provenance=stage.provenance,
+            )  # fmt: skip
+    paths = {
+        "summary": str(out / "summary.json"),
+        "accuracy_vs_length": str(out / "accuracy_vs_length.png"),
+        "heatmap": str(out / "heatmap.png"),
+    }
+    if procs.is_main:
+        title = " ".join(filter(None, [task.name, spec]))
+        plot_accuracy(summary["by_length"], paths["accuracy_vs_length"], title=title)
+        cells = [{**c, "score": c["accuracy"]} for c in summary["cells"]]
+        plot_heatmap(cells, paths["heatmap"], title=title)
+    payload = {
+        "run": "probes",
+        "spec": spec,
+        "seed": config.seed,
+        "format": fmt.name,
+        "task": task.to_json(),
+        "config": asdict(config),
+        "depths": list(config.depths),
+        "probes_per_length": config.needles * config.haystacks,
+        "prefills_per_length": config.haystacks,
+        "scoring": "exact match of the answer's first word with the value (trailing "
+        "punctuation stripped, case ignored)",
+        **summary,
+        "model": lm.describe(),
+        "paths": paths,
+    }
+    meta = run_metadata(command, spec=spec, seed=config.seed)
+    if procs.is_main:
+        write_result(out / "summary.json", "probes", payload, meta=meta, provenance=provenance)
+    procs.barrier()
+    return make_record("probes", payload, meta=meta, provenance=provenance)

@@ -1,0 +1,93 @@
+"""Wilson score intervals: published values, laws of the interval, parity with scipy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ropekit.evals.intervals import accuracy_entry, wilson_interval
+
+# Newcombe (1998), "Two-sided confidence intervals for the single proportion: comparison of
+# seven methods", Statistics in Medicine 17, Table II, method 3 (score, no continuity
+# correction), 95%: his four worked examples, to the 4 decimals printed there.
+NEWCOMBE = [
+    (81, 263, 0.2553, 0.3662),
+    (15, 148, 0.0624, 0.1605),
+    (0, 20, 0.0000, 0.1611),
+    (1, 29, 0.0061, 0.1718),
+]
+
+
+@pytest.mark.parametrize(("k", "n", "low", "high"), NEWCOMBE)
+def test_published_values(k, n, low, high):
+    got = wilson_interval(k, n)
+    assert got == pytest.approx((low, high), abs=5e-5)
+
+
+def test_formula_by_hand_at_half():
+    # k = 5 of 10, z = 1.959964: center 0.5, half = z/(1+z^2/10) sqrt(0.025 + z^2/400).
+    z = 1.959963984540054
+    half = z / (1 + z * z / 10) * math.sqrt(0.25 / 10 + z * z / 400)
+    assert wilson_interval(5, 10) == pytest.approx((0.5 - half, 0.5 + half), abs=1e-12)
+    assert wilson_interval(5, 10) == pytest.approx((0.2366, 0.7634), abs=5e-5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 20, 63])
+def test_laws(n):
+    previous_low = -1.0
+    for k in range(n + 1):
+        low, high = wilson_interval(k, n)
+        assert 0.0 <= low <= k / n <= high <= 1.0
+        assert low > previous_low  # more successes, higher interval
+        previous_low = low
+        mirror = wilson_interval(n - k, n)  # failures are successes of the complement
+        assert (low, high) == pytest.approx((1 - mirror[1], 1 - mirror[0]), abs=1e-12)
+    assert wilson_interval(0, n)[0] == 0.0 and wilson_interval(n, n)[1] == 1.0
+    # Never a point at the edges, unlike the Wald interval.
+    assert wilson_interval(0, n)[1] > 0.0 and wilson_interval(n, n)[0] < 1.0
+
+
+def test_more_probes_and_lower_confidence_narrow_it():
+    widths = [wilson_interval(n // 2, n)[1] - wilson_interval(n // 2, n)[0] for n in (10, 40, 160)]
+    assert widths[0] > widths[1] > widths[2]
+    assert widths[1] / widths[2] == pytest.approx(2.0, rel=0.05)  # ~ 1 / sqrt(n)
+    low90, high90 = wilson_interval(7, 20, confidence=0.9)
+    low95, high95 = wilson_interval(7, 20)
+    assert low95 < low90 and high90 < high95
+
+
+def test_parity_with_scipy():
+    stats = pytest.importorskip("scipy.stats")
+    for n in (1, 3, 10, 25, 100):
+        for k in range(n + 1):
+            for confidence in (0.8, 0.95, 0.99):
+                ci = stats.binomtest(k, n).proportion_ci(confidence, method="wilson")
+                assert wilson_interval(k, n, confidence) == pytest.approx(
+                    (ci.low, ci.high), abs=1e-12
+                ), (k, n, confidence)
+
+
+def test_accuracy_entry():
+    entry = accuracy_entry(3, 4)
+    assert entry["accuracy"] == 0.75 and entry["correct"] == 3 and entry["n"] == 4
+    assert (entry["low"], entry["high"]) == wilson_interval(3, 4)
+    assert entry["confidence"] == 0.95
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((1, 0), "n=0 is not allowed"),
+        ((5, 4), "successes=5 is not allowed; allowed: 0..n=4"),
+        ((-1, 4), "successes=-1 is not allowed"),
+        ((1.0, 4), "successes=1.0 is not allowed; allowed: an integer"),
+        ((1, True), "n=True is not allowed"),
+        ((1, 4, 1.0), "confidence=1.0 is not allowed"),
+        ((1, 4, 0.0), "confidence=0.0 is not allowed"),
+    ],
+)
+def test_bad_inputs(args, message):
+    with pytest.raises(ValueError, match=f"^{message}") as info:
+        wilson_interval(*args)
+    assert "\n" not in str(info.value)

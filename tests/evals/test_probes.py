@@ -1,0 +1,362 @@
+"""Many probes per long forward: the answers from one cached prefix are the answers of one full
+prompt per probe, the prefix is read once per haystack, the run resumes and checks its
+settings, the summary's intervals are Wilson's, and bad settings are refused in one line.
+
+Models: `SuffixCopyLM` (exact induction: it really retrieves) and its short-sighted twin; a
+1-layer ropekit Decoder (static and dynamic schedules) and a tiny Llama (unpatched and
+patched, static and dynamic) with sharp random attention, so their answers depend on the
+context, in float64, so near-ties do not hang on float noise; and, marked slow, the decoder
+really trained to retrieve (conftest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from ropekit.evals import as_language_model
+from ropekit.evals.adapters import newline_ids
+from ropekit.evals.intervals import wilson_interval
+from ropekit.evals.probes import (
+    ProbeConfig,
+    answer_probes,
+    answer_separately,
+    build_haystack,
+    exact_match,
+    probe_task,
+    run_probes,
+)
+from ropekit.evals.prompts import PromptFormat
+from ropekit.evals.tasks import TaskDoesNotFit
+from ropekit.hf import patch
+from ropekit.results import ProvenanceMismatch, read_records
+
+from ..hf.tiny import tiny_model as sharp_llama
+from ..model.tiny import tiny_model as sharp_decoder
+from .models import SuffixCopyLM, tiny_llama
+
+OPTIONS = {"progress": False}
+
+
+class RunCounter:
+    """Counts, per call of ``Backbone.run``, the tokens fed and the calls that feed more than
+    one (prefills): wraps the backbone's method on the instance."""
+
+    def __init__(self, lm):
+        self.tokens, self.prefills = 0, 0
+        backbone = lm.backbone
+        inner = backbone.run
+
+        def run(ids, *args, **kwargs):
+            self.tokens += ids.shape[1]
+            self.prefills += ids.shape[1] > 1
+            return inner(ids, *args, **kwargs)
+
+        backbone.run = run
+
+
+def _haystack(lm, length=384, needles=4, index=0, task="niah_single_2", chat=False, **options):
+    config = ProbeConfig((length,), needles=needles, task=task, chat=chat, **options)
+    fmt = PromptFormat(lm.tokenizer, chat=chat)
+    return build_haystack(probe_task(task), fmt, config, length, index)
+
+
+def _same_answers(lm, haystack, stop=()):
+    cached = answer_probes(lm, haystack, stop)
+    separate = answer_separately(lm, haystack, stop)
+    assert cached == separate
+    return cached
+
+
+# ----------------------------------------------------------------------------- haystacks
+def test_haystack_shares_one_prefix_and_fits_its_length(byte_tok):
+    lm = as_language_model(SuffixCopyLM(), byte_tok)
+    hay = _haystack(lm, length=512, needles=5)
+    text = byte_tok.decode(list(hay.prefix))
+    assert len({p.key for p in hay.probes}) == len({p.value for p in hay.probes}) == 5
+    assert sorted(p.depth for p in hay.probes) == [0.0, 0.25, 0.5, 0.75, 1.0]
+    longest = max(len(hay.prompt(p)) + p.max_new_tokens for p in hay.probes)
+    assert 512 - 8 < longest <= 512  # filled to the length, answer budget included
+    for p in hay.probes:
+        needle = f"The value of key {p.key} is {p.value}."
+        assert text.count(needle) == 1
+        assert byte_tok.decode(list(hay.prefix[p.needle_position :])).startswith(needle)
+        question = byte_tok.decode(list(p.question))
+        assert question == f"\nWhat is the value of key {p.key}? The value of key {p.key} is"
+        assert hay.prompt(p) == [*hay.prefix, *p.question]
+    by_depth = sorted(hay.probes, key=lambda p: p.depth)
+    measured = [p.needle_depth for p in by_depth]
+    assert measured == sorted(measured) and measured[0] == 0.0 and measured[-1] == 1.0
+    assert all(abs(p.needle_depth - p.depth) < 0.1 for p in hay.probes)
+
+
+def test_needles_are_the_same_at_every_length_and_differ_between_haystacks(byte_tok):
+    lm = as_language_model(SuffixCopyLM(), byte_tok)
+    short, long = _haystack(lm, length=384), _haystack(lm, length=768)
+    assert [(p.key, p.value, p.depth) for p in short.probes] == [
+        (p.key, p.value, p.depth) for p in long.probes
+    ]
+    assert len(long.prefix) > len(short.prefix)
+    other = _haystack(lm, length=384, index=1)
+    assert {p.key for p in other.probes}.isdisjoint({p.key for p in short.probes})
+
+
+def test_a_haystack_of_distractor_needles(byte_tok):
+    lm = as_language_model(SuffixCopyLM(), byte_tok)
+    hay = _haystack(lm, length=512, task="niah_multikey_2")
+    text = byte_tok.decode(list(hay.prefix))
+    assert text.count("The value of key") >= len(hay.probes) + 5  # filler of other needles
+    for p in hay.probes:
+        assert text.count(f"key {p.key} ") == 1 and text.count(p.value) == 1
+
+
+# ----------------------------------------------------------------------------- answers
+def test_copy_model_answers_every_probe_from_one_prefix_as_from_full_prompts(byte_tok):
+    lm = as_language_model(SuffixCopyLM(), byte_tok)
+    hay = _haystack(lm, length=512, needles=5)
+    stop = newline_ids(byte_tok)
+    answers = _same_answers(lm, hay, stop)
+    assert [byte_tok.decode(a) for a in answers] == [f" {p.value}." for p in hay.probes]
+
+
+def test_the_prefix_is_read_once_per_haystack(byte_tok):
+    lm = as_language_model(SuffixCopyLM(), byte_tok)
+    hay = _haystack(lm, length=512, needles=5)
+    counter = RunCounter(lm)
+    answer_probes(lm, hay, ())  # stop=(): every probe generates its whole budget
+    questions = sum(len(p.question) + p.max_new_tokens - 1 for p in hay.probes)
+    assert counter.tokens == len(hay.prefix) + questions
+    assert counter.prefills == 1 + len(hay.probes)  # the prefix, then each question
+    counter.tokens = 0
+    answer_separately(lm, hay, ())
+    assert counter.tokens == len(hay.probes) * len(hay.prefix) + questions
+
+
+@pytest.mark.parametrize(
+    "encoding", ["rope", "alibi", "dynamic-ntk:factor=2", "longrope:factor=4,long_factor=[2]"]
+)
+def test_decoder_answers_equal_one_prompt_per_probe(byte_tok, encoding):
+    # One layer: with a dynamic schedule, a cached decoder is then exact at any length (the
+    # layer's inputs do not depend on the length; ropekit.model.cache), so the probes must
+    # match full prompts far past the original length of 8 too. Sharp random attention
+    # (init_std 0.25) makes the answers depend on the context.
+    model = sharp_decoder(encoding, n_layers=1).double().eval()
+    lm = as_language_model(model, byte_tok, chunk_size=100)  # chunks cross the prefix's end
+    hay = _haystack(lm, length=300, needles=3)
+    answers = _same_answers(lm, hay)  # no stop ids: every answer runs its whole budget
+    assert all(len(a) == p.max_new_tokens for a, p in zip(answers, hay.probes, strict=True))
+    assert len({tuple(a) for a in answers}) > 1  # the questions differ, so do the answers
+
+
+@pytest.mark.parametrize("spec", [None, "yarn:factor=2", "adarope:init=yarn,factor=2"])
+def test_hugging_face_answers_equal_one_prompt_per_probe(byte_tok, spec):
+    model = sharp_llama("llama", vocab_size=256).double()
+    if spec is not None:
+        patch(model, spec)
+    lm = as_language_model(model, byte_tok, chunk_size=128)
+    hay = _haystack(lm, length=300, needles=3)
+    answers = _same_answers(lm, hay)
+    assert len({tuple(a) for a in answers}) > 1
+
+
+def test_hugging_face_dynamic_schedule_answers_from_the_cropped_cache(byte_tok):
+    # Two layers past the original length: cached answers read the haystack as prefilled
+    # (module docstring), so the reference is the same prefill followed by each question in a
+    # fresh cache, with the prefix and the question in separate forwards.
+    model = sharp_llama("llama", vocab_size=256).double()  # original length 32
+    patch(model, "dynamic-ntk:factor=2")
+    lm = as_language_model(model, byte_tok, chunk_size=1000)
+    hay = _haystack(lm, length=300, needles=3)
+    answers = answer_probes(lm, hay, ())
+    expected = []
+    for p in hay.probes:
+        fresh = answer_probes(lm, dataclasses.replace(hay, probes=(p,)), ())
+        expected += fresh
+    assert answers == expected
+
+
+def test_chat_prompts_share_the_prefix_and_match_full_prompts(bpe_tok):
+    lm = as_language_model(SuffixCopyLM(vocab_size=bpe_tok.vocab_size), bpe_tok)
+    hay = _haystack(lm, length=400, needles=3, chat=True)
+    assert bpe_tok.decode(list(hay.prefix)).startswith("<s><|user|>\n")
+    for p in hay.probes:
+        assert bpe_tok.decode(list(p.question)).endswith(
+            f"<|assistant|>\nThe value of key {p.key} is"
+        )
+    answers = _same_answers(lm, hay, newline_ids(bpe_tok))
+    for answer, probe in zip(answers, hay.probes, strict=True):
+        assert exact_match(bpe_tok.decode(answer).strip(), probe.value)
+
+
+# ----------------------------------------------------------------------------- the run
+CONFIG = ProbeConfig((384, 768), needles=4, haystacks=3, seed=1)
+
+
+def test_run_writes_records_and_wilson_summaries_and_tells_retrievers_apart(tmp_path, byte_tok):
+    results = {}
+    for name, model in (("copy", SuffixCopyLM()), ("short", SuffixCopyLM(window=32))):
+        results[name] = run_probes(
+            model, CONFIG, tmp_path / name, tokenizer=byte_tok, spec="x", **OPTIONS
+        )
+    copy, short = results["copy"], results["short"]
+    assert copy["overall"]["accuracy"] == 1.0 and copy["overall"]["n"] == 24
+    assert short["overall"]["accuracy"] == 0.0
+    assert copy["probes_per_length"] == 12 and copy["prefills_per_length"] == 3
+    for entry in copy["by_length"]:
+        assert entry["n"] == 12 and entry["haystacks"] == 3
+        assert (entry["low"], entry["high"]) == wilson_interval(entry["correct"], 12)
+    assert [d["depth"] for d in copy["by_depth"]] == pytest.approx([0, 1 / 3, 2 / 3, 1])
+    assert all(d["n"] == 6 for d in copy["by_depth"])
+    assert len(copy["cells"]) == 8 and all(c["n"] == 3 for c in copy["cells"])
+    cell = short["cells"][0]
+    assert (cell["low"], cell["high"]) == wilson_interval(0, 3) and cell["high"] > 0.5
+
+    out = tmp_path / "copy"
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["kind"] == "probes" and saved["overall"] == copy["overall"]
+    assert (out / "accuracy_vs_length.png").is_file() and (out / "heatmap.png").is_file()
+    for entry in copy["by_length"]:
+        stage = out / str(entry["length"])
+        records = read_records(stage / "probes.jsonl")
+        assert len(records) == 12
+        assert {r["stage"] for r in records} == {entry["stage"]}
+        assert all(r["correct"] and r["contains"] for r in records)
+        assert all(r["prompt_tokens"] < entry["length"] for r in records)
+        stage_summary = json.loads((stage / "summary.json").read_text())
+        assert stage_summary["kind"] == "probe-stage" and stage_summary["complete"]
+        assert stage_summary["provenance"]["probes"]["length"] == entry["length"]
+
+
+def test_a_finished_run_makes_no_model_call_and_a_partial_one_prefills_only_what_is_missing(
+    tmp_path, byte_tok
+):
+    lm = as_language_model(SuffixCopyLM(), byte_tok)
+    first = run_probes(lm, CONFIG, tmp_path, **OPTIONS)
+    counter = RunCounter(lm)
+    again = run_probes(lm, CONFIG, tmp_path, **OPTIONS)
+    assert counter.tokens == 0
+    assert again["by_length"] == first["by_length"]
+
+    # A run killed during haystack 2 of length 512: its probes were never written.
+    path = tmp_path / "768" / "probes.jsonl"
+    records = read_records(path)
+    kept = [r for r in records if r["haystack"] != 2]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    resumed = run_probes(lm, CONFIG, tmp_path, **OPTIONS)
+    assert counter.prefills == 1 + CONFIG.needles  # one haystack's prefix and its questions
+
+    def answers(rows):  # all but the wall time
+        return [{k: v for k, v in r.items() if k != "haystack_seconds"} for r in rows]
+
+    assert answers(read_records(path)) == answers(records)
+    assert read_records(path)[:8] == records[:8]  # the kept records are kept as they were
+    assert resumed["by_length"] == first["by_length"]
+
+
+def test_other_settings_in_the_same_folder_are_refused_unless_overwritten(tmp_path, byte_tok):
+    lm = as_language_model(SuffixCopyLM(), byte_tok)
+    config = ProbeConfig((300,), needles=2, haystacks=1)
+    run_probes(lm, config, tmp_path, **OPTIONS)
+    other = dataclasses.replace(config, seed=5)
+    with pytest.raises(ProvenanceMismatch, match=r"probes\.seed is 0 there, 5 now"):
+        run_probes(lm, other, tmp_path, **OPTIONS)
+    summary = run_probes(lm, other, tmp_path, overwrite=True, **OPTIONS)
+    assert summary["seed"] == 5
+    records = read_records(tmp_path / "300" / "probes.jsonl")
+    assert {r["stage"] for r in records} == {summary["by_length"][0]["stage"]}
+    with pytest.raises(ProvenanceMismatch, match="model"):
+        run_probes(as_language_model(SuffixCopyLM(sharpness=4.0), byte_tok), other, tmp_path)
+
+
+def test_hugging_face_model_end_to_end(tmp_path, byte_tok):
+    summary = run_probes(
+        tiny_llama(), ProbeConfig((300,), needles=2, haystacks=1), tmp_path, tokenizer=byte_tok
+    )
+    assert summary["overall"]["n"] == 2 and summary["model"]["backbone"] == "hf"
+
+
+# ----------------------------------------------------------------------------- scoring
+@pytest.mark.parametrize(
+    ("prediction", "value", "expected"),
+    [
+        ("4819302.", "4819302", True),
+        ("4819302", "4819302", True),
+        ('"Apple".', "apple", True),
+        ("4819302. The value of key x is 1.", "4819302", True),
+        ("48193021", "4819302", False),
+        ("the value is 4819302", "4819302", False),
+        ("", "4819302", False),
+        ("481930", "4819302", False),
+    ],
+)
+def test_exact_match(prediction, value, expected):
+    assert exact_match(prediction, value) is expected
+
+
+# ----------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"lengths": ()}, r"lengths=\(\) is not allowed; allowed: one or more integers >= 1"),
+        ({"lengths": (0,)}, r"lengths=\(0,\) is not allowed"),
+        ({"needles": 0}, "needles=0 is not allowed; allowed: an integer >= 1"),
+        ({"haystacks": 1.5}, "haystacks=1.5 is not allowed"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0 is not allowed"),
+        ({"confidence": 1.0}, "confidence=1.0 is not allowed; allowed: 0 < confidence < 1"),
+        ({"task": "cwe"}, "task='cwe' is not allowed for probes: it is a common_words task"),
+        ({"task": "niah_multivalue"}, "asking 1 key.s. with 4 value.s."),
+        ({"task": "nope"}, "task='nope' is not allowed; allowed: "),
+    ],
+)
+def test_bad_settings_are_one_line_value_errors(options, message):
+    with pytest.raises(ValueError, match=message) as info:
+        ProbeConfig(**{"lengths": (256,), **options})
+    assert "\n" not in str(info.value)
+
+
+def test_a_length_too_short_for_the_needles_names_the_shortest(tmp_path, byte_tok):
+    with pytest.raises(TaskDoesNotFit, match=r"do not fit length=150.*allowed: length >= \d+"):
+        run_probes(SuffixCopyLM(), ProbeConfig((150,), needles=3), tmp_path, tokenizer=byte_tok)
+
+
+def test_a_language_model_without_a_backbone_is_refused(tmp_path, byte_tok):
+    class Plain:
+        tokenizer = byte_tok
+
+        def token_nll(self, ids):
+            raise NotImplementedError
+
+        def greedy(self, prompts, max_new_tokens, stop=()):
+            return [[] for _ in prompts]
+
+        eos_ids = frozenset()
+
+        def describe(self):
+            return {}
+
+        def identity(self):
+            return {}
+
+    with pytest.raises(ValueError, match="not allowed for probes: they crop the KV cache"):
+        run_probes(Plain(), ProbeConfig((256,)), tmp_path)
+
+
+# ----------------------------------------------------------------------------- trained model
+@pytest.mark.slow
+def test_trained_retriever_answers_probes_as_full_prompts(trained_retriever, tmp_path, byte_tok):
+    """The decoder trained on the retrieval mixture (one kv fact per 128-byte sample), probed
+    in that format: with two needles per haystack (a distractor it never saw in training)
+    its cached answers are its full-prompt answers, right or wrong; with one needle per
+    haystack it reads the 4-digit value (chance: 1e-4 per probe)."""
+    lm = as_language_model(trained_retriever, byte_tok)
+    stop = newline_ids(byte_tok)
+    fmt = PromptFormat(byte_tok)
+    two = ProbeConfig((128,), needles=2, haystacks=10, task="kv1_shakespeare")
+    for h in range(two.haystacks):
+        _same_answers(lm, build_haystack(probe_task(two.task), fmt, two, 128, h), stop)
+    one = ProbeConfig((128,), needles=1, haystacks=20, task="kv1_shakespeare")
+    summary = run_probes(lm, one, tmp_path, **OPTIONS)
+    assert summary["overall"]["n"] == 20
+    assert summary["overall"]["accuracy"] >= 0.5, summary["overall"]
