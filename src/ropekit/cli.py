@@ -262,7 +262,7 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     fields = add_options(
         ppl,
         PerplexityConfig,
-        fields=("lengths", "n_tokens", "stride", "batch_tokens", "seed"),
+        fields=("lengths", "n_tokens", "stride", "batch_tokens", "seed", "single_documents"),
         flags={"n_tokens": "--tokens"},
         required=("lengths",),
     )
@@ -294,6 +294,48 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
                 "--tasks", type=csv(str), default=None, help="RULER tasks (default: all)"
             )
         q.set_defaults(func=cmd_eval_tasks, fields=fields)
+    add_eval_probes(kinds)
+
+
+def add_eval_probes(kinds: argparse._SubParsersAction) -> None:
+    from ropekit.evals.probes import ProbeConfig
+
+    q = kinds.add_parser(
+        "probes",
+        help="retrieval accuracy over lengths and depths, many probes per long prefill "
+        "(Wilson intervals)",
+        description="Each haystack carries one key/value needle per depth; it is read once and "
+        "every key is asked from the same cached prefix.",
+    )
+    _model_args(q)
+    fields = add_options(q, ProbeConfig, required=("lengths",))
+    _out(q, "folder for summary.json, figures and the resumable per-length stages")
+    _overwrite(q, "recompute stages made with other settings or another model")
+    q.set_defaults(func=cmd_eval_probes, fields=fields)
+
+
+def cmd_eval_probes(args: argparse.Namespace) -> int:
+    from ropekit.evals.probes import ProbeConfig, run_probes
+
+    config = from_args(ProbeConfig, args, args.fields)
+    backbone = _load(args)
+    result = run_probes(
+        backbone,
+        config,
+        args.out,
+        spec=_spec_of(backbone),
+        command=_command(),
+        overwrite=args.overwrite,
+    )
+    for e in result["by_length"]:
+        print(
+            f"length {e['length']:>7}: accuracy {e['accuracy']:.2f} "
+            f"[{e['low']:.2f}, {e['high']:.2f}] ({e['correct']}/{e['n']} probes, "
+            f"{e['haystacks']} prefills)"
+        )
+    paths = result["paths"]
+    print(f"wrote {paths['summary']}, {paths['accuracy_vs_length']} and {paths['heatmap']}")
+    return 0
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:

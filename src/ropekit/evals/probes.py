@@ -142,8 +142,8 @@ class ProbeConfig:
     ]  # haystack prompt lengths (tokens, longest question and answer included)
     needles: int = 5  # K: keys with values per haystack, at K evenly spaced depths; each asked once
     haystacks: int = 4  # H: haystacks per length; H x K probes per length for H long prefills
-    # A registered niah-style task giving the format (haystack text, key and value types,
-    # preamble); kv1_shakespeare is the retrieval training mixture's kv record.
+    # the format: a registered niah-style task (haystack text, key and value types, digits,
+    # preamble); kv1_shakespeare is the retrieval training mixture's kv record
     task: str = "niah_single_2"
     seed: int = 0  # draws keys, values and which needle sits at which depth
     max_new_tokens: int | None = None  # answer budget (tokens); None: each value's length + slack

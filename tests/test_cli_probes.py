@@ -1,0 +1,66 @@
+"""`ropekit eval probes` and `ropekit eval ppl --single-documents` on a tiny pretrained decoder:
+the options reach the configs, the files are written, what is printed says where."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ropekit.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("cli_probes") / "run"
+    tiny = "--context 32 --layers 1 --d-model 32 --heads 2 --batch-size 2 --warmup 1 --steps 2"
+    try:
+        assert main(["pretrain", "--out", str(out), *tiny.split()]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_eval_probes(model_dir, tmp_path, capsys):
+    out = tmp_path / "probes"
+    command = (
+        f"eval probes --model {model_dir} --lengths 300,400 --needles 3 --haystacks 2 "
+        f"--task kv1_shakespeare --seed 4 --confidence 0.9 --out {out}"
+    )
+    assert main(command.split()) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["kind"] == "probes" and summary["task"]["name"] == "kv1_shakespeare"
+    assert summary["config"]["needles"] == 3 and summary["config"]["seed"] == 4
+    assert summary["overall"]["confidence"] == 0.9 and summary["probes_per_length"] == 6
+    for e in summary["by_length"]:
+        line = (
+            f"length {e['length']:>7}: accuracy {e['accuracy']:.2f} [{e['low']:.2f}, "
+            f"{e['high']:.2f}] ({e['correct']}/6 probes, 2 prefills)"
+        )
+        assert line in printed
+    assert str(out / "summary.json") in printed and str(out / "heatmap.png") in printed
+
+
+def test_eval_probes_bad_needles_is_one_line(model_dir, tmp_path, capsys):
+    command = f"eval probes --model {model_dir} --lengths 300 --needles 0 --out {tmp_path}"
+    assert main(command.split()) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needles=0 is not allowed" in err and "\n" not in err
+
+
+def test_eval_ppl_single_documents(model_dir, tmp_path, capsys):
+    out = tmp_path / "ppl"
+    command = (
+        f"eval ppl --model {model_dir} --lengths 32,64 --tokens 256 --single-documents "
+        f"--data kjv --out {out}"
+    )
+    assert main(command.split()) == 0
+    result = json.loads((out / "ppl.json").read_text())
+    assert result["config"]["single_documents"] is True
+    assert result["documents"] == 4 and len(result["spans"]) == 4
+    assert all(s["document"].startswith("kjv/") for s in result["spans"])
+    assert str(out / "ppl.json") in capsys.readouterr().out
