@@ -34,3 +34,16 @@ def test_probes_section_reads_every_interval_from_the_summaries(tmp_path):
         assert f"({name}/heatmap.png)" in md and f"({name}/accuracy_vs_length.png)" in md
     assert "| reads | `copy-reads` | niah_single_2 | 4 | 2 | 1.00 [0.51, 1.00] |" in md
     assert "0.00 [0.00, 0.49]" in md  # the blind model: 0 of 4, Wilson's upper end
+
+
+def test_perplexity_section_says_when_windows_came_from_single_documents(tmp_path):
+    from ropekit.evals import PerplexityConfig, run_perplexity
+
+    from ..evals.models import tiny_decoder
+
+    config = PerplexityConfig((32, 64), n_tokens=128, single_documents=True)
+    run_perplexity(tiny_decoder(), config, tmp_path / "docs", data="kjv", progress=False)
+    run_perplexity(tiny_decoder(), PerplexityConfig((32, 64), 128), tmp_path / "joined")
+    md = build_report(tmp_path).markdown.read_text()
+    assert "docs: every window inside one held-out document (2 spans of 64 tokens in 2 " in md
+    assert "joined: every window" not in md

@@ -251,6 +251,16 @@ def perplexity_section(results: Sequence[Result], root: Path) -> list[Block]:
                 "targets at every length; lower is better)",
             )
         )
+    # Say where the windows came from (issue 19: single documents, said in the report).
+    for r in results:
+        if r.data.get("spans"):
+            spans = r.data["spans"]
+            tables.append(
+                Text(
+                    f"{r.label}: every window inside one held-out document ({len(spans)} spans "
+                    f"of {fmt(spans[0]['tokens'])} tokens in {r.data['documents']} documents)."
+                )
+            )
     return [*tables, *_figures(results, root, _no_extra)]
 
 
