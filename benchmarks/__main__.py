@@ -2,7 +2,7 @@
 benchmarks/results.json (name, ratio, target, note, device).
 
 `python -m benchmarks rotary memory` runs only the named modules (results.json keeps the
-other rows). Modules: rotary, training, memory, bands, hf, evals.
+other rows). Modules: rotary, training, memory, bands, hf, evals, probes.
 
 Threads: one by default (``--threads N`` to change). This machine is shared with long
 experiments; with two threads and other jobs on the two cores, OpenMP's parallel regions wait
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from . import bands, evals, hf, memory, rotary, training
+from . import bands, evals, hf, memory, probes, rotary, training
 from .common import RESULTS, print_table, write_results
 
 MODULES = {
@@ -31,6 +31,7 @@ MODULES = {
     "bands": bands,
     "hf": hf,
     "evals": evals,
+    "probes": probes,
 }
 
 

@@ -8,6 +8,9 @@ Modules:
 - `scoring`: RULER's string_match_all / string_match_part, `effective_length`.
 - `perplexity`: `evaluate_perplexity`, `run_perplexity` (`ropekit eval ppl`).
 - `runner`: `run_needle`, `run_passkey`, `run_ruler`, `run_tasks`: staged, resumable.
+- `probes`: `ProbeConfig`, `run_probes` (`ropekit eval probes`): many retrieval probes per
+  long prefill, the KV cache cropped back to the haystack for each question.
+- `intervals`: `wilson_interval`, `accuracy_entry` (Wilson score intervals of accuracies).
 - `plots`: pictures (files go through `ropekit.results`).
 """
 
@@ -17,7 +20,9 @@ from ropekit.evals.adapters import (
     as_language_model,
     newline_ids,
 )
+from ropekit.evals.intervals import accuracy_entry, wilson_interval
 from ropekit.evals.perplexity import PerplexityConfig, evaluate_perplexity, run_perplexity
+from ropekit.evals.probes import ProbeConfig, run_probes
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.runner import (
     EvalConfig,
@@ -53,10 +58,12 @@ __all__ = [
     "EvalConfig",
     "LanguageModel",
     "PerplexityConfig",
+    "ProbeConfig",
     "PromptFormat",
     "Sample",
     "TaskDoesNotFit",
     "TaskSpec",
+    "accuracy_entry",
     "as_language_model",
     "effective_length",
     "evaluate_perplexity",
@@ -69,8 +76,10 @@ __all__ = [
     "run_needle",
     "run_passkey",
     "run_perplexity",
+    "run_probes",
     "run_ruler",
     "run_tasks",
     "string_match_all",
     "string_match_part",
+    "wilson_interval",
 ]

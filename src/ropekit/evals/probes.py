@@ -137,9 +137,7 @@ _LEADING = "\"'(["
 class ProbeConfig:
     """Settings of a many-probes retrieval evaluation. Lengths count the model's tokens."""
 
-    lengths: tuple[
-        int, ...
-    ]  # haystack prompt lengths (tokens, longest question and answer included)
+    lengths: tuple[int, ...]  # prompt lengths (tokens, longest question and answer included)
     needles: int = 5  # K: keys with values per haystack, at K evenly spaced depths; each asked once
     haystacks: int = 4  # H: haystacks per length; H x K probes per length for H long prefills
     # the format: a registered niah-style task (haystack text, key and value types, digits,
