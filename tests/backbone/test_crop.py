@@ -1,7 +1,7 @@
 """Cropping a KV cache back to a prefix through the Backbone: what follows equals what follows a
 fresh prefill of that prefix, for ropekit's Decoder and for Hugging Face models (unpatched,
-patched with static schedules, and with dynamic ones whose keys are cached unrotated beside
-their positions), past the original length.
+patched with static schedules, with dynamic ones and with distance remaps, whose keys are
+cached unrotated beside their positions), past the original length.
 
 Reference: a new cache filled with the same prefix in the same chunks. Cropping recomputes
 nothing and the continuation runs the same operations on the same cached values, so the
@@ -28,6 +28,8 @@ DECODER_SPECS = [
     "adarope:l_ref=4",
     "dynamic-ntk:factor=2",
     "longrope:factor=4,long_factor=[2],short_factor=[1.5]",
+    "rerope:window=5,leaky=2",  # distance remaps: unrotated keys too, rotated per band
+    "dca:chunk_size=6,local_size=2",
 ]
 HF_SPECS = [
     None,  # unpatched: transformers' own RoPE and cache
@@ -36,6 +38,8 @@ HF_SPECS = [
     "adarope:init=yarn,factor=2",
     "dynamic-ntk:factor=2",
     "longrope:factor=2,long_factor=[1.5],short_factor=[1.2]",
+    "self-extend:group=4,window=8",
+    "string:shift=10,window=3",
 ]
 
 

@@ -135,7 +135,14 @@ def test_the_prefix_is_read_once_per_haystack(byte_tok):
 
 
 @pytest.mark.parametrize(
-    "encoding", ["rope", "alibi", "dynamic-ntk:factor=2", "longrope:factor=4,long_factor=[2]"]
+    "encoding",
+    [
+        "rope",
+        "alibi",
+        "dynamic-ntk:factor=2",
+        "longrope:factor=4,long_factor=[2]",
+        "self-extend:group=2,window=4",
+    ],
 )
 def test_decoder_answers_equal_one_prompt_per_probe(byte_tok, encoding):
     # One layer: with a dynamic schedule, a cached decoder is then exact at any length (the
