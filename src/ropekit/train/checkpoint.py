@@ -443,7 +443,12 @@ def _load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
         tensors["optimizer"] = optim["state"]
         groups = _read(path / OPTIMIZER_GROUPS, _load_pt)
     try:
-        load(tensors, storage_reader=_checked_reader(path))
+        # One process without a process group (a whole model, e.g. for inspection) reads alone;
+        # DCP warns that it assumes so even when told.
+        alone = not torch.distributed.is_initialized()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            load(tensors, storage_reader=_checked_reader(path), no_dist=alone)
     except BaseException as e:  # DCP gathers every process's error into one long report
         failure = _dcp_failure(e)
         if isinstance(failure, CheckpointError | OSError | KeyboardInterrupt | SystemExit):

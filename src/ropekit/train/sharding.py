@@ -80,8 +80,7 @@ class ShardPlan:
                 raise ValueError(f"ShardPlan.{field}={names!r} is invalid: names must not repeat")
 
     def check(self, model: nn.Module) -> None:
-        """ValueError naming the first block or parameter ``model`` does not have, or a
-        replicated parameter inside a block (it would be sharded with it)."""
+        """ValueError naming the first block or parameter ``model`` does not have."""
         modules = dict(model.named_modules())
         params = dict(model.named_parameters())
         for name in self.blocks:
