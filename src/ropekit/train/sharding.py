@@ -181,6 +181,8 @@ class FullySharded:
         try:
             self.module = _training_copy(model, plan.replicated)
             self.replicated = [self.module.get_parameter(n) for n in plan.replicated]
+            if self.world > 1:
+                _start_alike(self.module, self.device)
             with torch.no_grad():
                 for p in self.replicated:  # FSDP2 moves what it manages; these it ignores
                     p.data = p.data.to(self.device)
@@ -273,6 +275,36 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> Tensor:
         for g in grads:
             g.mul_(coefficient)
     return total
+
+
+def _start_alike(module: nn.Module, device: torch.device) -> None:
+    """Make every process start from the main process's values, as DDP does when it wraps a
+    model: each shard is cut from the local copy, so ranks that differ would train a mixture
+    (e.g. LoRA initialised after a first stage left each process's RNG at another point).
+
+    What trains, and every buffer, is broadcast from rank 0 (through the device, one tensor at
+    a time: NCCL moves only GPU tensors). Frozen weights are not sent (a frozen backbone can
+    be most of the model, and every process read it from the same files); a float64 sum of
+    each is compared instead, and a process whose sums differ stops the run.
+    """
+    with torch.no_grad():
+        sent = [p for p in module.parameters() if p.requires_grad] + list(module.buffers())
+        for tensor in sent:
+            staged = tensor.detach().to(device)
+            dist.broadcast(staged, src=0)
+            tensor.copy_(staged)
+        frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        sums = [float(p.double().sum()) for _, p in frozen]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sums)
+    for rank, theirs in enumerate(gathered):
+        pairs = zip(frozen, gathered[0], theirs, strict=True)
+        differ = [name for (name, _), a, b in pairs if a != b]
+        if differ:
+            raise ValueError(
+                f"frozen weights differ between processes 0 and {rank} (e.g. {differ[0]}): "
+                "every process must load the same model before sharded training"
+            )
 
 
 def _training_copy(model: nn.Module, replicated: Iterable[str]) -> nn.Module:
