@@ -433,3 +433,17 @@ def test_sharded_extension_recipe_equals_unsharded(tmp_path):
     ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
     assert torch.equal(reloaded.token_nll(ids, 16), models[True].token_nll(ids, 16))
     assert_plain(models[True].model, type(reloaded.model))
+
+
+@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
+def test_accelerates_own_sharding_is_refused_naming_the_way_that_works(tmp_path, kind):
+    """Accelerate's FSDP or DeepSpeed would shard the model in prepare() and the main process
+    would save its shards as if they were the model."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    launched = SimpleNamespace(num_processes=1, distributed_type=DistributedType[kind])
+    with pytest.raises(ValueError, match=rf"Accelerate's {kind} .* allowed: .*--fsdp"):
+        train(tiny_llama(), CountingData(), tiny_config(tmp_path), accelerator=launched)
+    assert not tmp_path.joinpath("checkpoints").exists()

@@ -33,7 +33,7 @@ from typing import IO, Any, Protocol
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -343,6 +343,14 @@ def _forward_backward(
 def _check_setup(dataset: TrainDataset, config: TrainConfig, accelerator: Accelerator) -> None:
     # Each process would train alone and they would overwrite each other's checkpoints.
     check_launched(accelerator.num_processes)
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        # Its prepare() would shard the model, and checkpoints, the final model and adapters
+        # would be saved from the main process's shards: incomplete.
+        raise ValueError(
+            f"Accelerate's {accelerator.distributed_type.value} (accelerate launch --use_fsdp "
+            "or --use_deepspeed) is not allowed; allowed: data parallel (no launcher option) "
+            "or ropekit's FSDP2 (TrainConfig.fsdp, --fsdp on the command line)"
+        )
     share = accelerator.num_processes * config.grad_accum
     if config.batch_size % share:
         raise ValueError(
