@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,6 +79,20 @@ def test_two_sharded_processes_train_like_one_on_the_same_global_batch(tmp_path,
     assert max_difference(one, two) <= NOISE_FACTOR * noise
     for a, b in zip(losses(tmp_path / "one"), losses(uninterrupted), strict=True):
         assert abs(a - b) <= NOISE_FACTOR * loss_noise * a
+
+
+def test_a_checkpoint_of_two_processes_resumes_on_one(tmp_path, uninterrupted):
+    """torch.distributed.checkpoint reads the shards a process needs, so a run sharded over 2
+    processes continues on 1 (here from step 8: its last 4 steps summed as 1 process sums)."""
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    shutil.rmtree(out / "checkpoints" / "step-00000012")
+    (out / "summary.json").unlink()
+    noise, _ = reorder_noise(llama_with_adarope, tmp_path / "noise")
+    resumed = llama_with_adarope()
+    result = train(resumed, CountingData(), tiny_config(out, fsdp=True, resume=True))
+    assert result.steps == 12
+    assert max_difference(resumed, trained(uninterrupted)) <= NOISE_FACTOR * noise
 
 
 def test_a_sharded_run_killed_on_one_process_resumes_bit_identical(tmp_path, uninterrupted):

@@ -105,6 +105,17 @@ def test_sharded_training_equals_unsharded_within_reordering_noise(tmp_path, nam
     verify_checkpoint(result.checkpoint)
 
 
+def test_activation_checkpointing_under_sharding_changes_no_number(tmp_path):
+    """FSDP2 gathers a block again when checkpointing recomputes it in the backward."""
+    plain, sharded = decoder(), decoder()
+    for model in (plain, sharded):
+        model.gradient_checkpointing_enable()
+    train(plain, CountingData(), tiny_config(tmp_path / "plain", steps=4))
+    train(sharded, CountingData(), tiny_config(tmp_path / "sharded", steps=4, fsdp=True))
+    noise, _ = reorder_noise(decoder, tmp_path / "noise", steps=4)
+    assert max_difference(plain, sharded) <= NOISE_FACTOR * noise
+
+
 def _wrapping_of(make):
     """(model, what its training module looked like (filled by the loss), its plan, a loss
     that looks)."""
