@@ -9,42 +9,14 @@ import pytest
 import torch
 
 from ropekit.cli import main
-from ropekit.data import load_corpus
+
+from .hf.tiny import llama_folder
 
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     torch.set_num_threads(1)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    backend.train_from_iterator([d.text for d in load_corpus("essays")[:2]], trainer)
-    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(
-        folder
-    )
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        eos_token_id=0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
+    return llama_folder(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def test_eval_extend_analyze_export_on_a_hf_folder(hf_folder, tmp_path, capsys):

@@ -145,8 +145,8 @@ _MODEL_FLAGS = {"context_length": "--context", "n_layers": "--layers", "n_heads"
 _MODEL_FLAGS |= {"n_kv_heads": "--kv-heads"}
 _TRAIN_FIELDS = (
     "steps", "batch_size", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip",
-    "grad_accum", "seed", "bf16", "checkpoint_interval", "keep_last", "log_interval", "resume",
-    "overwrite",
+    "grad_accum", "seed", "bf16", "fsdp", "checkpoint_interval", "keep_last", "log_interval",
+    "resume", "overwrite",
 )  # fmt: skip
 
 
@@ -424,6 +424,13 @@ def add_extend(sub: argparse._SubParsersAction) -> None:
         help="continue an interrupted run in --out from its newest intact checkpoint",
     )
     _overwrite(p, "replace a previous run in --out")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model over the processes with FSDP2 while it trains (one decoder block "
+        "at a time; positional parameters replicated; sharded checkpoints); off: data "
+        "parallel, every process holds the whole model",
+    )
     p.set_defaults(func=cmd_extend, fields=fields)
 
 
@@ -440,6 +447,7 @@ def cmd_extend(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         resume=args.resume,
         command=_command(),
+        fsdp=args.fsdp,
     )
     last = results[-1]
     loss = "-" if last.final_loss is None else f"{last.final_loss:.4f}"

@@ -13,6 +13,7 @@ Holds:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,3 +136,40 @@ def greedy_cached(model: nn.Module, ids: Tensor, steps: int, **kwargs: Any):
         **kwargs,
     )
     return out.sequences, list(out.logits)
+
+
+def llama_folder(folder: Path) -> Path:
+    """A Hugging Face folder for CLI tests: a tiny random Llama (2 layers, hidden 32, 4 heads
+    over 2 kv heads, L0 = 64) and a byte-level BPE tokenizer of 300 ids trained here on two
+    essays; the same files for the same call."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from ropekit.data import load_corpus
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator([d.text for d in load_corpus("essays")[:2]], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(
+        folder
+    )
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder

@@ -130,9 +130,9 @@ def test_the_manifest_lists_every_file_and_is_written_last_before_the_rename(tmp
         os.replace,
     )
 
-    def write_manifest(folder):
+    def write_manifest(folder, *layout):
         events.append(("manifest", folder.name, sorted(p.name for p in folder.iterdir())))
-        real_write(folder)
+        real_write(folder, *layout)
 
     def fsync(path):
         events.append(("fsync", path.name))

@@ -5,12 +5,14 @@ Holds:
     tiny_config     a TrainConfig that trains it in a dozen steps.
     CountingData    random start tokens followed by +1 counting: random, yet learnable in steps.
     main            `python tiny.py OUT_DIR [options]` trains the two above; the tests launch it
-                    with `accelerate launch` (several processes) and kill it with SIGKILL.
+                    with `accelerate launch` or `torchrun` (several processes; `--fsdp` shards
+                    them) and kill it with SIGKILL (`--pid-dir` tells them each rank's pid).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -106,7 +108,16 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per micro-batch")
+    parser.add_argument("--fsdp", action="store_true", help="shard with FSDP2")
+    parser.add_argument("--spec", default=None, help="patch the Llama with this ropekit encoding")
+    parser.add_argument(
+        "--frozen-per-rank", action="store_true", help="each rank its own frozen embeddings"
+    )
+    parser.add_argument("--pid-dir", type=Path, default=None, help="write rank-<r>.pid here")
     args = parser.parse_args()
+    if args.pid_dir is not None:
+        rank = os.environ.get("RANK", "0")
+        (args.pid_dir / f"rank-{rank}.pid").write_text(str(os.getpid()))
 
     def slow_loss(model, batch):
         # Gives a test time to kill the run between checkpoints; no effect on the numbers.
@@ -120,8 +131,25 @@ def main() -> None:
         grad_accum=args.grad_accum,
         checkpoint_interval=args.checkpoint_interval,
         resume=args.resume,
+        fsdp=args.fsdp,
     )
-    train(tiny_llama(dropout=args.dropout), CountingData(), config, loss_fn=slow_loss)
+    rank = int(os.environ.get("RANK", "0"))
+    model = tiny_llama(seed=rank if args.frozen_per_rank else 0, dropout=args.dropout)
+    if args.frozen_per_rank:
+        model.model.embed_tokens.weight.requires_grad_(False)
+    if args.spec is not None:
+        from ropekit.hf import patch
+
+        perturb(patch(model, args.spec))
+    train(model, CountingData(), config, loss_fn=slow_loss)
+
+
+def perturb(encoding: torch.nn.Module, seed: int = 1) -> None:
+    """Move learnable encoding parameters off their init (so their gradients are not special)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in encoding.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ behind these methods:
 - identity: ``fingerprint()`` (what an adapter must match: architecture, heads, base, L0) and
   ``identity()`` (what a result's provenance records: that plus a digest of every weight);
 - training: ``lora_targets``, ``enable_grad_checkpointing()``, ``training_logits(module,
-  batch)`` (the logits the loss is taken on, with the inputs each kind needs);
+  batch)`` (the logits the loss is taken on, with the inputs each kind needs),
+  ``block_names()`` (the decoder blocks, which sharded training wraps one by one);
 - scoring, for evals: ``new_cache()``, ``run(ids, cache, mask, positions, last_only)``,
   ``cache_length(cache)``, ``crop_cache(cache, length)`` (back to a prefix, so many questions
   share one prefill), ``token_nll(ids, chunk)``, ``group_prompts(prompts)``, ``eos_ids``,
@@ -172,8 +173,15 @@ class Backbone(abc.ABC):
 
     @abc.abstractmethod
     def training_logits(self, module: nn.Module, batch: Mapping[str, Tensor]) -> Tensor:
-        """Logits (B, T, V) of ``module`` (this backbone's model, or its data-parallel wrapper)
-        on a training batch: ``input_ids`` (B, T) and optional ``position_ids`` (B, T)."""
+        """Logits (B, T, V) of ``module`` (this backbone's model, its data-parallel wrapper, or
+        its sharded training copy) on a training batch: ``input_ids`` (B, T) and optional
+        ``position_ids`` (B, T)."""
+
+    @abc.abstractmethod
+    def block_names(self) -> tuple[str, ...]:
+        """Qualified names, in ``self.model.named_modules()``, of the decoder blocks (the
+        transformer layers) in order: the units sharded training (FSDP2) gathers one at a
+        time, so only one block's full weights exist at once."""
 
     # ------------------------------------------------------------------ scoring
     @property

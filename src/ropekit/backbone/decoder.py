@@ -122,6 +122,9 @@ class DecoderBackbone(Backbone):
             inputs["position_ids"] = batch["position_ids"]
         return module(**inputs).logits  # (B, T, V)
 
+    def block_names(self) -> tuple[str, ...]:
+        return tuple(f"blocks.{i}" for i in range(len(self.decoder.blocks)))
+
     # ------------------------------------------------------------------ scoring
     @property
     def vocab_size(self) -> int:

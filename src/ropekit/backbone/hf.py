@@ -37,7 +37,14 @@ from transformers import Cache, DynamicCache
 from ropekit.data.tokenizers import HFTokenizer, Tokenizer
 from ropekit.encodings import PositionEncoding
 from ropekit.hf import build_for_model, encoding_of, patch, spec_from_config, unpatch
-from ropekit.hf.archs import arch_for, model_dims, original_length, rope_context, unwrap
+from ropekit.hf.archs import (
+    arch_for,
+    base_model,
+    model_dims,
+    original_length,
+    rope_context,
+    unwrap,
+)
 
 from .base import Backbone
 
@@ -150,6 +157,12 @@ class HFBackbone(Backbone):
             attention_mask=torch.ones_like(ids),  # one causal sequence (module docstring)
             use_cache=False,
         ).logits  # (B, T, V)
+
+    def block_names(self) -> tuple[str, ...]:
+        """``model.layers.<i>`` of Llama, Mistral and Qwen (under PEFT's prefix when
+        wrapped): found by identity, so any wrapper's prefix is right."""
+        names = {id(module): name for name, module in self.model.named_modules()}
+        return tuple(names[id(layer)] for layer in base_model(self.model).layers)
 
     # ------------------------------------------------------------------ scoring
     @property

@@ -25,6 +25,26 @@ Layout, under `<out_dir>/checkpoints/`:
                             other file; written last
     damaged-step-00000700/  a damaged checkpoint a resumed run moved aside (never deleted)
 
+A sharded run (``TrainConfig.fsdp``) writes the weights and optimizer state with
+``torch.distributed.checkpoint`` (DCP) instead: every process writes its own shards, so no
+process ever holds the whole model or optimizer state, and the folder holds
+
+        .metadata           DCP's index of every tensor's shards (which file, where)
+        __<rank>_0.distcp   process <rank>'s shards of {"model": trainable parameters and
+                            persistent buffers, "optimizer": AdamW's per-parameter state}
+        optimizer-groups.pt AdamW's param_groups (lr, betas... and parameter names)
+        scheduler.pt, rng-<rank>.pt, state.json, config.json   as above
+        manifest.json       as above, with "layout": "sharded"
+
+and is made atomic the same way (every process writes into the temporary folder; the main
+process fsyncs, writes the manifest and renames once all have finished). Loading it needs no
+particular number of processes: DCP reads the shards each process needs, so a run resumes on
+another number of processes, and one process loads it into an unsharded model.
+DCP's ``.metadata`` is a pickle and its reader unpickles anything; ropekit reads it with an
+unpickler that admits only DCP's own metadata classes, torch.Size, dtypes and paths, and
+refuses a checkpoint that stores anything but tensors (DCP loads non-tensor values with
+``torch.load(weights_only=False)``).
+
 Weights are safetensors (no pickle). The `.pt` files hold only tensors, numbers, strings,
 lists, tuples and dicts, and are always read with `torch.load(..., weights_only=True)`, which
 refuses anything else. A checkpoint is complete the moment its folder is renamed from
@@ -48,9 +68,11 @@ lost it after it was written, and is damaged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -74,6 +96,12 @@ MANIFEST_FORMAT = 1
 # In state.json: 2 = the checkpoint has a manifest. Absent: written before manifests existed.
 CHECKPOINT_FORMAT = 2
 _REQUIRED = (MODEL_FILE, "state.json", "config.json")
+# The manifest's "layout": absent or FULL = whole files written by the main process; SHARDED
+# = torch.distributed.checkpoint shards written by every process (module docstring).
+FULL, SHARDED = "full", "sharded"
+DCP_METADATA = ".metadata"
+OPTIMIZER_GROUPS = "optimizer-groups.pt"
+_REQUIRED_SHARDED = (DCP_METADATA, OPTIMIZER_GROUPS, "state.json", "config.json")
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
@@ -155,11 +183,14 @@ def save_checkpoint(
     accelerator: Accelerator,
     save_frozen: bool,
     keep_last: int,
+    sharded: bool = False,
 ) -> Path:
     """Write `state` and the objects' state as `<out_dir>/checkpoints/step-<step>`; returns it.
 
     Every process must call it (each saves its own RNG streams); the main process writes the
-    rest, which DDP keeps identical on every process. `model` is the unwrapped module.
+    rest, which DDP keeps identical on every process. `model` is the unwrapped module. With
+    `sharded` (`model` sharded by FSDP2), every process writes its shards of the weights and
+    optimizer state with torch.distributed.checkpoint (module docstring).
     """
     root = out_dir / CHECKPOINTS
     final = root / f"step-{state.step:08d}"
@@ -172,11 +203,16 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     try:
         torch.save(_rng_state(), tmp / f"rng-{accelerator.process_index}.pt")
+        groups = _save_sharded(tmp, model, optimizer, save_frozen) if sharded else None
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            # "format": "pt" is what Hugging Face loaders expect of a PyTorch safetensors file.
-            save_file(_model_tensors(model, save_frozen), tmp / MODEL_FILE, {"format": "pt"})
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            if sharded:
+                torch.save(groups, tmp / OPTIMIZER_GROUPS)
+            else:
+                # "format": "pt" is what Hugging Face loaders expect of a PyTorch safetensors
+                # file.
+                save_file(_model_tensors(model, save_frozen), tmp / MODEL_FILE, {"format": "pt"})
+                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             fields = dataclasses.asdict(state)
             (tmp / "config.json").write_text(json.dumps(fields.pop("config"), indent=2))
@@ -187,7 +223,7 @@ def save_checkpoint(
             # at complete files and a manifest that describes them.
             for path in tmp.iterdir():
                 _fsync(path)
-            _write_manifest(tmp)
+            _write_manifest(tmp, SHARDED if sharded else FULL)
             _fsync(tmp)
             os.replace(tmp, final)
             _fsync(root)
@@ -215,15 +251,25 @@ def load_checkpoint(
     another shape, is a ValueError. With `verify` (the default) every file is first checked
     against the manifest (`verify_checkpoint`); a damaged or unreadable file is a one-line
     CheckpointError, never a parser's traceback.
+
+    A sharded checkpoint loads into a model sharded by FSDP2 (every process calls it, each
+    reads the shards it holds) or, in one process, into an unsharded model and optimizer.
     """
     path = Path(path)
-    missing = [name for name in _REQUIRED if not (path / name).is_file()]
+    layout = _layout(path)
+    required = _REQUIRED_SHARDED if layout == SHARDED else _REQUIRED
+    missing = [name for name in required if not (path / name).is_file()]
     if missing:
         raise FileNotFoundError(
             f"{path} is not a complete checkpoint: {', '.join(missing)} missing"
         )
     if verify:
         verify_checkpoint(path)
+    if layout == SHARDED:
+        _load_sharded(path, model, optimizer)
+        if scheduler is not None:
+            scheduler.load_state_dict(_read(path / "scheduler.pt", _load_pt))
+        return read_checkpoint_state(path)
     tensors = _read(path / MODEL_FILE, load_file)
     _check_fits(path / MODEL_FILE, tensors, model)
     model.load_state_dict(tensors, strict=False)
@@ -292,6 +338,197 @@ def _model_tensors(model: nn.Module, save_frozen: bool) -> dict[str, Tensor]:
     return {n: t.detach().cpu().contiguous() for n, t in tensors.items()}
 
 
+def _saved_names(model: nn.Module, save_frozen: bool) -> set[str]:
+    """The names `_model_tensors` saves: trainable (or all) parameters, each tied weight once,
+    and persistent buffers."""
+    persistent = model.state_dict().keys()
+    names = {n for n, p in model.named_parameters() if p.requires_grad or save_frozen}
+    return names | {n for n, _ in model.named_buffers() if n in persistent}
+
+
+# --------------------------------------------------------------------------- sharded layout
+def _layout(path: Path) -> str:
+    """The layout a checkpoint's manifest names; without a readable manifest, SHARDED if DCP's
+    index is there (verification then says what is wrong)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        return str(manifest.get("layout", FULL)) if isinstance(manifest, dict) else FULL
+    except (OSError, ValueError):
+        return SHARDED if (path / DCP_METADATA).is_file() else FULL
+
+
+def _tensor_leaves(tree: Any, prefix: str = "") -> None:
+    """ValueError unless every leaf of a nested dict is a tensor (module docstring: DCP would
+    pickle anything else, and ropekit loads only tensors)."""
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            _tensor_leaves(value, f"{name}.")
+        elif not isinstance(value, Tensor):
+            raise ValueError(
+                f"a sharded checkpoint holds tensors only; {name} is a {type(value).__name__}"
+            )
+
+
+def _save_sharded(
+    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer, save_frozen: bool
+) -> list[dict[str, Any]]:
+    """Every process writes its shards of the weights and the optimizer state into `folder`
+    (a collective); returns the optimizer's param_groups, for the main process to write."""
+    from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, optim = get_state_dict(model, optimizer)
+    kept = _saved_names(model, save_frozen)
+    tensors = {
+        "model": {n: t for n, t in weights.items() if n in kept},
+        "optimizer": optim["state"],
+    }
+    _tensor_leaves(tensors)
+    try:
+        save(tensors, storage_writer=FileSystemWriter(folder, sync_files=True))
+    except BaseException as e:
+        raise _dcp_failure(e) from None  # e.g. the OSError of a full disk, as one line
+    return optim["param_groups"]
+
+
+def _dcp_failure(error: BaseException) -> BaseException:
+    """The first process's own exception inside DCP's CheckpointException (a BaseException
+    whose text is every process's traceback), or `error` itself."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            return first[0]
+    return error
+
+
+def _load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Load a sharded checkpoint's weights (and optimizer state) into `model` (FSDP2-sharded on
+    every process, or whole on one)."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    stored = _read(path / DCP_METADATA, _load_metadata).state_dict_metadata
+    if optimizer is None:
+        weights, optim = get_model_state_dict(model), None
+    else:
+        weights, optim = get_state_dict(model, optimizer)
+    saved = {k.removeprefix("model."): v for k, v in stored.items() if k.startswith("model.")}
+    file = path / DCP_METADATA
+    unexpected = [name for name in saved if name not in weights]
+    if unexpected:
+        raise ValueError(
+            f"{file} holds {len(unexpected)} weights the model does not have, "
+            f"e.g. {unexpected[:3]}: was it saved from a different model?"
+        )
+    shapes = [
+        f"{name} {tuple(meta.size)} vs {tuple(weights[name].shape)}"
+        for name, meta in saved.items()
+        if tuple(meta.size) != tuple(weights[name].shape)
+    ]
+    if shapes:
+        raise ValueError(
+            f"{file} holds {len(shapes)} weights of other shapes than the model's "
+            f"(checkpoint vs model: {'; '.join(shapes[:3])}): was it saved from a different model?"
+        )
+    tensors: dict[str, Any] = {"model": {name: weights[name] for name in saved}}
+    if optim is not None:
+        tensors["optimizer"] = optim["state"]
+        groups = _read(path / OPTIMIZER_GROUPS, _load_pt)
+    try:
+        # One process without a process group (a whole model, e.g. for inspection) reads alone;
+        # DCP warns that it assumes so even when told.
+        alone = not torch.distributed.is_initialized()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            load(tensors, storage_reader=_checked_reader(path), no_dist=alone)
+    except BaseException as e:  # DCP gathers every process's error into one long report
+        failure = _dcp_failure(e)
+        if isinstance(failure, CheckpointError | OSError | KeyboardInterrupt | SystemExit):
+            raise failure from None
+        detail = (str(failure).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(
+            f"{path} cannot be read, the checkpoint is damaged ({type(failure).__name__}: {detail})"
+        ) from None
+    loose = StateDictOptions(strict=False)  # frozen weights are not in it, as in MODEL_FILE
+    set_model_state_dict(model, tensors["model"], options=loose)
+    if optim is not None:
+        state = {"state": tensors["optimizer"], "param_groups": groups}
+        set_optimizer_state_dict(model, optimizer, state)
+
+
+# Globals DCP's metadata pickle may name: its own metadata classes (any class of
+# torch.distributed.checkpoint.metadata), the file index entry, sizes, dtypes, layouts, paths.
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's `.metadata` and nothing else: a pickle naming any other global (a
+    function to call, a class to build) is refused before anything runs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch.distributed.checkpoint.metadata as dcp_metadata
+
+        value = getattr(torch, name, None) if module == "torch" else None
+        allowed = (module, name) in _METADATA_GLOBALS or isinstance(value, torch.dtype)
+        if module == dcp_metadata.__name__:
+            allowed = isinstance(getattr(dcp_metadata, name, None), type)
+        if not allowed:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which is not DCP metadata")
+        return super().find_class(module, name)
+
+
+def _load_metadata(path: Path) -> Any:
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    with path.open("rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+    for name, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise ValueError(f"{name} is not a tensor (ropekit stores tensors only)")
+    return metadata
+
+
+@functools.cache
+def _checked_reader_class() -> type:
+    """DCP's file reader with `.metadata` read by `_load_metadata` (built on first use: importing
+    torch.distributed.checkpoint takes over a second)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = _read(Path(self.path) / DCP_METADATA, _load_metadata)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader
+
+
+def _checked_reader(path: Path) -> Any:
+    return _checked_reader_class()(path)
+
+
 def _load_pt(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -338,15 +575,18 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _write_manifest(folder: Path) -> None:
+def _write_manifest(folder: Path, layout: str = FULL) -> None:
     files = {
         p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(folder.iterdir())
         if p.name != MANIFEST
     }
+    manifest: dict[str, Any] = {"format": MANIFEST_FORMAT, "files": files}
+    if layout != FULL:  # a whole-file checkpoint's manifest stays as it always was
+        manifest["layout"] = layout
     path = folder / MANIFEST
     with path.open("w", encoding="utf-8") as f:
-        json.dump({"format": MANIFEST_FORMAT, "files": files}, f, indent=2)
+        json.dump(manifest, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
 
@@ -367,7 +607,11 @@ def _problems(path: Path) -> tuple[list[str], bool]:
         return [f"{MANIFEST} is not a format-{MANIFEST_FORMAT} manifest"], False
     if any(Path(name).name != name or name in ("", ".", "..") for name in listed):
         return [f"{MANIFEST} lists names that are not files of the checkpoint"], False
-    problems = [f"{MANIFEST} does not list {name}" for name in _REQUIRED if name not in listed]
+    layout = manifest.get("layout", FULL)
+    if layout not in (FULL, SHARDED):
+        return [f"{MANIFEST} has layout={layout!r}; allowed: {FULL!r}, {SHARDED!r}"], False
+    required = _REQUIRED_SHARDED if layout == SHARDED else _REQUIRED
+    problems = [f"{MANIFEST} does not list {name}" for name in required if name not in listed]
     present = {p.name for p in path.iterdir()}
     problems += [f"{name} is not in {MANIFEST}" for name in sorted(present - {MANIFEST, *listed})]
     for name, entry in listed.items():

@@ -61,6 +61,10 @@ class TrainConfig:
     lr_scale: tuple[tuple[str, float], ...] = ()
     seed: int = 0  # data order, and the python/numpy/torch RNGs (offset by process rank)
     bf16: bool = False  # bf16 autocast for the forward pass; weights and loss stay float32
+    # shard parameters, gradients and optimizer state over the processes with FSDP2 (torch's
+    # fully_shard, one decoder block at a time; positional parameters replicated); sharded
+    # checkpoints. Off: data parallel, every process holds the whole model
+    fsdp: bool = False
     checkpoint_interval: int = 500  # steps between checkpoints; the last step is always saved
     keep_last: int = 2  # checkpoints kept on disk; older ones are deleted
     save_frozen: bool = False  # also save frozen weights (otherwise they come from the model)
@@ -136,6 +140,7 @@ class TrainConfig:
         _require(
             isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed, "an integer >= 0"
         )
+        _require(isinstance(self.fsdp, bool), "fsdp", self.fsdp, "True or False")
         _require(
             not (self.resume and self.overwrite),
             "overwrite",

@@ -74,6 +74,7 @@ from ropekit.results import check_replaceable, read_result, run_metadata, write_
 from .config import TrainConfig
 from .loop import train
 from .loss import backbone_loss
+from .sharding import plan_for
 
 MODES = ("positional", "lora", "joint")
 # recipe -> (stage-1 method family, stage-2 mode); the stage-1 spec comes from --method.
@@ -299,7 +300,9 @@ def _dataset(backbone: Backbone, config: ExtendConfig, pose_window: int | None) 
     return samples
 
 
-def _train_config(config: ExtendConfig, out_dir: Path, lora: bool, resume: bool) -> TrainConfig:
+def _train_config(
+    config: ExtendConfig, out_dir: Path, lora: bool, resume: bool, fsdp: bool
+) -> TrainConfig:
     lr_scale = ((r"lora_", config.lora_lr / config.lr),) if lora else ()
     return TrainConfig(
         out_dir=out_dir / "train",
@@ -315,6 +318,7 @@ def _train_config(config: ExtendConfig, out_dir: Path, lora: bool, resume: bool)
         log_interval=max(1, min(10, config.steps // 5)),
         overwrite=not resume,
         resume=resume,
+        fsdp=fsdp,
     )
 
 
@@ -330,10 +334,12 @@ def _train(
     model = backbone.model
     was_training = model.training
     model.train()
+    plan = plan_for(backbone) if train_config.fsdp else None
     try:
         result = train(
-            model, samples, train_config, loss_fn=backbone_loss(backbone), provenance=provenance
-        )
+            model, samples, train_config, loss_fn=backbone_loss(backbone),
+            provenance=provenance, plan=plan,
+        )  # fmt: skip
     finally:
         model.train(was_training)
         if disable is not None:
@@ -367,12 +373,16 @@ def extend(
     command: str = "",
     log: Any = print,
     keep_encoding: bool = False,
+    fsdp: bool = False,
 ) -> ExtendResult:
     """Extend ``model`` in place to ``config.target_length`` with ``config.method``.
 
     Writes ``out_dir/adapter`` (positional parameters, spec, fingerprint), ``lora.safetensors``
     and ``lora.json`` when LoRA trained, the training run in ``out_dir/train`` and
     ``out_dir/extend.json``. ``resume`` continues an interrupted run (module docstring).
+    ``fsdp`` shards the backbone over the processes with FSDP2 while it trains (its decoder
+    blocks one by one, positional parameters replicated; ``TrainConfig.fsdp``): the numbers
+    are those of data-parallel training up to float rounding, and so are the files.
     """
     backbone, out_dir = as_backbone(model, tokenizer), Path(out_dir)
     trained_at = backbone.training_length
@@ -402,7 +412,7 @@ def extend(
     pose_window = (config.pose_window or trained_at) if config.pose else None
     if counts["total"]:
         samples = _dataset(backbone, config, pose_window)
-        train_config = _train_config(config, out_dir, bool(counts["lora"]), resume)
+        train_config = _train_config(config, out_dir, bool(counts["lora"]), resume, fsdp)
         train_provenance = {**provenance, "data": samples_identity(samples)}
         final_loss, tokens = _train(backbone, samples, config, train_config, train_provenance)
     select_trainable(backbone, "none")  # leave the model frozen, as evaluation expects
@@ -413,8 +423,9 @@ def extend(
         "elapsed_s": time.perf_counter() - start, "adapter": str(out_dir / "adapter"),
         "fingerprint": fingerprint, "num_processes": procs.world,
     }  # fmt: skip
-    # Data-parallel training left the same parameters in every process: the main one writes
-    # them, and every process returns only once it has, so the files are then safe to read.
+    # Data-parallel training left the same parameters in every process (sharded training
+    # gathered them back into it, whole): the main one writes them, and every process returns
+    # only once it has, so the files are then safe to read.
     if procs.is_main:
         write_adapter(encoding, fingerprint, out_dir / "adapter")
         targets = lora_targets or config.lora_targets or backbone.lora_targets
@@ -464,14 +475,16 @@ def run_extension(
     resume: bool = False,
     command: str = "",
     log: Any = print,
+    fsdp: bool = False,
 ) -> list[ExtendResult]:
     """``extend`` once, or a two-stage recipe: stage 1 trains ``config.method`` positionally
     on the samples (in ``out_dir/stage1``), stage 2 adds LoRA (``->lora``: encoding fixed;
-    ``->joint``: encoding keeps training) on the same samples (``out_dir``)."""
+    ``->joint``: encoding keeps training) on the same samples (``out_dir``). ``fsdp``: both
+    stages train sharded (``extend``)."""
     out_dir = Path(out_dir)
     options = {
         "tokenizer": tokenizer, "overwrite": overwrite, "resume": resume,
-        "command": command, "log": log,
+        "command": command, "log": log, "fsdp": fsdp,
     }  # fmt: skip
     if recipe is None:
         return [extend(model, config, out_dir, **options)]

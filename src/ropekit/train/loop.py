@@ -9,6 +9,11 @@ One optimizer step: every process takes its share of the global batch (see sampl
 forward and backward on its micro-batches, and the loss sums and token counts are added over
 all of them. The gradient is then divided by the global token count, which makes it the
 gradient of the token-weighted mean loss of the whole global batch on 1 or N processes.
+
+How the processes share the model is a ``Parallel`` (sharding.py): data parallel (DDP through
+Accelerate, every process holds every parameter), or, with ``TrainConfig.fsdp``, fully
+sharded (FSDP2: parameters, gradients and optimizer state split over the processes, sharded
+checkpoints). The steps and their numbers are the same either way, up to float rounding.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import IO, Any, Protocol
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
@@ -55,10 +60,13 @@ from ropekit.train.config import RUN_CONTROL, TrainConfig
 from ropekit.train.loss import LossFn, causal_lm_loss
 from ropekit.train.optim import build_optimizer, lr_factor
 from ropekit.train.sampling import collate, global_batch, local_batches
+from ropekit.train.sharding import Parallel, ShardPlan, parallel_for
 from ropekit.utils import atomic_write_text
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
+# Every field's default, in to_dict() form (resume fills fields older checkpoints lack).
+_DEFAULTS = TrainConfig(out_dir=Path(".")).to_dict()
 
 
 class TrainDataset(Protocol):
@@ -109,6 +117,7 @@ def train(
     loss_fn: LossFn | None = None,
     accelerator: Accelerator | None = None,
     provenance: Mapping[str, Any] | None = None,
+    plan: ShardPlan | None = None,
 ) -> TrainResult:
     """Train `model` in place on `dataset`; checkpoints, metrics and summary go to out_dir.
 
@@ -116,7 +125,10 @@ def train(
     loss defaults to `causal_lm_loss`; pass `loss_fn` for another (e.g. chunked) loss.
     Launched by `accelerate launch` or `torchrun`, every process calls `train` alike and the
     run is data parallel; `accelerator` defaults to `Accelerator()` (one you pass must leave
-    gradient accumulation to `config.grad_accum`). With `config.resume`,
+    gradient accumulation to `config.grad_accum`). With `config.fsdp` the parameters are
+    sharded by FSDP2 as `plan` says (default: `plan_for` the model's Backbone: its decoder
+    blocks wrapped one by one, its positional parameters replicated); on return the model
+    holds the trained values, complete, on every process. With `config.resume`,
     a run continues from its latest checkpoint exactly as if it had never stopped; a
     checkpoint whose recorded `provenance` (what the run trains: model, encoding, data,
     tokenizer; ropekit.results) differs from the one passed is refused, naming the field.
@@ -130,13 +142,17 @@ def train(
     _check_setup(dataset, config, accelerator)
     lock, checkpoint = _claim_out_dir(config, accelerator)
     try:
-        return _train(model, dataset, config, loss_fn, accelerator, checkpoint, provenance)
+        parallel = parallel_for(model, config, accelerator, plan)
+        try:
+            return _train(parallel, dataset, config, loss_fn, accelerator, checkpoint, provenance)
+        finally:
+            parallel.close()
     finally:
         lock.release()
 
 
 def _train(
-    model: nn.Module,
+    parallel: Parallel,
     dataset: TrainDataset,
     config: TrainConfig,
     loss_fn: LossFn,
@@ -148,11 +164,12 @@ def _train(
     rank, world = accelerator.process_index, accelerator.num_processes
     main = accelerator.is_main_process
     set_seed(config.seed + rank)  # own streams per process, e.g. for dropout
+    model = parallel.module  # the model itself, or its sharded training copy
     optimizer, scheduler = build_optimizer(model, config)
     state = _start_state(
         model, optimizer, scheduler, dataset, config, world, checkpoint, provenance
     )
-    wrapped, optimizer = accelerator.prepare(model, optimizer)  # e.g. in DDP, on the device
+    wrapped, optimizer = parallel.prepare(optimizer)
     if checkpoint is not None:
         restore_rng(checkpoint, rank)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -166,8 +183,9 @@ def _train(
     try:
         while step < config.steps:
             loss, grad_norm, n_tokens = _optimizer_step(
-                wrapped, dataset, config, loss_fn, accelerator, trainable, step, checkpoint
-            )
+                wrapped, dataset, config, loss_fn, accelerator, parallel, trainable, step,
+                checkpoint,
+            )  # fmt: skip
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -201,11 +219,13 @@ def _train(
                     config.out_dir, state, model=model, optimizer=optimizer,
                     scheduler=scheduler, accelerator=accelerator,
                     save_frozen=config.save_frozen, keep_last=config.keep_last,
+                    sharded=parallel.sharded,
                 )  # fmt: skip
     finally:
         bar.close()
         if metrics is not None:
             metrics.close()
+    parallel.finish()  # sharded: the trained values, whole, into the caller's model
     return _finish(state, checkpoint, config, accelerator)
 
 
@@ -245,6 +265,7 @@ def _optimizer_step(
     config: TrainConfig,
     loss_fn: LossFn,
     accelerator: Accelerator,
+    parallel: Parallel,
     trainable: list[nn.Parameter],
     step: int,
     checkpoint: Path | None,
@@ -254,16 +275,19 @@ def _optimizer_step(
     rank, world = accelerator.process_index, accelerator.num_processes
     indices = global_batch(step, config.batch_size, len(dataset), config.seed)
     batches = local_batches(indices, rank, world, config.grad_accum)
-    totals = _forward_backward(wrapped, dataset, batches, loss_fn, accelerator, config.bf16)
+    totals = _forward_backward(
+        wrapped, dataset, batches, loss_fn, accelerator, parallel, config.bf16
+    )
+    parallel.reduce_gradients()
     # A global batch with no scored token gives 0/0 = NaN here, caught below.
     loss = float(totals[0] / totals[1])
-    # DDP averaged the summed-loss gradients over processes; this makes them the gradient of
-    # the mean over every scored token of the global batch.
+    # DDP (or FSDP2) averaged the summed-loss gradients over processes; this makes them the
+    # gradient of the mean over every scored token of the global batch.
     scale = float(world / totals[1])
     for p in trainable:
         if p.grad is not None:
             p.grad.mul_(scale)
-    grad_norm = float(accelerator.clip_grad_norm_(trainable, config.grad_clip or math.inf))
+    grad_norm = float(parallel.clip_grad_norm(trainable, config.grad_clip or math.inf))
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise NonFiniteLossError(step + 1, loss, grad_norm, checkpoint)
     return loss, grad_norm, int(totals[2])
@@ -293,6 +317,7 @@ def _forward_backward(
     batches: list[list[int]],
     loss_fn: LossFn,
     accelerator: Accelerator,
+    parallel: Parallel,
     bf16: bool,
 ) -> Tensor:
     """Accumulate gradients of this process's micro-batches.
@@ -305,7 +330,7 @@ def _forward_backward(
         batch = {key: value.to(accelerator.device) for key, value in batch.items()}
         # DDP all-reduces gradients once per step, after the last micro-batch.
         last = i == len(batches) - 1
-        with nullcontext() if last else accelerator.no_sync(model):
+        with nullcontext() if last else parallel.accumulating(model):
             with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=bf16):
                 loss_sum, n_scored = loss_fn(model, batch)
             accelerator.backward(loss_sum)
@@ -318,6 +343,14 @@ def _forward_backward(
 def _check_setup(dataset: TrainDataset, config: TrainConfig, accelerator: Accelerator) -> None:
     # Each process would train alone and they would overwrite each other's checkpoints.
     check_launched(accelerator.num_processes)
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        # Its prepare() would shard the model, and checkpoints, the final model and adapters
+        # would be saved from the main process's shards: incomplete.
+        raise ValueError(
+            f"Accelerate's {accelerator.distributed_type.value} (accelerate launch --use_fsdp "
+            "or --use_deepspeed) is not allowed; allowed: data parallel (no launcher option) "
+            "or ropekit's FSDP2 (TrainConfig.fsdp, --fsdp on the command line)"
+        )
     share = accelerator.num_processes * config.grad_accum
     if config.batch_size % share:
         raise ValueError(
@@ -376,9 +409,11 @@ def _check_resumable(
     """Before any weight is loaded: the checkpoint must belong to this run."""
     check_provenance(state.provenance, provenance, f"cannot resume {checkpoint}: it")
     now = config.to_dict()
-    changed = sorted(k for k in now.keys() - RUN_CONTROL if now[k] != state.config.get(k))
+    # A field the checkpoint's ropekit did not have yet (e.g. fsdp) had its default then.
+    saved = {**_DEFAULTS, **state.config}
+    changed = sorted(k for k in now.keys() - RUN_CONTROL if now[k] != saved.get(k))
     if changed:
-        was = ", ".join(f"{k}={state.config.get(k)!r}" for k in changed)
+        was = ", ".join(f"{k}={saved.get(k)!r}" for k in changed)
         new = ", ".join(f"{k}={now[k]!r}" for k in changed)
         raise ValueError(f"cannot resume {checkpoint}: it was trained with {was}, not {new}")
     if state.dataset_len != dataset_len:
