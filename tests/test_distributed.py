@@ -31,7 +31,7 @@ def test_one_process_needs_no_process_group(monkeypatch):
 
 def test_a_launch_the_process_group_does_not_match_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match=r"launched as 2 processes.*ACCELERATE_USE_CPU=1"):
+    with pytest.raises(ValueError, match=r"launched as 2 processes.*ACCELERATE_USE_CPU=1"):
         check_launched(1)
     check_launched(2)
 

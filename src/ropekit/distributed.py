@@ -120,8 +120,8 @@ def check_launched(num_processes: int) -> None:
     would then run the whole job alone and they would overwrite each other's files.
     """
     launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != num_processes:
-        raise RuntimeError(
+    if launched != num_processes:  # a launch the user set up: one line at the CLI, exit 2
+        raise ValueError(
             f"launched as {launched} processes but the Accelerator sees {num_processes}; on a "
             "machine without GPUs set ACCELERATE_USE_CPU=1 (with `accelerate launch --multi_gpu` "
             "or `torchrun`)"

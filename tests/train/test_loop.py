@@ -275,7 +275,7 @@ def test_bf16_autocast_trains_float32_weights(tmp_path):
 def test_processes_that_do_not_see_each_other_are_stopped(tmp_path, monkeypatch):
     # What `accelerate launch --multi_gpu` without ACCELERATE_USE_CPU=1 gives on a CPU machine.
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match="launched as 2 processes but the Accelerator sees 1"):
+    with pytest.raises(ValueError, match="launched as 2 processes but the Accelerator sees 1"):
         train(tiny_llama(), CountingData(), tiny_config(tmp_path))
 
 

@@ -404,10 +404,12 @@ def test_clip_grad_norm_equals_torch_on_whole_tensors():
             torch.testing.assert_close(p.grad, t.grad, rtol=1e-6, atol=1e-7)
 
 
-def test_sharded_extension_recipe_equals_unsharded(tmp_path):
-    """extend's adarope->lora on one process, sharded and not: the adapter and LoRA weights
-    agree to rounding, and the sharded run's files load back into an unsharded model that
-    scores exactly like the model extend returned."""
+@pytest.mark.parametrize("recipe", ["adarope->lora", "adarope->joint"])
+def test_sharded_extension_recipe_equals_unsharded(tmp_path, recipe):
+    """extend's two-stage recipes (stage 2: LoRA alone, or LoRA and the encoding) on one
+    process, sharded and not: the adapter and LoRA weights agree to rounding, and the sharded
+    run's files load back into an unsharded model that scores exactly like the model extend
+    returned."""
     from safetensors.torch import load_file
 
     from ropekit.backbone import load_adapter, read_adapter
@@ -426,7 +428,7 @@ def test_sharded_extension_recipe_equals_unsharded(tmp_path):
     for fsdp in (False, True):
         backbone = open_backbone(base)
         run_extension(
-            backbone, config, tmp_path / str(fsdp), recipe="adarope->lora", fsdp=fsdp,
+            backbone, config, tmp_path / str(fsdp), recipe=recipe, fsdp=fsdp,
             log=lambda *_: None,
         )  # fmt: skip
         models[fsdp] = backbone
