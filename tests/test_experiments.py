@@ -163,6 +163,7 @@ def test_pretrain_encodings_scores_every_encoding(tmp_path, encodings):
         assert (tmp_path / "results" / name).read_bytes() == before, name
 
 
+@pytest.mark.slow  # 100 s under load, the longest test; its parts are tested in make test
 def test_smollm2_16k_scores_every_method(tmp_path):
     """The real model at toy lengths: PoSE windows of 32 tokens whose positions span 16k,
     perplexity at 32/64 tokens, the tasks at 192."""

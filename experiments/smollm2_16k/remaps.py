@@ -1,0 +1,248 @@
+"""Experiment D, training-free rows: the attention-level remaps (ReRoPE, Leaky ReRoPE,
+Self-Extend, DCA, STRING), the mixed window and LongRoPE-searched factors on SmolLM2-135M
+taken from 8,192 to 16,384 tokens, on the held-out span experiment D scores (the same windows:
+its rows and these compare), with the wall time and peak memory of every evaluation.
+
+Every method runs through the command line as a user runs it, one process per stage, so the
+peak memory of a stage is that process's (its maximum resident set, from ``wait4``):
+``ropekit extend`` attaches the spec (nothing trains) and writes its adapter, ``ropekit eval
+ppl`` scores experiment D's span (2k, 8k, 16k; whole window and last quarter), ``ropekit eval
+probes`` asks 10 needles per length and haystack kind (5 needles in each of 2 haystacks, one
+prefill per haystack) at 8k and 16k: numbers in noise (niah_single_1) and in essays
+(niah_single_2). The unmodified model, untuned YaRN and dynamic NTK are rerun the same way: their
+perplexities must equal experiment D's committed ones (the same windows), which checks that the
+rows compare.
+
+    python -m experiments.smollm2_16k.remaps    (after the factor search, see README)
+
+Holds: RemapsConfig, run, main.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from experiments.common import (
+    EXPERIMENTS_DIR,
+    check,
+    check_ints,
+    markdown_table,
+    provenance,
+    read_config,
+    read_record,
+    write_record,
+    write_results,
+)
+
+NAME = "smollm2_16k"
+HERE = EXPERIMENTS_DIR / NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class RemapsConfig:
+    """The training-free rows of experiment D (remaps.json). Lengths in the model's tokens."""
+
+    model: str  # a model ropekit installs offline
+    data: str  # the held-out corpus experiment D scores
+    target_length: int  # tokens the methods must serve
+    methods: dict[str, str]  # label -> spec, or "adapter:<folder>" for a searched adapter
+    eval_lengths: tuple[int, ...]  # experiment D's perplexity window lengths
+    eval_spans: int  # held-out spans of max(eval_lengths) tokens (experiment D: 1)
+    eval_seed: int  # where the span starts (experiment D: 0)
+    probe_lengths: tuple[int, ...]  # retrieval lengths
+    probe_tasks: tuple[str, ...]  # niah-style tasks the probes take their format from
+    needles: int  # needles per haystack, at evenly spaced depths
+    haystacks: int  # haystacks per length and task
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "probe_tasks", tuple(self.probe_tasks))
+        check_ints(self, "target_length", minimum=2)
+        for name in ("eval_lengths", "probe_lengths"):
+            check_ints(self, name, many=True, distinct=True)
+        for name in ("eval_spans", "needles", "haystacks"):
+            check_ints(self, name)
+        check_ints(self, "eval_seed", minimum=0)
+        check(bool(self.methods), self, "methods", self.methods, "name at least one method")
+        check(
+            max(self.eval_lengths) <= self.target_length,
+            self,
+            "eval_lengths",
+            self.eval_lengths,
+            f"lengths up to target_length={self.target_length}",
+        )
+
+
+def _cli(args: Sequence[str], log: Path) -> dict[str, float]:
+    """Run ``ropekit ARGS`` in its own process; its wall time and peak memory (maxrss)."""
+    command = [sys.executable, "-m", "ropekit.cli", *args]
+    env = os.environ | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    start = time.perf_counter()
+    with log.open("a") as out:
+        out.write("$ ropekit " + shlex.join(args) + "\n")
+        out.flush()
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(process.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"ropekit {shlex.join(args)} failed; see {log}")
+    return {"wall_s": time.perf_counter() - start, "peak_gib": usage.ru_maxrss / 2**20}
+
+
+def _job(cfg: RemapsConfig, runs: Path, label: str, spec: str) -> dict[str, Any]:
+    """One method: attach (or take its adapter), score perplexity, probe retrieval. Each stage
+    is recorded in stages.json when it ends, so a killed run continues at the stage it was in;
+    the numbers are read back from the files the commands wrote (each checks its provenance)."""
+    folder = runs / "remaps" / label
+    folder.mkdir(parents=True, exist_ok=True)
+    model = ["--model", cfg.model]
+    adapter: list[str] = []
+    if spec.startswith("adapter:"):
+        adapter = ["--adapter", spec.removeprefix("adapter:")]
+    elif spec != "rope":  # "rope": the model as it is, transformers' own attention
+        _stage(folder, "attach", ["extend", *model, "--method", spec, "--target-length",
+               str(cfg.target_length), "--out", str(folder / "ext")])  # fmt: skip
+        adapter = ["--adapter", str(folder / "ext")]
+    _stage(folder, "perplexity", [
+        "eval", "ppl", *model, *adapter, "--lengths", ",".join(map(str, cfg.eval_lengths)),
+        "--tokens", str(cfg.eval_spans * max(cfg.eval_lengths)), "--seed", str(cfg.eval_seed),
+        "--batch-tokens", str(max(cfg.eval_lengths)), "--data", cfg.data,
+        "--out", str(folder / "ppl"),
+    ])  # fmt: skip
+    for task in cfg.probe_tasks:
+        _stage(folder, f"probes {task}", [
+            "eval", "probes", *model, *adapter, "--lengths", ",".join(map(str, cfg.probe_lengths)),
+            "--needles", str(cfg.needles), "--haystacks", str(cfg.haystacks), "--task", task,
+            "--out", str(folder / f"probes-{task}"),
+        ])  # fmt: skip
+    stages = read_record(folder / "stages.json")
+    return {"label": label, "spec": spec, "stages": stages, **_read(folder, cfg)}
+
+
+def _stage(folder: Path, name: str, args: list[str]) -> None:
+    """Run one stage unless stages.json says it finished with these arguments; record its time
+    and memory. A stage finished with other arguments is refused: its files are another run's."""
+    path = folder / "stages.json"
+    stages = read_record(path) if path.exists() else {}
+    if name in stages and stages[name]["args"] != args:
+        raise SystemExit(f"{folder}: stage {name!r} ran with other settings; move the folder away")
+    if name not in stages:
+        stages[name] = {"args": args, **_cli(args, folder / "log.txt")}
+        write_record(path, stages)
+
+
+def _read(folder: Path, cfg: RemapsConfig) -> dict[str, Any]:
+    """The numbers the CLI wrote: perplexity by length, probe accuracy by length and task."""
+    from ropekit.results import read_result
+
+    ppl = read_result(folder / "ppl" / "ppl.json", "perplexity")
+    out: dict[str, Any] = {
+        "spec_used": ppl["spec"],
+        "perplexity": {
+            str(r["length"]): {
+                "perplexity": r["perplexity"],
+                "last_quarter_perplexity": math.exp(r["last_quarter_nll"]),
+            }
+            for r in ppl["results"]
+        },
+        "probes": {},
+    }
+    for task in cfg.probe_tasks:
+        probes = read_result(folder / f"probes-{task}" / "summary.json", "probes")
+        keys = ("accuracy", "correct", "n", "low", "high", "confidence")
+        out["probes"][task] = {
+            str(row["length"]): {k: row[k] for k in keys} for row in probes["by_length"]
+        }
+    return out
+
+
+def _table(cfg: RemapsConfig, jobs: list[dict[str, Any]], committed: dict[str, Any]) -> str:
+    lengths = [str(n) for n in cfg.eval_lengths]
+    top = str(max(cfg.eval_lengths))
+    header = ["method", *(f"ppl @{n}" for n in lengths), f"last quarter @{top}"]
+    header += [f"{t} @{n}" for t in cfg.probe_tasks for n in cfg.probe_lengths]
+    header += ["eval time", "peak memory"]
+    rows = []
+    for job in jobs:
+        ppl = job["perplexity"]
+        row = [f"`{job['label']}`", *(f"{ppl[n]['perplexity']:.2f}" for n in lengths)]
+        row.append(f"{ppl[top]['last_quarter_perplexity']:.2f}")
+        for task in cfg.probe_tasks:
+            for n in cfg.probe_lengths:
+                p = job["probes"][task][str(n)]
+                row.append(f"{p['correct']}/{p['n']} [{p['low']:.2f}, {p['high']:.2f}]")
+        evals = [s for name, s in job["stages"].items() if name != "attach"]  # measured ones
+        row.append(f"{sum(s['wall_s'] for s in evals) / 60:.1f} min")
+        row.append(f"{max(s['peak_gib'] for s in evals):.2f} GiB")
+        rows.append(row)
+    text = markdown_table(header, rows)
+    check_rows = [
+        [f"`{j['label']}`", *(f"{j['perplexity'][n]['perplexity']:.2f}" for n in lengths),
+         *(f"{committed[j['label']][n]:.2f}" for n in lengths)]
+        for j in jobs if set(lengths) <= set(committed.get(j["label"], {}))
+    ]  # fmt: skip
+    if check_rows:
+        text += "\n\nReproduction: the same methods rerun here against experiment D's committed "
+        text += "perplexities (same windows).\n\n"
+        text += markdown_table(
+            ["method", *(f"here @{n}" for n in lengths), *(f"D @{n}" for n in lengths)],
+            check_rows,
+        )
+    return text + "\n"
+
+
+def _committed() -> dict[str, dict[str, float]]:
+    """Experiment D's committed perplexities of the untuned methods, by label and length."""
+    import json
+
+    data = json.loads((HERE / "results.json").read_text())
+    return {
+        label: {n: v["perplexity"]["mean"] for n, v in entry["perplexity"].items()}
+        for label, entry in data["methods"].items()
+        if not entry["trained"]
+    }
+
+
+def run(cfg: RemapsConfig, runs: Path, results: Path, command: str) -> str:
+    jobs = []
+    for label, spec in cfg.methods.items():
+        print(f"{label}: {spec}", flush=True)
+        jobs.append(_job(cfg, runs, label, spec))
+        _write(cfg, jobs, results, command)
+    return _write(cfg, jobs, results, command)
+
+
+def _write(cfg: RemapsConfig, jobs: list[dict[str, Any]], results: Path, command: str) -> str:
+    markdown = _table(cfg, jobs, _committed())
+    payload = {"config": dataclasses.asdict(cfg), "methods": {j["label"]: j for j in jobs}}
+    write_results(results, payload, markdown, command=command, provenance=provenance("remaps", cfg))
+    return markdown
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m experiments.smollm2_16k.remaps")
+    parser.add_argument("--config", type=Path, default=HERE / "remaps.json", help="settings")
+    parser.add_argument("--runs", type=Path, default=Path("runs/experiments") / NAME,
+                        help="the jobs' folders go here (runs/.../remaps/<method>)")  # fmt: skip
+    parser.add_argument("--results", type=Path, default=HERE / "remaps",
+                        help="results.json and results.md go here")  # fmt: skip
+    args = parser.parse_args(argv)
+    cfg = read_config(RemapsConfig, args.config)
+    args.results.mkdir(parents=True, exist_ok=True)
+    given = sys.argv[1:] if argv is None else list(argv)
+    command = shlex.join(["python", "-m", "experiments.smollm2_16k.remaps", *given])
+    print(run(cfg, args.runs, args.results, command))
+
+
+if __name__ == "__main__":
+    main()
