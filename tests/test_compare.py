@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from ropekit.cli import main
-from ropekit.compare import CompareConfig, parse_methods, recommend, wilson_interval
+from ropekit.compare import CompareConfig, parse_methods, recommend
+from ropekit.compare.verdict import pooled_accuracy
+from ropekit.evals import wilson_interval
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--batch-size", "4", "--warmup", "2"]
 
@@ -23,15 +25,15 @@ def test_methods_split_where_an_encoding_name_starts():
     )
 
 
-def test_wilson_interval_matches_known_values():
-    # Wilson (1927); e.g. 0 of 10 -> [0, 0.2775], 5 of 10 -> [0.2366, 0.7634] at 95%.
-    low, high = wilson_interval(0, 10)
-    assert low == 0.0 and high == pytest.approx(0.27754, abs=1e-5)
-    low, high = wilson_interval(5, 10)
-    assert (low, high) == (pytest.approx(0.23659, abs=1e-5), pytest.approx(0.76341, abs=1e-5))
-    assert wilson_interval(20, 20)[1] == 1.0 and wilson_interval(20, 20)[0] < 1.0
+def test_retrieval_pools_seeds_before_taking_the_interval():
+    # 3/10 and 7/10 pool to 10/20, whose Wilson interval is [0.2993, 0.7007] at 95%, narrower
+    # than either seed's own; the interval is evals' (the one implementation).
+    pooled = pooled_accuracy([{"correct": 3, "n": 10}, {"correct": 7, "n": 10}])
+    assert (pooled["correct"], pooled["n"], pooled["runs"]) == (10, 20, 2)
+    assert (pooled["low"], pooled["high"]) == wilson_interval(10, 20)
+    assert pooled["low"] == pytest.approx(0.29930, abs=1e-5) and pooled["accuracy"] == 0.5
     with pytest.raises(ValueError):
-        wilson_interval(3, 2)
+        pooled_accuracy([{"correct": 3, "n": 2}])
 
 
 def _table(values: dict[str, tuple[float, list[float]]]) -> dict:

@@ -16,11 +16,11 @@ The question: which method should serve N tokens, and what does it cost at L0? T
   bound on a normal approximation) with at least 3 windows. Otherwise the comparison says that
   no difference is resolved at this sample size, names the two, and gives the numbers.
 
-Retrieval accuracy is reported beside it with Wilson score intervals (Wilson 1927, "Probable
-inference, the law of succession, and statistical inference", JASA 22: 209-212), not folded
-into the rule: a method that wins on perplexity and loses retrieval is shown as such.
+Retrieval accuracy is reported beside it with Wilson score intervals
+(``ropekit.evals.intervals``, the one implementation), not folded into the rule: a method that
+wins on perplexity and loses retrieval is shown as such.
 
-Holds: mean_std, wilson_interval, cost_at, score_at, paired_windows, recommend.
+Holds: mean_std, pooled_accuracy, cost_at, score_at, paired_windows, recommend.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-Z95 = 1.959963984540054  # two-sided 95% normal quantile
+from ropekit.evals.intervals import CONFIDENCE, accuracy_entry
 
 
 def mean_std(values: Sequence[float]) -> dict[str, Any]:
@@ -43,17 +43,14 @@ def mean_std(values: Sequence[float]) -> dict[str, Any]:
     return {"mean": m, "std": std, "n": n}
 
 
-def wilson_interval(successes: int, trials: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion: centre (p + z^2/2n) / (1 + z^2/n),
-    half-width z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n). Unlike p +- z sqrt(p(1-p)/n) it stays
-    inside [0, 1] and is not empty at p = 0 or 1."""
-    if trials < 1 or not 0 <= successes <= trials:
-        raise ValueError(f"successes={successes}, trials={trials}: need 0 <= successes <= trials")
-    p, n = successes / trials, trials
-    denominator = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denominator
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
+def pooled_accuracy(
+    entries: Sequence[Mapping[str, Any]], confidence: float = CONFIDENCE
+) -> dict[str, Any]:
+    """One accuracy of several runs' {correct, n} (a trained method's seeds): correct and n
+    are summed and the Wilson interval is taken of the sums, so the interval is that of all
+    the probes together, not an average of narrower per-seed intervals."""
+    correct, n = sum(int(e["correct"]) for e in entries), sum(int(e["n"]) for e in entries)
+    return {**accuracy_entry(correct, n, confidence), "runs": len(entries)}
 
 
 # table[method][domain][length] = {"ppl": [per seed], "last_quarter_windows": [per seed: [...]]}
