@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ropekit.cli import main
+from ropekit.cli import build_parser, main
 from ropekit.compare import CompareConfig, parse_methods, recommend
 from ropekit.compare.verdict import pooled_accuracy
 from ropekit.evals import wilson_interval
@@ -75,6 +75,13 @@ def test_bad_configs_are_refused():
         CompareConfig("m", 64, ("rope",), seeds=(0, 0))
 
 
+def test_single_documents_is_on_unless_turned_off():
+    parse = build_parser().parse_args
+    assert parse(["compare", "--out", "x"]).single_documents is None  # the config's default
+    assert parse(["compare", "--no-single-documents", "--out", "x"]).single_documents is False
+    assert CompareConfig("m", 64, ("rope",)).single_documents is True
+
+
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
     threads = torch.get_num_threads()
@@ -133,3 +140,35 @@ def test_a_rerun_recomputes_nothing(compared, capsys):
         torch.set_num_threads(threads)
     assert {p: p.stat().st_mtime_ns for p in adapters} == before
     assert {p: p.read_bytes() for p in out.glob("eval/**/ppl.json")} == ppl
+
+
+def test_a_length_no_single_document_holds_is_left_out_and_said(compared, tmp_path):
+    """Windows lie inside single documents by default; a domain whose held-out documents
+    (here 40 bytes each) hold no 64-token span is scored at the lengths they hold, and the
+    report says which length is missing there instead of the comparison failing."""
+    root, _ = compared
+    short = tmp_path / "short.jsonl"
+    lines = [json.dumps({"text": f"line {i:02d} " + "abcdefgh" * 4}) for i in range(20)]
+    short.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    argv = [
+        "compare", "--model", str(root / "base"), "--target-length", "64", "--methods",
+        "yarn:factor=2", "--eval-data", f"shakespeare,{short}", "--lengths", "16,32,64",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "compare.json").read_text())
+    assert data["single_documents"] is True
+    assert data["skipped"] == [
+        {"domain": str(short), "length": 64, "span": 64, "capacity": 0, "count": 1}
+    ]
+    for domains in data["table"].values():
+        assert set(domains[str(short)]) == {"16", "32"} and set(domains["shakespeare"]) == {
+            "16", "32", "64"
+        }  # fmt: skip
+    assert all(math.isfinite(v) for v in data["verdict"]["scores"].values())
+    report = (out / "report.md").read_text()
+    assert f"No single document of 64 tokens in {short}: 64-token windows are not" in report
+    assert "inside single held-out documents" in report
+    saved = json.loads(next(out.glob("eval/yarn*/s0/shakespeare/ppl.json")).read_text())
+    assert saved["provenance"]["config"]["single_documents"] is True

@@ -61,7 +61,11 @@ class CompareConfig:
     selection_samples: int = 2  # unseen training-split samples that choose the learning rate
     eval_data: tuple[str, ...] = ("shakespeare", "kjv")  # held-out domains, corpora or files
     lengths: tuple[int, ...] | None = None  # perplexity lengths; None: L0/4, L0 and N
-    spans: int = 1  # single-document held-out spans of N tokens per domain (all lengths)
+    spans: int = 1  # held-out spans of N tokens per domain, scored at every length
+    # score windows inside one held-out document each: a long-context number must come from
+    # long documents, never from unrelated texts joined end to end (issue 19); a length no
+    # document of a domain holds is left out there, and the report says so
+    single_documents: bool = True
     probe_lengths: tuple[int, ...] | None = None  # retrieval lengths; None: L0 and N
     probes: int = 20  # retrieval probes per length (needles at spread depths)
     margin: float = 0.01  # largest cost at L0 a recommended method may have (0.01 = +1% ppl)

@@ -28,7 +28,9 @@ def _cell(stat: dict[str, Any] | None, digits: int = 2) -> str:
 
 
 def _mean_over_domains(summary: dict, label: str, length: str, key: str) -> float | None:
-    values = [summary[label][d][length][key]["mean"] for d in summary[label]]
+    """Geometric mean over the domains scored at ``length`` (as the verdict's means)."""
+    rows = [summary[label][d][length] for d in summary[label] if length in summary[label][d]]
+    values = [row[key]["mean"] for row in rows]
     if any(v is None for v in values) or not values:
         return None
     return math.exp(sum(math.log(v) for v in values) / len(values))  # geometric mean
@@ -47,7 +49,7 @@ def _ppl_tables(data: dict[str, Any]) -> list[Block]:
         rows = []
         for label in labels:
             row = [label]
-            row += [_cell(summary[label][d].get(n, {}).get(key)) for d in data["domains"]
+            row += [_cell(summary[label].get(d, {}).get(n, {}).get(key)) for d in data["domains"]
                     for n in lengths]  # fmt: skip
             means = [_mean_over_domains(summary, label, n, key) for n in lengths]
             row += ["-" if m is None else f"{m:.2f}" for m in means]
@@ -88,16 +90,17 @@ def _cost_gain(data: dict[str, Any], path: Path) -> Path | None:
 def _figures(data: dict[str, Any], out: Path) -> list[Figure]:
     summary, figures = data["summary"], []
     for domain in data["domains"]:
+        scored = {label: domains[domain] for label, domains in summary.items() if domain in domains}
+        if not scored:  # no held-out document of the domain holds any length
+            continue
         for key, what in (("ppl", "whole window"), ("last_quarter_ppl", "last quarter")):
             series = {
-                label: {int(n): summary[label][domain][n][key]["mean"] for n in rows}
-                for label, domains in summary.items()
-                for rows in [domains[domain]]
+                label: {int(n): e[key]["mean"] for n, e in rows.items()}
+                for label, rows in scored.items()
             }
             errors = {
-                label: {int(n): summary[label][domain][n][key]["std"] for n in rows}
-                for label, domains in summary.items()
-                for rows in [domains[domain]]
+                label: {int(n): e[key]["std"] for n, e in rows.items()}
+                for label, rows in scored.items()
             }
             name = f"ppl_{key}_{domain}.png".replace("/", "-")
             plot_vs_length(
@@ -111,6 +114,33 @@ def _figures(data: dict[str, Any], out: Path) -> list[Figure]:
     return figures
 
 
+def _windows_text(data: dict[str, Any]) -> str:
+    if data.get("single_documents"):
+        return (
+            "Windows lie inside single held-out documents (spans of lcm(lengths) tokens, each "
+            "in one document; no window joins unrelated texts)."
+        )
+    return (
+        "Windows are cut from the held-out documents joined end to end (one may cross from "
+        "one document into another)."
+    )
+
+
+def _skipped(data: dict[str, Any]) -> list[Block]:
+    """One line per length a domain's documents could not hold (single documents)."""
+    lines = []
+    for s in data.get("skipped", []):
+        if s["capacity"] == 0:
+            why = f"No single document of {s['span']} tokens in {s['domain']}"
+        else:
+            why = (
+                f"The documents of {s['domain']} hold {s['capacity']} single-document spans "
+                f"of {s['span']} tokens, {s['count']} needed"
+            )
+        lines.append(Text(f"{why}: {s['length']}-token windows are not scored there."))
+    return lines
+
+
 def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:
     c = data["config"]
     verdict = data["verdict"]
@@ -122,8 +152,9 @@ def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:
             f"tokens of {c['train_data']} (training split) per seed ({len(c['seeds'])} seeds, "
             f"paired), backbone frozen; every method is scored on the same held-out windows of "
             f"{', '.join(data['domains'])} ({c['spans']} span(s) of {data['target_length']} "
-            f"tokens per domain). Stage: {data['stage']}."
+            f"tokens per domain). {_windows_text(data)} Stage: {data['stage']}."
         ),
+        *_skipped(data),
         Heading("Verdict", 2),
         Text(verdict["sentence"] if verdict else "No verdict yet: the baseline is not scored."),
     ]

@@ -20,7 +20,9 @@ Layout of ``out_dir``:
     compare.json, report.md, report.html, *.png      the verdict, the tables, the figures
     methods/<label>/s<seed>/                          extension runs (adapter/, extend.json)
     methods/<label>/lr-<lr>/s<seed>/                  learning-rate candidates (trained)
-    eval/<label>/s<seed>/<domain>/ppl.json            perplexity on one held-out domain
+    eval/<label>/s<seed>/<domain>/ppl.json            perplexity on one held-out domain (its
+                                                      windows inside single documents unless
+                                                      single_documents=False)
     eval/<label>/s<seed>/probes/                      retrieval probes
 
 Holds: run_compare.
@@ -38,8 +40,14 @@ from typing import Any
 import torch
 
 from ropekit.backbone import Backbone, open_backbone
-from ropekit.data import make_train_dataset
-from ropekit.evals import PerplexityConfig, run_perplexity
+from ropekit.data import heldout_stream, make_train_dataset
+from ropekit.data.streams import TokenStream
+from ropekit.evals import (
+    DocumentsTooShort,
+    PerplexityConfig,
+    check_single_documents,
+    run_perplexity,
+)
 from ropekit.results import (
     digest,
     make_record,
@@ -84,6 +92,10 @@ class _Comparison:
             for label, spec in methods
         ]
         self.baseline = next(m.label for m in self.methods if m.spec == BASELINE)
+        self.tokenizer = probe.require_tokenizer()
+        self.streams: dict[str, TokenStream] = {}  # held-out tokens, made once per domain
+        self.fitting: dict[str, tuple[int, ...]] = {}  # lengths each domain's documents hold
+        self.skipped: list[dict[str, Any]] = []  # the lengths left out, with the reason
         self.times = out / "times.jsonl"  # wall time of each job, kept when a job is reused
         self.records = {r["job"]: r for r in read_records(self.times)}
 
@@ -125,19 +137,55 @@ class _Comparison:
             total += float(backbone.token_nll(ids, 2048).double().mean())
         return total / c.selection_samples
 
-    def evaluate(self, method: _Method, seed: int, backbone: Backbone) -> dict[str, Any]:
-        """Perplexity of the model on every held-out domain: {domain: ppl result}."""
+    def ppl_config(self, lengths: tuple[int, ...]) -> PerplexityConfig:
         c = self.config
-        lengths = c.eval_lengths(self.trained_at)
-        config = PerplexityConfig(lengths, n_tokens=c.spans * c.target_length, seed=c.seed)
-        out = {}
-        for domain in c.eval_data:
-            folder = self.out / "eval" / _slug(method.label) / f"s{seed}" / _slug(domain)
+        return PerplexityConfig(
+            lengths, n_tokens=c.spans * c.target_length, seed=c.seed,
+            single_documents=c.single_documents,
+        )  # fmt: skip
 
-            def score(folder: Path = folder, domain: str = domain) -> dict[str, Any]:
+    def domain_lengths(self, domain: str) -> tuple[int, ...]:
+        """The perplexity lengths ``domain`` is scored at: all of them, or with single
+        documents those its documents can hold (the longest dropped first, since a span is
+        lcm(lengths) tokens), each dropped length recorded for the report. The same for
+        every method (one tokenizer), so every method is scored on the same windows."""
+        if domain not in self.fitting:
+            if domain not in self.streams:
+                self.streams[domain] = heldout_stream(domain, self.tokenizer)
+            lengths = self.config.eval_lengths(self.trained_at)
+            while self.config.single_documents and lengths:
+                try:
+                    check_single_documents(
+                        self.streams[domain], self.tokenizer, self.ppl_config(lengths)
+                    )
+                    break
+                except DocumentsTooShort as e:
+                    self.skipped.append(
+                        {"domain": domain, "length": lengths[-1], "span": e.span,
+                         "capacity": e.capacity, "count": e.count}
+                    )  # fmt: skip
+                    lengths = lengths[:-1]
+            self.fitting[domain] = lengths
+        return self.fitting[domain]
+
+    def evaluate(self, method: _Method, seed: int, backbone: Backbone) -> dict[str, Any]:
+        """Perplexity of the model on every held-out domain that holds a length:
+        {domain: ppl result}."""
+        out = {}
+        for domain in self.config.eval_data:
+            lengths = self.domain_lengths(domain)
+            if not lengths:
+                continue
+            folder = self.out / "eval" / _slug(method.label) / f"s{seed}" / _slug(domain)
+            config = self.ppl_config(lengths)
+
+            def score(
+                folder: Path = folder, domain: str = domain, config: PerplexityConfig = config
+            ) -> dict[str, Any]:
                 return run_perplexity(
-                    backbone, config, folder, data=domain, spec=method.spec,
-                    command=self.command, progress=False,
+                    backbone, config, folder, data=domain,
+                    stream=self.streams[domain], spec=method.spec, command=self.command,
+                    progress=False,
                 )  # fmt: skip
 
             out[domain] = self._timed(f"eval {folder.relative_to(self.out)}", score)
@@ -191,7 +239,7 @@ class _Comparison:
         table: dict[str, Any] = {}
         for label, by_seed in results.items():
             table[label] = {}
-            for domain in self.config.eval_data:
+            for domain in (d for d in self.config.eval_data if d in by_seed[min(by_seed)]):
                 rows: dict[int, dict[str, list]] = {}
                 for seed in sorted(by_seed):
                     for row in by_seed[seed][domain]["results"]:
@@ -216,6 +264,7 @@ class _Comparison:
         summary = {
             "stage": stage, "trained_at": self.trained_at, "target_length": c.target_length,
             "lengths": list(c.eval_lengths(self.trained_at)), "domains": list(c.eval_data),
+            "single_documents": c.single_documents, "skipped": self.skipped,
             "methods": [dataclasses.asdict(m) for m in self.methods], "baseline": self.baseline,
             "table": _jsonable(table), "summary": _summary(table), "lr_search": searches,
             "verdict": verdict, "times": list(self.records.values()), "config": c.to_dict(),

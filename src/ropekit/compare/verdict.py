@@ -15,6 +15,8 @@ The question: which method should serve N tokens, and what does it cost at L0? T
   when the mean paired difference exceeds twice its standard error (about a 95% one-sided
   bound on a normal approximation) with at least 3 windows. Otherwise the comparison says that
   no difference is resolved at this sample size, names the two, and gives the numbers.
+- A domain with no held-out document long enough for a length (single-document windows) is
+  not scored at that length by any method, and is left out of that length's means.
 
 Retrieval accuracy is reported beside it with Wilson score intervals
 (``ropekit.evals.intervals``, the one implementation), not folded into the rule: a method that
@@ -58,13 +60,14 @@ Table = Mapping[str, Mapping[str, Mapping[int, Mapping[str, Any]]]]
 
 
 def cost_at(table: Table, method: str, baseline: str, length: int) -> float | None:
-    """Mean over domains of ppl(method) / ppl(baseline) - 1 at ``length`` (seed means)."""
+    """Mean over domains of ppl(method) / ppl(baseline) - 1 at ``length`` (seed means), the
+    domains scored at ``length`` only; None when none is."""
     ratios = []
     for domain, by_length in table[method].items():
         mine = by_length.get(length)
         base = table[baseline].get(domain, {}).get(length)
-        if mine is None or base is None:
-            return None
+        if mine is None or base is None:  # no document of the domain holds the length
+            continue
         ratios.append(mean_std(mine["ppl"])["mean"] / mean_std(base["ppl"])["mean"] - 1)
     return sum(ratios) / len(ratios) if ratios else None
 
@@ -76,12 +79,13 @@ def _window_means(entry: Mapping[str, Any]) -> list[float]:
 
 
 def score_at(table: Table, method: str, length: int) -> float | None:
-    """Mean over domains of the last-quarter NLL at ``length`` (nats per token)."""
+    """Mean over the domains scored at ``length`` of the last-quarter NLL there (nats per
+    token); None when none is."""
     values = []
     for by_length in table[method].values():
         entry = by_length.get(length)
-        if entry is None:
-            return None
+        if entry is None:  # no document of the domain holds the length
+            continue
         windows = _window_means(entry)
         values.append(sum(windows) / len(windows))
     return sum(values) / len(values) if values else None
