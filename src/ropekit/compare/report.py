@@ -19,6 +19,8 @@ from ropekit.figures import figure, plot_vs_length, save, style
 from ropekit.report.document import Block, Figure, Heading, Table, Text, to_html, to_markdown
 from ropekit.utils import atomic_write_text
 
+from .verdict import accuracy_text
+
 
 def _cell(stat: dict[str, Any] | None, digits: int = 2) -> str:
     if stat is None or stat["mean"] is None:
@@ -141,6 +143,33 @@ def _skipped(data: dict[str, Any]) -> list[Block]:
     return lines
 
 
+def _retrieval_table(data: dict[str, Any]) -> list[Block]:
+    """Accuracy per method and probe length, pooled over seeds, with its Wilson interval and
+    the probes behind each cell."""
+    settings, retrieval = data.get("probes"), data.get("retrieval") or {}
+    if not settings or not retrieval:
+        return []
+    lengths = [str(n) for n in settings["lengths"]]
+    labels = [m["label"] for m in data["methods"] if m["label"] in retrieval]
+    rows = [
+        [label, *(accuracy_text(retrieval[label][n]) if n in retrieval[label] else "-"
+                  for n in lengths)]
+        for label in labels
+    ]  # fmt: skip
+    level = next(iter(retrieval[labels[0]].values()))["confidence"]
+    caption = (
+        f"Retrieval accuracy (exact match of the value) with its {level:.0%} Wilson interval "
+        f"and correct/probes per cell: task {settings['task']}, {settings['needles']} needle(s) "
+        f"(K) in each of {settings['haystacks']} haystacks (H) per length and run, so "
+        f"{settings['probes_per_run']} probes per cell per seed; a trained method's seeds are "
+        "pooled (correct and probes summed, then one interval). Beside the rule, not in it."
+    )
+    return [
+        Heading("Retrieval", 2),
+        Table(["method", *(f"@{n}" for n in lengths)], rows, caption),
+    ]
+
+
 def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:
     c = data["config"]
     verdict = data["verdict"]
@@ -158,9 +187,11 @@ def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:
         Heading("Verdict", 2),
         Text(verdict["sentence"] if verdict else "No verdict yet: the baseline is not scored."),
     ]
+    if verdict and verdict.get("retrieval"):
+        blocks.append(Text(verdict["retrieval"]))
     if verdict:
         blocks.append(Text("How it is decided: " + " ".join(verdict["rule"].split())))
-    blocks += [Heading("Perplexity", 2), *_ppl_tables(data)]
+    blocks += [Heading("Perplexity", 2), *_ppl_tables(data), *_retrieval_table(data)]
     blocks += [Heading("Figures", 2), *_figures(data, out)]
     if data["lr_search"]:
         rows = [

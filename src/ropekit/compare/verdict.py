@@ -22,7 +22,8 @@ Retrieval accuracy is reported beside it with Wilson score intervals
 (``ropekit.evals.intervals``, the one implementation), not folded into the rule: a method that
 wins on perplexity and loses retrieval is shown as such.
 
-Holds: mean_std, pooled_accuracy, cost_at, score_at, paired_windows, recommend.
+Holds: mean_std, pooled_accuracy, accuracy_text, retrieval_note, cost_at, score_at,
+paired_windows, recommend.
 """
 
 from __future__ import annotations
@@ -53,6 +54,33 @@ def pooled_accuracy(
     the probes together, not an average of narrower per-seed intervals."""
     correct, n = sum(int(e["correct"]) for e in entries), sum(int(e["n"]) for e in entries)
     return {**accuracy_entry(correct, n, confidence), "runs": len(entries)}
+
+
+def accuracy_text(entry: Mapping[str, Any]) -> str:
+    """``0.70 [0.48, 0.85] (14/20)``: an accuracy, its interval and its probes."""
+    return (
+        f"{entry['accuracy']:.2f} [{entry['low']:.2f}, {entry['high']:.2f}] "
+        f"({entry['correct']}/{entry['n']})"
+    )
+
+
+def retrieval_note(
+    retrieval: Mapping[str, Mapping[str, Any]], verdict: Mapping[str, Any]
+) -> str | None:
+    """The recommended method's and the runner-up's retrieval at the target length (or the
+    longest probed length both have), as supporting numbers beside the rule; None without a
+    winner or probes."""
+    names = [m for m in (verdict["winner"], verdict["runner_up"]) if m in retrieval]
+    lengths = set.intersection(*(set(map(int, retrieval[m])) for m in names)) if names else set()
+    if not lengths:
+        return None
+    n = verdict["target_length"] if verdict["target_length"] in lengths else max(lengths)
+    parts = "; ".join(f"{m} {accuracy_text(retrieval[m][str(n)])}" for m in names)
+    level = retrieval[names[0]][str(n)]["confidence"]
+    return (
+        f"Retrieval at {n} tokens (accuracy, {level:.0%} Wilson interval, correct/probes), "
+        f"beside the rule, not part of it: {parts}."
+    )
 
 
 # table[method][domain][length] = {"ppl": [per seed], "last_quarter_windows": [per seed: [...]]}
