@@ -9,8 +9,10 @@ import math
 import pytest
 import torch
 
-from ropekit.cli import main
-from ropekit.compare import CompareConfig, parse_methods, recommend, wilson_interval
+from ropekit.cli import build_parser, main
+from ropekit.compare import CompareConfig, parse_methods, recommend
+from ropekit.compare.verdict import accuracy_text, pooled_accuracy
+from ropekit.evals import probes, wilson_interval
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--batch-size", "4", "--warmup", "2"]
 
@@ -23,15 +25,15 @@ def test_methods_split_where_an_encoding_name_starts():
     )
 
 
-def test_wilson_interval_matches_known_values():
-    # Wilson (1927); e.g. 0 of 10 -> [0, 0.2775], 5 of 10 -> [0.2366, 0.7634] at 95%.
-    low, high = wilson_interval(0, 10)
-    assert low == 0.0 and high == pytest.approx(0.27754, abs=1e-5)
-    low, high = wilson_interval(5, 10)
-    assert (low, high) == (pytest.approx(0.23659, abs=1e-5), pytest.approx(0.76341, abs=1e-5))
-    assert wilson_interval(20, 20)[1] == 1.0 and wilson_interval(20, 20)[0] < 1.0
+def test_retrieval_pools_seeds_before_taking_the_interval():
+    # 3/10 and 7/10 pool to 10/20, whose Wilson interval is [0.2993, 0.7007] at 95%, narrower
+    # than either seed's own; the interval is evals' (the one implementation).
+    pooled = pooled_accuracy([{"correct": 3, "n": 10}, {"correct": 7, "n": 10}])
+    assert (pooled["correct"], pooled["n"], pooled["runs"]) == (10, 20, 2)
+    assert (pooled["low"], pooled["high"]) == wilson_interval(10, 20)
+    assert pooled["low"] == pytest.approx(0.29930, abs=1e-5) and pooled["accuracy"] == 0.5
     with pytest.raises(ValueError):
-        wilson_interval(3, 2)
+        pooled_accuracy([{"correct": 3, "n": 2}])
 
 
 def _table(values: dict[str, tuple[float, list[float]]]) -> dict:
@@ -73,6 +75,13 @@ def test_bad_configs_are_refused():
         CompareConfig("m", 64, ("rope",), seeds=(0, 0))
 
 
+def test_single_documents_is_on_unless_turned_off():
+    parse = build_parser().parse_args
+    assert parse(["compare", "--out", "x"]).single_documents is None  # the config's default
+    assert parse(["compare", "--no-single-documents", "--out", "x"]).single_documents is False
+    assert CompareConfig("m", 64, ("rope",)).single_documents is True
+
+
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
     threads = torch.get_num_threads()
@@ -81,11 +90,12 @@ def compared(tmp_path_factory):
     base = root / "base"
     assert main(["pretrain", "--context", "32", "--steps", "30", *TINY, "--out", str(base)]) == 0
     argv = [
-        "compare", "--model", str(base), "--target-length", "64",
-        "--methods", "yarn:factor=2,adarope:init=yarn,factor=2",
+        "compare", "--model", str(base), "--target-length", "128",
+        "--methods", "yarn:factor=4,adarope:init=yarn,factor=4",
         "--names", "yarn,adarope", "--seeds", "0,1", "--samples", "2", "--lrs", "0.01,0.03",
-        "--selection-samples", "1", "--eval-data", "shakespeare,kjv", "--lengths", "16,32,64",
-        "--spans", "2", "--out", str(root / "out"),
+        "--selection-samples", "1", "--eval-data", "shakespeare,kjv", "--lengths", "16,32,128",
+        "--spans", "2", "--probe-lengths", "96,128", "--probe-needles", "1",
+        "--probe-haystacks", "3", "--probe-task", "kv1_shakespeare", "--out", str(root / "out"),
     ]  # fmt: skip
     try:
         assert main(argv) == 0
@@ -103,10 +113,10 @@ def test_compare_trains_scores_and_judges_every_method(compared):
     for label, domains in data["table"].items():
         assert set(domains) == {"shakespeare", "kjv"}
         for rows in domains.values():
-            assert set(rows) == {"16", "32", "64"}
+            assert set(rows) == {"16", "32", "128"}
             seeds = 2 if label == "adarope" else 1
-            assert len(rows["64"]["ppl"]) == seeds
-            assert all(len(w) == 2 for w in rows["64"]["last_quarter_windows"])  # 2 spans
+            assert len(rows["128"]["ppl"]) == seeds
+            assert all(len(w) == 2 for w in rows["128"]["last_quarter_windows"])  # 2 spans
     search = data["lr_search"]["adarope"]
     assert set(search["selection_nll"]) == {"0.01", "0.03"} and search["chosen"] in (0.01, 0.03)
     verdict = data["verdict"]
@@ -115,19 +125,106 @@ def test_compare_trains_scores_and_judges_every_method(compared):
     report = (root / "out" / "report.md").read_text()
     assert "## Verdict" in report and verdict["sentence"] in report
     assert (root / "out" / "cost_vs_gain.png").is_file()
+    assert data["single_documents"] is True and "inside single held-out documents" in report
 
 
-def test_a_rerun_recomputes_nothing(compared, capsys):
+def test_compare_probes_every_run_and_pools_seeds(compared):
+    root, _ = compared
+    data = json.loads((root / "out" / "compare.json").read_text())
+    assert data["probes"]["lengths"] == [96, 128] and data["probes"]["probes_per_run"] == 3
+    retrieval = data["retrieval"]
+    assert list(retrieval) == ["rope (unmodified)", "yarn", "adarope"]
+    for label, by_length in retrieval.items():
+        assert set(by_length) == {"96", "128"}
+        seeds = 2 if label == "adarope" else 1
+        for entry in by_length.values():
+            assert entry["n"] == 3 * seeds and len(entry["per_seed"]) == seeds
+            assert entry["correct"] == sum(e["correct"] for e in entry["per_seed"])
+            assert (entry["low"], entry["high"]) == wilson_interval(entry["correct"], entry["n"])
+    for seed in (0, 1):  # every seed of the trained method probes into its own folder
+        summary = json.loads(
+            (root / "out" / f"eval/adarope/s{seed}/probes/summary.json").read_text()
+        )
+        assert summary["kind"] == "probes" and summary["overall"]["n"] == 6
+    report = (root / "out" / "report.md").read_text()
+    assert "## Retrieval" in report and "3 probes per cell per seed" in report
+    cell = accuracy_text(retrieval["adarope"]["128"])
+    assert cell.endswith(f"({retrieval['adarope']['128']['correct']}/6)") and cell in report
+    assert "beside the rule, not part of it" in data["verdict"]["retrieval"]
+    assert data["verdict"]["retrieval"] in report
+
+
+def test_a_rerun_recomputes_nothing_and_other_probes_are_refused(compared, capsys, monkeypatch):
     root, argv = compared
     out = root / "out"
     adapters = sorted(out.glob("methods/**/adapter.safetensors"))
     before = {p: p.stat().st_mtime_ns for p in adapters}
     ppl = {p: p.read_bytes() for p in out.glob("eval/**/ppl.json")}
+    answers = {p: p.read_bytes() for p in out.glob("eval/**/probes/**/probes.jsonl")}
+    assert len(answers) == 4 * 2  # rope, yarn, adarope at two seeds; two lengths each
+
+    def no_model_call(*args, **kwargs):
+        raise AssertionError("a finished probe stage asked the model again")
+
+    monkeypatch.setattr(probes, "answer_probes", no_model_call)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         assert main(argv) == 0
+        assert {p: p.stat().st_mtime_ns for p in adapters} == before
+        assert {p: p.read_bytes() for p in out.glob("eval/**/ppl.json")} == ppl
+        assert {p: p.read_bytes() for p in out.glob("eval/**/probes/**/probes.jsonl")} == answers
+        capsys.readouterr()
+        # Other probe settings in the same folder are refused, naming the field, not mixed in.
+        at = argv.index("--probe-haystacks") + 1
+        changed = [*argv[:at], "2", *argv[at + 1 :]]
+        assert main(changed) == 2
     finally:
         torch.set_num_threads(threads)
-    assert {p: p.stat().st_mtime_ns for p in adapters} == before
-    assert {p: p.read_bytes() for p in out.glob("eval/**/ppl.json")} == ppl
+    assert "probes.haystacks is 3 there, 2 now" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in out.glob("eval/**/probes/**/probes.jsonl")} == answers
+
+
+def test_a_length_no_single_document_holds_is_left_out_and_said(compared, tmp_path):
+    """Windows lie inside single documents by default; a domain whose held-out documents
+    (here 40 bytes each) hold no 64-token span is scored at the lengths they hold, and the
+    report says which length is missing there instead of the comparison failing."""
+    root, _ = compared
+    short = tmp_path / "short.jsonl"
+    lines = [json.dumps({"text": f"line {i:02d} " + "abcdefgh" * 4}) for i in range(20)]
+    short.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    argv = [
+        "compare", "--model", str(root / "base"), "--target-length", "64", "--methods",
+        "yarn:factor=2", "--eval-data", f"shakespeare,{short}", "--lengths", "16,32,64",
+        "--probe-lengths", "", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "compare.json").read_text())
+    assert data["single_documents"] is True
+    assert data["skipped"] == [
+        {"domain": str(short), "length": 64, "span": 64, "capacity": 0, "count": 1}
+    ]
+    for domains in data["table"].values():
+        assert set(domains[str(short)]) == {"16", "32"} and set(domains["shakespeare"]) == {
+            "16", "32", "64"
+        }  # fmt: skip
+    assert all(math.isfinite(v) for v in data["verdict"]["scores"].values())
+    report = (out / "report.md").read_text()
+    assert f"No single document of 64 tokens in {short}: 64-token windows are not" in report
+    assert "inside single held-out documents" in report
+    saved = json.loads(next(out.glob("eval/yarn*/s0/shakespeare/ppl.json")).read_text())
+    assert saved["provenance"]["config"]["single_documents"] is True
+    assert data["probes"] is None and data["retrieval"] == {}  # '' turned the probes off
+    assert "## Retrieval" not in report
+
+
+def test_probes_that_do_not_fit_stop_the_comparison_before_it_trains(compared, tmp_path, capsys):
+    root, _ = compared
+    argv = [
+        "compare", "--model", str(root / "base"), "--target-length", "64", "--methods",
+        "adarope:init=yarn,factor=2", "--probe-lengths", "64", "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    assert main(argv) == 2
+    assert "do not fit length=64" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "methods").exists()

@@ -489,6 +489,11 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- compare
+def _lengths_or_none(text: str) -> tuple[int, ...]:
+    """Comma-separated lengths, or nothing ('') for none (a stage turned off)."""
+    return tuple(csv(integer)(text)) if text.strip() else ()
+
+
 def add_compare(sub: argparse._SubParsersAction) -> None:
     from ropekit.compare import CompareConfig, parse_methods
 
@@ -507,7 +512,7 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
     fields = add_options(
         p,
         CompareConfig,
-        parsers={"methods": parse_methods},
+        parsers={"methods": parse_methods, "probe_lengths": _lengths_or_none},
         help={"methods": "encoding specs, comma-separated (a spec's own options keep their "
               "commas: 'rope,yarn:factor=4,beta_fast=16,adarope:init=yarn')"},
         unset=True,
@@ -532,6 +537,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     result = run_compare(config, args.out, command=_command())
     verdict = result["verdict"]
     print(verdict["sentence"] if verdict else "no verdict: the unmodified model is not scored")
+    if verdict and verdict.get("retrieval"):
+        print(verdict["retrieval"])
     print(f"wrote {args.out / 'compare.json'}, {args.out / 'report.md'} and report.html")
     return 0
 

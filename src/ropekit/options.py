@@ -177,10 +177,12 @@ def add_options(
         if name in (parsers or {}):
             kind, is_list = parsers[name], False
         if kind is None and unset:  # a switch that is only set when given
-            flag_name = "--" + name.replace("_", "-")
+            # One that is on by default can only be turned off: --no-... stores False.
+            on = bool(default)
+            flag_name = ("--no-" if on else "--") + name.replace("_", "-")
             parser.add_argument(
-                (flags or {}).get(name, flag_name), dest=name, action="store_const", const=True,
-                default=None, help=f"{text} (default: {bool(default)})",
+                (flags or {}).get(name, flag_name), dest=name, action="store_const",
+                const=not on, default=None, help=f"{text} (default: {on})",
             )  # fmt: skip
             continue
         if kind is None:  # a switch; one that is on by default is turned off by --no-...

@@ -13,7 +13,7 @@ and judged by one stated rule with its uncertainty.
 
 from .config import CompareConfig, from_file, parse_methods
 from .run import run_compare
-from .verdict import recommend, wilson_interval
+from .verdict import recommend
 
 __all__ = [
     "CompareConfig",
@@ -21,5 +21,4 @@ __all__ = [
     "parse_methods",
     "recommend",
     "run_compare",
-    "wilson_interval",
 ]

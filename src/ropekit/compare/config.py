@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ropekit.encodings import names as encoding_names
+from ropekit.evals.probes import ProbeConfig, probe_task
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -61,9 +62,16 @@ class CompareConfig:
     selection_samples: int = 2  # unseen training-split samples that choose the learning rate
     eval_data: tuple[str, ...] = ("shakespeare", "kjv")  # held-out domains, corpora or files
     lengths: tuple[int, ...] | None = None  # perplexity lengths; None: L0/4, L0 and N
-    spans: int = 1  # single-document held-out spans of N tokens per domain (all lengths)
-    probe_lengths: tuple[int, ...] | None = None  # retrieval lengths; None: L0 and N
-    probes: int = 20  # retrieval probes per length (needles at spread depths)
+    spans: int = 1  # held-out spans of N tokens per domain, scored at every length
+    # score windows inside one held-out document each: a long-context number must come from
+    # long documents, never from unrelated texts joined end to end (issue 19); a length no
+    # document of a domain holds is left out there, and the report says so
+    single_documents: bool = True
+    # retrieval probe lengths (tokens); None: L0 and N; empty ('' on the command line): none
+    probe_lengths: tuple[int, ...] | None = None
+    probe_needles: int = 5  # K: needles per haystack, each asked once from the cached prefix
+    probe_haystacks: int = 4  # H: haystacks per length and run; K x H probes per length and run
+    probe_task: str = "niah_single_2"  # the probes' format: a niah task asking one key's value
     margin: float = 0.01  # largest cost at L0 a recommended method may have (0.01 = +1% ppl)
     seed: int = 0  # picks the evaluation spans and the retrieval haystacks and needles
 
@@ -85,7 +93,7 @@ class CompareConfig:
                 )
 
         integer("target_length", self.target_length, 2)
-        for name in ("samples", "selection_samples", "spans", "probes"):
+        for name in ("samples", "selection_samples", "spans", "probe_needles", "probe_haystacks"):
             integer(name, getattr(self, name), 1)
         integer("seed", self.seed, 0)
         if not self.methods:
@@ -113,6 +121,7 @@ class CompareConfig:
                         f"{name} holds {n}, above target_length={self.target_length}; the "
                         "comparison is about lengths up to the target"
                     )
+        probe_task(self.probe_task)  # an unsuitable task stops here, not after the training
         if not (math.isfinite(self.margin) and 0 <= self.margin < 1):
             raise ValueError(f"margin={self.margin!r} is not allowed; it must lie in [0, 1)")
         if self.pose_window is not None and not self.pose:
@@ -127,7 +136,17 @@ class CompareConfig:
         return tuple(sorted(set(self.lengths or default)))
 
     def retrieval_lengths(self, trained_at: int) -> tuple[int, ...]:
-        return tuple(sorted(set(self.probe_lengths or (trained_at, self.target_length))))
+        """The probe lengths; () when probes are off (an empty ``probe_lengths``)."""
+        if self.probe_lengths is None:
+            return tuple(sorted({trained_at, self.target_length}))
+        return tuple(sorted(set(self.probe_lengths)))
+
+    def probe_config(self, trained_at: int) -> ProbeConfig:
+        """The probes every run answers (the same haystacks and needles for every method)."""
+        return ProbeConfig(
+            self.retrieval_lengths(trained_at), needles=self.probe_needles,
+            haystacks=self.probe_haystacks, task=self.probe_task, seed=self.seed,
+        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -19,6 +19,8 @@ from ropekit.figures import figure, plot_vs_length, save, style
 from ropekit.report.document import Block, Figure, Heading, Table, Text, to_html, to_markdown
 from ropekit.utils import atomic_write_text
 
+from .verdict import accuracy_text
+
 
 def _cell(stat: dict[str, Any] | None, digits: int = 2) -> str:
     if stat is None or stat["mean"] is None:
@@ -28,7 +30,9 @@ def _cell(stat: dict[str, Any] | None, digits: int = 2) -> str:
 
 
 def _mean_over_domains(summary: dict, label: str, length: str, key: str) -> float | None:
-    values = [summary[label][d][length][key]["mean"] for d in summary[label]]
+    """Geometric mean over the domains scored at ``length`` (as the verdict's means)."""
+    rows = [summary[label][d][length] for d in summary[label] if length in summary[label][d]]
+    values = [row[key]["mean"] for row in rows]
     if any(v is None for v in values) or not values:
         return None
     return math.exp(sum(math.log(v) for v in values) / len(values))  # geometric mean
@@ -47,7 +51,7 @@ def _ppl_tables(data: dict[str, Any]) -> list[Block]:
         rows = []
         for label in labels:
             row = [label]
-            row += [_cell(summary[label][d].get(n, {}).get(key)) for d in data["domains"]
+            row += [_cell(summary[label].get(d, {}).get(n, {}).get(key)) for d in data["domains"]
                     for n in lengths]  # fmt: skip
             means = [_mean_over_domains(summary, label, n, key) for n in lengths]
             row += ["-" if m is None else f"{m:.2f}" for m in means]
@@ -88,16 +92,17 @@ def _cost_gain(data: dict[str, Any], path: Path) -> Path | None:
 def _figures(data: dict[str, Any], out: Path) -> list[Figure]:
     summary, figures = data["summary"], []
     for domain in data["domains"]:
+        scored = {label: domains[domain] for label, domains in summary.items() if domain in domains}
+        if not scored:  # no held-out document of the domain holds any length
+            continue
         for key, what in (("ppl", "whole window"), ("last_quarter_ppl", "last quarter")):
             series = {
-                label: {int(n): summary[label][domain][n][key]["mean"] for n in rows}
-                for label, domains in summary.items()
-                for rows in [domains[domain]]
+                label: {int(n): e[key]["mean"] for n, e in rows.items()}
+                for label, rows in scored.items()
             }
             errors = {
-                label: {int(n): summary[label][domain][n][key]["std"] for n in rows}
-                for label, domains in summary.items()
-                for rows in [domains[domain]]
+                label: {int(n): e[key]["std"] for n, e in rows.items()}
+                for label, rows in scored.items()
             }
             name = f"ppl_{key}_{domain}.png".replace("/", "-")
             plot_vs_length(
@@ -111,6 +116,60 @@ def _figures(data: dict[str, Any], out: Path) -> list[Figure]:
     return figures
 
 
+def _windows_text(data: dict[str, Any]) -> str:
+    if data.get("single_documents"):
+        return (
+            "Windows lie inside single held-out documents (spans of lcm(lengths) tokens, each "
+            "in one document; no window joins unrelated texts)."
+        )
+    return (
+        "Windows are cut from the held-out documents joined end to end (one may cross from "
+        "one document into another)."
+    )
+
+
+def _skipped(data: dict[str, Any]) -> list[Block]:
+    """One line per length a domain's documents could not hold (single documents)."""
+    lines = []
+    for s in data.get("skipped", []):
+        if s["capacity"] == 0:
+            why = f"No single document of {s['span']} tokens in {s['domain']}"
+        else:
+            why = (
+                f"The documents of {s['domain']} hold {s['capacity']} single-document spans "
+                f"of {s['span']} tokens, {s['count']} needed"
+            )
+        lines.append(Text(f"{why}: {s['length']}-token windows are not scored there."))
+    return lines
+
+
+def _retrieval_table(data: dict[str, Any]) -> list[Block]:
+    """Accuracy per method and probe length, pooled over seeds, with its Wilson interval and
+    the probes behind each cell."""
+    settings, retrieval = data.get("probes"), data.get("retrieval") or {}
+    if not settings or not retrieval:
+        return []
+    lengths = [str(n) for n in settings["lengths"]]
+    labels = [m["label"] for m in data["methods"] if m["label"] in retrieval]
+    rows = [
+        [label, *(accuracy_text(retrieval[label][n]) if n in retrieval[label] else "-"
+                  for n in lengths)]
+        for label in labels
+    ]  # fmt: skip
+    level = next(iter(retrieval[labels[0]].values()))["confidence"]
+    caption = (
+        f"Retrieval accuracy (exact match of the value) with its {level:.0%} Wilson interval "
+        f"and correct/probes per cell: task {settings['task']}, {settings['needles']} needle(s) "
+        f"(K) in each of {settings['haystacks']} haystacks (H) per length and run, so "
+        f"{settings['probes_per_run']} probes per cell per seed; a trained method's seeds are "
+        "pooled (correct and probes summed, then one interval). Beside the rule, not in it."
+    )
+    return [
+        Heading("Retrieval", 2),
+        Table(["method", *(f"@{n}" for n in lengths)], rows, caption),
+    ]
+
+
 def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:
     c = data["config"]
     verdict = data["verdict"]
@@ -122,14 +181,17 @@ def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:
             f"tokens of {c['train_data']} (training split) per seed ({len(c['seeds'])} seeds, "
             f"paired), backbone frozen; every method is scored on the same held-out windows of "
             f"{', '.join(data['domains'])} ({c['spans']} span(s) of {data['target_length']} "
-            f"tokens per domain). Stage: {data['stage']}."
+            f"tokens per domain). {_windows_text(data)} Stage: {data['stage']}."
         ),
+        *_skipped(data),
         Heading("Verdict", 2),
         Text(verdict["sentence"] if verdict else "No verdict yet: the baseline is not scored."),
     ]
+    if verdict and verdict.get("retrieval"):
+        blocks.append(Text(verdict["retrieval"]))
     if verdict:
         blocks.append(Text("How it is decided: " + " ".join(verdict["rule"].split())))
-    blocks += [Heading("Perplexity", 2), *_ppl_tables(data)]
+    blocks += [Heading("Perplexity", 2), *_ppl_tables(data), *_retrieval_table(data)]
     blocks += [Heading("Figures", 2), *_figures(data, out)]
     if data["lr_search"]:
         rows = [

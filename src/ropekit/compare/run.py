@@ -9,7 +9,9 @@ verdict is rewritten after every stage from what is done):
 2. every trained method: one run per learning rate at the first seed, the rate chosen by the
    mean NLL on ``selection_samples`` unseen samples of the training split (never the held-out
    text the results are measured on), then the other seeds at that rate; each scored;
-3. retrieval probes of every method (its first seed), the longest stage.
+3. retrieval probes of every method (every seed of a trained one), the longest stage: K
+   needles per haystack asked from the cached prefix (``ropekit eval probes``), pooled over
+   seeds into one accuracy per length with its Wilson interval, reported beside the rule.
 
 Every piece is a library run with its own provenance (extend, eval ppl, the probes), so a
 rerun of the same comparison recomputes nothing, and a change of model, adapter, spec or data
@@ -20,8 +22,11 @@ Layout of ``out_dir``:
     compare.json, report.md, report.html, *.png      the verdict, the tables, the figures
     methods/<label>/s<seed>/                          extension runs (adapter/, extend.json)
     methods/<label>/lr-<lr>/s<seed>/                  learning-rate candidates (trained)
-    eval/<label>/s<seed>/<domain>/ppl.json            perplexity on one held-out domain
-    eval/<label>/s<seed>/probes/                      retrieval probes
+    eval/<label>/s<seed>/<domain>/ppl.json            perplexity on one held-out domain (its
+                                                      windows inside single documents unless
+                                                      single_documents=False)
+    eval/<label>/s<seed>/probes/                      retrieval probes (summary.json, one
+                                                      folder per length)
 
 Holds: run_compare.
 """
@@ -38,8 +43,17 @@ from typing import Any
 import torch
 
 from ropekit.backbone import Backbone, open_backbone
-from ropekit.data import make_train_dataset
-from ropekit.evals import PerplexityConfig, run_perplexity
+from ropekit.data import heldout_stream, make_train_dataset
+from ropekit.data.streams import TokenStream
+from ropekit.evals import (
+    DocumentsTooShort,
+    PerplexityConfig,
+    PromptFormat,
+    check_single_documents,
+    run_perplexity,
+    run_probes,
+)
+from ropekit.evals.probes import build_haystack, probe_task
 from ropekit.results import (
     digest,
     make_record,
@@ -52,7 +66,7 @@ from ropekit.train.extend import ExtendConfig, extend
 
 from .config import CompareConfig
 from .report import write_report
-from .verdict import mean_std, recommend
+from .verdict import mean_std, pooled_accuracy, recommend, retrieval_note
 
 COMPARE_JSON = "compare.json"
 BASELINE = "rope"  # the unmodified model: what a method's cost at L0 is measured against
@@ -84,8 +98,23 @@ class _Comparison:
             for label, spec in methods
         ]
         self.baseline = next(m.label for m in self.methods if m.spec == BASELINE)
+        self.tokenizer = probe.require_tokenizer()
+        self.streams: dict[str, TokenStream] = {}  # held-out tokens, made once per domain
+        self.fitting: dict[str, tuple[int, ...]] = {}  # lengths each domain's documents hold
+        self.skipped: list[dict[str, Any]] = []  # the lengths left out, with the reason
         self.times = out / "times.jsonl"  # wall time of each job, kept when a job is reused
         self.records = {r["job"]: r for r in read_records(self.times)}
+        self.check_probes_fit()
+
+    def check_probes_fit(self) -> None:
+        """Build one haystack per probe length now: K needles that do not fit a length stop
+        the comparison here (TaskDoesNotFit, a ValueError), not after every method trained."""
+        if not self.config.retrieval_lengths(self.trained_at):
+            return
+        config = self.config.probe_config(self.trained_at)
+        task, fmt = probe_task(config.task), PromptFormat(self.tokenizer, chat=config.chat)
+        for length in config.lengths:
+            build_haystack(task, fmt, config, length, 0)
 
     # ------------------------------------------------------------------ jobs
     def _timed(self, job: str, fn: Callable[[], Any]) -> Any:
@@ -95,6 +124,11 @@ class _Comparison:
             self.records[job] = {"job": job, "seconds": time.perf_counter() - start}
             write_records(self.times, list(self.records.values()))
         return value
+
+    def run_folder(self, method: _Method, seed: int, lr: float) -> Path:
+        """Where ``method``'s extension run at ``seed`` (and ``lr``, if it trains) lives."""
+        base = self.out / "methods" / _slug(method.label)
+        return base / f"lr-{lr:g}" / f"s{seed}" if method.trained else base / f"s{seed}"
 
     def extension(self, method: _Method, seed: int, lr: float, folder: Path) -> Backbone:
         """The model with ``method`` attached (trained at ``seed`` and ``lr`` if it trains)."""
@@ -125,19 +159,55 @@ class _Comparison:
             total += float(backbone.token_nll(ids, 2048).double().mean())
         return total / c.selection_samples
 
-    def evaluate(self, method: _Method, seed: int, backbone: Backbone) -> dict[str, Any]:
-        """Perplexity of the model on every held-out domain: {domain: ppl result}."""
+    def ppl_config(self, lengths: tuple[int, ...]) -> PerplexityConfig:
         c = self.config
-        lengths = c.eval_lengths(self.trained_at)
-        config = PerplexityConfig(lengths, n_tokens=c.spans * c.target_length, seed=c.seed)
-        out = {}
-        for domain in c.eval_data:
-            folder = self.out / "eval" / _slug(method.label) / f"s{seed}" / _slug(domain)
+        return PerplexityConfig(
+            lengths, n_tokens=c.spans * c.target_length, seed=c.seed,
+            single_documents=c.single_documents,
+        )  # fmt: skip
 
-            def score(folder: Path = folder, domain: str = domain) -> dict[str, Any]:
+    def domain_lengths(self, domain: str) -> tuple[int, ...]:
+        """The perplexity lengths ``domain`` is scored at: all of them, or with single
+        documents those its documents can hold (the longest dropped first, since a span is
+        lcm(lengths) tokens), each dropped length recorded for the report. The same for
+        every method (one tokenizer), so every method is scored on the same windows."""
+        if domain not in self.fitting:
+            if domain not in self.streams:
+                self.streams[domain] = heldout_stream(domain, self.tokenizer)
+            lengths = self.config.eval_lengths(self.trained_at)
+            while self.config.single_documents and lengths:
+                try:
+                    check_single_documents(
+                        self.streams[domain], self.tokenizer, self.ppl_config(lengths)
+                    )
+                    break
+                except DocumentsTooShort as e:
+                    self.skipped.append(
+                        {"domain": domain, "length": lengths[-1], "span": e.span,
+                         "capacity": e.capacity, "count": e.count}
+                    )  # fmt: skip
+                    lengths = lengths[:-1]
+            self.fitting[domain] = lengths
+        return self.fitting[domain]
+
+    def evaluate(self, method: _Method, seed: int, backbone: Backbone) -> dict[str, Any]:
+        """Perplexity of the model on every held-out domain that holds a length:
+        {domain: ppl result}."""
+        out = {}
+        for domain in self.config.eval_data:
+            lengths = self.domain_lengths(domain)
+            if not lengths:
+                continue
+            folder = self.out / "eval" / _slug(method.label) / f"s{seed}" / _slug(domain)
+            config = self.ppl_config(lengths)
+
+            def score(
+                folder: Path = folder, domain: str = domain, config: PerplexityConfig = config
+            ) -> dict[str, Any]:
                 return run_perplexity(
-                    backbone, config, folder, data=domain, spec=method.spec,
-                    command=self.command, progress=False,
+                    backbone, config, folder, data=domain,
+                    stream=self.streams[domain], spec=method.spec, command=self.command,
+                    progress=False,
                 )  # fmt: skip
 
             out[domain] = self._timed(f"eval {folder.relative_to(self.out)}", score)
@@ -147,19 +217,19 @@ class _Comparison:
     def free(self) -> dict[str, dict[int, dict[str, Any]]]:
         results: dict[str, dict[int, dict[str, Any]]] = {}
         for method in (m for m in self.methods if not m.trained):
-            folder = self.out / "methods" / _slug(method.label) / "s0"
+            lr = self.config.lrs[0]
             self.log(f"{method.label}: attached as {method.spec}, scoring")
-            backbone = self.extension(method, 0, self.config.lrs[0], folder)
+            backbone = self.extension(method, 0, lr, self.run_folder(method, 0, lr))
             results[method.label] = {0: self.evaluate(method, 0, backbone)}
         return results
 
     def trained(self, method: _Method) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
         c = self.config
-        first, base = c.seeds[0], self.out / "methods" / _slug(method.label)
+        first = c.seeds[0]
         candidates = {}
         for lr in c.lrs:
             self.log(f"{method.label}: training at lr {lr:g}, seed {first}")
-            backbone = self.extension(method, first, lr, base / f"lr-{lr:g}" / f"s{first}")
+            backbone = self.extension(method, first, lr, self.run_folder(method, first, lr))
             if len(c.lrs) > 1:
                 job = f"select {method.label} lr {lr:g}"
                 candidates[lr] = self._selected(
@@ -170,9 +240,29 @@ class _Comparison:
         results = {}
         for seed in c.seeds:
             self.log(f"{method.label}: seed {seed} at lr {lr:g}, scoring")
-            backbone = self.extension(method, seed, lr, base / f"lr-{lr:g}" / f"s{seed}")
+            backbone = self.extension(method, seed, lr, self.run_folder(method, seed, lr))
             results[seed] = self.evaluate(method, seed, backbone)
         return results, search
+
+    def retrieval(self, method: _Method, lr: float) -> dict[int, dict[str, Any]]:
+        """Probe summaries of ``method`` at every seed it was scored at: {seed: summary}.
+        Each run probes into its own folder with the probes module's provenance, so a rerun
+        reuses its answers and other probe settings or another model there are refused."""
+        c = self.config
+        config = c.probe_config(self.trained_at)
+        out = {}
+        for seed in c.seeds if method.trained else (0,):
+            backbone = self.extension(method, seed, lr, self.run_folder(method, seed, lr))
+            folder = self.out / "eval" / _slug(method.label) / f"s{seed}" / "probes"
+
+            def probe(backbone: Backbone = backbone, folder: Path = folder) -> dict[str, Any]:
+                return run_probes(
+                    backbone, config, folder, spec=method.spec, command=self.command,
+                    progress=False,
+                )  # fmt: skip
+
+            out[seed] = self._timed(f"probes {folder.relative_to(self.out)}", probe)
+        return out
 
     def _selected(self, job: str, fn: Callable[[], float]) -> float:
         """A selection score, computed once (its record keeps it with the job's provenance)."""
@@ -191,7 +281,7 @@ class _Comparison:
         table: dict[str, Any] = {}
         for label, by_seed in results.items():
             table[label] = {}
-            for domain in self.config.eval_data:
+            for domain in (d for d in self.config.eval_data if d in by_seed[min(by_seed)]):
                 rows: dict[int, dict[str, list]] = {}
                 for seed in sorted(by_seed):
                     for row in by_seed[seed][domain]["results"]:
@@ -204,7 +294,7 @@ class _Comparison:
                 table[label][domain] = rows
         return table
 
-    def write(self, results: dict, searches: dict, stage: str) -> dict[str, Any]:
+    def write(self, results: dict, searches: dict, probes: dict, stage: str) -> dict[str, Any]:
         c = self.config
         table = self.table(results)
         labels = [m.label for m in self.methods if m.label in table]
@@ -213,12 +303,22 @@ class _Comparison:
             if self.baseline in table
             else None
         )
+        retrieval = _retrieval(probes)
+        if verdict is not None:  # supporting numbers beside the rule, never part of it
+            verdict["retrieval"] = retrieval_note(retrieval, verdict)
+        lengths = c.retrieval_lengths(self.trained_at)
+        settings = {
+            "lengths": list(lengths), "needles": c.probe_needles, "haystacks": c.probe_haystacks,
+            "task": c.probe_task, "probes_per_run": c.probe_needles * c.probe_haystacks,
+        } if lengths else None  # fmt: skip
         summary = {
             "stage": stage, "trained_at": self.trained_at, "target_length": c.target_length,
             "lengths": list(c.eval_lengths(self.trained_at)), "domains": list(c.eval_data),
+            "single_documents": c.single_documents, "skipped": self.skipped,
             "methods": [dataclasses.asdict(m) for m in self.methods], "baseline": self.baseline,
             "table": _jsonable(table), "summary": _summary(table), "lr_search": searches,
-            "verdict": verdict, "times": list(self.records.values()), "config": c.to_dict(),
+            "verdict": verdict, "retrieval": retrieval, "probes": settings,
+            "times": list(self.records.values()), "config": c.to_dict(),
         }  # fmt: skip
         meta = run_metadata(self.command, seed=c.seed)
         provenance = {"config": c.to_dict()}
@@ -253,6 +353,22 @@ def _summary(table: dict) -> dict:
     return out
 
 
+def _retrieval(probes: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """label -> length -> accuracy pooled over the seeds' probes (correct and n summed, one
+    Wilson interval), with each seed's own entry beside it."""
+    out: dict[str, Any] = {}
+    for label, by_seed in probes.items():
+        by_length: dict[int, list[dict[str, Any]]] = {}
+        for seed in sorted(by_seed):
+            for entry in by_seed[seed]["by_length"]:
+                by_length.setdefault(entry["length"], []).append({**entry, "seed": seed})
+        out[label] = {
+            str(n): {**pooled_accuracy(es, es[0]["confidence"]), "per_seed": es}
+            for n, es in sorted(by_length.items())
+        }
+    return out
+
+
 def run_compare(
     config: CompareConfig,
     out_dir: str | Path,
@@ -266,9 +382,16 @@ def run_compare(
     run = _Comparison(config, out, command, log)
     results = run.free()
     searches: dict[str, Any] = {}
-    summary = run.write(results, searches, "untrained methods scored")
+    probes: dict[str, Any] = {}
+    summary = run.write(results, searches, probes, "untrained methods scored")
     for method in (m for m in run.methods if m.trained):
         results[method.label], searches[method.label] = run.trained(method)
-        summary = run.write(results, searches, f"{method.label} trained and scored")
-    summary = run.write(results, searches, "done")
+        summary = run.write(results, searches, probes, f"{method.label} trained and scored")
+    if config.retrieval_lengths(run.trained_at):
+        for method in run.methods:
+            lr = searches[method.label]["chosen"] if method.trained else config.lrs[0]
+            run.log(f"{method.label}: retrieval probes")
+            probes[method.label] = run.retrieval(method, lr)
+            summary = run.write(results, searches, probes, f"{method.label} probed")
+    summary = run.write(results, searches, probes, "done")
     return summary

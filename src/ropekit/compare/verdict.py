@@ -15,12 +15,15 @@ The question: which method should serve N tokens, and what does it cost at L0? T
   when the mean paired difference exceeds twice its standard error (about a 95% one-sided
   bound on a normal approximation) with at least 3 windows. Otherwise the comparison says that
   no difference is resolved at this sample size, names the two, and gives the numbers.
+- A domain with no held-out document long enough for a length (single-document windows) is
+  not scored at that length by any method, and is left out of that length's means.
 
-Retrieval accuracy is reported beside it with Wilson score intervals (Wilson 1927, "Probable
-inference, the law of succession, and statistical inference", JASA 22: 209-212), not folded
-into the rule: a method that wins on perplexity and loses retrieval is shown as such.
+Retrieval accuracy is reported beside it with Wilson score intervals
+(``ropekit.evals.intervals``, the one implementation), not folded into the rule: a method that
+wins on perplexity and loses retrieval is shown as such.
 
-Holds: mean_std, wilson_interval, cost_at, score_at, paired_windows, recommend.
+Holds: mean_std, pooled_accuracy, accuracy_text, retrieval_note, cost_at, score_at,
+paired_windows, recommend.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-Z95 = 1.959963984540054  # two-sided 95% normal quantile
+from ropekit.evals.intervals import CONFIDENCE, accuracy_entry
 
 
 def mean_std(values: Sequence[float]) -> dict[str, Any]:
@@ -43,17 +46,41 @@ def mean_std(values: Sequence[float]) -> dict[str, Any]:
     return {"mean": m, "std": std, "n": n}
 
 
-def wilson_interval(successes: int, trials: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion: centre (p + z^2/2n) / (1 + z^2/n),
-    half-width z sqrt(p(1-p)/n + z^2/4n^2) / (1 + z^2/n). Unlike p +- z sqrt(p(1-p)/n) it stays
-    inside [0, 1] and is not empty at p = 0 or 1."""
-    if trials < 1 or not 0 <= successes <= trials:
-        raise ValueError(f"successes={successes}, trials={trials}: need 0 <= successes <= trials")
-    p, n = successes / trials, trials
-    denominator = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denominator
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
+def pooled_accuracy(
+    entries: Sequence[Mapping[str, Any]], confidence: float = CONFIDENCE
+) -> dict[str, Any]:
+    """One accuracy of several runs' {correct, n} (a trained method's seeds): correct and n
+    are summed and the Wilson interval is taken of the sums, so the interval is that of all
+    the probes together, not an average of narrower per-seed intervals."""
+    correct, n = sum(int(e["correct"]) for e in entries), sum(int(e["n"]) for e in entries)
+    return {**accuracy_entry(correct, n, confidence), "runs": len(entries)}
+
+
+def accuracy_text(entry: Mapping[str, Any]) -> str:
+    """``0.70 [0.48, 0.85] (14/20)``: an accuracy, its interval and its probes."""
+    return (
+        f"{entry['accuracy']:.2f} [{entry['low']:.2f}, {entry['high']:.2f}] "
+        f"({entry['correct']}/{entry['n']})"
+    )
+
+
+def retrieval_note(
+    retrieval: Mapping[str, Mapping[str, Any]], verdict: Mapping[str, Any]
+) -> str | None:
+    """The recommended method's and the runner-up's retrieval at the target length (or the
+    longest probed length both have), as supporting numbers beside the rule; None without a
+    winner or probes."""
+    names = [m for m in (verdict["winner"], verdict["runner_up"]) if m in retrieval]
+    lengths = set.intersection(*(set(map(int, retrieval[m])) for m in names)) if names else set()
+    if not lengths:
+        return None
+    n = verdict["target_length"] if verdict["target_length"] in lengths else max(lengths)
+    parts = "; ".join(f"{m} {accuracy_text(retrieval[m][str(n)])}" for m in names)
+    level = retrieval[names[0]][str(n)]["confidence"]
+    return (
+        f"Retrieval at {n} tokens (accuracy, {level:.0%} Wilson interval, correct/probes), "
+        f"beside the rule, not part of it: {parts}."
+    )
 
 
 # table[method][domain][length] = {"ppl": [per seed], "last_quarter_windows": [per seed: [...]]}
@@ -61,13 +88,14 @@ Table = Mapping[str, Mapping[str, Mapping[int, Mapping[str, Any]]]]
 
 
 def cost_at(table: Table, method: str, baseline: str, length: int) -> float | None:
-    """Mean over domains of ppl(method) / ppl(baseline) - 1 at ``length`` (seed means)."""
+    """Mean over domains of ppl(method) / ppl(baseline) - 1 at ``length`` (seed means), the
+    domains scored at ``length`` only; None when none is."""
     ratios = []
     for domain, by_length in table[method].items():
         mine = by_length.get(length)
         base = table[baseline].get(domain, {}).get(length)
-        if mine is None or base is None:
-            return None
+        if mine is None or base is None:  # no document of the domain holds the length
+            continue
         ratios.append(mean_std(mine["ppl"])["mean"] / mean_std(base["ppl"])["mean"] - 1)
     return sum(ratios) / len(ratios) if ratios else None
 
@@ -79,12 +107,13 @@ def _window_means(entry: Mapping[str, Any]) -> list[float]:
 
 
 def score_at(table: Table, method: str, length: int) -> float | None:
-    """Mean over domains of the last-quarter NLL at ``length`` (nats per token)."""
+    """Mean over the domains scored at ``length`` of the last-quarter NLL there (nats per
+    token); None when none is."""
     values = []
     for by_length in table[method].values():
         entry = by_length.get(length)
-        if entry is None:
-            return None
+        if entry is None:  # no document of the domain holds the length
+            continue
         windows = _window_means(entry)
         values.append(sum(windows) / len(windows))
     return sum(values) / len(values) if values else None

@@ -6,7 +6,8 @@ Modules:
 - `haystack`: haystacks (noise, essays, any corpus), needle insertion, keys and values.
 - `tasks`: base tasks, the registry of named variants (`TASKS`), `generate_sample`.
 - `scoring`: RULER's string_match_all / string_match_part, `effective_length`.
-- `perplexity`: `evaluate_perplexity`, `run_perplexity` (`ropekit eval ppl`).
+- `perplexity`: `evaluate_perplexity`, `run_perplexity` (`ropekit eval ppl`),
+  `check_single_documents` / `DocumentsTooShort` (do single-document spans fit?).
 - `runner`: `run_needle`, `run_passkey`, `run_ruler`, `run_tasks`: staged, resumable.
 - `probes`: `ProbeConfig`, `run_probes` (`ropekit eval probes`): many retrieval probes per
   long prefill, the KV cache cropped back to the haystack for each question.
@@ -21,7 +22,13 @@ from ropekit.evals.adapters import (
     newline_ids,
 )
 from ropekit.evals.intervals import accuracy_entry, wilson_interval
-from ropekit.evals.perplexity import PerplexityConfig, evaluate_perplexity, run_perplexity
+from ropekit.evals.perplexity import (
+    DocumentsTooShort,
+    PerplexityConfig,
+    check_single_documents,
+    evaluate_perplexity,
+    run_perplexity,
+)
 from ropekit.evals.probes import ProbeConfig, run_probes
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.runner import (
@@ -55,6 +62,7 @@ __all__ = [
     "RULER_TASKS",
     "TASKS",
     "BackboneLM",
+    "DocumentsTooShort",
     "EvalConfig",
     "LanguageModel",
     "PerplexityConfig",
@@ -65,6 +73,7 @@ __all__ = [
     "TaskSpec",
     "accuracy_entry",
     "as_language_model",
+    "check_single_documents",
     "effective_length",
     "evaluate_perplexity",
     "generate_sample",

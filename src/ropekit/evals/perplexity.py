@@ -7,7 +7,9 @@ Holds:
   out (`ropekit eval ppl`). Called once per domain with the same model, it takes the
   domain's tokenized `stream` (`heldout_stream(domain, tokenizer)`, made once per domain and
   tokenizer) and the model as a Backbone (whose weight digest is computed once).
-- `document_spans(stream, tokenizer, span, count, context, rng)`: the single-document spans.
+- `document_spans(stream, tokenizer, span, count, context, rng)`: the single-document spans;
+  `check_single_documents(stream, tokenizer, config)` asks, without a model, whether they fit
+  (`DocumentsTooShort` when not).
 
 Every length scores the SAME target tokens: one span of `n_tokens` tokens cut from a fixed
 held-out stream, a multiple of every length, tiled by non-overlapping windows of each length.
@@ -111,6 +113,16 @@ class PerplexityConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; allowed: >= 1")
 
 
+class DocumentsTooShort(ValueError):
+    """The held-out documents cannot hold the single-document spans asked for: none is long
+    enough (``capacity`` 0) or all together hold fewer than ``count`` spans of ``span``
+    targets. A ValueError, so callers that only report it need nothing else."""
+
+    def __init__(self, message: str, *, span: int, capacity: int, count: int) -> None:
+        super().__init__(message)
+        self.span, self.capacity, self.count = span, capacity, count
+
+
 def _windows(start: int, span: int, length: int, stride: int | None) -> list[tuple[int, int]]:
     """(target_end, n_scored) of each window over targets [start, start + span): the window
     covers targets [end - length, end) and scores the last n_scored of them."""
@@ -158,18 +170,20 @@ def document_spans(
     capacity = [r // need for r in room]
     longest = max(range(n_docs), key=lambda d: room[d])
     if capacity[longest] == 0:
-        raise ValueError(
+        raise DocumentsTooShort(
             f"single_documents=True needs a held-out document of at least {need} tokens (a span "
             f"of lcm(lengths)={span} targets{' and the token before it' if context else ''}); "
             f"the longest of the {n_docs} held-out documents, {stream.names[longest]!r}, holds "
-            f"{room[longest]}; allowed: lengths whose lcm fits it, or longer documents"
-        )
+            f"{room[longest]}; allowed: lengths whose lcm fits it, or longer documents",
+            span=span, capacity=0, count=count,
+        )  # fmt: skip
     if sum(capacity) < count:
-        raise ValueError(
+        raise DocumentsTooShort(
             f"n_tokens={count * span} is not allowed with single_documents=True: the held-out "
             f"documents hold at most {sum(capacity)} spans of {span} tokens; allowed: n_tokens "
-            f"<= {sum(capacity) * span}, or more held-out documents"
-        )
+            f"<= {sum(capacity) * span}, or more held-out documents",
+            span=span, capacity=sum(capacity), count=count,
+        )  # fmt: skip
     order = [int(d) for d in rng.permutation(n_docs) if capacity[int(d)] > 0]
     taken = dict.fromkeys(order, 0)
     while sum(taken.values()) < count:  # in turns: one more span for each document with room
@@ -310,6 +324,23 @@ def _summarize(
     return result
 
 
+def _uses_bos(tokenizer: Tokenizer, config: PerplexityConfig) -> bool:
+    """Whether windows start with BOS: the config's choice, else the tokenizer's own habit."""
+    return bool(default_prefix(tokenizer)) if config.bos is None else config.bos
+
+
+def check_single_documents(
+    stream: TokenStream, tokenizer: Tokenizer, config: PerplexityConfig
+) -> None:
+    """Raise `DocumentsTooShort` when ``stream``'s documents cannot hold the spans that
+    ``config`` (single_documents=True) scores, without a model call; a caller can then choose
+    other lengths before anything is written. Capacity does not depend on the seed."""
+    span = math.lcm(*config.lengths)
+    context = 0 if _uses_bos(tokenizer, config) else 1
+    rng = np.random.default_rng(config.seed)
+    document_spans(stream, tokenizer, span, config.n_tokens // span, context, rng)
+
+
 def evaluate_perplexity(
     lm: LanguageModel,
     stream: TokenStream,
@@ -329,7 +360,7 @@ def evaluate_perplexity(
             f"{lm.tokenizer.name!r}; allowed: a stream encoded with the model's tokenizer"
         )
     bos = default_prefix(lm.tokenizer)
-    use_bos = bool(bos) if config.bos is None else config.bos
+    use_bos = _uses_bos(lm.tokenizer, config)
     if use_bos and len(bos) != 1:
         raise ValueError(
             f"bos=True is not allowed for tokenizer {lm.tokenizer.name!r}: it adds {list(bos)} "
