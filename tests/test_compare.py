@@ -60,6 +60,12 @@ def test_the_recommendation_obeys_the_margin_and_says_when_it_is_not_resolved():
                       "rope", 8, 32, margin=0.01)  # fmt: skip
     assert clear["winner"] == "cheap" and clear["resolved"]
     assert clear["sentence"].startswith("Use cheap")
+    tiny = {
+        "a": (10.0, [2.0, 2.1, 2.2, 2.0]),
+        "b": (10.0, [2.000001, 2.100001, 2.200001, 2.000001]),
+    }
+    twins = recommend(_table(tiny), ["a", "b"], "a", 8, 32, margin=0.01)
+    assert twins["winner"] == "a" and not twins["resolved"]  # a lead of 1e-6 nats is no lead
     none = recommend(table, ["costly"], "rope", 8, 32, margin=0.01)
     assert none["winner"] is None and "none is recommended" in none["sentence"]
 

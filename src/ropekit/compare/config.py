@@ -73,6 +73,8 @@ class CompareConfig:
     probe_haystacks: int = 4  # H: haystacks per length and run; K x H probes per length and run
     probe_task: str = "niah_single_2"  # the probes' format: a niah task asking one key's value
     margin: float = 0.01  # largest cost at L0 a recommended method may have (0.01 = +1% ppl)
+    # smallest lead in last-quarter NLL at N (nats/token) called resolved: 0.005 = 0.5% ppl
+    min_difference: float = 0.005
     seed: int = 0  # picks the evaluation spans and the retrieval haystacks and needles
 
     def __post_init__(self) -> None:
@@ -124,6 +126,11 @@ class CompareConfig:
         probe_task(self.probe_task)  # an unsuitable task stops here, not after the training
         if not (math.isfinite(self.margin) and 0 <= self.margin < 1):
             raise ValueError(f"margin={self.margin!r} is not allowed; it must lie in [0, 1)")
+        if not (math.isfinite(self.min_difference) and self.min_difference >= 0):
+            raise ValueError(
+                f"min_difference={self.min_difference!r} is not allowed; it must be a finite "
+                "number >= 0 (nats per token)"
+            )
         if self.pose_window is not None and not self.pose:
             raise ValueError("pose_window applies only with pose=True (--pose)")
 

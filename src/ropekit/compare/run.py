@@ -299,7 +299,15 @@ class _Comparison:
         table = self.table(results)
         labels = [m.label for m in self.methods if m.label in table]
         verdict = (
-            recommend(table, labels, self.baseline, self.trained_at, c.target_length, c.margin)
+            recommend(
+                table,
+                labels,
+                self.baseline,
+                self.trained_at,
+                c.target_length,
+                c.margin,
+                min_difference=c.min_difference,
+            )
             if self.baseline in table
             else None
         )

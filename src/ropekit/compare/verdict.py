@@ -13,7 +13,9 @@ The question: which method should serve N tokens, and what does it cost at L0? T
   last-quarter NLLs at N are compared window by window (the same held-out windows for every
   method; a trained method's value is its mean over seeds), and the lead counts as resolved
   when the mean paired difference exceeds twice its standard error (about a 95% one-sided
-  bound on a normal approximation) with at least 3 windows. Otherwise the comparison says that
+  bound on a normal approximation) with at least 3 windows, and is at least
+  ``min_difference`` nats (methods that agree to rounding have a standard error near 0, so a
+  lead of 1e-6 would otherwise count). Otherwise the comparison says that
   no difference is resolved at this sample size, names the two, and gives the numbers.
 - A domain with no held-out document long enough for a length (single-document windows) is
   not scored at that length by any method, and is left out of that length's means.
@@ -131,7 +133,14 @@ def paired_windows(table: Table, a: str, b: str, length: int) -> list[float]:
 
 
 def recommend(
-    table: Table, methods: Sequence[str], baseline: str, short: int, target: int, margin: float
+    table: Table,
+    methods: Sequence[str],
+    baseline: str,
+    short: int,
+    target: int,
+    margin: float,
+    *,
+    min_difference: float = 0.005,
 ) -> dict[str, Any]:
     """The recommendation at ``target`` with at most ``margin`` cost at ``short`` (module
     docstring), as JSON: the rule's numbers and one sentence."""
@@ -147,7 +156,8 @@ def recommend(
     )
     out: dict[str, Any] = {
         "rule": __doc__.split("The rule:", 1)[1].split("Retrieval accuracy", 1)[0].strip(),
-        "margin": margin, "short_length": short, "target_length": target, "baseline": baseline,
+        "margin": margin, "min_difference": min_difference, "short_length": short,
+        "target_length": target, "baseline": baseline,
         "costs": costs, "scores": scores, "eligible": eligible, "winner": None,
         "runner_up": None, "difference": None, "resolved": False,
     }  # fmt: skip
@@ -170,7 +180,12 @@ def recommend(
     stats = mean_std(diffs)
     se = stats["std"] / math.sqrt(stats["n"]) if stats["n"] > 1 else None
     out.update(runner_up=runner, difference={**stats, "se": se})
-    resolved = se is not None and stats["n"] >= 3 and stats["mean"] + 2 * se < 0
+    resolved = (
+        se is not None
+        and stats["n"] >= 3
+        and stats["mean"] + 2 * se < 0
+        and -stats["mean"] >= min_difference
+    )
     out["resolved"] = resolved
     lead = (
         f"last-quarter NLL at {target} {scores[winner]:.4f} against {runner}'s "
