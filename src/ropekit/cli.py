@@ -693,20 +693,27 @@ def add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--json", type=Path, default=None, help="also write the full report (per-pair frequencies)"
     )
+    _overwrite(p, "replace a --json file another command or folder wrote")
     p.set_defaults(func=cmd_inspect)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    import json
+    import hashlib
 
+    from ropekit.results import check_replaceable, run_metadata, write_result
     from ropekit.serve.inspection import format_report, inspect_folder
 
-    report = inspect_folder(args.model_dir)
+    report = inspect_folder(args.model_dir)  # reads the folder's config.json, writes nothing
+    config = Path(args.model_dir) / "config.json"
+    provenance = {"config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()}
+    if args.json is not None:  # refuse before printing: never replace another command's file
+        check_replaceable(args.json, "inspect", provenance, overwrite=args.overwrite)
     for line in format_report(report):
         print(line)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        meta = run_metadata(_command())
+        write_result(args.json, "inspect", {"report": report}, meta=meta, provenance=provenance)
         print(f"wrote {args.json}")
     return 0
 

@@ -60,6 +60,7 @@ KINDS: dict[str, str] = {
     "demo": "ropekit demo (demo.json)",
     "experiment": "an experiment script's committed results (results.json)",
     "compare": "ropekit compare: methods x domains x lengths and the verdict (compare.json)",
+    "inspect": "ropekit inspect --json: what each serving engine does with a folder's rope config",
 }
 
 

@@ -146,5 +146,14 @@ def test_inspect_command_prints_engines_and_writes_json(tmp_path: Path, capsys) 
     assert main(["inspect", str(folder), "--json", str(tmp_path / "r.json")]) == 0
     out = capsys.readouterr().out
     assert "vllm" in out and "llama.cpp" in out and "no disagreements" in out
-    assert json.loads((tmp_path / "r.json").read_text())["target_length"] == 4 * L0
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["kind"] == "inspect" and written["report"]["target_length"] == 4 * L0
     assert main(["inspect", str(tmp_path / "missing")]) == 2
+    # another folder's report, or a file inspect did not write, is not replaced
+    other = _folder("linear:factor=2", tmp_path / "other")
+    assert main(["inspect", str(other), "--json", str(tmp_path / "r.json")]) == 2
+    (tmp_path / "notes.json").write_text("{}")
+    assert main(["inspect", str(folder), "--json", str(tmp_path / "notes.json")]) == 2
+    assert (tmp_path / "notes.json").read_text() == "{}"
+    assert json.loads((tmp_path / "r.json").read_text()) == written
+    assert main(["inspect", str(other), "--json", str(tmp_path / "r.json"), "--overwrite"]) == 0
