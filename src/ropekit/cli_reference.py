@@ -121,11 +121,18 @@ def cli_reference(parser: argparse.ArgumentParser | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m ropekit.cli_reference",
+        description="print the command-line reference (docs/cli.md) generated from the parser",
+    )
+    parser.add_argument("path", nargs="?", type=Path, help="write it here instead of stdout")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     text = cli_reference()
-    if args:
-        atomic_write_text(Path(args[0]), text)
-        print(f"wrote {args[0]}")
+    if args.path is not None:
+        atomic_write_text(args.path, text)
+        print(f"wrote {args.path}")
     else:
         sys.stdout.write(text)
     return 0
