@@ -308,3 +308,38 @@ def test_config_refuses_bad_values_naming_them(tmp_path, name, change, message):
     path = write_config(tmp_path, committed(name) | change)
     with pytest.raises(ValueError, match=message):
         read_config(config_type(name), path)
+
+
+@pytest.mark.slow  # about 3 minutes: every stage is a CLI process on the real model
+def test_smollm2_16k_remaps_rows_run_as_a_user_runs_them_and_resume(tmp_path):
+    """Experiment D's training-free rows at toy lengths: attach, perplexity and probes as CLI
+    processes; a rerun runs nothing; an unfinished method is named as not run."""
+    from experiments.smollm2_16k import remaps
+
+    config = {
+        "model": "smollm2-135m", "data": "shakespeare", "target_length": 16384,
+        "methods": {"rope": "rope", "string": "string:shift=64,window=16"},
+        "eval_lengths": [128, 256], "eval_spans": 1, "eval_seed": 0,
+        "probe_lengths": [256], "probe_tasks": ["niah_single_2"], "needles": 2, "haystacks": 1,
+    }  # fmt: skip
+    path = tmp_path / "remaps.json"
+    path.write_text(json.dumps(config))
+    args = ["--config", str(path), "--runs", str(tmp_path / "runs")]
+    args += ["--results", str(tmp_path / "results")]
+    remaps.main(args)
+    data = json.loads((tmp_path / "results" / "results.json").read_text())
+    rows = data["methods"]
+    assert list(rows) == ["rope", "string"] and data["not_run"] == []
+    for row in rows.values():
+        assert set(row["perplexity"]) == {"128", "256"}
+        assert row["probes"]["niah_single_2"]["256"]["n"] == 2
+        assert all(s["peak_gib"] > 0.1 for s in row["stages"].values())
+    # STRING shifts distances beyond its local window: not the unmodified model at 256
+    assert rows["string"]["perplexity"]["256"] != rows["rope"]["perplexity"]["256"]
+    before = (tmp_path / "results" / "results.json").read_bytes()
+    remaps.main(args)  # every stage is recorded: nothing runs, the same results
+    assert (tmp_path / "results" / "results.json").read_bytes() == before
+    config["methods"]["dca"] = "dca"
+    path.write_text(json.dumps(config))
+    remaps.main([*args, "--collect"])
+    assert json.loads((tmp_path / "results" / "results.json").read_text())["not_run"] == ["dca"]

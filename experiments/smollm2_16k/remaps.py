@@ -15,7 +15,7 @@ rows compare.
 
     python -m experiments.smollm2_16k.remaps    (after the factor search, see README)
 
-Holds: RemapsConfig, run, main.
+Holds: RemapsConfig, run, collect, main.
 """
 
 from __future__ import annotations
@@ -211,18 +211,43 @@ def _committed() -> dict[str, dict[str, float]]:
     }
 
 
-def run(cfg: RemapsConfig, runs: Path, results: Path, command: str) -> str:
-    jobs = []
+def run(cfg: RemapsConfig, runs: Path, results: Path, command: str, *, only: str = "") -> str:
+    """Every method in order (``only``: just that one, so two processes can share the work);
+    the results hold every method whose stages have all finished, in config order."""
     for label, spec in cfg.methods.items():
+        if only and label != only:
+            continue
         print(f"{label}: {spec}", flush=True)
-        jobs.append(_job(cfg, runs, label, spec))
-        _write(cfg, jobs, results, command)
-    return _write(cfg, jobs, results, command)
+        _job(cfg, runs, label, spec)
+        collect(cfg, runs, results, command)
+    return collect(cfg, runs, results, command)
 
 
-def _write(cfg: RemapsConfig, jobs: list[dict[str, Any]], results: Path, command: str) -> str:
-    markdown = _table(cfg, jobs, _committed())
+def _finished(cfg: RemapsConfig, folder: Path, spec: str) -> bool:
+    path = folder / "stages.json"
+    needed = {"perplexity", *(f"probes {t}" for t in cfg.probe_tasks)}
+    if not spec.startswith("adapter:") and spec != "rope":
+        needed.add("attach")
+    return path.exists() and needed <= set(read_record(path))
+
+
+def collect(cfg: RemapsConfig, runs: Path, results: Path, command: str) -> str:
+    """Write results from the finished methods (nothing runs); the others are named as not
+    run, so a partial run is committed as what it is."""
+    jobs, missing = [], []
+    for label, spec in cfg.methods.items():
+        folder = runs / "remaps" / label
+        if _finished(cfg, folder, spec):
+            stages = read_record(folder / "stages.json")
+            jobs.append({"label": label, "spec": spec, "stages": stages, **_read(folder, cfg)})
+        else:
+            missing.append(label)
+    markdown = _table(cfg, jobs, _committed()) if jobs else "No method has finished yet.\n"
+    if missing:
+        markdown += "\nNot run yet (the session's CPU budget ended first): "
+        markdown += ", ".join(f"`{m}`" for m in missing) + ".\n"
     payload = {"config": dataclasses.asdict(cfg), "methods": {j["label"]: j for j in jobs}}
+    payload["not_run"] = missing
     write_results(results, payload, markdown, command=command, provenance=provenance("remaps", cfg))
     return markdown
 
@@ -236,12 +261,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="the jobs' folders go here (runs/.../remaps/<method>)")  # fmt: skip
     parser.add_argument("--results", type=Path, default=HERE / "remaps",
                         help="results.json and results.md go here")  # fmt: skip
+    parser.add_argument("--only", default="", help="run just this method (a label in --config)")
+    parser.add_argument(
+        "--collect", action="store_true", help="run nothing: write the finished methods' results"
+    )
     args = parser.parse_args(argv)
     cfg = read_config(RemapsConfig, args.config)
     args.results.mkdir(parents=True, exist_ok=True)
     given = sys.argv[1:] if argv is None else list(argv)
     command = shlex.join(["python", "-m", "experiments.smollm2_16k.remaps", *given])
-    print(run(cfg, args.runs, args.results, command))
+    if args.only and args.only not in cfg.methods:
+        parser.error(f"--only {args.only!r} is not a method of {args.config}: {list(cfg.methods)}")
+    if args.collect:
+        print(collect(cfg, args.runs, args.results, command))
+    else:
+        print(run(cfg, args.runs, args.results, command, only=args.only))
 
 
 if __name__ == "__main__":
