@@ -4,6 +4,8 @@ Every room (a subpackage, or a top-level module) sits on a floor and imports onl
 lower floors: no import runs up or sideways, so there is no import cycle between rooms either,
 and none inside one (checked module by module). `encodings` imports nothing else of ropekit.
 The floors are drawn in docs/architecture.md; change both together.
+
+Also read from the code's syntax tree: no function in src/ over 80 lines (issue 17).
 """
 
 from __future__ import annotations
@@ -139,3 +141,26 @@ def test_train_evals_analysis_never_ask_which_kind_a_model_is():
                     assert "Decoder" not in kinds and "PreTrainedModel" not in kinds, (
                         f"{where}:{node.lineno} isinstance(..., {kinds})"
                     )
+
+
+# Issue 17: no function in src/ is longer than this, counted from its `def` line to the last
+# line of its body, docstring included (decorators above the `def` are not counted).
+MAX_FUNCTION_LINES = 80
+
+
+def _long_functions(path: Path) -> list[str]:
+    """``path:function (N lines)`` for each function or method of ``path`` over the limit."""
+    where = path.relative_to(SRC.parents[1])
+    return [
+        f"{where}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+
+
+def test_no_function_over_the_line_limit():
+    """Long functions are split into named stages (issue 17); the message names each one."""
+    long = [entry for path in FILES for entry in _long_functions(path)]
+    listed = ", ".join(long)
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (def to last line): {listed}"

@@ -223,45 +223,22 @@ def banded_attention(
     [start, stop) and keys [0, n), broadcastable to (B, H, R, n), bool (True = visible) or
     float (added to the logits), or None. Returns (B, H, T, D) in v's dtype.
     """
+    _check_inputs(q, k, v, bands, key_positions)
     B, H, T, D = q.shape
-    K, S = k.shape[1], k.shape[2]
-    if k.shape[0] != B or v.shape != k.shape or H % K:
-        raise ValueError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be (B, H, T, D) "
-            "and (B, K, S, D) with K dividing H"
-        )
-    if not bands:
-        raise ValueError("banded_attention needs at least one band")
-    if key_positions.shape[-1] != S:
-        raise ValueError(f"key_positions {tuple(key_positions.shape)} must have S = {S} columns")
+    S = k.shape[2]
     scale = 1 / math.sqrt(D) if scale is None else float(scale)
-    # Keys once per distinct positions tensor (DCA's three bands and STRING's two share one).
-    rotated: dict[int, Tensor] = {}
-    for band in bands:
-        if id(band.k_positions) not in rotated:
-            rotated[id(band.k_positions)] = rotate(k, band.k_positions, False)  # (B, K, S, D)
-    keys = tuple(rotated[id(band.k_positions)] for band in bands)
-    rows = max(1, min(T, block_entries // max(1, B * H * S)))
-    blocks = []
-    for start in range(0, T, rows):
-        stop = min(T, start + rows)
-        n = S if causal_offset is None else max(0, min(S, stop + causal_offset))
-        blocks.append((start, stop, n))
+    keys = _rotate_keys(k, bands, rotate)
+    rows, blocks = _query_blocks(B * H, T, S, causal_offset, block_entries)
     ranges = _key_ranges(bands, key_positions, rows, blocks)
     recompute = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, *(b.q_scale for b in bands if b.q_scale is not None))
     )
     out = []
     for (start, stop, n), block_ranges in zip(blocks, ranges, strict=True):
-        if n == 0:
+        if n == 0:  # a causal block that sees no key: its rows attend to nothing
             out.append(q.new_zeros(B, H, stop - start, D, dtype=v.dtype))
             continue
-        block_mask = None if mask is None else mask(start, stop, n)
-        if causal_offset is not None:
-            causal = torch.ones(stop - start, n, dtype=torch.bool, device=q.device).tril(
-                diagonal=start + causal_offset
-            )  # (R, n): key j visible to row r iff j <= r + offset
-            block_mask = causal if block_mask is None else _combine(block_mask, causal)
+        block_mask = _block_mask(mask, causal_offset, start, stop, n, q.device)
         args = (
             q[:, :, start:stop],
             tuple(kb[:, :, :n] for kb in keys),
@@ -282,6 +259,73 @@ def banded_attention(
         else:
             out.append(_block(*args))
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)  # (B, H, T, D)
+
+
+def _check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, bands: Sequence[Band], key_positions: Tensor
+) -> None:
+    """ValueError unless q is (B, H, T, D), k and v (B, K, S, D) with K dividing H (grouped
+    queries), there is a band, and ``key_positions`` has one column per key."""
+    B, H = q.shape[:2]
+    K, S = k.shape[1], k.shape[2]
+    if k.shape[0] != B or v.shape != k.shape or H % K:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be (B, H, T, D) "
+            "and (B, K, S, D) with K dividing H"
+        )
+    if not bands:
+        raise ValueError("banded_attention needs at least one band")
+    if key_positions.shape[-1] != S:
+        raise ValueError(f"key_positions {tuple(key_positions.shape)} must have S = {S} columns")
+
+
+def _rotate_keys(
+    k: Tensor, bands: Sequence[Band], rotate: Callable[[Tensor, Tensor, bool], Tensor]
+) -> tuple[Tensor, ...]:
+    """Each band's rotated keys (B, K, S, D), R(P_k^b(j)) k_j for the whole sequence.
+
+    Keys are rotated once per distinct positions tensor (by identity, not value): DCA's three
+    bands and STRING's two share one, so they share the rotated keys too."""
+    rotated: dict[int, Tensor] = {}
+    for band in bands:
+        if id(band.k_positions) not in rotated:
+            rotated[id(band.k_positions)] = rotate(k, band.k_positions, False)  # (B, K, S, D)
+    return tuple(rotated[id(band.k_positions)] for band in bands)
+
+
+def _query_blocks(
+    heads: int, T: int, S: int, causal_offset: int | None, block_entries: int
+) -> tuple[int, list[tuple[int, int, int]]]:
+    """(rows per block, [(start, stop, n)]): query rows [start, stop) and the keys [0, n) they
+    can see, blocks of as many rows as keep ``heads`` (B * H) x rows x S logits within
+    ``block_entries``. With ``causal_offset`` a block needs only the keys up to its last row's
+    (a causal decoder's later keys are all masked), so n can be smaller than S, or 0."""
+    rows = max(1, min(T, block_entries // max(1, heads * S)))
+    blocks = []
+    for start in range(0, T, rows):
+        stop = min(T, start + rows)
+        n = S if causal_offset is None else max(0, min(S, stop + causal_offset))
+        blocks.append((start, stop, n))
+    return rows, blocks
+
+
+def _block_mask(
+    mask: Callable[[int, int, int], Tensor | None] | None,
+    causal_offset: int | None,
+    start: int,
+    stop: int,
+    n: int,
+    device: torch.device,
+) -> Tensor | None:
+    """The mask of query rows [start, stop) over keys [0, n): the caller's, with the causal
+    one (key j visible to row r iff j <= r + causal_offset) folded in; None: every key."""
+    block_mask = None if mask is None else mask(start, stop, n)
+    if causal_offset is not None:
+        causal = torch.ones(stop - start, n, dtype=torch.bool, device=device).tril(
+            diagonal=start + causal_offset
+        )  # (R, n): key j visible to row r iff j <= r + offset
+        block_mask = causal if block_mask is None else _combine(block_mask, causal)
+    return block_mask
 
 
 def _combine(mask: Tensor, causal: Tensor) -> Tensor:

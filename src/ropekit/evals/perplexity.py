@@ -341,6 +341,17 @@ def check_single_documents(
     document_spans(stream, tokenizer, span, config.n_tokens // span, context, rng)
 
 
+@dataclass(frozen=True)
+class _Targets:
+    """The target tokens every length scores: spans of ``span`` tokens of the stream."""
+
+    span: int  # targets per span: n_tokens, or lcm(lengths) with single documents
+    starts: list[int]  # stream index of each span's first target
+    start: int | None  # the one span's first target (documents joined); None: single documents
+    # single documents: each span's document, offset in it, stream start, tokens and bytes
+    spans: list[dict[str, Any]] | None
+
+
 def evaluate_perplexity(
     lm: LanguageModel,
     stream: TokenStream,
@@ -354,58 +365,117 @@ def evaluate_perplexity(
     Launched as several processes (`accelerate launch`, `torchrun`), each scores a share of
     the windows and every process returns the whole result. `processes` defaults to the
     current run's (`ropekit.distributed.processes()`)."""
-    if stream.tokenizer != lm.tokenizer.name:
-        raise ValueError(
-            f"stream tokenizer={stream.tokenizer!r} is not allowed for a model read with "
-            f"{lm.tokenizer.name!r}; allowed: a stream encoded with the model's tokenizer"
-        )
-    bos = default_prefix(lm.tokenizer)
-    use_bos = _uses_bos(lm.tokenizer, config)
-    if use_bos and len(bos) != 1:
-        raise ValueError(
-            f"bos=True is not allowed for tokenizer {lm.tokenizer.name!r}: it adds {list(bos)} "
-            "by default, not a single BOS id; allowed: bos=False"
-        )
-    span = config.n_tokens
+    use_bos, prefix = _window_start(lm.tokenizer, stream, config)
     context = 0 if use_bos else 1  # without BOS, the first target's input precedes it
     rng = np.random.default_rng(config.seed)
-    spans: list[dict[str, Any]] | None = None
     if config.single_documents:
-        span = math.lcm(*config.lengths)
-        count = config.n_tokens // span
-        drawn = document_spans(stream, lm.tokenizer, span, count, context, rng)
-        starts = [first for _, first in drawn]
-        spans = [
-            {
-                "document": stream.names[d],
-                "offset": first - int(stream.doc_starts[d]),  # first target, in the document
-                "start": first,  # first target, in the stream
-                "tokens": span,
-                "bytes": stream.n_bytes(first, first + span),
-            }
-            for d, first in drawn
-        ]
-        start = None
+        targets = _document_targets(stream, lm.tokenizer, config, context, rng)
     else:
-        need = span + context
-        if len(stream) < need:
-            raise ValueError(
-                f"n_tokens={span} is not allowed: the held-out stream holds {len(stream)} "
-                f"tokens and {need} are needed; allowed: n_tokens <= "
-                f"{len(stream) - need + span}, or more held-out data"
-            )
-        start = context + int(rng.integers(0, len(stream) - need + 1))
-        starts = [start]
+        targets = _joined_targets(stream, config, context, rng)
+    span, starts = targets.span, targets.starts
     n_bytes = sum(stream.n_bytes(a, a + span) for a in starts)
-    ids = stream.ids
-
     plan = {
         L: [w for a in starts for w in _windows(a, span, L, config.stride)] for L in config.lengths
     }
     procs = processes if processes is not None else current_processes()
     place_on(lm, procs.device)
-    # Each process scores a contiguous share of every length's windows; the shares are
-    # gathered in rank order, so every process then sums exactly what one process would.
+    scored = _score_shares(lm, stream.ids, plan, config, prefix, procs, progress)
+    results = []
+    for length, windows in plan.items():
+        rows = [row for share in scored for row in share[length]]  # every window, in order
+        total = span * len(starts)
+        results.append(_summarize(length, windows, rows, total, n_bytes, config, targets.spans))
+    out = {
+        "kind": "perplexity",
+        "metric": "bits_per_byte" if isinstance(lm.tokenizer, ByteTokenizer) else "perplexity",
+        "tokenizer": lm.tokenizer.name,
+        "bos": use_bos,
+        "start": targets.start,
+        "config": asdict(config),
+        "results": results,
+    }
+    if targets.spans is not None:
+        out["spans"] = targets.spans
+        out["documents"] = len({s["document"] for s in targets.spans})
+    return out
+
+
+def _window_start(
+    tokenizer: Tokenizer, stream: TokenStream, config: PerplexityConfig
+) -> tuple[bool, list[int] | None]:
+    """(whether windows start with BOS, the BOS id as a one-token list or None), after
+    refusing a stream of another tokenizer, or BOS for a tokenizer whose default prefix is not
+    a single id (BOS stands in as each window's first input, so it must be one token)."""
+    if stream.tokenizer != tokenizer.name:
+        raise ValueError(
+            f"stream tokenizer={stream.tokenizer!r} is not allowed for a model read with "
+            f"{tokenizer.name!r}; allowed: a stream encoded with the model's tokenizer"
+        )
+    bos = default_prefix(tokenizer)
+    use_bos = _uses_bos(tokenizer, config)
+    if use_bos and len(bos) != 1:
+        raise ValueError(
+            f"bos=True is not allowed for tokenizer {tokenizer.name!r}: it adds {list(bos)} "
+            "by default, not a single BOS id; allowed: bos=False"
+        )
+    return use_bos, list(bos) if use_bos else None
+
+
+def _document_targets(
+    stream: TokenStream,
+    tokenizer: Tokenizer,
+    config: PerplexityConfig,
+    context: int,
+    rng: np.random.Generator,
+) -> _Targets:
+    """n_tokens / lcm(lengths) spans of lcm(lengths) targets, each inside one held-out
+    document (`document_spans`): lcm(lengths) is the shortest span every length tiles."""
+    span = math.lcm(*config.lengths)
+    count = config.n_tokens // span
+    drawn = document_spans(stream, tokenizer, span, count, context, rng)
+    spans = [
+        {
+            "document": stream.names[d],
+            "offset": first - int(stream.doc_starts[d]),  # first target, in the document
+            "start": first,  # first target, in the stream
+            "tokens": span,
+            "bytes": stream.n_bytes(first, first + span),
+        }
+        for d, first in drawn
+    ]
+    return _Targets(span, [first for _, first in drawn], None, spans)
+
+
+def _joined_targets(
+    stream: TokenStream, config: PerplexityConfig, context: int, rng: np.random.Generator
+) -> _Targets:
+    """One span of n_tokens targets at a seeded place in the documents joined end to end,
+    with ``context`` tokens (the first target's input, without BOS) before it."""
+    span = config.n_tokens
+    need = span + context
+    if len(stream) < need:
+        raise ValueError(
+            f"n_tokens={span} is not allowed: the held-out stream holds {len(stream)} "
+            f"tokens and {need} are needed; allowed: n_tokens <= "
+            f"{len(stream) - need + span}, or more held-out data"
+        )
+    start = context + int(rng.integers(0, len(stream) - need + 1))
+    return _Targets(span, [start], start, None)
+
+
+def _score_shares(
+    lm: LanguageModel,
+    ids: torch.Tensor,
+    plan: dict[int, list[tuple[int, int]]],
+    config: PerplexityConfig,
+    prefix: list[int] | None,
+    procs: Processes,
+    progress: bool,
+) -> list[dict[int, list[torch.Tensor]]]:
+    """Every process's NLL rows per length, in rank order (``Processes.each``).
+
+    Each process scores a contiguous share of every length's windows; the shares are
+    gathered in rank order, so every process then sums exactly what one process would."""
     mine = {L: shard(windows, procs.rank, procs.world) for L, windows in plan.items()}
     bar = tqdm(
         total=sum(len(w) for w in mine.values()),
@@ -413,7 +483,6 @@ def evaluate_perplexity(
         unit="window",
         disable=not (progress and procs.is_main),
     )
-    prefix = list(bos) if use_bos else None
 
     def score_mine() -> dict[int, list[torch.Tensor]]:
         return {
@@ -423,24 +492,7 @@ def evaluate_perplexity(
 
     scored = procs.each(score_mine)
     bar.close()
-    results = []
-    for length, windows in plan.items():
-        rows = [row for share in scored for row in share[length]]  # every window, in order
-        total = span * len(starts)
-        results.append(_summarize(length, windows, rows, total, n_bytes, config, spans))
-    out = {
-        "kind": "perplexity",
-        "metric": "bits_per_byte" if isinstance(lm.tokenizer, ByteTokenizer) else "perplexity",
-        "tokenizer": lm.tokenizer.name,
-        "bos": use_bos,
-        "start": start,
-        "config": asdict(config),
-        "results": results,
-    }
-    if spans is not None:
-        out["spans"] = spans
-        out["documents"] = len({s["document"] for s in spans})
-    return out
+    return scored
 
 
 def run_perplexity(

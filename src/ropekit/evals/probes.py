@@ -262,53 +262,27 @@ def build_haystack(
     haystack with the needles is too long."""
     args = _niah_args(spec)
     key_type, value_type = args["key_type"], args["value_type"]
-    digits, preamble = args["value_digits"], args["preamble"]
+    digits = args["value_digits"]
     K = config.needles
     rng = np.random.default_rng([config.seed, stable_hash(spec.name), stable_hash("probes"), index])
     keys = _key_source(key_type, _seed(rng)).take(K)
     values = _value_source(value_type, digits, _seed(rng), exclude=keys).take(K)
     # Which needle sits at which depth: a seeded permutation, so depth and draw order differ.
     depths = [config.depths[int(i)] for i in rng.permutation(K)]
-    pieces = [
-        (d, f"The value of key {k} is {v}.") for d, k, v in zip(depths, keys, values, strict=True)
-    ]
-    hay = _haystack(args["haystack"], rng, key_type, value_type, digits, keys, values)
-
-    questions = [(f"What is the value of key {k}?", f"The value of key {k} is") for k in keys]
+    texts = _ProbeTexts(
+        fmt=fmt,
+        preamble=args["preamble"],
+        hay=_haystack(args["haystack"], rng, key_type, value_type, digits, keys, values),
+        pieces=[
+            (d, f"The value of key {k} is {v}.")
+            for d, k, v in zip(depths, keys, values, strict=True)
+        ],
+        questions=[(f"What is the value of key {k}?", f"The value of key {k} is") for k in keys],
+    )
     budgets = [_budget(fmt, v, config.max_new_tokens) for v in values]
-
-    def split(n: int) -> tuple[str, list[str], int]:
-        """(prefix text, question texts, character where the context starts)."""
-        context = hay.context(n, pieces).text
-        prefix_text, tails, start = None, [], 0
-        for question, answer_prefix in questions:
-            text, offset = fmt.render(f"{preamble}{context}\n{question}", answer_prefix)
-            cut = offset + len(preamble) + len(context)
-            if prefix_text is None:
-                prefix_text, start = text[:cut], offset + len(preamble)
-            elif text[:cut] != prefix_text:
-                raise ValueError(
-                    f"the chat template of {fmt.tokenizer.name!r} renders the text before the "
-                    "question differently for each question, so the probes cannot share a "
-                    "prefix; allowed: chat=False"
-                )
-            tails.append(text[cut:])
-        assert prefix_text is not None
-        return prefix_text, tails, start
-
-    _, tails, _ = split(0)
-    tail_ids = [fmt.tokenizer.encode(t) for t in tails]
-    room = length - max(len(t) + b for t, b in zip(tail_ids, budgets, strict=True))
-    smallest = len(fmt.encode(split(0)[0]))
-    if smallest > room:
-        raise TaskDoesNotFit(
-            f"{K} needles of task {spec.name!r} do not fit length={length}: the prefix without "
-            f"haystack takes {smallest} tokens and the longest question with its answer "
-            f"{length - room}; allowed: length >= {smallest + length - room}, or fewer needles"
-        )
-    n = _largest_fitting(lambda u: len(fmt.encode(split(u)[0])), 0, room)
-    prefix_text, tails, start = split(n)
-    context = hay.context(n, pieces)
+    n = _units_that_fit(texts, budgets, length, spec.name)
+    prefix_text, tails, start = texts.split(n)
+    context = texts.hay.context(n, texts.pieces)
     chars = [start, start + len(context.text)]
     chars += [start + a for a, _ in context.spans] + [start + b for _, b in context.spans]
     n_prefix, positions = fmt.locate(prefix_text, chars)
@@ -317,26 +291,92 @@ def build_haystack(
         raise AssertionError(f"prefix of {len(prefix)} tokens located as {n_prefix}")
     context_start, context_end = positions[0], positions[1]
     starts, ends = positions[2 : 2 + K], positions[2 + K :]
+    needle_depths = _needle_depths(context_start, context_end, starts, ends)
+    probes = [
+        Probe(
+            needle=k,
+            depth=depths[k],
+            key=keys[k],
+            value=values[k],
+            needle_position=starts[k],
+            needle_depth=needle_depths[k],
+            question=tuple(fmt.tokenizer.encode(tails[k])),
+            max_new_tokens=budgets[k],
+        )
+        for k in range(K)
+    ]
+    return ProbeHaystack(length, index, tuple(prefix), tuple(probes), n)
+
+
+@dataclass(frozen=True)
+class _ProbeTexts:
+    """The texts of one haystack's prompts before tokenizing: preamble, then the first n
+    haystack units with the needle ``pieces`` at their depths, then each question."""
+
+    fmt: PromptFormat
+    preamble: str
+    hay: Haystack
+    pieces: list[tuple[float, str]]  # (depth, needle sentence)
+    questions: list[tuple[str, str]]  # (question, answer prefix)
+
+    def split(self, n: int) -> tuple[str, list[str], int]:
+        """(prefix text, question texts, character where the context starts) with n units.
+
+        Every probe's prompt is rendered whole and cut where its question starts; the text
+        before the cut must be the same for every question, or they could not share one
+        cached prefix (a chat template may render it differently): ValueError."""
+        context = self.hay.context(n, self.pieces).text
+        prefix_text, tails, start = None, [], 0
+        for question, answer_prefix in self.questions:
+            text, offset = self.fmt.render(f"{self.preamble}{context}\n{question}", answer_prefix)
+            cut = offset + len(self.preamble) + len(context)
+            if prefix_text is None:
+                prefix_text, start = text[:cut], offset + len(self.preamble)
+            elif text[:cut] != prefix_text:
+                raise ValueError(
+                    f"the chat template of {self.fmt.tokenizer.name!r} renders the text before "
+                    "the question differently for each question, so the probes cannot share a "
+                    "prefix; allowed: chat=False"
+                )
+            tails.append(text[cut:])
+        assert prefix_text is not None
+        return prefix_text, tails, start
+
+
+def _units_that_fit(texts: _ProbeTexts, budgets: list[int], length: int, task: str) -> int:
+    """The most haystack units with which the prefix, then the longest question with its
+    answer budget (one budget per needle), fit in ``length`` tokens; TaskDoesNotFit when even
+    the prefix without haystack does not."""
+    fmt = texts.fmt
+    _, tails, _ = texts.split(0)
+    tail_ids = [fmt.tokenizer.encode(t) for t in tails]
+    room = length - max(len(t) + b for t, b in zip(tail_ids, budgets, strict=True))
+    smallest = len(fmt.encode(texts.split(0)[0]))
+    if smallest > room:
+        raise TaskDoesNotFit(
+            f"{len(budgets)} needles of task {task!r} do not fit length={length}: the prefix "
+            f"without haystack takes {smallest} tokens and the longest question with its answer "
+            f"{length - room}; allowed: length >= {smallest + length - room}, or fewer needles"
+        )
+    return _largest_fitting(lambda u: len(fmt.encode(texts.split(u)[0])), 0, room)
+
+
+def _needle_depths(
+    context_start: int, context_end: int, starts: list[int], ends: list[int]
+) -> list[float]:
+    """Each needle's measured depth: the share of the haystack's tokens before it, the
+    needles themselves not counted (as ``tasks.generate_sample``); 0 for an empty haystack.
+
+    ``starts`` / ``ends``: token index where each needle starts and ends in the prefix;
+    ``context_start`` / ``context_end``: where the haystack (needles included) does."""
     sizes = [b - a for a, b in zip(starts, ends, strict=True)]
     filler = context_end - context_start - sum(sizes)
-    probes = []
-    for k in range(K):
-        # Depth in haystack tokens, the needles themselves not counted (as generate_sample).
-        before = starts[k] - context_start
-        before -= sum(size for s, size in zip(starts, sizes, strict=True) if s < starts[k])
-        probes.append(
-            Probe(
-                needle=k,
-                depth=depths[k],
-                key=keys[k],
-                value=values[k],
-                needle_position=starts[k],
-                needle_depth=before / filler if filler > 0 else 0.0,
-                question=tuple(fmt.tokenizer.encode(tails[k])),
-                max_new_tokens=budgets[k],
-            )
-        )
-    return ProbeHaystack(length, index, tuple(prefix), tuple(probes), n)
+    depths = []
+    for start in starts:
+        before = start - context_start
+        before -= sum(size for s, size in zip(starts, sizes, strict=True) if s < start)
+        depths.append(before / filler if filler > 0 else 0.0)
+    return depths
 
 
 def _haystack(
@@ -666,14 +706,7 @@ def run_probes(
         _Stage(n, out / str(n), _provenance(task, n, config, fmt, identity)) for n in config.lengths
     ]
 
-    def prepare() -> list[tuple[Any, Any]]:
-        for stage in tqdm(stages, desc="haystacks", unit="length", disable=not progress):
-            _prepare(stage, task, fmt, config, overwrite)
-        return [(s.haystacks, s.records) for s in stages]
-
-    # The main process checks the stage files and builds the haystacks; the others take them.
-    for stage, (haystacks, records) in zip(stages, procs.on_main(prepare), strict=True):
-        stage.haystacks, stage.records = haystacks, records
+    _prepare_stages(stages, task, fmt, config, overwrite, procs, progress)
     stop = newline_ids(lm.tokenizer) | lm.eos_ids
     total = config.needles * config.haystacks * len(stages)
     done = sum(len(s.records or {}) for s in stages)
@@ -683,17 +716,7 @@ def run_probes(
 
     records = [{**r, "length": s.length} for s in stages for r in (s.records or {}).values()]
     summary = summarize_records(records, config.confidence)
-    for stage, entry in zip(stages, summary["by_length"], strict=True):
-        haystacks = stage.haystacks or []
-        entry["haystacks"] = len(haystacks)
-        entry["mean_prefix_tokens"] = float(np.mean([len(h.prefix) for h in haystacks]))
-        entry["stage"] = stage.fingerprint
-        if procs.is_main:
-            meta = run_metadata(command, spec=spec, seed=config.seed)
-            write_result(
-                stage.directory / "summary.json", "probe-stage",
-                {**entry, "complete": True}, meta=meta, provenance=stage.provenance,
-            )  # fmt: skip
+    _complete_stages(stages, summary["by_length"], procs, command, spec, config.seed)
     paths = {
         "summary": str(out / "summary.json"),
         "accuracy_vs_length": str(out / "accuracy_vs_length.png"),
@@ -725,3 +748,50 @@ def run_probes(
         write_result(out / "summary.json", "probes", payload, meta=meta, provenance=provenance)
     procs.barrier()
     return make_record("probes", payload, meta=meta, provenance=provenance)
+
+
+def _prepare_stages(
+    stages: list[_Stage],
+    task: TaskSpec,
+    fmt: PromptFormat,
+    config: ProbeConfig,
+    overwrite: bool,
+    procs: Processes,
+    progress: bool,
+) -> None:
+    """Give every stage its haystacks and its answered probes (`_prepare`).
+
+    The main process checks the stage files and builds the haystacks; the others take them
+    (``Processes.on_main``), so only one process reads or clears the folders."""
+
+    def prepare() -> list[tuple[Any, Any]]:
+        for stage in tqdm(stages, desc="haystacks", unit="length", disable=not progress):
+            _prepare(stage, task, fmt, config, overwrite)
+        return [(s.haystacks, s.records) for s in stages]
+
+    for stage, (haystacks, records) in zip(stages, procs.on_main(prepare), strict=True):
+        stage.haystacks, stage.records = haystacks, records
+
+
+def _complete_stages(
+    stages: list[_Stage],
+    by_length: list[dict[str, Any]],
+    procs: Processes,
+    command: str,
+    spec: str | None,
+    seed: int,
+) -> None:
+    """Add each stage's haystack count, mean prefix size and digest to its entry of
+    ``by_length`` (in place: the entries are the run summary's), and (main process) write
+    the entry as the stage's summary.json, now complete."""
+    for stage, entry in zip(stages, by_length, strict=True):
+        haystacks = stage.haystacks or []
+        entry["haystacks"] = len(haystacks)
+        entry["mean_prefix_tokens"] = float(np.mean([len(h.prefix) for h in haystacks]))
+        entry["stage"] = stage.fingerprint
+        if procs.is_main:
+            meta = run_metadata(command, spec=spec, seed=seed)
+            write_result(
+                stage.directory / "summary.json", "probe-stage",
+                {**entry, "complete": True}, meta=meta, provenance=stage.provenance,
+            )  # fmt: skip
