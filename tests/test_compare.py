@@ -181,14 +181,17 @@ def test_a_rerun_recomputes_nothing_and_other_probes_are_refused(compared, capsy
         assert {p: p.read_bytes() for p in out.glob("eval/**/ppl.json")} == ppl
         assert {p: p.read_bytes() for p in out.glob("eval/**/probes/**/probes.jsonl")} == answers
         capsys.readouterr()
-        # Other probe settings in the same folder are refused, naming the field, not mixed in.
+        # Another config in the same folder is refused before anything runs, naming the
+        # field: nothing is mixed in and the finished comparison's files stay as they were.
+        finished = {p: p.read_bytes() for p in out.glob("*") if p.is_file()}
         at = argv.index("--probe-haystacks") + 1
         changed = [*argv[:at], "2", *argv[at + 1 :]]
         assert main(changed) == 2
     finally:
         torch.set_num_threads(threads)
-    assert "probes.haystacks is 3 there, 2 now" in capsys.readouterr().err
+    assert "probe_haystacks is 3 there, 2 now" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in out.glob("eval/**/probes/**/probes.jsonl")} == answers
+    assert {p: p.read_bytes() for p in out.glob("*") if p.is_file()} == finished
 
 
 def test_a_length_no_single_document_holds_is_left_out_and_said(compared, tmp_path):

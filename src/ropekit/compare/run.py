@@ -55,6 +55,7 @@ from ropekit.evals import (
 )
 from ropekit.evals.probes import build_haystack, probe_task
 from ropekit.results import (
+    check_replaceable,
     digest,
     make_record,
     read_records,
@@ -387,6 +388,9 @@ def run_compare(
     """Run the comparison into ``out_dir`` (module docstring); returns compare.json's content.
     A rerun continues where an earlier run stopped."""
     out = Path(out_dir)
+    # A folder holds one comparison: another config is refused before anything runs (naming
+    # the field), so its compare.json and report are never replaced by another's.
+    check_replaceable(out / COMPARE_JSON, "compare", {"config": config.to_dict()})
     run = _Comparison(config, out, command, log)
     results = run.free()
     searches: dict[str, Any] = {}
