@@ -97,7 +97,9 @@ def _cli(args: Sequence[str], log: Path) -> dict[str, float]:
     return {"wall_s": time.perf_counter() - start, "peak_gib": usage.ru_maxrss / 2**20}
 
 
-def _job(cfg: RemapsConfig, runs: Path, label: str, spec: str) -> dict[str, Any]:
+def _job(
+    cfg: RemapsConfig, runs: Path, label: str, spec: str, *, probes: bool = True
+) -> dict[str, Any]:
     """One method: attach (or take its adapter), score perplexity, probe retrieval. Each stage
     is recorded in stages.json when it ends, so a killed run continues at the stage it was in;
     the numbers are read back from the files the commands wrote (each checks its provenance)."""
@@ -117,7 +119,7 @@ def _job(cfg: RemapsConfig, runs: Path, label: str, spec: str) -> dict[str, Any]
         "--batch-tokens", str(max(cfg.eval_lengths)), "--data", cfg.data,
         "--out", str(folder / "ppl"),
     ])  # fmt: skip
-    for task in cfg.probe_tasks:
+    for task in cfg.probe_tasks if probes else ():
         _stage(folder, f"probes {task}", [
             "eval", "probes", *model, *adapter, "--lengths", ",".join(map(str, cfg.probe_lengths)),
             "--needles", str(cfg.needles), "--haystacks", str(cfg.haystacks), "--task", task,
@@ -155,7 +157,8 @@ def _read(folder: Path, cfg: RemapsConfig) -> dict[str, Any]:
         },
         "probes": {},
     }
-    for task in cfg.probe_tasks:
+    done = read_record(folder / "stages.json")
+    for task in (t for t in cfg.probe_tasks if f"probes {t}" in done):
         probes = read_result(folder / f"probes-{task}" / "summary.json", "probes")
         keys = ("accuracy", "correct", "n", "low", "high", "confidence")
         out["probes"][task] = {
@@ -177,8 +180,10 @@ def _table(cfg: RemapsConfig, jobs: list[dict[str, Any]], committed: dict[str, A
         row.append(f"{ppl[top]['last_quarter_perplexity']:.2f}")
         for task in cfg.probe_tasks:
             for n in cfg.probe_lengths:
-                p = job["probes"][task][str(n)]
-                row.append(f"{p['correct']}/{p['n']} [{p['low']:.2f}, {p['high']:.2f}]")
+                p = job["probes"].get(task, {}).get(str(n))
+                row.append(
+                    f"{p['correct']}/{p['n']} [{p['low']:.2f}, {p['high']:.2f}]" if p else "-"
+                )
         evals = [s for name, s in job["stages"].items() if name != "attach"]  # measured ones
         row.append(f"{sum(s['wall_s'] for s in evals) / 60:.1f} min")
         row.append(f"{max(s['peak_gib'] for s in evals):.2f} GiB")
@@ -211,43 +216,54 @@ def _committed() -> dict[str, dict[str, float]]:
     }
 
 
-def run(cfg: RemapsConfig, runs: Path, results: Path, command: str, *, only: str = "") -> str:
-    """Every method in order (``only``: just that one, so two processes can share the work);
-    the results hold every method whose stages have all finished, in config order."""
+def run(
+    cfg: RemapsConfig,
+    runs: Path,
+    results: Path,
+    command: str,
+    *,
+    only: Sequence[str] = (),
+    probes: bool = True,
+) -> str:
+    """Every method in order (``only``: just those, so two processes can share the work;
+    ``probes=False``: perplexity only); the results hold every method scored so far."""
     for label, spec in cfg.methods.items():
-        if only and label != only:
+        if only and label not in only:
             continue
         print(f"{label}: {spec}", flush=True)
-        _job(cfg, runs, label, spec)
+        _job(cfg, runs, label, spec, probes=probes)
         collect(cfg, runs, results, command)
     return collect(cfg, runs, results, command)
 
 
-def _finished(cfg: RemapsConfig, folder: Path, spec: str) -> bool:
+def _stages_done(folder: Path) -> set[str]:
     path = folder / "stages.json"
-    needed = {"perplexity", *(f"probes {t}" for t in cfg.probe_tasks)}
-    if not spec.startswith("adapter:") and spec != "rope":
-        needed.add("attach")
-    return path.exists() and needed <= set(read_record(path))
+    return set(read_record(path)) if path.exists() else set()
 
 
 def collect(cfg: RemapsConfig, runs: Path, results: Path, command: str) -> str:
-    """Write results from the finished methods (nothing runs); the others are named as not
-    run, so a partial run is committed as what it is."""
-    jobs, missing = [], []
+    """Write results from the methods whose perplexity has finished (nothing runs); methods
+    and probes not run yet are named, so a partial run is committed as what it is."""
+    jobs, missing, unprobed = [], [], []
     for label, spec in cfg.methods.items():
         folder = runs / "remaps" / label
-        if _finished(cfg, folder, spec):
-            stages = read_record(folder / "stages.json")
-            jobs.append({"label": label, "spec": spec, "stages": stages, **_read(folder, cfg)})
-        else:
+        done = _stages_done(folder)
+        if "perplexity" not in done:
             missing.append(label)
+            continue
+        stages = read_record(folder / "stages.json")
+        jobs.append({"label": label, "spec": spec, "stages": stages, **_read(folder, cfg)})
+        if any(f"probes {t}" not in done for t in cfg.probe_tasks):
+            unprobed.append(label)
     markdown = _table(cfg, jobs, _committed()) if jobs else "No method has finished yet.\n"
     if missing:
         markdown += "\nNot run yet (the session's CPU budget ended first): "
         markdown += ", ".join(f"`{m}`" for m in missing) + ".\n"
+    if unprobed:
+        markdown += "\nRetrieval probes not run yet (`-` above): "
+        markdown += ", ".join(f"`{m}`" for m in unprobed) + ".\n"
     payload = {"config": dataclasses.asdict(cfg), "methods": {j["label"]: j for j in jobs}}
-    payload["not_run"] = missing
+    payload.update(not_run=missing, probes_not_run=unprobed)
     write_results(results, payload, markdown, command=command, provenance=provenance("remaps", cfg))
     return markdown
 
@@ -261,7 +277,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="the jobs' folders go here (runs/.../remaps/<method>)")  # fmt: skip
     parser.add_argument("--results", type=Path, default=HERE / "remaps",
                         help="results.json and results.md go here")  # fmt: skip
-    parser.add_argument("--only", default="", help="run just this method (a label in --config)")
+    parser.add_argument(
+        "--only", default="", help="run just these methods (labels, comma-separated)"
+    )
+    parser.add_argument("--no-probes", action="store_true", help="perplexity only (probes later)")
     parser.add_argument(
         "--collect", action="store_true", help="run nothing: write the finished methods' results"
     )
@@ -270,12 +289,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.results.mkdir(parents=True, exist_ok=True)
     given = sys.argv[1:] if argv is None else list(argv)
     command = shlex.join(["python", "-m", "experiments.smollm2_16k.remaps", *given])
-    if args.only and args.only not in cfg.methods:
-        parser.error(f"--only {args.only!r} is not a method of {args.config}: {list(cfg.methods)}")
+    only = [m for m in args.only.split(",") if m]
+    unknown = [m for m in only if m not in cfg.methods]
+    if unknown:
+        parser.error(f"--only {unknown} are not methods of {args.config}: {list(cfg.methods)}")
     if args.collect:
         print(collect(cfg, args.runs, args.results, command))
     else:
-        print(run(cfg, args.runs, args.results, command, only=args.only))
+        print(run(cfg, args.runs, args.results, command, only=only, probes=not args.no_probes))
 
 
 if __name__ == "__main__":
