@@ -5,10 +5,11 @@ G = 8, W = 1024, DCA chunk_size 3072 / local_size 256, STRING S = 1351, W = 128)
 sequence, no autograd (evaluation / prefill).
 
 The remaps attend in bands (``ropekit.encodings.bands``): blocks of query rows whose logits
-never exceed ``BLOCK_ENTRIES``, keys rotated once per distinct band positions, so the target
-is memory within 1.3x of plain RoPE's forward (whose attention is PyTorch's fused kernel).
-The mixed window is a schedule (one band), measured for completeness. A small model is the
-hard case for the memory ratio: the block buffers are fixed while everything else shrinks.
+never exceed the larger of ``BLOCK_ENTRIES`` and the queries' own entries, keys rotated once
+per distinct band positions, so the target is memory within 1.3x of plain RoPE's forward
+(whose attention is PyTorch's fused kernel). The mixed window is a schedule (one band),
+measured for completeness. A small model is the hard case for the memory ratio: the block
+buffers shrink more slowly than everything else.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ Every method runs through the command line as a user runs it, one process per st
 peak memory of a stage is that process's (its maximum resident set, from ``wait4``):
 ``ropekit extend`` attaches the spec (nothing trains) and writes its adapter, ``ropekit eval
 ppl`` scores experiment D's span (2k, 8k, 16k; whole window and last quarter), ``ropekit eval
-probes`` asks 10 needles per length and haystack kind (5 needles in each of 2 haystacks, one
-prefill per haystack) at 8k and 16k: numbers in noise (niah_single_1) and in essays
-(niah_single_2). The unmodified model, untuned YaRN and dynamic NTK are rerun the same way: their
+probes`` asks remaps.json's needles per haystack, task and length (one prefill per haystack,
+every key asked from its cached prefix) at 8k and 16k. The unmodified model, untuned YaRN and
+dynamic NTK are rerun the same way: their
 perplexities must equal experiment D's committed ones (the same windows), which checks that the
 rows compare.
 
