@@ -4,7 +4,8 @@ the engines run in their own environments.
 Holds:
     LENGTHS           the prompt lengths: inside SmolLM2's 8192-token window and beyond it.
     Method            one exportable (or plugin-served) method: how to patch, how to export.
-    METHODS           linear, dynamic, yarn, llama3, a learned shared schedule (longrope), and
+    METHODS           linear, dynamic, yarn, llama3, a learned shared schedule and the
+                      searched factors of experiment D (both longrope), and
                       per-head AdaRoPE (vLLM plugin; nearest shared schedule).
     prompt_ids        the first n tokens of the held-out Shakespeare plays (SmolLM2 tokenizer).
     token_logprobs    log p(ids[t+1] | ids[:t+1]) of a model, float64 (T-1,).
@@ -33,6 +34,8 @@ ROOT = HERE.parents[2]
 LENGTHS = tuple(int(n) for n in os.environ.get("ROPEKIT_SERVING_LENGTHS", "1024,9216").split(","))
 MODEL = "smollm2-135m"  # trained at 8192 tokens; every method below extends it 2x to 16384
 SHARED = "adarope:init=yarn,factor=2,share_heads=true,share_layers=true"
+# The factors `ropekit search` found for SmolLM2 at 16k (experiment D's committed search).
+SEARCHED = json.loads((ROOT / "experiments/smollm2_16k/search/search.json").read_text())["spec"]
 PER_HEAD = "adarope:init=yarn,factor=2"
 
 
@@ -83,6 +86,7 @@ METHODS = (
     Method("yarn", "yarn:factor=2"),
     Method("llama3", "llama3:factor=2,low_freq_factor=1,high_freq_factor=4"),
     Method("longrope (learned shared)", SHARED, set_shared),
+    Method("longrope (searched)", SEARCHED),
     Method("adarope per head (plugin)", PER_HEAD, set_per_head, ("vllm", "hf", "gguf"), ("vllm",)),
     Method(
         "adarope per head -> nearest",
