@@ -159,12 +159,24 @@ def test_tuned_yarn_exports_exactly(tmp_path: Path) -> None:
     _assert_serves_like(model, export(model, None, tmp_path / "out"))
 
 
-@pytest.mark.parametrize("spec", ["rope:pairing=interleaved", "rope:fraction=0.5", "nope"])
-def test_what_llama_attention_cannot_compute_is_refused(spec: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ("rope:pairing=interleaved", "rotate_half"),
+        ("rope:fraction=0.5", "whole head"),
+        ("nope", "only rotary encodings export"),
+        ("mixed:method=yarn,factor=2", "no rope_type does both"),  # was an AttributeError
+        ("rerope", "remaps query-key distances"),
+    ],
+)
+def test_what_llama_attention_cannot_compute_is_refused(
+    spec: str, why: str, tmp_path: Path
+) -> None:
     model = tiny_model("llama")
     patch(model, spec)
-    with pytest.raises(ExportRefused):
+    with pytest.raises(ExportRefused, match=why):
         export(model, None, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_export_from_a_folder_and_an_adapter(tmp_path: Path) -> None:

@@ -149,6 +149,12 @@ def rope_parameters_for(
     _check_exportable_shape(encoding, config)
     c = encoding.config
     name = c.name
+    if name == "mixed":
+        raise ExportRefused(
+            f"{encoding.spec!r} keeps the original RoPE within its window and switches beyond "
+            "it; no rope_type does both (longrope switches its factors by length but applies "
+            "its attention factor at every length): export the wrapped schedule, or longrope"
+        )
     base = float(c.base)
     extra: dict[str, Any] = {}
     if name == "rope":
