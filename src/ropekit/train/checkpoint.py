@@ -421,23 +421,11 @@ def _load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     else:
         weights, optim = get_state_dict(model, optimizer)
     saved = {k.removeprefix("model."): v for k, v in stored.items() if k.startswith("model.")}
-    file = path / DCP_METADATA
-    unexpected = [name for name in saved if name not in weights]
-    if unexpected:
-        raise ValueError(
-            f"{file} holds {len(unexpected)} weights the model does not have, "
-            f"e.g. {unexpected[:3]}: was it saved from a different model?"
-        )
-    shapes = [
-        f"{name} {tuple(meta.size)} vs {tuple(weights[name].shape)}"
-        for name, meta in saved.items()
-        if tuple(meta.size) != tuple(weights[name].shape)
-    ]
-    if shapes:
-        raise ValueError(
-            f"{file} holds {len(shapes)} weights of other shapes than the model's "
-            f"(checkpoint vs model: {'; '.join(shapes[:3])}): was it saved from a different model?"
-        )
+    _check_shapes(
+        path / DCP_METADATA,
+        {name: tuple(meta.size) for name, meta in saved.items()},
+        {name: tuple(w.shape) for name, w in weights.items()},
+    )
     tensors: dict[str, Any] = {"model": {name: weights[name] for name in saved}}
     if optim is not None:
         tensors["optimizer"] = optim["state"]
@@ -551,17 +539,20 @@ def _read(path: Path, loader: Any) -> Any:
 
 
 def _check_fits(file: Path, tensors: dict[str, Tensor], model: nn.Module) -> None:
-    own = model.state_dict()
-    unexpected = [name for name in tensors if name not in own]
+    own = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    _check_shapes(file, {name: tuple(t.shape) for name, t in tensors.items()}, own)
+
+
+def _check_shapes(file: Path, saved: dict[str, tuple], own: dict[str, tuple]) -> None:
+    """ValueError unless every weight ``file`` holds is one of the model's, of its shape."""
+    unexpected = [name for name in saved if name not in own]
     if unexpected:
         raise ValueError(
             f"{file} holds {len(unexpected)} weights the model does not have, "
             f"e.g. {unexpected[:3]}: was it saved from a different model?"
         )
     shapes = [
-        f"{name} {tuple(t.shape)} vs {tuple(own[name].shape)}"
-        for name, t in tensors.items()
-        if t.shape != own[name].shape
+        f"{name} {shape} vs {own[name]}" for name, shape in saved.items() if shape != own[name]
     ]
     if shapes:
         raise ValueError(
