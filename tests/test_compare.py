@@ -36,6 +36,23 @@ def test_retrieval_pools_seeds_before_taking_the_interval():
         pooled_accuracy([{"correct": 3, "n": 2}])
 
 
+def test_the_report_counts_answers_that_name_another_needle_when_a_haystack_holds_several():
+    from ropekit.compare.report import _retrieval_table
+
+    entry = {**pooled_accuracy([{"correct": 1, "n": 10}]), "other_needle": 8, "nearest_needle": 7}
+    data = {
+        "methods": [{"label": "rope"}],
+        "probes": {"lengths": [64], "needles": 5, "haystacks": 2, "task": "t",
+                   "probes_per_run": 10},
+        "retrieval": {"rope": {"64": entry}},
+    }  # fmt: skip
+    blocks = _retrieval_table(data)
+    assert blocks[-1].rows == [["rope", "8 of 9 (7)"]]
+    assert "probe_needles=1" in blocks[-1].caption
+    data["probes"]["needles"] = 1
+    assert len(_retrieval_table(data)) == 2  # the heading and the accuracies only
+
+
 def _table(values: dict[str, tuple[float, list[float]]]) -> dict:
     """Two lengths (8 = L0, 32 = N) of one domain: ppl at 8, last-quarter NLL windows at 32."""
     return {
@@ -146,6 +163,9 @@ def test_compare_probes_every_run_and_pools_seeds(compared):
         for entry in by_length.values():
             assert entry["n"] == 3 * seeds and len(entry["per_seed"]) == seeds
             assert entry["correct"] == sum(e["correct"] for e in entry["per_seed"])
+            for key in ("other_needle", "nearest_needle"):  # pooled like the probes
+                assert entry[key] == sum(e[key] for e in entry["per_seed"])
+            assert entry["nearest_needle"] <= entry["other_needle"] <= entry["n"] - entry["correct"]
             assert (entry["low"], entry["high"]) == wilson_interval(entry["correct"], entry["n"])
     for seed in (0, 1):  # every seed of the trained method probes into its own folder
         summary = json.loads(
@@ -154,6 +174,7 @@ def test_compare_probes_every_run_and_pools_seeds(compared):
         assert summary["kind"] == "probes" and summary["overall"]["n"] == 6
     report = (root / "out" / "report.md").read_text()
     assert "## Retrieval" in report and "3 probes per cell per seed" in report
+    assert "another needle's value" not in report  # one needle per haystack: no distractor
     cell = accuracy_text(retrieval["adarope"]["128"])
     assert cell.endswith(f"({retrieval['adarope']['128']['correct']}/6)") and cell in report
     assert "beside the rule, not part of it" in data["verdict"]["retrieval"]

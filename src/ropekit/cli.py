@@ -332,6 +332,12 @@ def cmd_eval_probes(args: argparse.Namespace) -> int:
             f"length {e['length']:>7}: accuracy {e['accuracy']:.2f} "
             f"[{e['low']:.2f}, {e['high']:.2f}] ({e['correct']}/{e['n']} probes, "
             f"{e['haystacks']} prefills)"
+            + (
+                f"; {e['other_needle']} of {e['n'] - e['correct']} wrong answers name another "
+                f"needle's value ({e['nearest_needle']} the needle nearest the question)"
+                if config.needles > 1 and e["correct"] < e["n"]
+                else ""
+            )
         )
     paths = result["paths"]
     print(f"wrote {paths['summary']}, {paths['accuracy_vs_length']} and {paths['heatmap']}")
@@ -534,7 +540,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             flags = ", ".join("--" + k.replace("_", "-") for k in missing)
             raise ValueError(f"{flags} required (or --config FILE holding them)")
         config = CompareConfig(**{k: v for k, v in given.items() if v is not None})
-    result = run_compare(config, args.out, command=_command())
+    result = run_compare(config, args.out, command=_command(), progress=True)
     verdict = result["verdict"]
     print(verdict["sentence"] if verdict else "no verdict: the unmodified model is not scored")
     if verdict and verdict.get("retrieval"):

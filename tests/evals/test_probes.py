@@ -24,9 +24,11 @@ from ropekit.evals.probes import (
     answer_probes,
     answer_separately,
     build_haystack,
+    distractor_answers,
     exact_match,
     probe_task,
     run_probes,
+    summarize_records,
 )
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.tasks import TaskDoesNotFit
@@ -213,6 +215,7 @@ def test_run_writes_records_and_wilson_summaries_and_tells_retrievers_apart(tmp_
     assert copy["probes_per_length"] == 12 and copy["prefills_per_length"] == 3
     for entry in copy["by_length"]:
         assert entry["n"] == 12 and entry["haystacks"] == 3
+        assert entry["other_needle"] == entry["nearest_needle"] == 0  # no wrong answer
         assert (entry["low"], entry["high"]) == wilson_interval(entry["correct"], 12)
     assert [d["depth"] for d in copy["by_depth"]] == pytest.approx([0, 1 / 3, 2 / 3, 1])
     assert all(d["n"] == 6 for d in copy["by_depth"])
@@ -234,6 +237,31 @@ def test_run_writes_records_and_wilson_summaries_and_tells_retrievers_apart(tmp_
         stage_summary = json.loads((stage / "summary.json").read_text())
         assert stage_summary["kind"] == "probe-stage" and stage_summary["complete"]
         assert stage_summary["provenance"]["probes"]["length"] == entry["length"]
+
+
+def test_wrong_answers_naming_another_needle_are_counted_per_haystack_and_length():
+    """A model that copies the needle nearest the question fails key binding, not length:
+    its wrong answers are counted apart (another needle's value; the nearest one's)."""
+
+    def rec(length, haystack, position, value, pred):
+        return {"length": length, "haystack": haystack, "needle_position": position,
+                "value": value, "pred": pred, "correct": pred.rstrip(".") == value}  # fmt: skip
+
+    records = [
+        rec(100, 0, 10, "111", "333."),  # the nearest needle's value
+        rec(100, 0, 50, "222", "111"),  # another needle's, not the nearest
+        rec(100, 0, 90, "333", "333"),  # right: never counted
+        rec(100, 1, 10, "444", "999"),  # no needle's value
+        rec(200, 0, 10, "555", "222"),  # 222 is a needle of another length: not counted
+        rec(200, 0, 90, "666", "555"),
+    ]
+    assert distractor_answers(records[:4]) == {"other_needle": 2, "nearest_needle": 1}
+    assert distractor_answers(records) == {"other_needle": 3, "nearest_needle": 1}
+    summary = summarize_records([{**r, "depth": 0.0, "needle_depth": 0.0} for r in records])
+    assert [(e["other_needle"], e["nearest_needle"]) for e in summary["by_length"]] == [
+        (2, 1),
+        (1, 0),
+    ]
 
 
 def test_a_finished_run_makes_no_model_call_and_a_partial_one_prefills_only_what_is_missing(

@@ -164,10 +164,29 @@ def _retrieval_table(data: dict[str, Any]) -> list[Block]:
         f"{settings['probes_per_run']} probes per cell per seed; a trained method's seeds are "
         "pooled (correct and probes summed, then one interval). Beside the rule, not in it."
     )
-    return [
+    blocks: list[Block] = [
         Heading("Retrieval", 2),
         Table(["method", *(f"@{n}" for n in lengths)], rows, caption),
     ]
+    if settings["needles"] > 1:  # distractors: a model may copy a needle, not the asked one
+
+        def wrong(e: dict[str, Any]) -> str:
+            return f"{e['other_needle']} of {e['n'] - e['correct']} ({e['nearest_needle']})"
+
+        rows = [
+            [label, *(wrong(retrieval[label][n]) if n in retrieval[label] else "-"
+                      for n in lengths)]
+            for label in labels
+        ]  # fmt: skip
+        caption = (
+            "Wrong answers that name another needle's value, of all wrong answers (in "
+            "brackets: the needle nearest the question). Many of them inside the original "
+            "window mean the model fails to bind keys to values at any length (a small base "
+            "model copies the latest needle), so this task cannot rank the methods: probe "
+            "with one needle per haystack (probe_needles=1) instead."
+        )
+        blocks.append(Table(["method", *(f"@{n}" for n in lengths)], rows, caption))
+    return blocks
 
 
 def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:

@@ -41,7 +41,11 @@ boundaries.
 Score: exact match of the first word of the answer line (trailing punctuation and quotes
 stripped, case ignored) with the value: "4819302." is right, "48193021" and "the value is
 4819302" are not. RULER's substring rule is recorded beside it (`contains`). Accuracies come
-with Wilson score intervals (`evals/intervals.py`).
+with Wilson score intervals (`evals/intervals.py`). Beside each length's accuracy, the wrong
+answers that name another needle's value, and how many of those the needle nearest the
+question (`distractor_answers`): a model that copies the latest needle has not read the
+haystack worse at that length, it cannot bind keys to values at all, and then only one
+needle per haystack (H prefills for H probes) measures its reach.
 
 Output layout:
 
@@ -619,6 +623,28 @@ def _accuracy(records: Sequence[dict[str, Any]], confidence: float) -> dict[str,
     return accuracy_entry(sum(bool(r["correct"]) for r in records), len(records), confidence)
 
 
+def distractor_answers(records: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """How many wrong answers name the value of another needle of the same haystack
+    (``other_needle``), and how many of those the needle nearest the question
+    (``nearest_needle``, the largest needle position). A model that copies the latest needle
+    whatever the key fails the binding of key to value, not the length: a small base model
+    does so inside its own window (SmolLM2-135M: experiment D's README), which makes K > 1
+    needles per haystack a test it cannot pass at any length."""
+    haystacks: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for r in records:
+        haystacks.setdefault((r.get("length"), r["haystack"]), []).append(r)
+    other = nearest = 0
+    for group in haystacks.values():
+        last = max(group, key=lambda r: r["needle_position"])
+        for r in group:
+            if r["correct"]:
+                continue
+            named = [o for o in group if o is not r and exact_match(r["pred"], o["value"])]
+            other += bool(named)
+            nearest += any(o is last for o in named)
+    return {"other_needle": other, "nearest_needle": nearest}
+
+
 def summarize_records(
     records: Sequence[dict[str, Any]], confidence: float = CONFIDENCE
 ) -> dict[str, Any]:
@@ -635,7 +661,11 @@ def summarize_records(
 
     return {
         "overall": _accuracy(records, confidence),
-        "by_length": [{"length": n, **_accuracy(group(length=n), confidence)} for n in lengths],
+        "by_length": [
+            {"length": n, **_accuracy(at, confidence), **distractor_answers(at)}
+            for n in lengths
+            if (at := group(length=n))
+        ],
         "by_depth": [
             {
                 "depth": d,
