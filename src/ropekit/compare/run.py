@@ -87,8 +87,11 @@ def _slug(text: str) -> str:
 class _Comparison:
     """The state of one comparison run: the config, its folder, the jobs' records."""
 
-    def __init__(self, config: CompareConfig, out: Path, command: str, log: Callable) -> None:
+    def __init__(
+        self, config: CompareConfig, out: Path, command: str, log: Callable, progress: bool
+    ) -> None:
         self.config, self.out, self.command, self.log = config, out, command, log
+        self.progress = progress  # each evaluation's own progress bar (windows, probes)
         probe = open_backbone(config.model)
         self.trained_at = probe.training_length
         methods = list(zip(config.labels, config.methods, strict=True))
@@ -208,7 +211,7 @@ class _Comparison:
                 return run_perplexity(
                     backbone, config, folder, data=domain,
                     stream=self.streams[domain], spec=method.spec, command=self.command,
-                    progress=False,
+                    progress=self.progress,
                 )  # fmt: skip
 
             out[domain] = self._timed(f"eval {folder.relative_to(self.out)}", score)
@@ -259,7 +262,7 @@ class _Comparison:
             def probe(backbone: Backbone = backbone, folder: Path = folder) -> dict[str, Any]:
                 return run_probes(
                     backbone, config, folder, spec=method.spec, command=self.command,
-                    progress=False,
+                    progress=self.progress,
                 )  # fmt: skip
 
             out[seed] = self._timed(f"probes {folder.relative_to(self.out)}", probe)
@@ -372,7 +375,12 @@ def _retrieval(probes: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
             for entry in by_seed[seed]["by_length"]:
                 by_length.setdefault(entry["length"], []).append({**entry, "seed": seed})
         out[label] = {
-            str(n): {**pooled_accuracy(es, es[0]["confidence"]), "per_seed": es}
+            str(n): {
+                **pooled_accuracy(es, es[0]["confidence"]),
+                # wrong answers naming another needle's value (evals.probes.distractor_answers)
+                **{k: sum(e.get(k, 0) for e in es) for k in ("other_needle", "nearest_needle")},
+                "per_seed": es,
+            }
             for n, es in sorted(by_length.items())
         }
     return out
@@ -384,14 +392,16 @@ def run_compare(
     *,
     command: str = "",
     log: Callable[[str], None] = print,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Run the comparison into ``out_dir`` (module docstring); returns compare.json's content.
-    A rerun continues where an earlier run stopped."""
+    A rerun continues where an earlier run stopped. ``progress``: show each evaluation's
+    progress bar (the command line does)."""
     out = Path(out_dir)
     # A folder holds one comparison: another config is refused before anything runs (naming
     # the field), so its compare.json and report are never replaced by another's.
     check_replaceable(out / COMPARE_JSON, "compare", {"config": config.to_dict()})
-    run = _Comparison(config, out, command, log)
+    run = _Comparison(config, out, command, log, progress)
     results = run.free()
     searches: dict[str, Any] = {}
     probes: dict[str, Any] = {}
