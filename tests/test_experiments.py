@@ -320,7 +320,7 @@ def test_smollm2_16k_remaps_rows_run_as_a_user_runs_them_and_resume(tmp_path):
         "model": "smollm2-135m", "data": "shakespeare", "target_length": 16384,
         "methods": {"rope": "rope", "string": "string:shift=64,window=16"},
         "eval_lengths": [128, 256], "eval_spans": 1, "eval_seed": 0,
-        "probe_lengths": [256], "probe_tasks": ["niah_single_2"], "needles": 2, "haystacks": 1,
+        "probe_lengths": [256], "probe_tasks": {"niah_single_2": {"needles": 2, "haystacks": 1}},
     }  # fmt: skip
     path = tmp_path / "remaps.json"
     path.write_text(json.dumps(config))

@@ -7,8 +7,8 @@ Every method runs through the command line as a user runs it, one process per st
 peak memory of a stage is that process's (its maximum resident set, from ``wait4``):
 ``ropekit extend`` attaches the spec (nothing trains) and writes its adapter, ``ropekit eval
 ppl`` scores experiment D's span (2k, 8k, 16k; whole window and last quarter), ``ropekit eval
-probes`` asks remaps.json's needles per haystack, task and length (one prefill per haystack,
-every key asked from its cached prefix) at 8k and 16k. The unmodified model, untuned YaRN and
+probes`` asks each task's needles per haystack at 8k and 16k (one prefill per haystack, every
+key asked from its cached prefix). The unmodified model, untuned YaRN and
 dynamic NTK are rerun the same way: their
 perplexities must equal experiment D's committed ones (the same windows), which checks that the
 rows compare.
@@ -59,18 +59,24 @@ class RemapsConfig:
     eval_spans: int  # held-out spans of max(eval_lengths) tokens (experiment D: 1)
     eval_seed: int  # where the span starts (experiment D: 0)
     probe_lengths: tuple[int, ...]  # retrieval lengths
-    probe_tasks: tuple[str, ...]  # niah-style tasks the probes take their format from
-    needles: int  # needles per haystack, at evenly spaced depths
-    haystacks: int  # haystacks per length and task
+    # niah-style task (the probes' format) -> {"needles": K per haystack, "haystacks": H per
+    # length}: H prefills ask H x K probes. A base model of this size copies the latest needle
+    # when a haystack holds several (measured: README), so the passkey takes one per haystack.
+    probe_tasks: dict[str, dict[str, int]]
     description: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "probe_tasks", tuple(self.probe_tasks))
         check_ints(self, "target_length", minimum=2)
         for name in ("eval_lengths", "probe_lengths"):
             check_ints(self, name, many=True, distinct=True)
-        for name in ("eval_spans", "needles", "haystacks"):
-            check_ints(self, name)
+        check_ints(self, "eval_spans")
+        ok = isinstance(self.probe_tasks, dict) and all(
+            isinstance(v, dict) and set(v) == {"needles", "haystacks"}
+            and all(type(n) is int and n >= 1 for n in v.values())
+            for v in self.probe_tasks.values()
+        )  # fmt: skip
+        allowed = 'task -> {"needles": K, "haystacks": H} with integers >= 1'
+        check(ok, self, "probe_tasks", self.probe_tasks, allowed)
         check_ints(self, "eval_seed", minimum=0)
         check(bool(self.methods), self, "methods", self.methods, "name at least one method")
         check(
@@ -98,7 +104,7 @@ def _cli(args: Sequence[str], log: Path) -> dict[str, float]:
 
 
 def _job(
-    cfg: RemapsConfig, runs: Path, label: str, spec: str, *, probes: bool = True
+    cfg: RemapsConfig, runs: Path, label: str, spec: str, *, tasks: Sequence[str]
 ) -> dict[str, Any]:
     """One method: attach (or take its adapter), score perplexity, probe retrieval. Each stage
     is recorded in stages.json when it ends, so a killed run continues at the stage it was in;
@@ -119,10 +125,11 @@ def _job(
         "--batch-tokens", str(max(cfg.eval_lengths)), "--data", cfg.data,
         "--out", str(folder / "ppl"),
     ])  # fmt: skip
-    for task in cfg.probe_tasks if probes else ():
+    for task in tasks:
+        needles, haystacks = (str(cfg.probe_tasks[task][k]) for k in ("needles", "haystacks"))
         _stage(folder, f"probes {task}", [
             "eval", "probes", *model, *adapter, "--lengths", ",".join(map(str, cfg.probe_lengths)),
-            "--needles", str(cfg.needles), "--haystacks", str(cfg.haystacks), "--task", task,
+            "--needles", needles, "--haystacks", haystacks, "--task", task,
             "--out", str(folder / f"probes-{task}"),
         ])  # fmt: skip
     stages = read_record(folder / "stages.json")
@@ -223,15 +230,16 @@ def run(
     command: str,
     *,
     only: Sequence[str] = (),
-    probes: bool = True,
+    tasks: Sequence[str] | None = None,
 ) -> str:
     """Every method in order (``only``: just those, so two processes can share the work;
-    ``probes=False``: perplexity only); the results hold every method scored so far."""
+    ``tasks``: just these probe tasks, ``()`` perplexity only); the results hold every method
+    scored so far."""
     for label, spec in cfg.methods.items():
         if only and label not in only:
             continue
         print(f"{label}: {spec}", flush=True)
-        _job(cfg, runs, label, spec, probes=probes)
+        _job(cfg, runs, label, spec, tasks=list(cfg.probe_tasks) if tasks is None else tasks)
         collect(cfg, runs, results, command)
     return collect(cfg, runs, results, command)
 
@@ -282,6 +290,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--no-probes", action="store_true", help="perplexity only (probes later)")
     parser.add_argument(
+        "--tasks", default="", help="probe just these tasks of the config (comma-separated)"
+    )
+    parser.add_argument(
         "--collect", action="store_true", help="run nothing: write the finished methods' results"
     )
     args = parser.parse_args(argv)
@@ -293,10 +304,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = [m for m in only if m not in cfg.methods]
     if unknown:
         parser.error(f"--only {unknown} are not methods of {args.config}: {list(cfg.methods)}")
+    tasks = [t for t in args.tasks.split(",") if t] or None
+    if tasks and set(tasks) - set(cfg.probe_tasks):
+        parser.error(
+            f"--tasks {tasks} are not probe tasks of {args.config}: {list(cfg.probe_tasks)}"
+        )
+    if args.no_probes:
+        tasks = []
     if args.collect:
         print(collect(cfg, args.runs, args.results, command))
     else:
-        print(run(cfg, args.runs, args.results, command, only=only, probes=not args.no_probes))
+        print(run(cfg, args.runs, args.results, command, only=only, tasks=tasks))
 
 
 if __name__ == "__main__":
