@@ -320,7 +320,8 @@ def test_smollm2_16k_remaps_rows_run_as_a_user_runs_them_and_resume(tmp_path):
         "model": "smollm2-135m", "data": "shakespeare", "target_length": 16384,
         "methods": {"rope": "rope", "string": "string:shift=64,window=16"},
         "eval_lengths": [128, 256], "eval_spans": 1, "eval_seed": 0,
-        "probe_lengths": [256], "probe_tasks": {"niah_single_2": {"needles": 2, "haystacks": 1}},
+        "probe_lengths": [256], "tasks": ["passkey"],
+        "probe_tasks": {"niah_single_2": {"needles": 2, "haystacks": 1}},
     }  # fmt: skip
     path = tmp_path / "remaps.json"
     path.write_text(json.dumps(config))
@@ -333,6 +334,7 @@ def test_smollm2_16k_remaps_rows_run_as_a_user_runs_them_and_resume(tmp_path):
     for row in rows.values():
         assert set(row["perplexity"]) == {"128", "256"}
         assert row["probes"]["niah_single_2"]["256"]["n"] == 2
+        assert row["probes"]["passkey"]["256"]["n"] == 1  # experiment D's own task
         assert all(s["peak_gib"] > 0.1 for s in row["stages"].values())
     # STRING shifts distances beyond its local window: not the unmodified model at 256
     assert rows["string"]["perplexity"]["256"] != rows["rope"]["perplexity"]["256"]

@@ -39,6 +39,7 @@ from experiments.common import (
     provenance,
     read_config,
     read_record,
+    set_field,
     write_record,
     write_results,
 )
@@ -63,6 +64,10 @@ class RemapsConfig:
     # length}: H prefills ask H x K probes. A base model of this size copies the latest needle
     # when a haystack holds several (measured: README), so the passkey takes one per haystack.
     probe_tasks: dict[str, dict[str, int]]
+    # experiment D's own retrieval rows, asked the same way (``ropekit eval <task>``): one
+    # needle per prompt at depth 0.5, samples_per_depth prompts per length, seed 0
+    tasks: tuple[str, ...] = ()
+    samples_per_depth: int = 1
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -70,6 +75,10 @@ class RemapsConfig:
         for name in ("eval_lengths", "probe_lengths"):
             check_ints(self, name, many=True, distinct=True)
         check_ints(self, "eval_spans")
+        check_ints(self, "samples_per_depth")
+        set_field(self, "tasks", tuple(self.tasks))
+        check(set(self.tasks) <= {"passkey", "needle"}, self, "tasks", self.tasks,
+              "experiment D's tasks: passkey, needle")  # fmt: skip
         ok = isinstance(self.probe_tasks, dict) and all(
             isinstance(v, dict) and set(v) == {"needles", "haystacks"}
             and all(type(n) is int and n >= 1 for n in v.values())
@@ -125,7 +134,13 @@ def _job(
         "--batch-tokens", str(max(cfg.eval_lengths)), "--data", cfg.data,
         "--out", str(folder / "ppl"),
     ])  # fmt: skip
-    for task in tasks:
+    for task in (t for t in cfg.tasks if t in tasks):
+        _stage(folder, task, [
+            "eval", task, *model, *adapter, "--lengths", ",".join(map(str, cfg.probe_lengths)),
+            "--samples", str(cfg.samples_per_depth), "--depths", "1", "--seed", "0",
+            "--batch-size", "1", "--out", str(folder / task),
+        ])  # fmt: skip
+    for task in (t for t in cfg.probe_tasks if t in tasks):
         needles, haystacks = (str(cfg.probe_tasks[task][k]) for k in ("needles", "haystacks"))
         _stage(folder, f"probes {task}", [
             "eval", "probes", *model, *adapter, "--lengths", ",".join(map(str, cfg.probe_lengths)),
@@ -134,6 +149,15 @@ def _job(
         ])  # fmt: skip
     stages = read_record(folder / "stages.json")
     return {"label": label, "spec": spec, "stages": stages, **_read(folder, cfg)}
+
+
+def _retrieval(cfg: RemapsConfig) -> list[str]:
+    """Every retrieval task of the config: experiment D's own, then the probe tasks."""
+    return [*cfg.tasks, *cfg.probe_tasks]
+
+
+def _stage_name(cfg: RemapsConfig, task: str) -> str:
+    return task if task in cfg.tasks else f"probes {task}"
 
 
 def _stage(folder: Path, name: str, args: list[str]) -> None:
@@ -150,6 +174,7 @@ def _stage(folder: Path, name: str, args: list[str]) -> None:
 
 def _read(folder: Path, cfg: RemapsConfig) -> dict[str, Any]:
     """The numbers the CLI wrote: perplexity by length, probe accuracy by length and task."""
+    from ropekit.evals.intervals import accuracy_entry
     from ropekit.results import read_result
 
     ppl = read_result(folder / "ppl" / "ppl.json", "perplexity")
@@ -165,6 +190,15 @@ def _read(folder: Path, cfg: RemapsConfig) -> dict[str, Any]:
         "probes": {},
     }
     done = read_record(folder / "stages.json")
+    for task in (t for t in cfg.tasks if t in done):
+        entry = read_result(folder / task / "summary.json", "tasks")["tasks"][task]
+        out["probes"][task] = {
+            str(row["length"]): {
+                **accuracy_entry(round(row["score"] * row["n"]), row["n"]),
+                "needle_depth": 0.5,
+            }
+            for row in entry["scores"]
+        }
     for task in (t for t in cfg.probe_tasks if f"probes {t}" in done):
         probes = read_result(folder / f"probes-{task}" / "summary.json", "probes")
         keys = ("accuracy", "correct", "n", "low", "high", "confidence")
@@ -178,21 +212,26 @@ def _table(cfg: RemapsConfig, jobs: list[dict[str, Any]], committed: dict[str, A
     lengths = [str(n) for n in cfg.eval_lengths]
     top = str(max(cfg.eval_lengths))
     header = ["method", *(f"ppl @{n}" for n in lengths), f"last quarter @{top}"]
-    header += [f"{t} @{n}" for t in cfg.probe_tasks for n in cfg.probe_lengths]
-    header += ["eval time", "peak memory"]
+    header += [f"{t} @{n}" for t in _retrieval(cfg) for n in cfg.probe_lengths]
+    header += ["ppl time", "retrieval time", "peak memory"]
     rows = []
     for job in jobs:
         ppl = job["perplexity"]
         row = [f"`{job['label']}`", *(f"{ppl[n]['perplexity']:.2f}" for n in lengths)]
         row.append(f"{ppl[top]['last_quarter_perplexity']:.2f}")
-        for task in cfg.probe_tasks:
+        for task in _retrieval(cfg):
             for n in cfg.probe_lengths:
                 p = job["probes"].get(task, {}).get(str(n))
                 row.append(
                     f"{p['correct']}/{p['n']} [{p['low']:.2f}, {p['high']:.2f}]" if p else "-"
                 )
-        evals = [s for name, s in job["stages"].items() if name != "attach"]  # measured ones
-        row.append(f"{sum(s['wall_s'] for s in evals) / 60:.1f} min")
+        stages = job["stages"]
+        evals = [s for name, s in stages.items() if name != "attach"]  # measured ones
+        retrieval = [
+            stages[n]["wall_s"] for t in _retrieval(cfg) if (n := _stage_name(cfg, t)) in stages
+        ]
+        row.append(f"{stages['perplexity']['wall_s'] / 60:.1f} min")
+        row.append(f"{sum(retrieval) / 60:.1f} min" if retrieval else "-")
         row.append(f"{max(s['peak_gib'] for s in evals):.2f} GiB")
         rows.append(row)
     text = markdown_table(header, rows)
@@ -239,7 +278,7 @@ def run(
         if only and label not in only:
             continue
         print(f"{label}: {spec}", flush=True)
-        _job(cfg, runs, label, spec, tasks=list(cfg.probe_tasks) if tasks is None else tasks)
+        _job(cfg, runs, label, spec, tasks=_retrieval(cfg) if tasks is None else tasks)
         collect(cfg, runs, results, command)
     return collect(cfg, runs, results, command)
 
@@ -261,7 +300,7 @@ def collect(cfg: RemapsConfig, runs: Path, results: Path, command: str) -> str:
             continue
         stages = read_record(folder / "stages.json")
         jobs.append({"label": label, "spec": spec, "stages": stages, **_read(folder, cfg)})
-        if any(f"probes {t}" not in done for t in cfg.probe_tasks):
+        if any(_stage_name(cfg, t) not in done for t in _retrieval(cfg)):
             unprobed.append(label)
     markdown = _table(cfg, jobs, _committed()) if jobs else "No method has finished yet.\n"
     if missing:
@@ -305,10 +344,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if unknown:
         parser.error(f"--only {unknown} are not methods of {args.config}: {list(cfg.methods)}")
     tasks = [t for t in args.tasks.split(",") if t] or None
-    if tasks and set(tasks) - set(cfg.probe_tasks):
-        parser.error(
-            f"--tasks {tasks} are not probe tasks of {args.config}: {list(cfg.probe_tasks)}"
-        )
+    if tasks and set(tasks) - set(_retrieval(cfg)):
+        parser.error(f"--tasks {tasks} are not retrieval tasks of {args.config}: {_retrieval(cfg)}")
     if args.no_probes:
         tasks = []
     if args.collect:
