@@ -147,6 +147,8 @@ def test_compare_trains_scores_and_judges_every_method(compared):
     assert all(math.isfinite(v) for v in verdict["scores"].values())
     report = (root / "out" / "report.md").read_text()
     assert "## Verdict" in report and verdict["sentence"] in report
+    rule = report.split("How it is decided:", 1)[1].split("## Perplexity", 1)[0]
+    assert rule.count("\n- ") == 5 and "**" not in rule  # one paragraph per bullet
     assert (root / "out" / "cost_vs_gain.png").is_file()
     assert data["single_documents"] is True and "inside single held-out documents" in report
 

@@ -12,6 +12,7 @@ Holds: write_report.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -208,8 +209,12 @@ def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:
     ]
     if verdict and verdict.get("retrieval"):
         blocks.append(Text(verdict["retrieval"]))
-    if verdict:
-        blocks.append(Text("How it is decided: " + " ".join(verdict["rule"].split())))
+    if verdict:  # the rule's bullets, one paragraph each (plain text: no Markdown emphasis)
+        blocks.append(Text("How it is decided:"))
+        for item in re.split(r"(?:^|\n)- ", verdict["rule"]):
+            if item.strip():
+                text = " ".join(item.split()).replace("**", "").replace("``", "`")
+                blocks.append(Text("- " + text))
     blocks += [Heading("Perplexity", 2), *_ppl_tables(data), *_retrieval_table(data)]
     blocks += [Heading("Figures", 2), *_figures(data, out)]
     if data["lr_search"]:
