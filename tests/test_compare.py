@@ -85,6 +85,10 @@ def test_the_recommendation_obeys_the_margin_and_says_when_it_is_not_resolved():
     assert twins["winner"] == "a" and not twins["resolved"]  # a lead of 1e-6 nats is no lead
     none = recommend(table, ["costly"], "rope", 8, 32, margin=0.01)
     assert none["winner"] is None and "none is recommended" in none["sentence"]
+    assert "cannot resolve" not in verdict["sentence"]  # 4 windows: the sample could
+    one = recommend(_table({"a": (10.0, [2.0]), "b": (10.0, [2.5])}), ["a", "b"], "a", 8, 32, 0.01)
+    assert not one["resolved"] and "paired over 1 window:" in one["sentence"]
+    assert "1 window at 32 cannot resolve a lead (the rule needs at least 3)" in one["sentence"]
 
 
 def test_bad_configs_are_refused():

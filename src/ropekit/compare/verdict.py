@@ -189,8 +189,8 @@ def recommend(
     out["resolved"] = resolved
     lead = (
         f"last-quarter NLL at {target} {scores[winner]:.4f} against {runner}'s "
-        f"{scores[runner]:.4f} (paired over {stats['n']} windows: {stats['mean']:+.4f}"
-        + (f" ± {se:.4f} s.e.)" if se is not None else ")")
+        f"{scores[runner]:.4f} (paired over {stats['n']} window{'s' * (stats['n'] != 1)}: "
+        f"{stats['mean']:+.4f}" + (f" ± {se:.4f} s.e.)" if se is not None else ")")
     )
     cost = f"costing {costs[winner]:+.1%} at {short} tokens"
     if resolved:
@@ -200,4 +200,9 @@ def recommend(
             f"No difference is resolved at this sample size between {winner} and {runner} at "
             f"{target} tokens: {lead}; {winner} is ahead, {cost}."
         )
+        if stats["n"] < 3:  # the rule needs 3 paired windows before any lead can count
+            out["sentence"] += (
+                f" {stats['n']} window{'s' * (stats['n'] != 1)} at {target} cannot resolve a "
+                "lead (the rule needs at least 3): score more held-out spans (spans)."
+            )
     return out
