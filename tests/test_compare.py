@@ -154,6 +154,11 @@ def test_compare_trains_scores_and_judges_every_method(compared):
     rule = report.split("How it is decided:", 1)[1].split("## Perplexity", 1)[0]
     assert rule.count("\n- ") == 5 and "**" not in rule  # one paragraph per bullet
     assert (root / "out" / "cost_vs_gain.png").is_file()
+    for domain in ("shakespeare", "kjv"):  # NLL against position at N, one figure per domain
+        assert (root / "out" / f"nll_position_{domain}.png").is_file()
+        assert f"](nll_position_{domain}.png)" in report
+        curves = data["table"]["adarope"][domain]["128"]["position_nll"]
+        assert len(curves) == 2 and all(len(c["nll"]) == len(c["start"]) for c in curves)
     assert data["single_documents"] is True and "inside single held-out documents" in report
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from ropekit.figures import figure, plot_vs_length, save, style
 from ropekit.report.document import Block, Figure, Heading, Table, Text, to_html, to_markdown
+from ropekit.report.plots import plot_nll_vs_position
 from ropekit.utils import atomic_write_text
 
 from .verdict import accuracy_text
@@ -90,6 +91,39 @@ def _cost_gain(data: dict[str, Any], path: Path) -> Path | None:
     return save(fig, path)
 
 
+def _nll_vs_position(data: dict[str, Any], domain: str, path: Path) -> Figure | None:
+    """NLL against position in the windows of N tokens of ``domain``, one line per method
+    (a trained one: the mean over seeds; the windows and bins are the same for all)."""
+    n = str(data["target_length"])
+    curves = {}
+    for label, domains in data["table"].items():
+        seeds = [c for c in domains.get(domain, {}).get(n, {}).get("position_nll") or () if c]
+        if seeds:
+            nll = [sum(v) / len(seeds) for v in zip(*(c["nll"] for c in seeds), strict=True)]
+            curves[label] = {"start": seeds[0]["start"], "stop": seeds[0]["stop"], "nll": nll}
+    if not curves:
+        return None
+    # From position N/128 on (the first tokens of a window, with almost no context, are
+    # several nats higher for every method and would flatten the rest), and up to a quarter
+    # above the highest NLL any method has there inside the original window, so a method that
+    # collapses beyond the window leaves the chart instead of flattening it.
+    first = max(1, data["target_length"] // 128)
+    shown = [(a, y) for c in curves.values() for a, y in zip(c["start"], c["nll"], strict=True)
+             if a >= first]  # fmt: skip
+    inside = [y for a, y in shown if a < data["trained_at"]]
+    ylim = (0.95 * min(y for _, y in shown), 1.25 * max(inside)) if inside else None
+    plot_nll_vs_position(
+        curves, path, length=data["target_length"], train_length=data["trained_at"],
+        xlim=(first, data["target_length"]), ylim=ylim, title=f"{domain}: ",
+    )  # fmt: skip
+    return Figure(
+        path.name,
+        f"{domain}: NLL against position in the {n}-token windows (binned; trained methods "
+        f"averaged over seeds), from position {first}. The y axis stops a quarter above the "
+        "highest in-window NLL: a line that leaves the top has collapsed there.",
+    )
+
+
 def _figures(data: dict[str, Any], out: Path) -> list[Figure]:
     summary, figures = data["summary"], []
     for domain in data["domains"]:
@@ -111,6 +145,11 @@ def _figures(data: dict[str, Any], out: Path) -> list[Figure]:
                 title=f"{domain}: {what}", train_length=data["trained_at"],
             )  # fmt: skip
             figures.append(Figure(name, f"{domain}, {what}: perplexity against length."))
+        position = _nll_vs_position(
+            data, domain, out / f"nll_position_{domain}.png".replace("/", "-")
+        )
+        if position is not None:
+            figures.append(position)
     cost = _cost_gain(data, out / "cost_vs_gain.png")
     if cost is not None:
         figures.append(Figure(cost.name, "Cost at L0 against the far positions at N."))

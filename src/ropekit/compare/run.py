@@ -281,7 +281,8 @@ class _Comparison:
 
     # ------------------------------------------------------------------ the verdict
     def table(self, results: dict[str, dict[int, dict[str, Any]]]) -> dict:
-        """table[label][domain][length] = per-seed ppl, NLL and last-quarter windows."""
+        """table[label][domain][length] = per-seed ppl, NLL, last-quarter windows and binned
+        NLL-vs-position curve."""
         table: dict[str, Any] = {}
         for label, by_seed in results.items():
             table[label] = {}
@@ -290,11 +291,13 @@ class _Comparison:
                 for seed in sorted(by_seed):
                     for row in by_seed[seed][domain]["results"]:
                         entry = rows.setdefault(
-                            row["length"], {"ppl": [], "nll": [], "last_quarter_windows": []}
+                            row["length"],
+                            {"ppl": [], "nll": [], "last_quarter_windows": [], "position_nll": []},
                         )
                         entry["ppl"].append(row["perplexity"])
                         entry["nll"].append(row["nll"])
                         entry["last_quarter_windows"].append(row["last_quarter_nll_windows"])
+                        entry["position_nll"].append(row.get("position_nll"))  # binned curve
                 table[label][domain] = rows
         return table
 

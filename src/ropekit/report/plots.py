@@ -20,8 +20,12 @@ def plot_nll_vs_position(
     *,
     length: int,
     train_length: int | None = None,
+    xlim: tuple[float | None, float | None] | None = None,
+    ylim: tuple[float | None, float | None] | None = None,
+    title: str = "",
 ) -> Path:
-    """One line per method: binned NLL against position (``position_nll`` of a ppl result)."""
+    """One line per method: binned NLL against position (``position_nll`` of a ppl result);
+    ``title`` goes before the default one."""
     fig, axes = figure(6.8, 4.2)
     ax = axes[0, 0]
     for label, curve in curves.items():
@@ -33,8 +37,12 @@ def plot_nll_vs_position(
         xscale="log",
         xlabel="token position in the window + 1",
         ylabel="NLL (nats/token)",
-        title=f"NLL vs position in windows of {length} tokens",
+        title=f"{title}NLL vs position in windows of {length} tokens",
     )
+    if xlim is not None:
+        ax.set_xlim(*xlim)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save(fig, path)
