@@ -191,11 +191,13 @@ def _retrieval_table(data: dict[str, Any]) -> list[Block]:
         return []
     lengths = [str(n) for n in settings["lengths"]]
     labels = [m["label"] for m in data["methods"] if m["label"] in retrieval]
-    rows = [
-        [label, *(accuracy_text(retrieval[label][n]) if n in retrieval[label] else "-"
-                  for n in lengths)]
-        for label in labels
-    ]  # fmt: skip
+
+    def rows(cell: Any) -> list[list[str]]:  # one row per method, one cell per probe length
+        return [
+            [label, *(cell(retrieval[label][n]) if n in retrieval[label] else "-" for n in lengths)]
+            for label in labels
+        ]
+
     level = next(iter(retrieval[labels[0]].values()))["confidence"]
     caption = (
         f"Retrieval accuracy (exact match of the value) with its {level:.0%} Wilson interval "
@@ -206,18 +208,13 @@ def _retrieval_table(data: dict[str, Any]) -> list[Block]:
     )
     blocks: list[Block] = [
         Heading("Retrieval", 2),
-        Table(["method", *(f"@{n}" for n in lengths)], rows, caption),
+        Table(["method", *(f"@{n}" for n in lengths)], rows(accuracy_text), caption),
     ]
     if settings["needles"] > 1:  # distractors: a model may copy a needle, not the asked one
 
         def wrong(e: dict[str, Any]) -> str:
             return f"{e['other_needle']} of {e['n'] - e['correct']} ({e['nearest_needle']})"
 
-        rows = [
-            [label, *(wrong(retrieval[label][n]) if n in retrieval[label] else "-"
-                      for n in lengths)]
-            for label in labels
-        ]  # fmt: skip
         caption = (
             "Wrong answers that name another needle's value, of all wrong answers (in "
             "brackets: the needle nearest the question). Many of them inside the original "
@@ -225,7 +222,7 @@ def _retrieval_table(data: dict[str, Any]) -> list[Block]:
             "model copies the latest needle), so this task cannot rank the methods: probe "
             "with one needle per haystack (probe_needles=1) instead."
         )
-        blocks.append(Table(["method", *(f"@{n}" for n in lengths)], rows, caption))
+        blocks.append(Table(["method", *(f"@{n}" for n in lengths)], rows(wrong), caption))
     return blocks
 
 
