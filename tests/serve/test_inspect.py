@@ -141,6 +141,20 @@ def test_longrope_without_mscales_disagrees_on_the_attention_factor(tmp_path: Pa
     assert fixes and all("short_mscale = long_mscale" in f for f in fixes), report["disagreements"]
 
 
+def test_longrope_with_two_factor_sets_names_one_fix_for_both_engines(tmp_path: Path) -> None:
+    """Searched factors (short = 1 inside the window, long beyond it, as `ropekit search`
+    writes): vLLM takes the long ones at every length from max_model_len and llama.cpp has one
+    rope_freqs tensor, so both disagree inside the window and both fixes are short := long."""
+    long = ",".join(["1"] * 2 + ["1.5"] * 2 + ["4"] * 4)
+    spec = f"longrope:short_factor=[1],long_factor=[{long}],factor=4"
+    report = inspect_folder(_folder(spec, tmp_path))
+    inside = [d for d in report["disagreements"] if d["length"] <= L0]
+    assert {d["engine"] for d in inside} == {"vllm", "llama.cpp"}, report["disagreements"]
+    assert all("short_factor = long_factor" in d["fix"] for d in inside), inside
+    beyond = [d for d in report["disagreements"] if d["length"] > L0 and d["engine"] == "vllm"]
+    assert beyond == [], beyond  # beyond the window vLLM and transformers both take the long
+
+
 def test_inspect_command_prints_engines_and_writes_json(tmp_path: Path, capsys) -> None:
     folder = _folder("yarn:factor=4", tmp_path)
     assert main(["inspect", str(folder), "--json", str(tmp_path / "r.json")]) == 0

@@ -77,7 +77,9 @@ def _compare(
     p = config.get("rope_parameters") or {}
     kind = p.get("rope_type", "default")
     if view.error is not None:
-        return [Disagreement(view.engine, length, f"refuses: {view.error}", _fix_refusal(view))]
+        return [
+            Disagreement(view.engine, length, f"refuses: {view.error}", _fix_refusal(view, kind))
+        ]
     rel = float(((view.inv_freq - ref.inv_freq).abs() / ref.inv_freq).max())
     if rel > RTOL:
         pair = int(((view.inv_freq - ref.inv_freq).abs() / ref.inv_freq).argmax())
@@ -102,7 +104,13 @@ def _compare(
     return out
 
 
-def _fix_refusal(view: EngineRoPE) -> str:
+def _fix_refusal(view: EngineRoPE, kind: str) -> str:
+    if view.engine == "llama.cpp" and kind == "longrope":
+        # One rope_freqs tensor for every length (llama-model.cpp: get_rope_factors).
+        return (
+            "set short_factor = long_factor (llama.cpp applies one set of factors at every "
+            "length; the GGUF export then writes them as rope_freqs)"
+        )
     if view.engine == "llama.cpp":
         return "export a schedule llama.cpp has (linear, yarn with default betas, rope_freqs)"
     return "serve at a length the engine accepts, or change the length fields"
