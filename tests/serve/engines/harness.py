@@ -6,7 +6,8 @@ Holds:
     Method            one exportable (or plugin-served) method: how to patch, how to export.
     METHODS           linear, dynamic, yarn, llama3, a learned shared schedule and the
                       searched factors of experiment D (both longrope), and
-                      per-head AdaRoPE (vLLM plugin; nearest shared schedule).
+                      per-head AdaRoPE: hand-set (vLLM plugin; nearest shared schedule)
+                      and trained (experiment D's seed-0 adapter; nearest shared schedule).
     prompt_ids        the first n tokens of the held-out Shakespeare plays (SmolLM2 tokenizer).
     token_logprobs    log p(ids[t+1] | ids[:t+1]) of a model, float64 (T-1,).
     run_engine        one engine subprocess; returns its RESULT record.
@@ -36,7 +37,20 @@ MODEL = "smollm2-135m"  # trained at 8192 tokens; every method below extends it 
 SHARED = "adarope:init=yarn,factor=2,share_heads=true,share_layers=true"
 # The factors `ropekit search` found for SmolLM2 at 16k (experiment D's committed search).
 SEARCHED = json.loads((ROOT / "experiments/smollm2_16k/search/search.json").read_text())["spec"]
+# vLLM's longrope takes the long factors at every length once max_model_len > L0 (inspect's
+# rule, ropekit.serve.engines); transformers the short ones while the sequence fits in L0. What
+# vLLM serves inside the window is therefore the same schedule with short := long.
+_LONG_FACTORS = SEARCHED.split("long_factor=")[1].split("]")[0] + "]"
+SEARCHED_LONG_ONLY = SEARCHED.replace(
+    SEARCHED.split("short_factor=")[1].split("]")[0] + "]", _LONG_FACTORS, 1
+)
+L0 = 8192  # SmolLM2's max_position_embeddings
 PER_HEAD = "adarope:init=yarn,factor=2"
+# The per-head adapter experiment D's training made (seed 0: 16 PoSE samples of Shakespeare's
+# training plays, lr 0.02; `ropekit compare --config experiments/smollm2_16k/ood.json`):
+# the nearest shared schedule's perplexity cost is measured on a trained adapter, not only on
+# hand-set parameters.
+TRAINED = ROOT / "experiments/smollm2_16k/ood/adapters/adarope-s0"
 
 
 def engine_python(engine: str) -> str:
@@ -74,6 +88,9 @@ class Method:
     formats: tuple[str, ...] = ("hf", "gguf")  # what ropekit export is asked to write
     engines: tuple[str, ...] = ("transformers", "vllm", "llamacpp")  # those that must serve it
     nearest: bool = False
+    adapter: Path | None = None  # a trained adapter folder instead of a setter (spec: its own)
+    # What vLLM computes inside the window when it differs from transformers by its rule.
+    vllm_inside: str | None = None
 
     @property
     def vllm_format(self) -> str:
@@ -86,12 +103,19 @@ METHODS = (
     Method("yarn", "yarn:factor=2"),
     Method("llama3", "llama3:factor=2,low_freq_factor=1,high_freq_factor=4"),
     Method("longrope (learned shared)", SHARED, set_shared),
-    Method("longrope (searched)", SEARCHED),
-    Method("adarope per head (plugin)", PER_HEAD, set_per_head, ("vllm", "hf", "gguf"), ("vllm",)),
+    # llama.cpp has one rope_freqs tensor for every length: export --format gguf refuses.
     Method(
-        "adarope per head -> nearest",
-        PER_HEAD,
-        set_per_head,
+        "longrope (searched)",
+        SEARCHED,
+        engines=("transformers", "vllm"),
+        vllm_inside=SEARCHED_LONG_ONLY,
+    ),
+    Method("adarope per head (plugin)", PER_HEAD, set_per_head, ("vllm", "hf", "gguf"), ("vllm",)),
+    Method("adarope per head -> nearest", PER_HEAD, set_per_head, nearest=True),
+    Method(
+        "trained adarope per head -> nearest",
+        json.loads((TRAINED / "adapter.json").read_text())["spec"],
+        adapter=TRAINED,
         nearest=True,
     ),
 )
