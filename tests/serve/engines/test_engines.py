@@ -470,11 +470,17 @@ def test_inspect_rules_are_vllms_own(references, work) -> None:
         # float32 angles at position 1: theta rounded to ~1e-7 relative.
         np.testing.assert_allclose(got["inv_freq"], ours.inv_freq.numpy(), rtol=2e-6, atol=1e-9)
         assert got["attention_factor"] == pytest.approx(ours.attention_factor, rel=1e-6), folder
-        # The cos/sin cache covers the served length, except dynamic NTK's, which holds
+        # The cos/sin cache covers the length vLLM accepts, except dynamic NTK's, which holds
         # max_position_embeddings = L0 rows while vLLM accepts L0 x factor (the rule's note).
         short_cache = any("cache holds" in note for note in ours.notes)
-        assert (got["cache_rows"] < LONG) == short_cache, (folder, got["cache_rows"], ours.notes)
-        _record(Path(folder).name, "inspect vs vLLM's rotary", LONG, {"max": 0.0, "mean": 0.0})
+        accepted = lengths[folder]
+        assert (got["cache_rows"] < accepted) == short_cache, (folder, got, ours.notes)
+        theirs_freq, ours_freq = np.asarray(got["inv_freq"]), ours.inv_freq.numpy()
+        measured = {
+            "inv_freq_rel": float(np.max(np.abs(theirs_freq - ours_freq) / ours_freq)),
+            "attention_factor_rel": abs(got["attention_factor"] / ours.attention_factor - 1),
+        }
+        _record(Path(folder).name, "inspect vs vLLM's rotary", LONG, measured)
 
 
 # --------------------------------------------------------------------------- llama.cpp
@@ -542,6 +548,11 @@ def test_zz_write_the_table(noise, engine_noise, tolerance, references) -> None:
                     cells.append("-")
                 elif "error" in row:
                     cells.append("refused: " + row["error"].split(";")[0][:60])
+                elif "inv_freq_rel" in row:
+                    cells.append(
+                        f"freq {row['inv_freq_rel']:.1e}, attn {row['attention_factor_rel']:.1e} "
+                        "(relative)"
+                    )
                 elif "per_head" in row:
                     cells.append(f"ppl {row['per_head']:.3f} -> {row['nearest']:.3f}")
                 else:
