@@ -28,6 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ropekit.encodings.registry import parse_spec
+from ropekit.hf.rope_config import format_spec
+
 HERE = Path(__file__).parent
 ROOT = HERE.parents[2]
 # 1024: inside the 8192-token window; 9216: beyond it. A 9216-token fp32 forward of SmolLM2
@@ -37,13 +40,17 @@ MODEL = "smollm2-135m"  # trained at 8192 tokens; every method below extends it 
 SHARED = "adarope:init=yarn,factor=2,share_heads=true,share_layers=true"
 # The factors `ropekit search` found for SmolLM2 at 16k (experiment D's committed search).
 SEARCHED = json.loads((ROOT / "experiments/smollm2_16k/search/search.json").read_text())["spec"]
+
+
 # vLLM's longrope takes the long factors at every length once max_model_len > L0 (inspect's
 # rule, ropekit.serve.engines); transformers the short ones while the sequence fits in L0. What
 # vLLM serves inside the window is therefore the same schedule with short := long.
-_LONG_FACTORS = SEARCHED.split("long_factor=")[1].split("]")[0] + "]"
-SEARCHED_LONG_ONLY = SEARCHED.replace(
-    SEARCHED.split("short_factor=")[1].split("]")[0] + "]", _LONG_FACTORS, 1
-)
+def _long_factors_only(spec: str) -> str:
+    name, options = parse_spec(spec)
+    return format_spec(name, {**options, "short_factor": options["long_factor"]})
+
+
+SEARCHED_LONG_ONLY = _long_factors_only(SEARCHED)
 L0 = 8192  # SmolLM2's max_position_embeddings
 PER_HEAD = "adarope:init=yarn,factor=2"
 # The per-head adapter experiment D's training made (seed 0: 16 PoSE samples of Shakespeare's

@@ -298,7 +298,7 @@ def test_tolerance_separates_a_real_serving_bug(model, ids, references, toleranc
         reference = "yarn" if spec.startswith("yarn") else "dynamic"
         d = diff(wrong, np.load(references[reference]["ref"][n]))
         _record(f"bug: {spec} vs {reference}", "transformers (ropekit-patched)", n, d.row())
-        if reference == "dynamic" and n <= 8192:
+        if reference == "dynamic" and n <= L0:
             continue  # within the window dynamic NTK is plain RoPE, not NTK: nothing to catch
         widest = max(tolerance(engine, n)["max"] for engine in ("transformers", *ENGINES))
         assert d.max > 20 * widest, (spec, d, widest)
@@ -352,7 +352,7 @@ def test_transformers_dynamic_ntk_is_not_exact_with_its_kv_cache(
     one forward (ropekit's patched model re-rotates cached keys and stays exact)."""
     from transformers import AutoModelForCausalLM
 
-    split = 8192  # SmolLM2's L0: the dynamic base starts moving past it
+    split = L0  # the dynamic base starts moving past it
     if split >= LONG:
         pytest.skip(f"needs a prompt longer than {split} tokens")
     folder = references["dynamic"]["exports"]["hf"]
@@ -393,7 +393,7 @@ def test_vllm_serves_the_export(method: Method, model, ids, references, toleranc
         # vLLM 0.32's dynamic NTK is static plain RoPE with a cache of L0 = 8192 positions
         # (ropekit.serve.engines): exact inside the window only.
         assert verdict.get(SHORT), RESULTS["dynamic"]["vllm"]
-        if LONG > 8192:
+        if LONG > L0:
             assert not verdict.get(LONG, False), RESULTS["dynamic"]["vllm"]
         return
     if method.vllm_inside is not None:
