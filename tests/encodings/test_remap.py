@@ -229,9 +229,9 @@ def test_blocks_and_key_ranges_do_not_change_the_result(spec):
 
 
 def test_default_blocks_hold_as_many_logits_as_the_queries_have_entries(monkeypatch):
-    """Without ``block_entries`` a block may hold as many logits as q has entries: D query rows
-    in self-attention (T = S), however long the sequence, so each block is a matmul of D rows
-    (a fixed budget made 3-row blocks at 16k on SmolLM2); the result is unchanged."""
+    """Without ``block_entries`` a reference block may hold as many logits as q has entries: D
+    query rows in self-attention (T = S), however long the sequence, so each block is a matmul
+    of D rows (a fixed budget made 3-row blocks at 16k on SmolLM2); the result is unchanged."""
     from ropekit.encodings import bands
 
     monkeypatch.setattr(bands, "BLOCK_ENTRIES", 1)  # the floor out of the way
@@ -241,7 +241,7 @@ def test_default_blocks_hold_as_many_logits_as_the_queries_have_entries(monkeypa
     block = bands._block
     monkeypatch.setattr(bands, "_block", lambda q, *a: rows.append(q.shape[2]) or block(q, *a))
     got = banded_attention(q, k, v, enc.bands(positions, positions), positions, enc.rotate_band,
-                           causal_offset=0)  # fmt: skip
+                           causal_offset=0, kernel="reference")  # fmt: skip
     assert rows == [SHAPE["head_dim"]] * (T // SHAPE["head_dim"]) + [T % SHAPE["head_dim"]]
     torch.testing.assert_close(got, banded(enc, q, k, v, positions, 1 << 30), **TOL)
 

@@ -39,11 +39,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 from torch.utils import checkpoint as activation_checkpoint
+
+from . import bands_fused
+
+KERNELS = ("fused", "reference")
+_FALLBACKS: set[str] = set()  # reasons already warned about (once per process)
 
 # The least logits per block of query rows (entries of one (B, H, R, N) tensor). By default a
 # block may hold as many logits as the queries have entries (B * H * T * D, so about D query
@@ -85,6 +92,99 @@ def band_membership(band: Band, key_positions: Tensor, start: int, stop: int) ->
         below = keys < band.hi[:, None, start:stop, None]
         member = below if member is None else member & below
     return member
+
+
+class RotatedKeys:
+    """Each band's rotated keys, kept beside a KV cache so that a decoding step rotates only
+    the keys it adds (rotating every cached key per band and step costs about as much as the
+    attention itself at 16k).
+
+    One per cached layer. Each call passes all the layer's unrotated keys (B, K, S, D) and the
+    distinct key positions of its bands (B|1, S); a slot's stored rows are reused where its
+    stored positions equal the new ones' first rows (a guard: the cache owner, not this check,
+    vouches for the keys). The owner calls ``truncate(n)`` when it drops keys past n (crop)
+    and ``reset()`` when it changes keys it returned before (reorder, edits). ``follow``
+    does that for a cache that replaces its key tensor on every change (transformers').
+    Rows live in buffers with spare room, so an appended key costs its own rotation only.
+    Not used for keys that need a gradient.
+    """
+
+    def __init__(self) -> None:
+        self._slots: list[tuple[Tensor, Tensor, int]] = []  # (positions, buffer, rows held)
+        self._source: tuple[weakref.ref, int, int, tuple[int, ...]] | None = None
+
+    def __len__(self) -> int:
+        return min((n for _, _, n in self._slots), default=0)
+
+    def reset(self) -> None:
+        self._slots, self._source = [], None
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` rows of every slot (the cache kept its first n keys)."""
+        self._slots = [(p[..., :n], buf, min(held, n)) for p, buf, held in self._slots]
+
+    def follow(self, keys: Tensor | None) -> None:
+        """Before a call: keep only what is still true of ``keys``, the tensor the cache holds
+        now (before this step's update). A view of the same storage that is the same tensor or
+        a prefix of it, at the same version, is an unchanged cache (or a crop of it);
+        anything else is a change: start again."""
+        source = self._source
+        if keys is None or keys.dim() != 4 or source is None:
+            self.reset()
+            return
+        ref, ptr, version, stride = source
+        base = ref()
+        same = (
+            base is not None
+            and keys.data_ptr() == ptr
+            and keys.stride() == stride
+            and keys._version == version
+            and keys.shape[:2] == base.shape[:2]
+            and keys.shape[-2] <= base.shape[-2]
+        )
+        if not same:
+            self.reset()
+        elif keys.shape[-2] < base.shape[-2]:
+            self.truncate(keys.shape[-2])
+
+    def seen(self, keys: Tensor) -> None:
+        """After the cache's update: ``keys`` is what it holds now (for ``follow``)."""
+        self._source = (weakref.ref(keys), keys.data_ptr(), keys._version, keys.stride())
+
+    def rotate(
+        self,
+        k: Tensor,
+        positions: Sequence[Tensor],
+        rotate: Callable[[Tensor, Tensor, bool], Tensor],
+    ) -> tuple[Tensor, ...]:
+        """Each positions tensor's rotated keys (B, K, S, D), rotating only rows not held."""
+        B, K, S, D = k.shape
+        if len(self._slots) != len(positions):
+            self._slots = []
+        slots, out = [], []
+        for i, pos in enumerate(positions):
+            held, buffer, old = 0, None, self._slots[i] if self._slots else None
+            if old is not None:
+                old_pos, buffer, held = old
+                held = min(held, S)
+                fits = (
+                    buffer.shape[:2] == (B, K) and buffer.shape[-1] == D
+                    and buffer.dtype == k.dtype and buffer.device == k.device
+                    and old_pos.shape[0] == pos.shape[0]
+                )  # fmt: skip
+                if not fits or not torch.equal(old_pos[..., :held], pos[..., :held]):
+                    held, buffer = 0, None
+            if buffer is None or buffer.shape[2] < S:
+                grown = k.new_empty(B, K, S + max(S // 4, 256), D)  # spare room for appends
+                if held:
+                    grown[:, :, :held] = buffer[:, :, :held]
+                buffer = grown
+            if held < S:
+                buffer[:, :, held:S] = rotate(k[:, :, held:], pos[:, held:], False)
+            slots.append((pos, buffer, S))
+            out.append(buffer[:, :, :S])  # (B, K, S, D)
+        self._slots = slots
+        return tuple(out)
 
 
 def _key_ranges(
@@ -216,28 +316,83 @@ def banded_attention(
     scale: float | None = None,
     causal_offset: int | None = None,
     mask: Callable[[int, int, int], Tensor | None] | None = None,
+    kernel: str = "fused",
+    block_rows: int | None = None,
     block_entries: int | None = None,
+    rotated_keys: RotatedKeys | None = None,
 ) -> Tensor:
     """Exact attention of unrotated q (B, H, T, D) over unrotated k, v (B, K, S, D) as bands.
 
-    ``rotate(x, positions, query)`` rotates queries (B, H, R, D) (``query`` True) or keys
-    (B, K, S, D) at positions (B|1, R) or (B|1, S), int or float (an encoding's
+    ``rotate(x, positions, query)`` rotates queries (B, H, T, D) (``query`` True) or keys
+    (B, K, S, D) at positions (B|1, T) or (B|1, S), int or float (an encoding's
     ``rotate_band``). ``key_positions`` (B|1, S): the true positions of the
     keys (band membership). ``scale``: logit scale, default 1/sqrt(D). ``causal_offset``: query
     row r sees key indices <= r + causal_offset (a causal decoder: S - T); None: every key
     (masking left to ``mask``). ``mask(start, stop, n)``: the caller's mask for query rows
     [start, stop) and keys [0, n), broadcastable to (B, H, R, n), bool (True = visible) or
-    float (added to the logits), or None. ``block_entries``: logits per block of query rows;
-    None: the larger of ``BLOCK_ENTRIES`` and q's entries (comment at ``BLOCK_ENTRIES``).
+    float (added to the logits), or None.
+
+    ``kernel``: ``fused`` (default; ``bands_fused``: each band on PyTorch's fused attention
+    kernel, merged by log-sum-exp) or ``reference`` (block by block in eager PyTorch, the
+    oracle). Where the fused kernel cannot run (``bands_fused.supported``: another device,
+    packed documents) the reference runs instead, with one warning naming why.
+    ``block_rows``: the fused kernel's query rows per block (None: ``bands_fused.BLOCK_ROWS``).
+    ``block_entries``: the reference's logits per block of query rows; None: the larger of
+    ``BLOCK_ENTRIES`` and q's entries (comment at ``BLOCK_ENTRIES``). ``rotated_keys``: a KV
+    cache's ``RotatedKeys``, so that keys rotated by an earlier call are not rotated again.
     Returns (B, H, T, D) in v's dtype.
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not allowed; use one of {', '.join(KERNELS)}")
     _check_inputs(q, k, v, bands, key_positions)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if kernel == "fused":
+        why = bands_fused.supported(q, key_positions)
+        if why is None:
+            slots, keys = _rotate_keys(k, bands, rotate, rotated_keys)
+            return bands_fused.fused_banded_attention(
+                q, keys, v, bands, key_positions, rotate, slots=slots, scale=scale,
+                causal_offset=causal_offset, mask=mask, block_rows=block_rows,
+            )  # fmt: skip
+        _fall_back(why)
+    return _reference(
+        q, k, v, bands, key_positions, rotate, scale, causal_offset, mask, block_entries,
+        rotated_keys,
+    )  # fmt: skip
+
+
+def _fall_back(why: str) -> None:
+    """Say once per reason that the reference kernel runs instead of the fused one."""
+    if why not in _FALLBACKS:
+        _FALLBACKS.add(why)
+        warnings.warn(
+            f"ropekit: banded attention runs on the reference kernel: {why}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bands: Sequence[Band],
+    key_positions: Tensor,
+    rotate: Callable[[Tensor, Tensor, bool], Tensor],
+    scale: float,
+    causal_offset: int | None,
+    mask: Callable[[int, int, int], Tensor | None] | None,
+    block_entries: int | None,
+    rotated_keys: RotatedKeys | None,
+) -> Tensor:
+    """The reference kernel (module docstring): blocks of query rows, each band's logits of
+    the block selected into one buffer, one softmax."""
     B, H, T, D = q.shape
     S = k.shape[2]
-    scale = 1 / math.sqrt(D) if scale is None else float(scale)
     if block_entries is None:
         block_entries = max(BLOCK_ENTRIES, q.numel())
-    keys = _rotate_keys(k, bands, rotate)
+    slots, rotated = _rotate_keys(k, bands, rotate, rotated_keys)
+    keys = tuple(rotated[slot] for slot in slots)
     rows, blocks = _query_blocks(B * H, T, S, causal_offset, block_entries)
     ranges = _key_ranges(bands, key_positions, rows, blocks)
     recompute = torch.is_grad_enabled() and any(
@@ -290,17 +445,21 @@ def _check_inputs(
 
 
 def _rotate_keys(
-    k: Tensor, bands: Sequence[Band], rotate: Callable[[Tensor, Tensor, bool], Tensor]
-) -> tuple[Tensor, ...]:
-    """Each band's rotated keys (B, K, S, D), R(P_k^b(j)) k_j for the whole sequence.
-
-    Keys are rotated once per distinct positions tensor (by identity, not value): DCA's three
-    bands and STRING's two share one, so they share the rotated keys too."""
-    rotated: dict[int, Tensor] = {}
-    for band in bands:
-        if id(band.k_positions) not in rotated:
-            rotated[id(band.k_positions)] = rotate(k, band.k_positions, False)  # (B, K, S, D)
-    return tuple(rotated[id(band.k_positions)] for band in bands)
+    k: Tensor,
+    bands: Sequence[Band],
+    rotate: Callable[[Tensor, Tensor, bool], Tensor],
+    memo: RotatedKeys | None = None,
+) -> tuple[tuple[int, ...], tuple[Tensor, ...]]:
+    """(slot of each band, each slot's rotated keys (B, K, S, D)): R(P_k^b(j)) k_j for the
+    whole sequence, once per distinct key positions tensor (by identity, not value): DCA's
+    three bands and STRING's two share one slot, so they share the rotated keys too. With a
+    ``memo`` (and no gradient to keys) only the keys it has not rotated before are rotated."""
+    order: dict[int, int] = {}
+    slots = tuple(order.setdefault(id(band.k_positions), len(order)) for band in bands)
+    positions = list({id(b.k_positions): b.k_positions for b in bands}.values())
+    if memo is not None and not (torch.is_grad_enabled() and k.requires_grad):
+        return slots, memo.rotate(k, positions, rotate)
+    return slots, tuple(rotate(k, p, False) for p in positions)  # each (B, K, S, D)
 
 
 def _query_blocks(

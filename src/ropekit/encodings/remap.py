@@ -56,7 +56,14 @@ from torch import Tensor
 
 from .adarope import INIT_SCHEDULES
 from .bands import Band
-from .base import EncodingConfig, Extension, PositionEncoding, check_choice, check_positive
+from .base import (
+    EncodingConfig,
+    Extension,
+    PositionEncoding,
+    PositionsKey,
+    check_choice,
+    check_positive,
+)
 from .rope import RopeConfig, RotaryEncoding
 from .rotary import rotate
 
@@ -267,6 +274,7 @@ class RemapEncoding(PositionEncoding):
     def __init__(self, config: RemapConfig, **dims: int) -> None:
         super().__init__(config, **dims)
         self.inner = RotaryEncoding(config.schedule, **dims)
+        self._band_cache: tuple[PositionsKey, PositionsKey, list[Band]] | None = None
         self.rotary_dim, self.n_pairs, self.pairing = (
             self.inner.rotary_dim,
             self.inner.n_pairs,
@@ -291,14 +299,27 @@ class RemapEncoding(PositionEncoding):
         return rotate(x, cos, sin, self.pairing)
 
     def bands(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> list[Band]:
-        """The bands (``bands.Band``) for queries at q_pos (B|1, T) over keys at k_pos (B|1, S)."""
+        """The bands (``bands.Band``) for queries at q_pos (B|1, T) over keys at k_pos (B|1, S).
+
+        The same for every layer, so one forward computes them once: the last call's bands
+        are returned again for the same positions tensors at the same versions (as the tables
+        cache matches them, ``PositionsKey``), and with them their positions tensors, whose
+        rotation tables every layer then finds in the base schedule's cache."""
+        cached = self._band_cache
+        if cached is not None and cached[0].matches(q_pos) and cached[1].matches(k_pos):
+            return cached[2]
+        bands = self._bands(q_pos, k_pos)
+        self._band_cache = (PositionsKey(q_pos), PositionsKey(k_pos), bands)
+        return bands
+
+    def _bands(self, q_pos: Tensor, k_pos: Tensor) -> list[Band]:
         raise NotImplementedError
 
 
 class ReRope(RemapEncoding):
     config: ReRopeConfig
 
-    def bands(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> list[Band]:
+    def _bands(self, q_pos: Tensor, k_pos: Tensor) -> list[Band]:
         w, k = self.config.window, self.config.leaky
         seam = q_pos - w + 1  # keys at positions >= seam are within the window (d < w)
         scale = None
@@ -321,7 +342,7 @@ class ReRope(RemapEncoding):
 class SelfExtend(RemapEncoding):
     config: SelfExtendConfig
 
-    def bands(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> list[Band]:
+    def _bands(self, q_pos: Tensor, k_pos: Tensor) -> list[Band]:
         G, W = self.config.group, self.config.window
         if self.config.mode == "paper":
             seam = q_pos - W + 1  # neighbours: d < W
@@ -340,7 +361,7 @@ class SelfExtend(RemapEncoding):
 class DCA(RemapEncoding):
     config: DCAConfig
 
-    def bands(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> list[Band]:
+    def _bands(self, q_pos: Tensor, k_pos: Tensor) -> list[Band]:
         c, top = self.config.chunk_len, self.config.chunk_size
         chunk_start = torch.div(q_pos, c, rounding_mode="floor") * c  # (B|1, T)
         q_in = q_pos - chunk_start  # i mod c
@@ -357,7 +378,7 @@ class DCA(RemapEncoding):
 class String(RemapEncoding):
     config: StringConfig
 
-    def bands(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> list[Band]:
+    def _bands(self, q_pos: Tensor, k_pos: Tensor) -> list[Band]:
         S, W = self.config.shift, self.config.window
         seam = q_pos - S + 1  # d < S keeps its position
         return [Band(q_pos, k_pos, lo=seam), Band(q_pos - S + W, k_pos, hi=seam)]

@@ -249,6 +249,11 @@ class LongRopeConfig(RopeConfig):
         )
 
 
+# Tables kept per encoding: the queries' and keys' of one forward, and the few of each band of
+# a distance remap (up to 4 distinct positions in DCA), so every layer of a forward reuses them.
+TABLES_KEPT = 8
+
+
 class RotaryEncoding(PositionEncoding):
     """Rotary position embedding with a fixed (or length-following) schedule."""
 
@@ -269,13 +274,16 @@ class RotaryEncoding(PositionEncoding):
         self.n_pairs = schedules.n_pairs(self.rotary_dim)
         self.pairing = config.pairing
         self.dynamic = config.dynamic
-        # Validate the schedule now (e.g. LongRoPE factor counts) rather than at first forward.
-        self.frequencies(None)
+        # Validate the schedule now (e.g. LongRoPE factor counts) rather than at first forward;
+        # a fixed schedule is computed this once.
+        self._fixed = config.schedule(self.rotary_dim, None)
         self._cache: list[tuple[PositionsKey, torch.dtype, tuple[Tensor, Tensor]]] = []
 
     def frequencies(self, length: int | None) -> schedules.Schedule:
         """(inv_freq (F,), attention_factor) for a sequence of ``length`` positions."""
-        return self.config.schedule(self.rotary_dim, length if self.dynamic else None)
+        if not self.dynamic:
+            return self._fixed
+        return self.config.schedule(self.rotary_dim, length)
 
     def inv_freq(self, layer: int = 0, length: int | None = None) -> tuple[Tensor, float]:
         """theta (1, F): one schedule for every layer and key/value head."""
@@ -299,7 +307,8 @@ class RotaryEncoding(PositionEncoding):
         inv_freq, attention_factor = self.frequencies(length)
         phi = angles(positions, inv_freq.to(positions.device))  # (B, T, F)
         cos, sin = tables(phi[:, None], attention_factor, dtype)  # (B, 1, T, F)
-        self._cache = [(PositionsKey(positions), dtype, (cos, sin)), *self._cache[:1]]
+        entry = (PositionsKey(positions), dtype, (cos, sin))
+        self._cache = [entry, *self._cache[: TABLES_KEPT - 1]]
         return cos, sin
 
     def _rotate(self, x: Tensor, positions: Tensor | None, what: str) -> Tensor:

@@ -66,12 +66,14 @@ from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ropekit.encodings import PositionEncoding, banded_attention, config_from_spec
+from ropekit.encodings.bands import RotatedKeys
 
 from .archs import ArchSpec, arch_for, base_model, model_dims, rope_context, unwrap
 
 ENCODING_ATTR = "ropekit_encoding"  # submodule name on the decoder stack: base.ropekit_encoding
 _STATE_ATTR = "_ropekit_patch"  # plain attribute on the decoder stack (not a submodule)
 _POSITIONS_ATTR = "_ropekit_key_positions"  # on a transformers cache layer: (B, S_stored)
+_ROTATED_ATTR = "_ropekit_rotated_keys"  # on a transformers cache layer: a remap's RotatedKeys
 _DTYPES_ATTR = "_ropekit_dtypes"  # on the encoding: the dtypes the guard restores
 
 
@@ -234,6 +236,17 @@ def _cache_unrotated(
     return keys, values, state.shared_positions(seen)
 
 
+def _rotated_keys(layer_cache: Any) -> RotatedKeys:
+    """The remap's rotated keys kept on a transformers cache layer, told what the layer holds
+    now (before this step's update): its key tensor replaced by anything but a prefix view of
+    the one last seen (crop) means reordered or refilled keys, and starts it again."""
+    memo = getattr(layer_cache, _ROTATED_ATTR, None) if layer_cache is not None else None
+    memo = memo if memo is not None else RotatedKeys()
+    keys = getattr(layer_cache, "keys", None) if layer_cache is not None else None
+    memo.follow(keys)
+    return memo
+
+
 def _banded(
     module: nn.Module,
     state: _PatchState,
@@ -243,6 +256,7 @@ def _banded(
     positions: Tensor,
     key_positions: Tensor,
     attention_mask: Tensor | None,
+    rotated_keys: RotatedKeys | None = None,
 ) -> Tensor:
     """A distance remap's attention (``ropekit.encodings.bands``): (B, T, H, D).
 
@@ -278,6 +292,7 @@ def _banded(
         scale=module.scaling,
         causal_offset=S - T,  # these decoders are causal; the mask adds padding and windows
         mask=mask_rows,
+        rotated_keys=rotated_keys,
     )  # (B, H, T, D)
     return out.transpose(1, 2)  # (B, T, H, D)
 
@@ -313,10 +328,14 @@ def _attention_forward(
     v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, K, T, D)
 
     if encoding.remaps_distance:
-        key_positions = positions
+        key_positions, memo = positions, None
         if cache is not None:
+            layers = getattr(cache, "layers", None) or []
+            memo = _rotated_keys(layers[layer] if layer < len(layers) else None)
             k, v, key_positions = _cache_unrotated(state, cache, layer, k, v, positions, kwargs)
-        out = _banded(module, state, q, k, v, positions, key_positions, attention_mask)
+            setattr(cache.layers[layer], _ROTATED_ATTR, memo)
+            memo.seen(cache.layers[layer].keys)
+        out = _banded(module, state, q, k, v, positions, key_positions, attention_mask, memo)
         return module.o_proj(out.reshape(*input_shape, -1).contiguous()), None
 
     q = encoding.rotate_q(q, positions, layer)  # (B, H, T, D)

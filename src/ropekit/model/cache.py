@@ -42,6 +42,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ropekit.encodings.bands import RotatedKeys
+
 
 def _cat(a: Tensor, b: Tensor, dim: int) -> Tensor:
     """Concatenate along ``dim`` after broadcasting a batch of 1 (dim 0) against B."""
@@ -61,6 +63,9 @@ class KVCache:
         self.keys: dict[int, Tensor] = {}  # layer -> (B, K, S, D): rotated, unrotated if dynamic
         self.values: dict[int, Tensor] = {}  # layer -> (B, K, S, D)
         self.positions: Tensor | None = None  # (B|1, S) absolute position of each cached key
+        # layer -> a distance remap's rotated keys per band (bands.RotatedKeys), so decoding
+        # rotates only the new keys; cropped with the keys.
+        self.rotated: dict[int, RotatedKeys] = {}
 
     def __len__(self) -> int:
         """S: number of cached tokens."""
@@ -89,13 +94,19 @@ class KVCache:
                 "tokens cached)"
             )
         if length == 0:  # empty again: default positions restart at 0, as in a new cache
-            self.keys, self.values, self.positions = {}, {}, None
+            self.keys, self.values, self.positions, self.rotated = {}, {}, None, {}
             return
+        for memo in self.rotated.values():
+            memo.truncate(length)
         for layer in self.keys:
             self.keys[layer] = self.keys[layer][:, :, :length]  # (B, K, length, D)
             self.values[layer] = self.values[layer][:, :, :length]
         assert self.positions is not None
         self.positions = self.positions[:, :length]  # (B|1, length)
+
+    def rotated_keys(self, layer: int) -> RotatedKeys:
+        """The rotated keys a distance remap keeps for ``layer`` (made on first use)."""
+        return self.rotated.setdefault(layer, RotatedKeys())
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append k, v (B, K, T, D) to ``layer``; return all keys and values (B, K, S, D)."""

@@ -56,6 +56,7 @@ from torch import Tensor, nn
 from torch.utils import checkpoint as activation_checkpoint
 
 from ropekit.encodings import PositionEncoding, banded_attention, build
+from ropekit.encodings.bands import RotatedKeys
 
 from .cache import KVCache
 from .checkpoint import fill_decoder, read_decoder, save_decoder
@@ -209,7 +210,8 @@ class Attention(nn.Module):
             # unrotated) keys at its own positions (ropekit.encodings.bands).
             if cache is not None:
                 k, v = cache.update(self.layer, k, v)  # (B, K, S, D) unrotated
-            y = self._attend_in_bands(q, k, v, encoding, positions, key_positions, visibility)
+            memo = None if cache is None else cache.rotated_keys(self.layer)
+            y = self._attend_in_bands(q, k, v, encoding, positions, key_positions, visibility, memo)
             return self.proj(y.transpose(1, 2).reshape(B, T, H * D))  # (B, T, d)
         q = encoding.rotate_q(q, positions, self.layer)
         if not encoding.dynamic:
@@ -246,6 +248,7 @@ class Attention(nn.Module):
         positions: Tensor,
         key_positions: Tensor,
         visibility: Visibility,
+        rotated_keys: RotatedKeys | None = None,
     ) -> Tensor:
         """Attention of a distance-remapping encoding: its bands, merged exactly, blockwise
         over query rows (``banded_attention``); causal, with documents from ``visibility``.
@@ -260,6 +263,7 @@ class Attention(nn.Module):
             functools.partial(encoding.rotate_band, layer=self.layer),
             causal_offset=S - T,
             mask=visibility.allowed_rows if visibility.allowed is not None else None,
+            rotated_keys=rotated_keys,
         )  # (B, H, T, D)
 
     def _attend_in_row_blocks(

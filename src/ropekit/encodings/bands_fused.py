@@ -1,0 +1,451 @@
+"""The fast path of banded attention: each band on a fused attention kernel, merged by
+log-sum-exp.
+
+Shape legend: B batch · H query heads · K key/value heads · T query length · S key length ·
+D head dim · R query rows in one block · n keys in one piece · B' the batch the band bounds
+broadcast to (1 or B).
+
+``bands.py`` defines what is computed (every pair's logit from the one band that covers it,
+one softmax per query row) and keeps the block-by-block eager kernel as the reference. This
+module computes the same thing at the speed of ordinary attention:
+
+1. *Key ranges.* With key positions that never decrease along a row (no packed documents),
+   band b covers for query row r a contiguous range of key indices
+   first_b(r) <= j < stop_b(r) (``searchsorted`` of its position bounds; the causal limit
+   j <= r + causal_offset folded into stop).
+2. *Blocks and pieces.* Query rows go in blocks of about ``BLOCK_ROWS`` (a new block also
+   starts where a bound jumps by more than a block, e.g. at a DCA chunk boundary). Within a
+   block a band's keys are at most three *pieces*: the range every row of the block sees
+   (no mask at all), and on each side the few keys some rows see and others do not (a mask
+   of the block's rows over those keys; its width is the bound's drift over the block, about
+   R keys for a seam at a fixed distance). So each query-key pair is computed once, and
+   twice only in the narrow pieces where a band boundary crosses the block.
+3. *Fused calls.* Every piece is one call of a fused attention kernel that returns its
+   outputs and the log-sum-exp of its logits, lse_p (PyTorch's CPU flash-attention op,
+   ``_scaled_dot_product_flash_attention_for_cpu``; grouped queries are native to it).
+4. *Exact merge.* With m = max_p lse_p: out = sum_p exp(lse_p - m) out_p / sum_p exp(lse_p - m)
+   and lse = m + ln sum_p exp(lse_p - m), the merge FlashAttention uses across key blocks
+   (Dao et al. 2022, sec. 3.1) and ring attention across devices. It is exact: the pieces
+   partition each row's keys, so this is one softmax over the row.
+5. *Backward* (``_FusedBands``): the gradient of one softmax over the row, piece by piece.
+   For piece p, with P_p = exp(scale q k_p^T + mask_p - lse) (the row's final lse) and
+   delta = rowsum(dO * O) (the merged output), dV_p = P_p^T dO and
+   dS_p = P_p * (dO V_p^T - delta): exactly what the kernel's own backward computes when it
+   is handed the merged output and lse (``..._for_cpu_backward``), so each piece's gradients
+   are one backward call and sum into q, k and v. Nothing of size (T, S) is kept: only the
+   rotated q and k, v, the output and its lse (what plain flash attention keeps).
+
+Rows that see no key (padding) give zeros, as the reference does: the kernel returns lse 0
+for a fully masked row, so such rows' lse is set to -inf before the merge (+inf in backward,
+so their weights are exp(-inf) = 0 there too).
+
+Limits: the CPU flash op needs CPU tensors (float64, float32, bfloat16, float16) and key
+ranges need non-decreasing key positions; ``bands.banded_attention`` checks ``supported`` and
+otherwise takes the reference kernel, with one warning naming why.
+
+Holds: BLOCK_ROWS, supported, fused_banded_attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from .bands import Band
+
+# Query rows per block. PyTorch's CPU flash kernel splits queries into tiles of 256 rows once
+# a call has >= 768 of them (64 below), and the narrow masked pieces cost about R / S of the
+# work; measured here (one thread, 16k tokens, causal attention as blocks of R rows over their
+# visible keys, against one causal call): R = 512 1.02-1.16x, R = 768 1.06-1.08x, R = 1024
+# 1.06-1.30x (small and SmolLM2-shaped heads).
+BLOCK_ROWS = 768
+# Query rows per sub-block where a band boundary crosses a block: a boundary at a fixed
+# distance (a seam, the causal diagonal) then costs masked pieces of about FINE_ROWS^2 pairs
+# per sub-block instead of BLOCK_ROWS^2 per block.
+FINE_ROWS = 64
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def supported(q: Tensor, key_positions: Tensor) -> str | None:
+    """None when the fused path can compute this call; else why not (one short phrase)."""
+    if q.device.type != "cpu":
+        return f"the fused band kernel runs on CPU only (tensors on {q.device.type})"
+    if q.dtype not in _DTYPES:
+        return f"the fused band kernel does not take {q.dtype}"
+    S = key_positions.shape[-1]
+    if S > 1 and not bool((key_positions[:, 1:] >= key_positions[:, :-1]).all()):
+        return "key positions decrease along a row (packed documents): no key ranges"
+    return None
+
+
+# What selects the keys of a piece (module docstring, 2): nothing (every row sees every key),
+# the band's per-row bounds as a mask, or a triangle of a square piece on the kernel's own
+# causal path (row i sees keys j <= i) or, with rows and keys reversed, j >= i.
+FULL, MASKED, CAUSAL, ANTICAUSAL = "full", "masked", "causal", "anticausal"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Query rows [row_start, row_stop) of band ``band`` over keys [start, stop), selected as
+    ``kind`` says."""
+
+    band: int
+    row_start: int
+    row_stop: int
+    start: int
+    stop: int
+    kind: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """Query rows [start, stop) and the pieces they attend to (merged together)."""
+
+    start: int
+    stop: int
+    pieces: tuple[_Piece, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a call computes, shared by its forward and backward: the blocks, each band's
+    per-row key index bounds (n_bands, B', T), the caller's mask and the logit scale."""
+
+    blocks: tuple[_Block, ...]
+    first: Tensor
+    stop: Tensor
+    mask: Callable[[int, int, int], Tensor | None] | None
+    scale: float
+    slots: tuple[int, ...]  # band -> index of its rotated keys (bands sharing key positions)
+
+
+def _index_bounds(
+    bands: Sequence[Band], key_positions: Tensor, T: int, causal_offset: int | None
+) -> tuple[Tensor, Tensor]:
+    """first, stop (n_bands, B', T) int64: band b covers key indices first <= j < stop of query
+    row r (its position bounds found by binary search in the sorted key positions; the causal
+    limit j <= r + causal_offset folded into stop)."""
+    S = key_positions.shape[-1]
+    bounds = [t for band in bands for t in (band.lo, band.hi) if t is not None]
+    batch = max([key_positions.shape[0], *(t.shape[0] for t in bounds)])
+    keys = key_positions.expand(batch, S).contiguous()
+    device = key_positions.device
+    limit = torch.full((T,), S, dtype=torch.long, device=device)
+    if causal_offset is not None:
+        limit = (torch.arange(T, device=device) + causal_offset + 1).clamp_(0, S)  # (T,)
+
+    def search(bound: Tensor | None, default: Tensor) -> Tensor:
+        if bound is None:
+            return default.expand(batch, T)
+        wanted = bound.to(keys.dtype).expand(batch, T).contiguous()
+        return torch.searchsorted(keys, wanted)  # (B', T): first index with position >= bound
+
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    first = torch.stack([search(band.lo, zero) for band in bands])  # (n_bands, B', T)
+    stop = torch.stack([torch.minimum(search(band.hi, limit), limit) for band in bands])
+    return first, stop
+
+
+def _spans(jumps: list[int], T: int, rows: int) -> list[tuple[int, int]]:
+    """Row spans of about ``rows`` rows, a new one at each row in ``jumps``."""
+    spans = []
+    for a, b in itertools.pairwise([0, *jumps, T]):
+        n = max(1, math.ceil((b - a) / rows))
+        edges = [a + (b - a) * i // n for i in range(n + 1)]
+        spans += list(itertools.pairwise(edges))
+    return spans
+
+
+class _Bounds:
+    """The bands' per-row key bounds reduced over the batch, on the host, to plan with.
+
+    For band b and rows [s, e): the lowest and highest first, the lowest and highest stop, and
+    whether first (and stop) advance by exactly one key per row in every batch row there (a
+    boundary at a fixed distance: a seam, the causal diagonal)."""
+
+    def __init__(self, first: Tensor, stop: Tensor) -> None:
+        self.lows = torch.stack([first.amin(1), stop.amin(1)]).numpy()  # (2, n_bands, T)
+        self.highs = torch.stack([first.amax(1), stop.amax(1)]).numpy()
+        steps = torch.stack([first.diff(), stop.diff()])  # (2, n_bands, B', T - 1)
+        self.unit = (steps == 1).all(2).numpy()  # (2, n_bands, T - 1)
+
+    def jumps(self, keys: int) -> list[int]:
+        """Rows where some bound moves by more than ``keys`` keys from the row before."""
+        lows, highs = torch.from_numpy(self.lows), torch.from_numpy(self.highs)
+        drift = torch.cat([lows.diff(), highs.diff()]).abs() > keys  # (4, n_bands, T - 1)
+        return (torch.nonzero(drift.flatten(0, 1).any(0)).flatten() + 1).tolist()
+
+    def __call__(self, band: int, s: int, e: int) -> tuple[int, int, int, int, bool, bool]:
+        lows, highs, unit = self.lows[:, band, s:e], self.highs[:, band, s:e], self.unit
+        return (
+            int(lows[0].min()), int(highs[0].max()), int(lows[1].min()), int(highs[1].max()),
+            bool(unit[0, band, s : e - 1].all()), bool(unit[1, band, s : e - 1].all()),
+        )  # fmt: skip
+
+
+def _cover(
+    bounds: _Bounds, band: int, s: int, e: int, window: tuple[int, int], fine: int
+) -> list[_Piece]:
+    """The pieces of band ``band`` for rows [s, e) over the keys in ``window`` (module
+    docstring, 2): the keys every row sees as one unmasked piece; on either side, where a
+    band boundary crosses the rows, one triangle on the kernel's causal path when the
+    boundary advances one key per row (a seam, the causal diagonal), else the same split again
+    on sub-blocks, down to masked pieces of at most ``fine`` rows."""
+    a_lo, a_hi, z_lo, z_hi, a_unit, z_unit = bounds(band, s, e)
+    lo, hi = max(a_lo, window[0]), min(z_hi, window[1])
+    if hi <= lo:
+        return []  # no row has a key of this band in the window
+    n_rows = e - s
+    inner = (max(a_hi, lo), min(z_lo, hi))  # keys seen by every row
+    if inner[0] >= inner[1]:
+        if n_rows <= fine:
+            return [_Piece(band, s, e, lo, hi, MASKED)]
+        # A band narrower than the rows (ReRoPE's near band in long blocks): sub-blocks about
+        # as tall as it is wide have an unmasked middle and two triangles each.
+        width = z_lo - a_lo if a_unit and z_unit else 0
+        return _split(bounds, band, s, e, (lo, hi), fine, min(max(fine, width), n_rows - 1))
+    pieces = [_Piece(band, s, e, *inner, FULL)]
+    # Left: row s + i sees keys [a_lo + i, a_hi) (upper triangle); right: [z_lo, z_lo + i)
+    # (strictly lower): squares of R - 1 rows and keys, the kernel's own causal path.
+    if lo < inner[0]:
+        if a_unit and (lo, inner[0]) == (a_lo, a_hi) and a_hi - a_lo == n_rows - 1:
+            pieces.append(_Piece(band, s, e - 1, a_lo, a_hi, ANTICAUSAL))
+        else:
+            pieces += _split(bounds, band, s, e, (lo, inner[0]), fine, fine)
+    if inner[1] < hi:
+        if z_unit and (inner[1], hi) == (z_lo, z_hi) and z_hi - z_lo == n_rows - 1:
+            pieces.append(_Piece(band, s + 1, e, z_lo, z_hi, CAUSAL))
+        else:
+            pieces += _split(bounds, band, s, e, (inner[1], hi), fine, fine)
+    return pieces
+
+
+def _split(
+    bounds: _Bounds, band: int, s: int, e: int, window: tuple[int, int], fine: int, rows: int
+) -> list[_Piece]:
+    """``_cover`` of sub-blocks of about ``rows`` rows (at most e - s - 1: a real split)."""
+    if e - s <= fine:
+        return [_Piece(band, s, e, *window, MASKED)]
+    rows = max(1, min(rows, e - s - 1))
+    return [
+        piece
+        for a, b in _spans([], e - s, rows)
+        for piece in _cover(bounds, band, s + a, s + b, window, fine)
+    ]
+
+
+def _blocks(first: Tensor, stop: Tensor, rows: int, fine: int) -> tuple[_Block, ...]:
+    """Blocks of about ``rows`` query rows and each band's pieces in them (``_cover``). A
+    bound that jumps by more than ``fine`` keys from one row to the next (a DCA chunk
+    boundary, llama.cpp's grouped blocks) starts a block, so that no block straddles it."""
+    T = first.shape[-1]
+    bounds = _Bounds(first, stop)
+    spans = _spans(bounds.jumps(fine) if T > 1 else [], T, rows)
+    window = (0, torch.iinfo(torch.int64).max)
+    return tuple(
+        _Block(s, e, tuple(p for band in range(first.shape[0]) for p in _cover(
+            bounds, band, s, e, window, fine)))
+        for s, e in spans
+    )  # fmt: skip
+
+
+def _piece_mask(plan: _Plan, piece: _Piece, dtype: torch.dtype) -> Tensor | None:
+    """The additive mask (B'|B, 1|H, R, n) of one piece in ``dtype`` (the kernel wants the
+    queries' dtype): the band's bounds where the piece is masked, and the caller's mask."""
+    s, e, a, z = piece.row_start, piece.row_stop, piece.start, piece.stop
+    visible = None
+    device = plan.first.device
+    if piece.kind == MASKED:
+        j = torch.arange(a, z, device=device)  # (n,)
+        first = plan.first[piece.band, :, s:e, None]  # (B', R, 1)
+        stop = plan.stop[piece.band, :, s:e, None]
+        visible = ((j >= first) & (j < stop))[:, None]  # (B', 1, R, n)
+    elif piece.kind in (CAUSAL, ANTICAUSAL):  # with a caller's mask: the triangle as a mask
+        square = torch.ones(e - s, z - a, dtype=torch.bool, device=device)
+        visible = square.tril() if piece.kind == CAUSAL else square.triu()  # (R, n)
+    caller = None if plan.mask is None else plan.mask(s, e, z)
+    if caller is not None:
+        caller = caller[..., a:z]
+        if caller.dtype == torch.bool:
+            visible = caller if visible is None else visible & caller
+            caller = None
+    if visible is None and caller is None:
+        return None
+    additive = torch.zeros((), dtype=dtype, device=plan.first.device)
+    if visible is not None:
+        additive = additive.masked_fill(~visible, float("-inf"))
+    if caller is not None:
+        additive = additive + caller.to(dtype)
+    return additive
+
+
+def _seen(mask: Tensor | None) -> Tensor | None:
+    """Which rows (B'|B, 1|H, R) of a piece see at least one key; None: all of them."""
+    return None if mask is None else (mask > float("-inf")).any(-1)
+
+
+def _forward(
+    plan: _Plan, queries: Sequence[Tensor], keys: Sequence[Tensor], v: Tensor
+) -> tuple[Tensor, Tensor]:
+    """out (B, H, T, D) in v's dtype and its lse (B, H, T) (float32; float64 for float64)."""
+    B, H, T, D = queries[0].shape
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    out = v.new_zeros(B, H, T, D)
+    lse = torch.full((B, H, T), float("-inf"), dtype=acc, device=v.device)
+    for block in plan.blocks:
+        parts = []
+        for piece in block.pieces:
+            s, e, a, z = piece.row_start, piece.row_stop, piece.start, piece.stop
+            q, k = queries[piece.band], keys[plan.slots[piece.band]]
+            o, m = _attend(plan, piece, q[:, :, s:e], k[:, :, a:z], v[:, :, a:z])
+            parts.append((s - block.start, e - block.start, o, m.to(acc)))
+        if parts:
+            o, m = _merge(parts, block.stop - block.start)
+            out[:, :, block.start : block.stop] = o
+            lse[:, :, block.start : block.stop] = m
+    return out, lse
+
+
+def _triangle(plan: _Plan, piece: _Piece) -> tuple[bool, bool]:
+    """(on the kernel's causal path, with rows and keys reversed) for this piece."""
+    fast = piece.kind in (CAUSAL, ANTICAUSAL) and plan.mask is None
+    return fast, fast and piece.kind == ANTICAUSAL
+
+
+def _attend(plan: _Plan, piece: _Piece, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """One piece on the kernel: out (B, H, R, D) and lse (B, H, R), -inf for rows that see
+    no key. An upper triangle (j >= i) is the causal one of the reversed rows and keys."""
+    causal, flip = _triangle(plan, piece)
+    if causal:
+        if flip:
+            q, k, v = q.flip(2), k.flip(2), v.flip(2)
+        o, m = _flash(q, k, v, 0.0, True, scale=plan.scale)
+        return (o.flip(2), m.flip(-1)) if flip else (o, m)
+    mask = _piece_mask(plan, piece, q.dtype)
+    o, m = _flash(q, k, v, 0.0, False, attn_mask=mask, scale=plan.scale)
+    seen = _seen(mask)
+    if seen is not None:
+        m = m.masked_fill(~seen, float("-inf"))  # the kernel's lse is 0 there
+    return o, m
+
+
+def _attend_backward(
+    plan: _Plan, piece: _Piece, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The kernel's backward of one piece given the block's merged out and lse (module
+    docstring, 5): (dq, dk, dv) of the piece's rows and keys."""
+    causal, flip = _triangle(plan, piece)
+    mask = None if causal else _piece_mask(plan, piece, q.dtype)
+    if flip:
+        grad, q, k, v, out, lse = (t.flip(-2) for t in (grad, q, k, v, out, lse[..., None]))
+        lse = lse[..., 0]
+    gq, gk, gv = _flash_backward(
+        grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=plan.scale
+    )
+    return (gq.flip(2), gk.flip(2), gv.flip(2)) if flip else (gq, gk, gv)
+
+
+def _merge(parts: Sequence[tuple[int, int, Tensor, Tensor]], R: int) -> tuple[Tensor, Tensor]:
+    """One softmax over the union of the pieces' keys for each of a block's R rows, from each
+    piece's rows [a, b), out (B, H, b - a, D) and lse (B, H, b - a)."""
+    if len(parts) == 1 and parts[0][:2] == (0, R):
+        return parts[0][2], parts[0][3]
+    _, _, o0, m0 = parts[0]
+    top = m0.new_full((*m0.shape[:2], R), float("-inf"))  # (B, H, R)
+    for a, b, _, m in parts:
+        torch.maximum(top[..., a:b], m, out=top[..., a:b])
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows that see nothing
+    total = torch.zeros_like(top)
+    merged = m0.new_zeros((*m0.shape[:2], R, o0.shape[-1]))  # (B, H, R, D)
+    for a, b, o, m in parts:
+        w = (m - top[..., a:b]).exp_()  # exp(-inf) = 0 for pieces a row does not see
+        total[..., a:b] += w
+        merged[..., a:b, :].addcmul_(w[..., None], o.to(w.dtype))
+    out = merged / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None]
+    return out.to(o0.dtype), top + total.log()
+
+
+class _FusedBands(torch.autograd.Function):
+    """Banded attention with its backward on the kernel's own backward (module docstring, 5).
+    Inputs: the plan, v, then each band's rotated queries and each slot's rotated keys."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, n_bands: int, v: Tensor, *tensors: Tensor) -> Tensor:
+        queries, keys = tensors[:n_bands], tensors[n_bands:]
+        out, lse = _forward(plan, queries, keys, v)
+        ctx.plan, ctx.n_bands = plan, n_bands
+        ctx.save_for_backward(v, out, lse, *tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        plan, n_bands = ctx.plan, ctx.n_bands
+        v, out, lse, *tensors = ctx.saved_tensors
+        queries, keys = tensors[:n_bands], tensors[n_bands:]
+        acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+        dq = [torch.zeros_like(t, dtype=acc) for t in queries]
+        dk = [torch.zeros_like(t, dtype=acc) for t in keys]
+        dv = torch.zeros_like(v, dtype=acc)
+        # A row that sees no key has lse -inf; +inf makes its P = exp(s - lse) zero.
+        lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf")))
+        grad = grad.contiguous()
+        for block in plan.blocks:
+            for piece in block.pieces:
+                s, e, a, z = piece.row_start, piece.row_stop, piece.start, piece.stop
+                slot = plan.slots[piece.band]
+                gq, gk, gv = _attend_backward(
+                    plan, piece, grad[:, :, s:e], queries[piece.band][:, :, s:e],
+                    keys[slot][:, :, a:z], v[:, :, a:z], out[:, :, s:e], lse[:, :, s:e],
+                )  # fmt: skip
+                dq[piece.band][:, :, s:e] += gq
+                dk[slot][:, :, a:z] += gk
+                dv[:, :, a:z] += gv
+        grads = [g.to(t.dtype) for g, t in zip([*dq, *dk], tensors, strict=True)]
+        return None, None, dv.to(v.dtype), *grads
+
+
+def fused_banded_attention(
+    q: Tensor,
+    keys: Sequence[Tensor],
+    v: Tensor,
+    bands: Sequence[Band],
+    key_positions: Tensor,
+    rotate: Callable[[Tensor, Tensor, bool], Tensor],
+    *,
+    slots: Sequence[int],
+    scale: float,
+    causal_offset: int | None,
+    mask: Callable[[int, int, int], Tensor | None] | None,
+    block_rows: int | None = None,
+) -> Tensor:
+    """Banded attention of unrotated q (B, H, T, D) over each slot's rotated keys
+    (B, K, S, D) and v (B, K, S, D): (B, H, T, D) in v's dtype. ``slots[b]``: which of
+    ``keys`` band b reads; ``block_rows``: query rows per block (None: ``BLOCK_ROWS``).
+    Arguments otherwise as ``bands.banded_attention``."""
+    T = q.shape[2]
+    rows = BLOCK_ROWS if block_rows is None else block_rows
+    if rows < 1:
+        raise ValueError(f"block_rows={block_rows} is not allowed; it must be >= 1")
+    if T == 0 or v.shape[2] == 0:
+        return v.new_zeros(*q.shape[:3], v.shape[-1])
+    first, stop = _index_bounds(bands, key_positions, T, causal_offset)
+    plan = _Plan(_blocks(first, stop, rows, FINE_ROWS), first, stop, mask, scale, tuple(slots))
+    queries = [
+        rotate(q if band.q_scale is None else q * band.q_scale.to(q.dtype), band.q_positions, True)
+        for band in bands
+    ]  # each (B, H, T, D)
+    tensors = (*queries, *keys)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (v, *tensors)):
+        return _FusedBands.apply(plan, len(bands), v, *tensors)
+    return _forward(plan, queries, keys, v)[0]

@@ -1,0 +1,373 @@
+"""The fused band kernel (``encodings/bands_fused.py``) held to the reference kernel and to the
+pairwise definitions: its plan covers every visible pair exactly once and computes little
+more than that; forward and backward equal the reference in float64 to round-off and in
+float32 within plain RoPE's own float32 error; cached decoding (token by token, chunked, with
+the rotated-key memo), padding masks, offset batches, and the fallback for packed rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ropekit.encodings import banded_attention, bands, bands_fused, build
+
+from .test_remap import CASES, SHAPE, brute_force
+
+TOL64 = {"rtol": 1e-10, "atol": 1e-10}
+# Remaps with their defaults at L0 = 64, so that a few hundred tokens cross every band boundary
+# many times (windows, groups, chunks and shifts of 8-64 tokens).
+LONG = [
+    "rerope:window=16",
+    "rerope:window=16,leaky=4",
+    "rerope:window=9,leaky=2.5,logn=true",
+    "self-extend:group=4,window=16",
+    "self-extend:group=4,window=16,mode=llama.cpp",
+    "dca",
+    "dca:chunk_size=40,local_size=8",
+    "string:window=8",
+    "string:shift=30,window=4,init=yarn,factor=2",
+]
+L0 = 64
+
+
+def _enc(spec: str, dtype=torch.float64):
+    return build(spec, **SHAPE, original_length=L0).to(dtype)
+
+
+def _qkv(T: int, S: int, B: int = 2, dtype=torch.float64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    H, K, D = SHAPE["n_heads"], SHAPE["n_kv_heads"], SHAPE["head_dim"]
+    q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(B, K, S, D, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(B, K, S, D, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+def _attend(enc, q, k, v, key_positions, kernel, rows=None, mask=None, memo=None):
+    T, S = q.shape[2], k.shape[2]
+    q_pos = key_positions[:, S - T :]
+    return banded_attention(
+        q, k, v, enc.bands(q_pos, key_positions), key_positions, enc.rotate_band,
+        causal_offset=S - T, mask=mask, kernel=kernel, block_rows=rows, rotated_keys=memo,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the plan
+def _coverage(enc, q_pos, k_pos, rows, fine, monkeypatch):
+    """Per band, how often the plan computes each (batch row, query, key) pair, and the
+    pairs it computes in all (a triangle counts its half, as the causal kernel skips the
+    rest), beside the band's true membership."""
+    monkeypatch.setattr(bands_fused, "FINE_ROWS", fine)
+    band_list = enc.bands(q_pos, k_pos)
+    T, S = q_pos.shape[-1], k_pos.shape[-1]
+    first, stop = bands_fused._index_bounds(band_list, k_pos, T, S - T)
+    blocks = bands_fused._blocks(first, stop, rows, fine)
+    batch = first.shape[1]
+    count = torch.zeros(len(band_list), batch, T, S, dtype=torch.long)
+    computed = 0
+    j = torch.arange(S)
+    for block in blocks:
+        for p in block.pieces:
+            assert block.start <= p.row_start < p.row_stop <= block.stop
+            r0, r1, a, z = p.row_start, p.row_stop, p.start, p.stop
+            cell = torch.ones(r1 - r0, z - a, dtype=torch.long)
+            if p.kind == bands_fused.MASKED:
+                lo = first[p.band, :, r0:r1, None]
+                hi = stop[p.band, :, r0:r1, None]
+                cell = ((j[a:z] >= lo) & (j[a:z] < hi)).long()  # (B', R, n)
+            elif p.kind == bands_fused.CAUSAL:
+                assert r1 - r0 == z - a
+                cell = cell.tril()
+            elif p.kind == bands_fused.ANTICAUSAL:
+                assert r1 - r0 == z - a
+                cell = cell.triu()
+            count[p.band, :, r0:r1, a:z] += cell
+            n = (r1 - r0) * (z - a)
+            computed += n // 2 if p.kind in (bands_fused.CAUSAL, bands_fused.ANTICAUSAL) else n
+    member = (j >= first[..., None]) & (j < stop[..., None])  # (n_bands, B', T, S)
+    return count, member, computed, blocks
+
+
+@pytest.mark.parametrize("spec", LONG)
+@pytest.mark.parametrize(("rows", "fine"), [(16, 4), (50, 8), (768, 64)])
+def test_the_plan_computes_every_visible_pair_of_each_band_exactly_once(
+    spec, rows, fine, monkeypatch
+):
+    enc = _enc(spec)
+    S = 300
+    for k_pos in (torch.arange(S)[None], torch.arange(S)[None] + torch.tensor([[0], [7]])):
+        count, member, _, _ = _coverage(enc, k_pos, k_pos, rows, fine, monkeypatch)
+        assert torch.equal(count, member.long()), spec
+    # A cached chunk: 40 new queries over 300 keys.
+    k_pos = torch.arange(S)[None]
+    count, member, _, _ = _coverage(enc, k_pos[:, -40:], k_pos, rows, fine, monkeypatch)
+    assert torch.equal(count, member.long())
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "rerope", "rerope:leaky=4", "rerope:window=300,leaky=2.5,logn=true", "self-extend",
+        "self-extend:mode=llama.cpp", "dca", "string", "string:init=yarn,factor=2",
+    ],
+)  # fmt: skip
+def test_the_plan_computes_little_more_than_the_visible_pairs(spec, monkeypatch):
+    """Each pair lies in one band, so the work is one causal attention's plus the narrow
+    pieces where a band boundary crosses a block: at most 5% more pairs at 4096 tokens with
+    the default block sizes; and at most 5% of them in calls of fewer than 192 query rows
+    (where PyTorch's CPU kernel takes small tiles)."""
+    enc = build(spec, **SHAPE, original_length=2048)  # the authors' defaults at L0 = 2048
+    pos = torch.arange(4096)[None]
+    _, member, computed, blocks = _coverage(
+        enc, pos, pos, bands_fused.BLOCK_ROWS, bands_fused.FINE_ROWS, monkeypatch
+    )
+    visible = int(member.sum())
+    assert computed <= 1.05 * visible, (computed / visible, spec)
+    small = sum(
+        (p.row_stop - p.row_start) * (p.stop - p.start)
+        for b in blocks
+        for p in b.pieces
+        if p.row_stop - p.row_start < 192
+    )
+    assert small <= 0.05 * visible, (small / visible, spec)
+
+
+def test_a_jump_in_a_bound_starts_a_block(monkeypatch):
+    """DCA's chunk starts jump by the chunk length: no block straddles one, so no masked piece
+    is as wide as a chunk."""
+    enc = _enc("dca:chunk_size=100,local_size=20")  # chunks of 80
+    pos = torch.arange(400)[None]
+    _, _, _, blocks = _coverage(enc, pos, pos, 64, 8, monkeypatch)
+    assert {80, 160, 240, 320} <= {b.start for b in blocks}
+    assert not [p for b in blocks for p in b.pieces if p.kind == bands_fused.MASKED]
+
+
+# ----------------------------------------------------------------------------- equal results
+@pytest.mark.parametrize(("spec", "remap", "q_scale"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("rows", "fine"), [(1, 1), (3, 2), (7, 3), (768, 64)])
+def test_fused_equals_the_pairwise_definition_forward_and_backward(
+    spec, remap, q_scale, rows, fine, monkeypatch
+):
+    monkeypatch.setattr(bands_fused, "FINE_ROWS", fine)
+    enc = build(spec, **SHAPE).double()
+    T = 40
+    q, k, v = _qkv(T, T)
+    positions = torch.arange(T)[None] + torch.tensor([[0], [5]])
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    grads = []
+    for fn in (
+        lambda *a: _attend(enc, *a, positions, "fused", rows),
+        lambda *a: brute_force(enc, *a, positions, remap, q_scale=q_scale),
+    ):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        (out * w).sum().backward()
+        grads.append((out.detach(), *(t.grad for t in leaves)))
+    for got, expected in zip(*grads, strict=True):
+        torch.testing.assert_close(got, expected, **TOL64)
+
+
+@pytest.mark.parametrize("spec", LONG)
+def test_fused_equals_the_reference_on_long_offset_rows_forward_and_backward(spec, monkeypatch):
+    monkeypatch.setattr(bands_fused, "FINE_ROWS", 8)
+    enc = _enc(spec)
+    T = 260
+    q, k, v = _qkv(T, T, seed=1)
+    positions = torch.arange(T)[None] + torch.tensor([[0], [13]])
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    results = []
+    for kernel, rows in (("fused", 48), ("fused", None), ("reference", None)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = _attend(enc, *leaves, positions, kernel, rows)
+        (out * w).sum().backward()
+        results.append((out.detach(), *(t.grad for t in leaves)))
+    for fused in results[:2]:
+        for got, expected in zip(fused, results[2], strict=True):
+            torch.testing.assert_close(got, expected, **TOL64)
+
+
+def test_fused_passes_gradcheck_in_float64():
+    enc = _enc("rerope:window=5,leaky=2,logn=true")
+    T = 12
+    q, k, v = (t.requires_grad_() for t in _qkv(T, T, B=1, seed=3))
+    positions = torch.arange(T)[None]
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: _attend(enc, q, k, v, positions, "fused", 5), (q, k, v)
+    )
+
+
+@pytest.mark.parametrize("spec", ["rerope:window=16,leaky=4", "dca", "string:window=8"])
+def test_float32_error_is_within_plain_ropes_own(spec):
+    """Fused float32 against the float64 reference, next to plain RoPE through PyTorch's
+    attention in float32 against float64 on the same inputs: the same size of error."""
+    enc64, enc32 = _enc(spec), _enc(spec, torch.float32)
+    rope64, rope32 = _enc("rope"), _enc("rope", torch.float32)
+    T = 300
+    q, k, v = _qkv(T, T, seed=4)
+    positions = torch.arange(T)[None]
+    exact = _attend(enc64, q, k, v, positions, "reference")
+    got = _attend(enc32, q.float(), k.float(), v.float(), positions, "fused", 64)
+    plain = {
+        dtype: F.scaled_dot_product_attention(
+            rope.rotate_q(q.to(dtype), positions), rope.rotate_k(k.to(dtype), positions),
+            v.to(dtype), is_causal=True, enable_gqa=True,
+        )
+        for dtype, rope in ((torch.float64, rope64), (torch.float32, rope32))
+    }  # fmt: skip
+    rope_error = (plain[torch.float32].double() - plain[torch.float64]).abs().max()
+    assert (got.double() - exact).abs().max() <= 4 * rope_error
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_runs_fused_and_stays_close(dtype):
+    enc = _enc("self-extend:group=4,window=16")
+    T = 200
+    q, k, v = _qkv(T, T, seed=5)
+    positions = torch.arange(T)[None]
+    exact = _attend(enc, q, k, v, positions, "reference")
+    low = _attend(enc.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), positions, "fused", 32)
+    assert low.dtype == dtype
+    assert (low.double() - exact).abs().max() < 0.05
+
+
+def test_caller_masks_padding_and_additive_agree_with_the_reference():
+    """transformers' masks on top of the bands: sdpa's boolean one with left padding (rows
+    that see nothing give zeros, not NaN), eager's additive one; forward and backward."""
+    enc = _enc("string:shift=30,window=4")
+    T = 120
+    q, k, v = _qkv(T, T, seed=6)
+    positions = (torch.arange(T)[None] - torch.tensor([[0], [17]])).clamp(min=0)
+    keep = torch.ones(2, T, dtype=torch.bool)
+    keep[1, :17] = False  # left padding of the second row
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    allowed = causal[None, None] & keep[:, None, None, :]  # (B, 1, T, S)
+    additive = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(
+        ~allowed, torch.finfo(torch.float64).min
+    )
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    for full in (allowed, additive):
+
+        def mask(start, stop, n, full=full):
+            return full[..., start:stop, :n]
+
+        results = []
+        for kernel in ("fused", "reference"):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = _attend(enc, *leaves, positions, kernel, 32, mask)
+            (out * w * keep[:, None, :, None]).sum().backward()
+            results.append((out.detach(), *(t.grad for t in leaves)))
+        (out_f, *g_f), (out_r, *g_r) = results
+        assert torch.isfinite(out_f).all()
+        rows = keep[:, None, :, None]
+        torch.testing.assert_close(out_f * rows, out_r * rows, **TOL64)
+        for a, b in zip(g_f, g_r, strict=True):
+            torch.testing.assert_close(a, b, **TOL64)
+    zeros = _attend(enc, q, k, v, positions, "fused", 32, lambda a, b, n: allowed[..., a:b, :n])
+    assert not zeros[1, :, :17].any()
+
+
+# ----------------------------------------------------------------------------- decoding
+@pytest.mark.parametrize("spec", LONG)
+def test_cached_decoding_with_rotated_keys_equals_one_call(spec):
+    """Token by token and in chunks over a growing cache, with the rotated-key memo the KV
+    caches keep: each step equals the rows of one call over the whole sequence."""
+    enc = _enc(spec)
+    T = 150
+    q, k, v = _qkv(T, T, seed=7)
+    positions = torch.arange(T)[None] + torch.tensor([[0], [3]])
+    whole = _attend(enc, q, k, v, positions, "fused", 32)
+    for steps in ([1] * 20, [37, 1, 1, 50, 2]):
+        memo, start, outs = bands.RotatedKeys(), 70, []
+        prefix = _attend(enc, q[:, :, :start], k[:, :, :start], v[:, :, :start],
+                         positions[:, :start], "fused", 32, memo=memo)  # fmt: skip
+        outs.append(prefix)
+        for n in steps:
+            stop = start + n
+            outs.append(_attend(enc, q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop],
+                                positions[:, :stop], "fused", 32, memo=memo))  # fmt: skip
+            start = stop
+        torch.testing.assert_close(torch.cat(outs, 2), whole[:, :, :start], **TOL64)
+
+
+def test_rotated_keys_rotate_only_new_keys_and_forget_what_changed():
+    enc = _enc("rerope:window=16,leaky=4")
+    calls = []
+
+    def counting(x, positions, query):
+        if not query:
+            calls.append(x.shape[2])
+        return enc.rotate_band(x, positions, query)
+
+    q, k, v = _qkv(60, 60, B=1, seed=8)
+    pos = torch.arange(60)[None]
+    memo = bands.RotatedKeys()
+
+    def step(stop):
+        return banded_attention(
+            q[:, :, stop - 1 : stop], k[:, :, :stop], v[:, :, :stop],
+            enc.bands(pos[:, stop - 1 : stop], pos[:, :stop]), pos[:, :stop], counting,
+            causal_offset=stop - 1, rotated_keys=memo,
+        )  # fmt: skip
+
+    step(50)
+    assert calls == [50, 50]  # two bands, two key positions
+    calls.clear()
+    step(51)
+    assert calls == [1, 1]  # only the new key, per slot
+    memo.truncate(40)  # a crop to 40 keys, refilled with other keys at the same positions
+    calls.clear()
+    k[:, :, 40:] += 1
+    got = step(45)
+    assert calls == [5, 5]
+    expected = banded_attention(
+        q[:, :, 44:45], k[:, :, :45], v[:, :, :45], enc.bands(pos[:, 44:45], pos[:, :45]),
+        pos[:, :45], enc.rotate_band, causal_offset=44,
+    )  # fmt: skip
+    torch.testing.assert_close(got, expected, **TOL64)
+
+
+def test_follow_keeps_prefix_views_and_drops_anything_else():
+    """transformers replaces a layer's key tensor on every change: a prefix view of the one
+    seen (crop) keeps that many rows; another tensor (reorder) or an in-place edit starts over."""
+    enc = _enc("string:window=8")
+    k = torch.randn(1, 2, 30, 16, dtype=torch.float64)
+    pos = torch.arange(30)[None]
+    memo = bands.RotatedKeys()
+    memo.rotate(k, [pos], enc.rotate_band)
+    memo.seen(k)
+    memo.follow(k[:, :, :20])
+    assert len(memo) == 20
+    memo.seen(k)
+    memo.follow(k.index_select(0, torch.tensor([0])))
+    assert len(memo) == 0
+    memo.rotate(k, [pos], enc.rotate_band)
+    memo.seen(k)
+    k.mul_(2)
+    memo.follow(k)
+    assert len(memo) == 0
+
+
+# ----------------------------------------------------------------------------- fallback
+def test_packed_rows_fall_back_to_the_reference_with_one_warning(monkeypatch):
+    monkeypatch.setattr(bands, "_FALLBACKS", set())
+    enc = _enc("self-extend:group=2,window=5")
+    q, k, v = _qkv(40, 40, B=1, seed=9)
+    positions = torch.cat((torch.arange(25), torch.arange(15)))[None]
+    with pytest.warns(RuntimeWarning, match="reference kernel: key positions decrease"):
+        got = banded_attention(q, k, v, enc.bands(positions, positions), positions,
+                               enc.rotate_band, causal_offset=0)  # fmt: skip
+    expected = banded_attention(q, k, v, enc.bands(positions, positions), positions,
+                                enc.rotate_band, causal_offset=0, kernel="reference")  # fmt: skip
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_a_bad_kernel_name_is_refused():
+    enc = _enc("string:window=8")
+    q, k, v = _qkv(4, 4, B=1)
+    pos = torch.arange(4)[None]
+    with pytest.raises(ValueError, match="kernel='flash' is not allowed; use one of fused"):
+        banded_attention(q, k, v, enc.bands(pos, pos), pos, enc.rotate_band, kernel="flash")
+    assert math.isfinite(float(_attend(enc, q, k, v, pos, "fused").sum()))
