@@ -4,6 +4,7 @@ through eval ppl, extend (positional, with the adapter loaded back), analyze and
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -135,3 +136,36 @@ def test_eval_extend_analyze_export_on_a_hf_folder(hf_folder, tmp_path, capsys):
     exported = json.loads((tmp_path / "exported" / "config.json").read_text())
     assert exported["rope_parameters"]["rope_type"] == "yarn"
     assert exported["rope_parameters"]["factor"] == 2
+
+
+def test_eval_in_bfloat16_records_its_dtype_and_is_never_reused_as_float32(hf_folder, tmp_path):
+    """--dtype casts the weights (not the encoding's parameters); the result says so, a
+    float32 rerun into the folder is refused naming the model, and the numbers differ from
+    float32's by bf16 rounding, not more."""
+    out = tmp_path / "ppl"
+    args = ["eval", "ppl", "--model", str(hf_folder), "--lengths", "32,64", "--tokens", "128"]
+    assert main([*args, "--dtype", "bfloat16", "--out", str(out)]) == 0
+    bf16 = json.loads((out / "ppl.json").read_text())
+    assert bf16["provenance"]["model"]["config"]["dtype"] == "torch.bfloat16"
+    assert main([*args, "--out", str(out)]) == 2  # refused: made in another dtype
+    assert main([*args, "--out", str(tmp_path / "f32")]) == 0
+    f32 = json.loads((tmp_path / "f32" / "ppl.json").read_text())
+    for a, b in zip(bf16["results"], f32["results"], strict=True):
+        assert a["perplexity"] != b["perplexity"]
+        assert abs(math.log(a["perplexity"] / b["perplexity"])) < 0.05
+
+
+def test_cast_keeps_the_encodings_parameters_in_their_dtype(hf_folder):
+    from ropekit.backbone import open_backbone
+
+    backbone = open_backbone(hf_folder)
+    backbone.set_encoding("adarope:init=yarn,factor=2")
+    backbone.cast(torch.bfloat16)
+    assert backbone.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float64 or p.dtype == torch.float32
+               for p in backbone.positional_parameters().values())  # fmt: skip
+    assert backbone.model.lm_head.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, backbone.vocab_size, (1, 40))
+    assert torch.isfinite(backbone.token_nll(ids, 16)).all()
+    with pytest.raises(ValueError, match=r"dtype=torch\.int8 is not allowed; allowed: float32"):
+        backbone.cast(torch.int8)

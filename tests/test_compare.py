@@ -102,6 +102,15 @@ def test_bad_configs_are_refused():
         CompareConfig("m", 64, ("rope",), seeds=(0, 0))
 
 
+def test_the_compute_dtype_is_part_of_the_config_only_when_it_is_not_float32():
+    """A field added after comparisons were committed keeps their provenance: at its default
+    it is left out of the config's JSON (so those folders stay resumable); set, it is in."""
+    assert "dtype" not in CompareConfig("m", 64, ("rope",)).to_dict()
+    assert CompareConfig("m", 64, ("rope",), dtype="bfloat16").to_dict()["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="dtype='int8' is not allowed; allowed: float32"):
+        CompareConfig("m", 64, ("rope",), dtype="int8")
+
+
 def test_single_documents_is_on_unless_turned_off():
     parse = build_parser().parse_args
     assert parse(["compare", "--out", "x"]).single_documents is None  # the config's default

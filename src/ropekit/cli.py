@@ -234,10 +234,28 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _dtype(p: argparse.ArgumentParser) -> None:
+    from ropekit.backbone import COMPUTE_DTYPES
+
+    p.add_argument(
+        "--dtype",
+        choices=tuple(COMPUTE_DTYPES),
+        default=None,
+        help="the model's compute dtype (its weights are cast; rotations are still formed in "
+        "float64, log-probabilities taken in float32; recorded in the result, so a result of "
+        "one dtype is never reused as another's) (default: as stored, float32)",
+    )
+
+
 def _load(args: argparse.Namespace):
     from ropekit.backbone import open_backbone
 
-    return open_backbone(args.model, adapter=args.adapter, trust_remote_code=args.trust_remote_code)
+    return open_backbone(
+        args.model,
+        adapter=args.adapter,
+        trust_remote_code=args.trust_remote_code,
+        dtype=getattr(args, "dtype", None),
+    )
 
 
 def _spec_of(backbone) -> str | None:
@@ -259,6 +277,7 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     kinds = p.add_subparsers(dest="kind", required=True, metavar="kind")
     ppl = kinds.add_parser("ppl", help="bits per byte / perplexity at several lengths")
     _model_args(ppl)
+    _dtype(ppl)
     fields = add_options(
         ppl,
         PerplexityConfig,
@@ -273,6 +292,7 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     for kind in ("needle", "passkey", "ruler"):
         q = kinds.add_parser(kind, help=f"{kind} accuracy over lengths (and depths)")
         _model_args(q)
+        _dtype(q)
         fields = add_options(
             q,
             EvalConfig,
@@ -308,6 +328,7 @@ def add_eval_probes(kinds: argparse._SubParsersAction) -> None:
         "every key is asked from the same cached prefix.",
     )
     _model_args(q)
+    _dtype(q)
     fields = add_options(q, ProbeConfig, required=("lengths",))
     _out(q, "folder for summary.json, figures and the resumable per-length stages")
     _overwrite(q, "recompute stages made with other settings or another model")
@@ -476,6 +497,7 @@ def add_search(sub: argparse._SubParsersAction) -> None:
         "(no training); writes a longrope adapter that export serves",
     )
     _model_args(p)
+    _dtype(p)
     fields = add_options(p, SearchConfig, required=("target_length",))
     _out(p, "folder for candidates.jsonl (resumable), adapter/ and search.json")
     _overwrite(p, "start again, replacing a search made of another model, data or config")
@@ -501,6 +523,7 @@ def _lengths_or_none(text: str) -> tuple[int, ...]:
 
 
 def add_compare(sub: argparse._SubParsersAction) -> None:
+    from ropekit.backbone import COMPUTE_DTYPES
     from ropekit.compare import CompareConfig, parse_methods
 
     p = sub.add_parser(
@@ -519,6 +542,7 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
         p,
         CompareConfig,
         parsers={"methods": parse_methods, "probe_lengths": _lengths_or_none},
+        choices={"dtype": tuple(COMPUTE_DTYPES)},
         help={"methods": "encoding specs, comma-separated (a spec's own options keep their "
               "commas: 'rope,yarn:factor=4,beta_fast=16,adarope:init=yarn')"},
         unset=True,

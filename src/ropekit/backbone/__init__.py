@@ -25,7 +25,7 @@ from .adapters import (
     save_lora,
     write_adapter,
 )
-from .base import Backbone, parameter_digest
+from .base import COMPUTE_DTYPES, Backbone, parameter_digest
 from .decoder import DecoderBackbone
 from .hf import HFBackbone
 from .kinds import as_backbone
@@ -34,6 +34,7 @@ from .load import is_decoder_dir, open_backbone
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
+    "COMPUTE_DTYPES",
     "LORA_CONFIG",
     "LORA_WEIGHTS",
     "AdapterError",

@@ -19,12 +19,13 @@ behind these methods:
   ``cache_length(cache)``, ``crop_cache(cache, length)`` (back to a prefix, so many questions
   share one prefill), ``token_nll(ids, chunk)``, ``group_prompts(prompts)``, ``eos_ids``,
   ``vocab_size``, ``forward_logits(ids)``;
+- ``cast(dtype)``: compute in float32, bfloat16 or float16 (the encoding's parameters kept);
 - ``describe()``: the JSON a result file carries about the model.
 
 Adapters (positional parameters and LoRA weights) are written and applied through the
 backbone in ``adapters.py``; models are opened in ``load.py``.
 
-Holds: Backbone, parameter_digest.
+Holds: Backbone, parameter_digest, COMPUTE_DTYPES.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from torch import Tensor, nn
 
 from ropekit.data.tokenizers import Tokenizer, tokenizer_identity
 from ropekit.encodings import PositionEncoding
+
+# The compute dtypes a model can be scored in (``Backbone.cast``; ``--dtype`` on the command line).
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parameter_digest(tensors: Mapping[str, Tensor]) -> str:
@@ -184,6 +188,39 @@ class Backbone(abc.ABC):
         time, so only one block's full weights exist at once."""
 
     # ------------------------------------------------------------------ scoring
+    def cast(self, dtype: torch.dtype) -> None:
+        """Compute in ``dtype``: every floating weight and buffer of the model is cast, except
+        the encoding's (positional parameters stay in the dtype they train in; rotation angles
+        are formed in float64 and cast to the activations' dtype at use). The weights digest
+        (``identity``) then differs, so a result scored in one dtype is never reused as
+        another's."""
+        if dtype not in COMPUTE_DTYPES.values():
+            allowed = ", ".join(COMPUTE_DTYPES)
+            raise ValueError(f"dtype={dtype} is not allowed; allowed: {allowed}")
+        encoding = self.encoding
+        keep = set() if encoding is None else {id(t) for t in encoding.parameters()}
+        keep |= set() if encoding is None else {id(t) for t in encoding.buffers()}
+        with torch.no_grad():
+            for module in self.model.modules():
+                for store in (module._parameters, module._buffers):
+                    for name, t in store.items():
+                        if t is None or id(t) in keep or not t.is_floating_point():
+                            continue
+                        if t.dtype != dtype:
+                            if isinstance(t, nn.Parameter):
+                                t.data = t.data.to(dtype)
+                            else:
+                                store[name] = t.to(dtype)
+        self._digest = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: that of the backbone's floating weights."""
+        for t in self.backbone_parameters().values():
+            if t.is_floating_point():
+                return t.dtype
+        return torch.float32
+
     @property
     def device(self) -> torch.device:
         param = next(self.model.parameters(), None)

@@ -1,8 +1,9 @@
 """Open any model ropekit works on.
 
-- ``open_backbone(path_or_name, adapter=None)``: a ropekit decoder folder (or a run folder
-  holding one in ``model/``), a local Hugging Face folder, or an installed known model such as
-  ``smollm2-135m``; in eval mode, optionally with an adapter on top.
+- ``open_backbone(path_or_name, adapter=None, dtype=None)``: a ropekit decoder folder (or a run
+  folder holding one in ``model/``), a local Hugging Face folder, or an installed known model
+  such as ``smollm2-135m``; in eval mode, optionally with an adapter on top and cast to a
+  compute dtype.
 Holds: open_backbone, is_decoder_dir.
 """
 
@@ -17,7 +18,7 @@ from ropekit.hf.models import load_model, resolve_model
 from ropekit.model import load_decoder
 
 from .adapters import load_adapter
-from .base import Backbone
+from .base import COMPUTE_DTYPES, Backbone
 from .kinds import as_backbone
 
 
@@ -36,9 +37,13 @@ def open_backbone(
     *,
     adapter: str | os.PathLike[str] | None = None,
     trust_remote_code: bool = False,
+    dtype: str | None = None,
 ) -> Backbone:
-    """The model and its tokenizer, in eval mode, with ``adapter`` loaded when given;
+    """The model and its tokenizer, in eval mode, with ``adapter`` loaded when given, cast
+    to ``dtype`` (a ``COMPUTE_DTYPES`` name; None: as stored) after it (``Backbone.cast``);
     ``backbone.source`` is the folder the model came from."""
+    if dtype is not None and dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not allowed; allowed: {', '.join(COMPUTE_DTYPES)}")
     path = Path(path_or_name)
     for candidate in (path, path / "model"):
         if is_decoder_dir(candidate):
@@ -53,4 +58,6 @@ def open_backbone(
         backbone.source = folder
     if adapter is not None:
         load_adapter(backbone, adapter)
+    if dtype is not None:
+        backbone.cast(COMPUTE_DTYPES[dtype])
     return backbone

@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ropekit.backbone import COMPUTE_DTYPES
 from ropekit.encodings import names as encoding_names
 from ropekit.evals.probes import ProbeConfig, probe_task
 
@@ -76,6 +77,7 @@ class CompareConfig:
     # smallest lead in last-quarter NLL at N (nats/token) called resolved: 0.005 = 0.5% ppl
     min_difference: float = 0.005
     seed: int = 0  # picks the evaluation spans and the retrieval haystacks and needles
+    dtype: str = "float32"  # the compute dtype every method is scored in (training: float32)
 
     def __post_init__(self) -> None:
         for name in ("methods", "seeds", "eval_data", "lrs"):
@@ -133,6 +135,10 @@ class CompareConfig:
             )
         if self.pose_window is not None and not self.pose:
             raise ValueError("pose_window applies only with pose=True (--pose)")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"dtype={self.dtype!r} is not allowed; allowed: {', '.join(COMPUTE_DTYPES)}"
+            )
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -156,9 +162,18 @@ class CompareConfig:
         )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON values, for files and provenance. A field added after
+        comparisons were run is left out at its default (``_ADDED``), which is what those
+        comparisons did: their folders stay resumable and their results keep matching."""
         return {
-            k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()
+            k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in dataclasses.asdict(self).items()
+            if k not in _ADDED or v != _ADDED[k]
         }
+
+
+# Fields added after committed comparisons were made, with the default those comparisons ran at.
+_ADDED: dict[str, Any] = {"dtype": "float32"}
 
 
 def from_file(path: str | Path, **overrides: Any) -> CompareConfig:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ropekit.backbone import Backbone, open_backbone
+from ropekit.backbone import COMPUTE_DTYPES, Backbone, open_backbone
 from ropekit.data import heldout_stream, make_train_dataset
 from ropekit.data.streams import TokenStream
 from ropekit.evals import (
@@ -148,6 +148,7 @@ class _Comparison:
             extend(backbone, config, folder, resume=True, command=self.command, log=self.log)
 
         self._timed(f"train {folder.relative_to(self.out)}", run)
+        backbone.cast(COMPUTE_DTYPES[c.dtype])  # trained in float32, scored in the config's dtype
         return backbone
 
     def selection_nll(self, backbone: Backbone, seed: int) -> float:

@@ -17,22 +17,30 @@ rotation of q and one of k cannot express it. Every such method is a small numbe
 
 (ReRoPE: a near band d < w at true positions and a far band at clipped distance; Self-Extend:
 neighbours and groups; DCA: intra-, successive- and inter-chunk; STRING: near and shifted.)
-Plain RoPE is one band covering every key. ``banded_attention`` computes this exactly, block
-by block over query rows: per block and band the ordinary q k^T on the band's keys, the
-logits of each pair taken from the band that covers it, then one softmax over the block's
-row (the selected-logits form of an exact log-sum-exp merge). No (T, S) tensor per head ever
-exists: a block holds at most ``block_entries`` logits (by default as many as q has
-entries). Keys are rotated once per band for the whole sequence (once per distinct key
-positions: what a cache of unrotated keys needs anyway), queries per block. With autograd
-each block is recomputed in the backward (``torch.utils.checkpoint``), so the backward keeps
-no logits either.
+Plain RoPE is one band covering every key. ``banded_attention`` computes this exactly with
+one of two kernels, held together by tests (house style of ``rotary.py``):
+
+- ``fused`` (default, ``bands_fused``): each band's keys for a block of query rows are at most
+  a few contiguous *pieces*, each one call of PyTorch's fused attention kernel returning its
+  log-sum-exp, merged exactly by log-sum-exp; about the cost of one causal attention;
+- ``reference``: block by block over query rows, per block and band the ordinary q k^T on the
+  band's keys, the logits of each pair taken from the band that covers it, then one softmax
+  over the block's row (the selected-logits form of an exact log-sum-exp merge). A block holds
+  at most ``block_entries`` logits (by default as many as q has entries); with autograd each
+  block is recomputed in the backward (``torch.utils.checkpoint``). It runs wherever the
+  fused one cannot (another device, packed documents), with one warning.
+
+No (T, S) tensor per head ever exists in either. Keys are rotated once per band for the whole
+sequence (once per distinct key positions: what a cache of unrotated keys needs anyway); a KV
+cache keeps them rotated between calls (``RotatedKeys``), so a decoding step rotates only its
+new keys.
 
 Band membership is decided on the *true* key positions (those the KV cache keeps), the
 masks of the caller (causal, documents, padding) are applied on top, so packed and padded
 rows work as in ordinary attention. Positions may be fractional (Leaky ReRoPE's P / k):
 rotations are formed in float64 from any real position.
 
-Holds: Band, band_membership, banded_attention, BLOCK_ENTRIES.
+Holds: Band, band_membership, RotatedKeys, banded_attention, KERNELS, BLOCK_ENTRIES.
 """
 
 from __future__ import annotations
