@@ -911,8 +911,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     warnings.formatwarning = _one_line_warning
     try:
+        from ropekit.allocator import bound_resident_memory
         from ropekit.outdir import exit_on_sigterm
 
+        bound_resident_memory()  # freed activations leave the process (ropekit.allocator)
         with _report_here(), exit_on_sigterm(), _holding_out(args):
             return args.func(args)
     except BrokenPipeError:
