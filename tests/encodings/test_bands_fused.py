@@ -271,25 +271,31 @@ def test_caller_masks_padding_and_additive_agree_with_the_reference():
 
 # ----------------------------------------------------------------------------- decoding
 @pytest.mark.parametrize("spec", LONG)
-def test_cached_decoding_with_rotated_keys_equals_one_call(spec):
+def test_cached_decoding_with_rotated_keys_equals_one_call_over_each_prefix(spec):
     """Token by token and in chunks over a growing cache, with the rotated-key memo the KV
-    caches keep: each step equals the rows of one call over the whole sequence."""
+    caches keep: each step equals the last rows of one call over the prefix it has seen (for
+    a static remap the rows of one call over the whole sequence too; the length-following
+    ones, DCA's scale and STRING's shift, follow the prefix's length)."""
     enc = _enc(spec)
     T = 150
     q, k, v = _qkv(T, T, seed=7)
     positions = torch.arange(T)[None] + torch.tensor([[0], [3]])
     whole = _attend(enc, q, k, v, positions, "fused", 32)
     for steps in ([1] * 20, [37, 1, 1, 50, 2]):
-        memo, start, outs = bands.RotatedKeys(), 70, []
-        prefix = _attend(enc, q[:, :, :start], k[:, :, :start], v[:, :, :start],
-                         positions[:, :start], "fused", 32, memo=memo)  # fmt: skip
-        outs.append(prefix)
+        memo, start = bands.RotatedKeys(), 70
+        _attend(enc, q[:, :, :start], k[:, :, :start], v[:, :, :start], positions[:, :start],
+                "fused", 32, memo=memo)  # fmt: skip
         for n in steps:
             stop = start + n
-            outs.append(_attend(enc, q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop],
-                                positions[:, :stop], "fused", 32, memo=memo))  # fmt: skip
+            got = _attend(enc, q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop],
+                          positions[:, :stop], "fused", 32, memo=memo)  # fmt: skip
+            prefix = _attend(enc, q[:, :, :stop], k[:, :, :stop], v[:, :, :stop],
+                             positions[:, :stop], "reference")  # fmt: skip
+            torch.testing.assert_close(got, prefix[:, :, start:], **TOL64)
+            if not enc.dynamic:
+                torch.testing.assert_close(got, whole[:, :, start:stop], **TOL64)
             start = stop
-        torch.testing.assert_close(torch.cat(outs, 2), whole[:, :, :start], **TOL64)
+    assert enc.dynamic == (spec in ("dca", "dca:chunk_size=40,local_size=8", "string:window=8"))
 
 
 def test_rotated_keys_rotate_only_new_keys_and_forget_what_changed():

@@ -124,6 +124,21 @@ def _logn(L0: int):
     return lambda p: (torch.log((p + 1).double()) / math.log(L0)).clamp(min=1)
 
 
+def _constant(factor: float):
+    """A logit factor for every query (the call's own, as the authors' scales are)."""
+    return lambda p: torch.full(p.shape, factor, dtype=torch.float64)
+
+
+# The authors' logit scales, written from their code for a call over L = 45 keys (positions
+# up to 44, _inputs): ChunkLlama multiplies the cos and sin of q and k by 0.05 ln(L / L0) + 1
+# (get_mscale, L > L0), vLLM's dual-chunk backend the keys and the softmax scale by
+# max(0.1 ln(L / L0) + 1, 1); STRING the cos and sin of q and k by 0.1 ln 2 + 1.
+L = 45
+CHUNKLLAMA_16 = (0.05 * math.log(L / 16) + 1) ** 2
+VLLM_16 = max(0.1 * math.log(L / 16) + 1, 1) ** 2
+STRING_FACTOR = (0.1 * math.log(2) + 1) ** 2
+
+
 CASES = [
     ("rerope:window=6", rerope_distance(6, None), None),
     ("rerope:window=6,leaky=3", rerope_distance(6, 3), None),
@@ -131,17 +146,28 @@ CASES = [
     ("rerope:window=7,init=linear,factor=2", rerope_distance(7, None), None),
     ("self-extend:group=3,window=7", self_extend_distance(3, 7), None),  # W not a multiple of G
     ("self-extend:group=4,window=8,init=ntk,factor=2", self_extend_distance(4, 8), None),
-    ("dca:chunk_size=12,local_size=3", dca_distance(12, 3), None),
-    ("dca:chunk_size=10,local_size=0", dca_distance(10, 0), None),
-    ("dca:original_length=16", dca_distance(12, 1), None),  # ChunkLlama's defaults: 3/4, 1/16
-    ("dca:chunk_size=13,local_size=9", dca_distance(13, 9), None),  # 2c - 1 < chunk_size
+    ("dca:chunk_size=12,local_size=3,scale=none", dca_distance(12, 3), None),
+    ("dca:chunk_size=10,local_size=0,scale=none", dca_distance(10, 0), None),
+    # ChunkLlama's defaults: chunk 3 L0 / 4, local L0 / 8, its q and k scale beyond L0
+    ("dca:original_length=16", dca_distance(12, 2), _constant(CHUNKLLAMA_16)),
+    ("dca:original_length=16,scale=vllm", dca_distance(12, 2), _constant(VLLM_16)),
+    ("dca:original_length=16,local_size=1,scale=none", dca_distance(12, 1), None),  # 1st release
+    ("dca:chunk_size=13,local_size=9,scale=none", dca_distance(13, 9), None),  # 2c - 1 < chunk
     (
         "dca:chunk_size=12,local_size=2,init=yarn,factor=2,original_length=16",
         dca_distance(12, 2),
+        _constant(CHUNKLLAMA_16),
+    ),
+    ("string:shift=9,window=3,scale=none", string_distance(9, 3), None),
+    ("string:shift=9,window=3", string_distance(9, 3), _constant(STRING_FACTOR)),
+    # S = int(0.33 L0) (ropekit's first STRING) and S = int(0.33 L) (the authors': L = 45)
+    (
+        "string:original_length=30,window=2,shift_of=original,scale=none",
+        string_distance(9, 2),
         None,
     ),
-    ("string:shift=9,window=3", string_distance(9, 3), None),
-    ("string:original_length=30,window=2", string_distance(9, 2), None),  # S = int(0.33 L0)
+    ("string:window=2", string_distance(14, 2), _constant(STRING_FACTOR)),
+    ("string:window=2,shift_ratio=0.5", string_distance(22, 2), _constant(STRING_FACTOR)),
 ]
 
 
@@ -187,11 +213,13 @@ def _plain(spec: str, q, k, v, positions):
         ("rerope:window=3,leaky=1,logn=true,original_length=64", "rope"),  # log-n <= 1 inside L0
         ("self-extend:group=1,window=5", "rope"),
         ("self-extend:group=4,window=45,init=linear,factor=2", "linear:factor=2"),
-        ("dca:chunk_size=50,local_size=5", "rope"),  # one chunk covers positions 0..44
-        ("string:shift=45,window=8", "rope"),
-        ("string:shift=6,window=6", "rope"),  # W = S
+        ("dca:chunk_size=50,local_size=5,scale=none", "rope"),  # one chunk: positions 0..44
+        ("dca:chunk_size=50,local_size=5,original_length=64", "rope"),  # and L <= L0: no scale
+        ("string:shift=45,window=8,scale=none", "rope"),
+        ("string:shift=6,window=6,scale=none", "rope"),  # W = S
+        ("string:window=16,scale=none", "rope"),  # int(0.33 L) = 14 < W: S = W, the identity
         (
-            "string:shift=50,window=8,init=yarn,factor=2,original_length=16",
+            "string:shift=50,window=8,init=yarn,factor=2,original_length=16,scale=none",
             "yarn:factor=2,original_length=16",
         ),
     ],
@@ -260,7 +288,7 @@ def test_packed_rows_fall_back_to_full_key_ranges_and_stay_exact():
 
 
 def test_rows_that_see_no_key_give_zeros_not_nan():
-    enc = build("string:shift=4,window=2", **SHAPE)
+    enc = build("string:shift=4,window=2,scale=none", **SHAPE)
     q, k, v, positions = (t.float() if t.is_floating_point() else t for t in _inputs(5, B=1))
     mask = torch.ones(T, T, dtype=torch.bool).tril()
     mask[:3] = False  # three padding rows
@@ -340,9 +368,14 @@ def test_self_extend_llama_cpp_mode_matches_llama_cpp_group_attention(G, W):
         ("self-extend:group=0", ["group", ">= 1"]),
         ("self-extend:mode=vllm", ["mode", "paper", "llama.cpp"]),
         ("self-extend:group=3,window=8,mode=llama.cpp", ["multiple", "grp-attn"]),
-        ("dca", ["chunk_size is required"]),
-        ("dca:chunk_size=8,local_size=8", ["local_size", "[0, chunk_size=8)"]),
-        ("string", ["shift is required"]),
+        ("dca:scale=none", ["chunk_size is required"]),
+        ("dca", ["original_length is required for dca with scale=chunkllama", "scale=none"]),
+        ("dca:chunk_size=8,local_size=8,scale=none", ["local_size", "[0, chunk_size=8)"]),
+        ("dca:original_length=16,scale=yarn", ["scale", "chunkllama", "vllm", "none"]),
+        ("string:shift_of=original", ["shift is required"]),
+        ("string:shift_of=l0", ["shift_of", "length", "original"]),
+        ("string:shift_ratio=1.5", ["shift_ratio", "(0, 1]"]),
+        ("string:scale=yes", ["scale", "authors", "none"]),
         ("string:shift=4,window=5", ["window", "shift=4"]),
         ("dca:chunk_size=8,init=dynamic-ntk", ["init", "rope", "yarn"]),
         ("string:shift=8,original_length=16,init=yarn,factor=2,bogus=1", ["bogus", "shift"]),
@@ -361,8 +394,11 @@ def test_bad_remap_specs_name_the_problem(spec, words):
         "rerope:window=512,leaky=16",
         "self-extend:group=16,window=2048,mode=llama.cpp",
         "dca:original_length=32768",
-        "dca:chunk_size=262144,local_size=8192,base=10000000",  # Qwen2.5-1M's config
+        "dca:original_length=32768,scale=vllm,local_size=2048",
+        "dca:chunk_size=262144,local_size=8192,base=10000000,scale=none",  # Qwen2.5-1M's config
         "string:original_length=131072,init=yarn,factor=2",
+        "string:original_length=131072,shift_of=original,scale=none",
+        "string:shift=200,shift_ratio=0.5",
     ],
 )
 def test_remap_specs_round_trip(spec):
@@ -374,11 +410,14 @@ def test_context_supplies_the_original_length_defaults_derive_from():
     """A patched model supplies L0; the defaults follow it and the spec then records L0, so
     the spec rebuilds the same encoding without the model."""
     dca = build("dca", **SHAPE, original_length=4096)
-    assert (dca.config.chunk_size, dca.config.local_size) == (3072, 256)
-    assert dca.spec == "dca:original_length=4096"
-    string = build("string", **SHAPE, original_length=131072)
+    assert (dca.config.chunk_size, dca.config.local_size) == (3072, 512)  # 3/4, 1/8 of L0
+    assert dca.spec == "dca:original_length=4096,scale=chunkllama"
+    string = build("string:shift_of=original", **SHAPE, original_length=131072)
     assert string.config.shift == 43253  # the authors' README: 131072 * 0.33
-    yarn_based = build("string:init=yarn,factor=2,window=8", **SHAPE, original_length=64)
+    assert build("string", **SHAPE, original_length=131072).config.shift_at(131072) == 43253
+    yarn_based = build(
+        "string:init=yarn,factor=2,window=8,shift_of=original", **SHAPE, original_length=64
+    )
     assert yarn_based.config.shift == 21 and yarn_based.config.schedule.original_length == 64
     assert build(yarn_based.spec, **SHAPE).config == yarn_based.config
     assert (

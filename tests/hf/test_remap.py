@@ -27,9 +27,13 @@ REMAPS = [
     "rerope:window=6,logn=true",  # log-n scaling by ln L0 = ln 32, from the model's config
     "self-extend:group=4,window=8",
     "self-extend:group=2,window=8,mode=llama.cpp",
-    "dca:chunk_size=12,local_size=4",
-    "string:shift=10,window=3",
+    "dca:chunk_size=12,local_size=4,scale=none",  # the positions alone: static remaps
+    "string:shift=10,window=3,scale=none",
+    "string:shift=10,window=3",  # the authors' logit scale: constant, still static
 ]
+# The authors' length-following variants (DCA's logit scale beyond L0, STRING's shift of
+# 0.33 x the length attended): cached decoding is exact per layer, as for dynamic schedules.
+FOLLOWING = ["dca:chunk_size=12,local_size=4", "string:window=3"]
 
 
 def _ids(batch: int, length: int, seed: int = 3) -> torch.Tensor:
@@ -87,8 +91,8 @@ def test_eager_and_sdpa_agree_on_every_architecture(arch: str) -> None:
     [
         "rerope:window=64",
         "self-extend:group=1,window=4",
-        "dca:chunk_size=80,local_size=8",
-        "string:shift=64,window=8",
+        "dca:chunk_size=80,local_size=8,scale=none",
+        "string:shift=64,window=8,scale=none",
     ],
 )
 def test_identity_remaps_leave_the_models_own_logits(spec: str) -> None:
@@ -209,3 +213,30 @@ def test_remap_and_mixed_specs_round_trip_through_a_patched_model() -> None:
         again = patch(model, encoding.spec)
         assert again.config == encoding.config, spec
     assert encoding_of(model).original_length == L0 and own.startswith("rope")
+
+
+@pytest.mark.parametrize("spec", FOLLOWING)
+def test_length_following_remaps_decode_as_full_forwards_with_one_layer(spec: str) -> None:
+    """One layer (the layer inputs carry no position): every step equals a full forward at
+    that step's length, past L0 = 32, where DCA's scale and STRING's shift move."""
+    model = _patched("llama", spec, num_hidden_layers=1)
+    assert encoding_of(model).dynamic
+    prompt = _ids(2, 26)
+    tokens, logits = greedy_cached(model, prompt, 14)
+    _assert_same_steps(logits, [last_logits(model, tokens[:, : 26 + i]) for i in range(14)])
+
+
+@pytest.mark.parametrize("spec", FOLLOWING)
+def test_length_following_remaps_every_layer_attends_as_at_the_final_length(spec: str) -> None:
+    model = _patched("qwen2", spec)
+    hidden = torch.randn(
+        2, 44, model.config.hidden_size, generator=torch.Generator().manual_seed(9)
+    )
+    for attn in (layer.self_attn for layer in model.model.layers):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            attn(hidden[:, :30], position_ids=torch.arange(30)[None], cache=cache)
+            for t in range(30, 44):
+                step, _ = attn(hidden[:, t : t + 1], position_ids=torch.tensor([[t]]), cache=cache)
+                full, _ = attn(hidden[:, : t + 1], position_ids=torch.arange(t + 1)[None])
+                torch.testing.assert_close(step[:, -1], full[:, -1], atol=ATOL, rtol=0)

@@ -56,6 +56,8 @@ def test_the_cache_keeps_unrotated_keys(name):
 
 @pytest.mark.parametrize("name", sorted(REMAPS))
 def test_remaps_are_in_effect_past_their_windows_and_absent_inside(name):
+    """(The tiny specs are the positional variants, scale=none: the authors' DCA and STRING
+    scales change every logit, inside the window too.)"""
     model = tiny_model(SPECS[name])
     plain = tiny_model("rope")
     plain.load_state_dict(model.state_dict())

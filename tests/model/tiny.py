@@ -34,8 +34,8 @@ SPECS = {
     "mixed": "mixed:method=adarope,init=yarn,factor=4",  # rope within 8 tokens, AdaRoPE beyond
     "rerope": "rerope:window=5,leaky=2",
     "self-extend": "self-extend:group=2,window=4",
-    "dca": "dca:chunk_size=6,local_size=2",
-    "string": "string:shift=5,window=2",
+    "dca": "dca:chunk_size=6,local_size=2,scale=none",  # the positions alone: a static remap
+    "string": "string:shift=5,window=2,scale=none",
 }
 
 # Length-following schedules: keys are cached unrotated and re-rotated every step.

@@ -146,7 +146,7 @@ class RotatedKeys:
             base is not None
             and keys.data_ptr() == ptr
             and keys.stride() == stride
-            and keys._version == version
+            and _version(keys) == version
             and keys.shape[:2] == base.shape[:2]
             and keys.shape[-2] <= base.shape[-2]
         )
@@ -157,7 +157,7 @@ class RotatedKeys:
 
     def seen(self, keys: Tensor) -> None:
         """After the cache's update: ``keys`` is what it holds now (for ``follow``)."""
-        self._source = (weakref.ref(keys), keys.data_ptr(), keys._version, keys.stride())
+        self._source = (weakref.ref(keys), keys.data_ptr(), _version(keys), keys.stride())
 
     def rotate(
         self,
@@ -193,6 +193,12 @@ class RotatedKeys:
             out.append(buffer[:, :, :S])  # (B, K, S, D)
         self._slots = slots
         return tuple(out)
+
+
+def _version(t: Tensor) -> int | None:
+    """A tensor's version counter; None for inference tensors, which keep none (in-place edits
+    of those go unseen: transformers' caches replace their key tensor rather than edit it)."""
+    return None if t.is_inference() else t._version
 
 
 def _key_ranges(

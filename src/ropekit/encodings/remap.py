@@ -22,20 +22,36 @@ keys at other positions in a few bands:
   as it grows: keys of completed blocks sit at floor(j / G), the query and the keys of its own
   block continue from floor(i / W) * W / G (docs/decisions.md has the check).
 - DCA, dual chunk attention (An et al. 2024, "Training-Free Long-Context Scaling of Large
-  Language Models", HKUNLP/ChunkLlama; Qwen2.5-1M's ``dual_chunk_attention_config`` names its
-  parameters ``chunk_size`` and ``local_size``): chunks of c = chunk_size - local_size tokens;
+  Language Models", HKUNLP/ChunkLlama): chunks of c = chunk_size - local_size tokens;
   keys at j mod c; queries at i mod c for keys of their own chunk (intra), at
   min(i mod c + c, chunk_size) for the previous chunk (successive: exact distances for the
   first local_size rows of a chunk), at min(2c - 1, chunk_size) for older chunks (inter).
-  Every distance stays <= chunk_size. Defaults from ChunkLlama: chunk_size = 3 L0 / 4,
-  local_size = L0 / 16.
+  Every distance stays <= chunk_size. Defaults as ChunkLlama runs it now
+  (chunkllama_attn_replace.py, replace_with_chunkllama): chunk_size = 3 L0 / 4, local_size =
+  L0 / 8 (its first release: L0 / 16), and the cos and sin of q and k times
+  0.05 ln(L / L0) + 1 beyond L0 (get_mscale), L the keys attended, so logits times its square
+  (``scale=chunkllama``); ``scale=vllm`` is vLLM's dual-chunk backend
+  (vllm/attention/backends/dual_chunk_flash_attn.py: keys and the softmax scale times
+  max(0.1 ln(L / L0) + 1, 1) in a prefill of L tokens), ``scale=none`` the positions alone.
+  Qwen2.5-1M's ``dual_chunk_attention_config`` names chunk_size and local_size the same way.
 - STRING (An et al. 2025, ICLR, "Why Does the Effective Context Length of LLMs Fall Short?",
   HKUNLP/STRING): d' = d for d < S, else d - S + W: the well-trained small distances are
   shifted over the rarely trained large ones, W restoring locality at the seam. Far band with
-  queries at i - S + W. Defaults from the authors' code: S = int(0.33 L0), W = 128.
+  queries at i - S + W. Defaults as the authors run it: S = int(0.33 L) with L the length
+  attended (niah/test_niah_llama.py, ruler/test_ruler_llama.py: 0.33 of the test length;
+  ``shift_of=original``: 0.33 L0, ropekit's first STRING), W = 128, and the cos and sin of q
+  and k times 0.1 ln 2 + 1 (string_for_llama.py, replace_with_string: attention_factor), so
+  logits times 1.143 (``scale=authors``; ``scale=none`` without).
+
+DCA's scale and STRING's default shift follow the length attended, L = the last key position
++ 1 of the call (the rule of length-following schedules): such an encoding is ``dynamic``, so
+a cached step is exact per layer and scoring takes one forward per window. Their specs always
+name the variant (``scale=``, ``shift_of=``); a DCA or STRING spec without them was written
+before the authors' variants existed and meant the positions alone (local_size L0 / 16,
+S = int(0.33 L0)).
 
 Where the remap is the identity (sequences shorter than w, W, the chunk length or S; G = 1;
-k = 1; W = S) each equals its base schedule exactly.
+k = 1; W = S) each equals its base schedule to round-off (DCA and STRING with ``scale=none``).
 
 ``rotate_q`` / ``rotate_k`` rotate at the true positions (the identity band): attention that
 does not read ``bands`` would compute the base schedule, so integrations check
@@ -151,6 +167,12 @@ class RemapConfig(EncodingConfig):
     def base_schedule(self) -> RopeConfig:
         return self.schedule
 
+    @property
+    def length_following(self) -> bool:
+        """Whether the bands depend on the length of the sequence attended (not only on each
+        pair's positions)."""
+        return False
+
     def extension(self) -> Extension:
         inner = self.schedule.extension()
         return Extension(inner.base, inner.factor, self.original_length)
@@ -203,23 +225,59 @@ class SelfExtendConfig(RemapConfig):
             )
 
 
+# DCA's logit scale beyond L0 as a function of L / L0 (L: the keys a call attends over, its last
+# key position + 1); q and k each carry the factor, so logits carry its square.
+#   chunkllama: HKUNLP/ChunkLlama chunkllama_attn_replace.py, get_mscale (cos and sin of q and k
+#               times 0.05 ln(L / L0) + 1, none at L <= L0);
+#   vllm: vLLM's dual-chunk backend (vllm/attention/backends/dual_chunk_flash_attn.py: keys and
+#         the softmax scale times max(0.1 ln(L / L0) + 1, 1) in a prefill of L tokens);
+#   none: ropekit's first DCA (the paper's positions alone).
+DCA_SCALES = ("chunkllama", "vllm", "none")
+
+
+def dca_logit_scale(rule: str, length: int, original_length: int) -> float:
+    """The factor on every logit of a DCA call over ``length`` keys (``DCA_SCALES``)."""
+    ratio = length / original_length
+    if rule == "chunkllama":
+        m = 1.0 if ratio <= 1 else 0.05 * math.log(ratio) + 1.0
+    elif rule == "vllm":
+        m = max(0.1 * math.log(ratio) + 1.0, 1.0)
+    else:
+        m = 1.0
+    return m * m
+
+
 @dataclasses.dataclass(frozen=True)
 class DCAConfig(RemapConfig):
-    """Dual chunk attention (An et al. 2024); parameter names as Qwen2.5-1M's config."""
+    """Dual chunk attention (An et al. 2024), as ChunkLlama runs it by default: chunk_size
+    3 L0 / 4, local_size L0 / 8, q and k scaled by 0.05 ln(L / L0) + 1 beyond L0 (``scale``;
+    the module docstring cites each). Qwen2.5-1M's ``dual_chunk_attention_config`` uses the
+    same names for chunk_size and local_size. The spec always names ``scale``: a DCA spec
+    written before the scale existed (no ``scale=``) was the first release's positions with
+    local_size L0 / 16 and no scale."""
 
     name: ClassVar[str] = "dca"
     chunk_size: int | None = None  # tokens; the largest distance seen; default 3 L0 / 4
-    local_size: int | None = None  # tokens; chunk length = chunk_size - local_size; L0 / 16
+    # tokens; chunk length = chunk_size - local_size; default L0 / 8 (ChunkLlama's current
+    # replace_with_chunkllama; its first release: L0 / 16)
+    local_size: int | None = None
+    scale: str = "chunkllama"  # logit scale beyond L0: chunkllama, vllm or none (DCA_SCALES)
 
     def _defaults(self) -> dict[str, Any]:
         if self.original_length is None:
             return {}
         return {
             "chunk_size": self.original_length * 3 // 4,
-            "local_size": self.original_length // 16,
+            "local_size": self.original_length // 8,
         }
 
     def _resolve(self) -> None:
+        check_choice("scale", self.scale, DCA_SCALES)
+        if self.scale != "none" and self.original_length is None:
+            raise ValueError(
+                f"original_length is required for dca with scale={self.scale} (it scales logits "
+                "by ln(L / L0)); give it (a model supplies it when patched), or scale=none"
+            )
         for name in ("chunk_size", "local_size"):
             if getattr(self, name) is None:
                 self._require_length(name)
@@ -233,36 +291,84 @@ class DCAConfig(RemapConfig):
                 f"[0, chunk_size={self.chunk_size})"
             )
 
+    def options(self) -> dict[str, Any]:
+        return {**super().options(), "scale": self.scale}  # the variant, always said
+
+    @property
+    def length_following(self) -> bool:
+        return self.scale != "none"
+
     @property
     def chunk_len(self) -> int:
         """c: the tokens in one chunk."""
         return self.chunk_size - self.local_size
 
 
+# STRING's shift S when no ``shift`` is given: int(shift_ratio x L) with L the length of the
+# sequence attended (the authors' scripts: S = int(0.33 x test length), HKUNLP/STRING
+# niah/test_niah_llama.py and ruler/test_ruler_llama.py) or L0 (ropekit's first STRING).
+STRING_SHIFTS = ("length", "original")
+# STRING's scale: the authors' Llama and Qwen2 code multiplies cos and sin by 0.1 ln 2 + 1
+# (HKUNLP/STRING string_for_llama.py, replace_with_string: attention_factor), so every logit
+# by its square, 1.143; none: ropekit's first STRING.
+STRING_SCALES = {"authors": 0.1 * math.log(2) + 1.0, "none": 1.0}
+
+
 @dataclasses.dataclass(frozen=True)
 class StringConfig(RemapConfig):
-    """STRING (An et al. 2025): distances >= shift are shifted down by shift - window."""
+    """STRING (An et al. 2025): distances >= S are shifted down by S - W, as the authors run
+    it by default: S = int(0.33 x the length attended), cos and sin x (0.1 ln 2 + 1)
+    (``shift_of``, ``scale``; the module docstring cites each). The spec always names both: a
+    STRING spec written before they existed was S = int(0.33 L0) with no scale."""
 
     name: ClassVar[str] = "string"
-    shift: int | None = None  # S (tokens): distances >= S become d - S + W; default int(0.33 L0)
+    shift: int | None = None  # S (tokens): distances >= S become d - S + W; None: shift_of's rule
+    shift_ratio: float = 0.33  # S / L when shift is not given (the authors' 0.33)
+    shift_of: str = "length"  # L: the sequence attended (the authors'), or original (L0)
     window: int = 128  # W (tokens): the local window kept at the seam (authors' 128)
+    scale: str = "authors"  # logits x (0.1 ln 2 + 1)^2 (authors), or none (STRING_SCALES)
 
     def _defaults(self) -> dict[str, Any]:
-        if self.original_length is None:
+        if self.original_length is None or self.shift_of != "original":
             return {}
-        return {"shift": int(0.33 * self.original_length)}
+        return {"shift": int(self.shift_ratio * self.original_length)}
 
     def _resolve(self) -> None:
-        if self.shift is None:
+        check_choice("shift_of", self.shift_of, STRING_SHIFTS)
+        check_choice("scale", self.scale, tuple(STRING_SCALES))
+        if not (isinstance(self.shift_ratio, float | int) and 0 < self.shift_ratio <= 1):
+            raise ValueError(
+                f"shift_ratio={self.shift_ratio!r} is not allowed; it must lie in (0, 1]"
+            )
+        _positive_int("window", self.window)
+        if self.shift is None and self.shift_of == "original":
             self._require_length("shift")
             object.__setattr__(self, "shift", self._defaults()["shift"])
-        _positive_int("shift", self.shift)
-        _positive_int("window", self.window)
-        if self.window > self.shift:
-            raise ValueError(
-                f"window={self.window} is not allowed; it must not exceed shift={self.shift} "
-                "(window = shift is the identity)"
-            )
+        if self.shift is not None:
+            _positive_int("shift", self.shift)
+            if self.window > self.shift:
+                raise ValueError(
+                    f"window={self.window} is not allowed; it must not exceed shift={self.shift} "
+                    "(window = shift is the identity)"
+                )
+
+    def options(self) -> dict[str, Any]:
+        own = super().options()
+        if self.shift is None:
+            own["shift_of"] = self.shift_of  # the variant, always said
+        return {**own, "scale": self.scale}
+
+    @property
+    def length_following(self) -> bool:
+        return self.shift is None
+
+    def shift_at(self, length: int) -> int:
+        """S for a sequence of ``length`` keys: the given or L0-derived one, or
+        int(shift_ratio x length), at least W (a shift below the window would stretch
+        distances; W = S is the identity)."""
+        if self.shift is not None:
+            return self.shift
+        return max(self.window, int(self.shift_ratio * length))
 
 
 class RemapEncoding(PositionEncoding):
@@ -275,6 +381,9 @@ class RemapEncoding(PositionEncoding):
         super().__init__(config, **dims)
         self.inner = RotaryEncoding(config.schedule, **dims)
         self._band_cache: tuple[PositionsKey, PositionsKey, list[Band]] | None = None
+        # The bands follow the length of the sequence attended (STRING's shift, DCA's scale):
+        # cached decoding is then exact per layer, as for dynamic schedules (model.cache).
+        self.dynamic = config.length_following
         self.rotary_dim, self.n_pairs, self.pairing = (
             self.inner.rotary_dim,
             self.inner.n_pairs,
@@ -368,10 +477,14 @@ class DCA(RemapEncoding):
         k_in = torch.remainder(k_pos, c)  # j mod c
         succ_q = (q_in + c).clamp(max=top)
         inter_q = torch.full_like(q_pos, min(2 * c - 1, top))
+        scale = None
+        if self.config.scale != "none":
+            factor = dca_logit_scale(self.config.scale, _length(k_pos), self.config.original_length)
+            scale = None if factor == 1 else _logit_scale(factor, q_pos)
         return [
-            Band(q_in, k_in, lo=chunk_start),  # intra: the query's own chunk
-            Band(succ_q, k_in, lo=chunk_start - c, hi=chunk_start),  # successive chunk
-            Band(inter_q, k_in, hi=chunk_start - c),  # inter: older chunks
+            Band(q_in, k_in, lo=chunk_start, q_scale=scale),  # intra: the query's own chunk
+            Band(succ_q, k_in, lo=chunk_start - c, hi=chunk_start, q_scale=scale),  # successive
+            Band(inter_q, k_in, hi=chunk_start - c, q_scale=scale),  # inter: older chunks
         ]
 
 
@@ -379,6 +492,23 @@ class String(RemapEncoding):
     config: StringConfig
 
     def _bands(self, q_pos: Tensor, k_pos: Tensor) -> list[Band]:
-        S, W = self.config.shift, self.config.window
+        S, W = self.config.shift_at(_length(k_pos)), self.config.window
+        factor = STRING_SCALES[self.config.scale] ** 2
+        scale = None if factor == 1 else _logit_scale(factor, q_pos)
         seam = q_pos - S + 1  # d < S keeps its position
-        return [Band(q_pos, k_pos, lo=seam), Band(q_pos - S + W, k_pos, hi=seam)]
+        return [
+            Band(q_pos, k_pos, lo=seam, q_scale=scale),
+            Band(q_pos - S + W, k_pos, hi=seam, q_scale=scale),
+        ]
+
+
+def _logit_scale(factor: float, q_pos: Tensor) -> Tensor:
+    """A band's ``q_scale`` (1, 1, T, 1) multiplying every logit by ``factor`` (float64: the
+    kernels cast it to the queries' dtype)."""
+    return torch.full((1, 1, q_pos.shape[-1], 1), factor, dtype=torch.float64, device=q_pos.device)
+
+
+def _length(k_pos: Tensor) -> int:
+    """L: the keys a call attends over, its last key position + 1 (the rule length-following
+    schedules use; one sync)."""
+    return int(k_pos.max()) + 1 if k_pos.numel() else 0
