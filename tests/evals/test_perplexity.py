@@ -152,3 +152,14 @@ def test_run_perplexity_writes_json_and_png(tmp_path):
     assert [r["length"] for r in saved["results"]] == [32, 64]
     assert (tmp_path / "ppl.png").read_bytes()[:4] == b"\x89PNG"
     assert result["paths"]["json"] == str(tmp_path / "ppl.json")
+
+
+def test_a_length_following_encodings_result_says_it_was_scored_in_one_forward(tmp_path):
+    """Its provenance carries the scoring (results of it scored through the cache in chunks,
+    made before, are not reused); a static encoding's provenance is as it always was."""
+    config = PerplexityConfig((32, 64), n_tokens=128, seed=1)
+    for spec, scoring in (("rope", None), ("dynamic-ntk:factor=2", "one forward per window")):
+        result = run_perplexity(
+            tiny_decoder(encoding=spec), config, tmp_path / spec, spec=spec, progress=False
+        )
+        assert result["provenance"].get("scoring") == scoring

@@ -254,6 +254,11 @@ class Backbone(abc.ABC):
         unpadded rows. Returns logits (B, C, V), or (B, 1, V) when ``last_only``."""
 
     @abc.abstractmethod
+    def final_hidden(self, ids: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+        """One plain forward over ids (B, T) (positions 0..T-1, no cache) without the logits:
+        the hidden states (B, T, d) the head reads, and the head (hidden -> logits)."""
+
+    @abc.abstractmethod
     def cache_length(self, cache: Any) -> int:
         """S: the tokens ``cache`` holds."""
 
@@ -273,24 +278,40 @@ class Backbone(abc.ABC):
 
         The model reads input_ids[:, :-1] in chunks of ``chunk`` tokens through the KV cache
         (one forward when the sequence fits): attention is causal, so the numbers are a single
-        forward's, with a (B, chunk, V) logits tensor at a time instead of (B, T, V). The
-        log-softmax is taken in float32 whatever the model's dtype (bf16 log-probabilities
-        lose the digits that tell models apart).
+        forward's, with a (B, chunk, V) logits tensor at a time instead of (B, T, V). An
+        encoding that follows the length attended (``scores_in_one_forward``: dynamic NTK,
+        LongRoPE, DCA's scale, STRING's shift) would see a shorter length in the early chunks,
+        so it reads the whole sequence in one forward and only its logits are taken a chunk at
+        a time (as transformers and the methods' authors define them). The log-softmax is
+        taken in float32 whatever the model's dtype (bf16 log-probabilities lose the digits
+        that tell models apart).
         """
         ids = input_ids.to(self.device, torch.long)
         inputs, targets = ids[:, :-1], ids[:, 1:]  # (B, T), (B, T)
         B, T = inputs.shape
         nll = torch.empty(B, T, dtype=torch.float32, device=ids.device)
-        cache = None if chunk >= T else self.new_cache()
+        whole = chunk < T and self.scores_in_one_forward
+        hidden, head = self.final_hidden(inputs) if whole else (None, None)  # (B, T, d)
+        cache = None if chunk >= T or whole else self.new_cache()
         for start in range(0, T, chunk):
             stop = min(T, start + chunk)
-            logits = self.run(inputs[:, start:stop], cache, None, None, last_only=False)
+            if whole:
+                logits = head(hidden[:, start:stop])  # (B, C, V)
+            else:
+                logits = self.run(inputs[:, start:stop], cache, None, None, last_only=False)
             nll[:, start:stop] = F.cross_entropy(
                 logits.float().flatten(0, 1),  # (B*C, V)
                 targets[:, start:stop].flatten(),
                 reduction="none",
             ).view(B, stop - start)
         return nll.cpu()
+
+    @property
+    def scores_in_one_forward(self) -> bool:
+        """Whether ``token_nll`` reads a long sequence in one forward (its encoding follows the
+        length attended) rather than in chunks through the cache."""
+        encoding = self.encoding
+        return encoding is not None and bool(encoding.dynamic)
 
     def forward_logits(self, ids: Tensor) -> Tensor:
         """Logits (B, T, V) of one plain forward over ids (B, T): positions 0..T-1, no cache."""

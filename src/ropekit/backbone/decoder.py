@@ -141,6 +141,9 @@ class DecoderBackbone(Backbone):
     def crop_cache(self, cache: KVCache, length: int) -> None:
         cache.crop(length)  # keys, values and positions (model/cache.py)
 
+    def final_hidden(self, ids: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+        return self.decoder.final_hidden(ids), self.decoder.lm_head
+
     def run(self, ids, cache, mask, positions, last_only):
         # Default positions continue after the cached ones, which is what unpadded rows need.
         logits = self.model(ids, cache=cache).logits  # (B, C, V)

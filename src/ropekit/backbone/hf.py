@@ -209,6 +209,10 @@ class HFBackbone(Backbone):
         if length < held:
             cache.crop(length - held)  # a negative count: the tokens to remove
 
+    def final_hidden(self, ids: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+        hidden = base_model(self.model)(input_ids=ids, use_cache=False).last_hidden_state
+        return hidden, unwrap(self.model).get_output_embeddings()  # (B, T, d), lm_head
+
     def run(self, ids, cache, mask, positions, last_only):
         kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": cache is not None}
         if cache is not None:

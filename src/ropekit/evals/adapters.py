@@ -109,6 +109,12 @@ class BackboneLM:
     def eos_ids(self) -> frozenset[int]:
         return self.backbone.eos_ids
 
+    @property
+    def scores_in_one_forward(self) -> bool:
+        """``Backbone.scores_in_one_forward``: a length-following encoding's windows are read
+        in one forward each."""
+        return self.backbone.scores_in_one_forward
+
     def _chunk(self, batch: int) -> int:
         if self.chunk_size is not None:
             return self.chunk_size

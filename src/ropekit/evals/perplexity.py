@@ -539,6 +539,11 @@ def run_perplexity(
         "data": {"spec": data, "tokens": stream.digest(), "n_tokens": len(stream)},
         "config": settings,
     }
+    if getattr(lm, "scores_in_one_forward", False):
+        # A length-following encoding is scored one forward per window (Backbone.token_nll);
+        # results made when it was scored in chunks through the cache lack this and are not
+        # reused for it. Absent for every other encoding, whose numbers did not change.
+        provenance["scoring"] = "one forward per window"
     out = Path(out_dir)
     paths = {"json": out / "ppl.json", "png": out / "ppl.png"}
     procs = processes if processes is not None else current_processes()

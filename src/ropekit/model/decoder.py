@@ -470,6 +470,16 @@ class Decoder(nn.Module):
         labels (B, T): aligned with input_ids, shifted here (``lm_loss``, the Hugging Face
         convention; the training loop's loss takes pre-shifted labels instead); -100 = no loss.
         """
+        h = self.final_hidden(input_ids, position_ids, cache)  # (B, T, d)
+        logits = self.lm_head(h)  # (B, T, V)
+        loss = None if labels is None else lm_loss(logits, labels)
+        return DecoderOutput(logits=logits, loss=loss, cache=cache)
+
+    def final_hidden(
+        self, input_ids: Tensor, position_ids: Tensor | None = None, cache: KVCache | None = None
+    ) -> Tensor:
+        """The normed hidden states (B, T, d) the head reads (``forward`` without the head),
+        for scoring a long window in one forward with its logits taken a chunk at a time."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} must be (B, T)")
         positions = self._positions(input_ids, position_ids, cache)  # (B|1, T)
@@ -488,9 +498,7 @@ class Decoder(nn.Module):
                 h = activation_checkpoint.checkpoint(block, *args, use_reentrant=False)
             else:
                 h = block(*args)
-        logits = self.lm_head(self.norm(h))  # (B, T, V)
-        loss = None if labels is None else lm_loss(logits, labels)
-        return DecoderOutput(logits=logits, loss=loss, cache=cache)
+        return self.norm(h)  # (B, T, d)
 
     # Off by default; ``gradient_checkpointing_enable`` sets it on the instance.
     gradient_checkpointing: bool = False
