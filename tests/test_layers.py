@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "ropekit"
 
 # Bottom to top. A room may import the rooms of any floor below its own.
 FLOORS: list[set[str]] = [
-    {"ropekit", "outdir", "distributed"},  # the package's version; processes; output folders
+    {"ropekit", "outdir", "distributed", "allocator"},  # version; processes; output folders; malloc
     {"utils"},  # atomic writes (through outdir's checks)
     {"encodings", "data", "results", "figures", "options"},  # the math; text; files; figures
     {"model", "hf"},  # the two kinds of model

@@ -31,9 +31,12 @@ def base_dir(tmp_path_factory):
 
 
 class ForwardCounter:
+    """Counts passes through the decoder stack (its final norm runs once per forward, whether
+    scoring calls ``forward`` or reads ``final_hidden`` and takes the logits apart)."""
+
     def __init__(self, model):
         self.calls = 0
-        model.register_forward_hook(self)
+        model.norm.register_forward_hook(self)
 
     def __call__(self, module, args, output):
         self.calls += 1

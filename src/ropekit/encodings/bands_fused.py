@@ -52,13 +52,12 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .bands import Band
+from .positions import PositionsKey
 
 # Query rows per block. PyTorch's CPU flash kernel splits queries into tiles of 256 rows once
 # a call has >= 768 of them (64 below), and the narrow masked pieces cost about R / S of the
@@ -130,7 +129,7 @@ class _Plan:
 
 
 def _index_bounds(
-    bands: Sequence[Band], key_positions: Tensor, T: int, causal_offset: int | None
+    bands: Sequence[Any], key_positions: Tensor, T: int, causal_offset: int | None
 ) -> tuple[Tensor, Tensor]:
     """first, stop (n_bands, B', T) int64: band b covers key indices first <= j < stop of query
     row r (its position bounds found by binary search in the sorted key positions; the causal
@@ -422,12 +421,10 @@ _last_layout: list[tuple[tuple, tuple[Tensor, Tensor, tuple[_Block, ...]]]] = []
 
 
 def _layout(
-    bands: Sequence[Band], key_positions: Tensor, T: int, causal_offset: int | None, rows: int
+    bands: Sequence[Any], key_positions: Tensor, T: int, causal_offset: int | None, rows: int
 ) -> tuple[Tensor, Tensor, tuple[_Block, ...]]:
     """(first, stop, blocks) of a call, reused when the bands are the very same objects as
     the last call's and the key positions the same tensor at the same version."""
-    from .base import PositionsKey
-
     key = (tuple(id(b) for b in bands), T, causal_offset, rows, FINE_ROWS)
     if _last_layout:
         (old_key, old_bands, old_positions), layout = _last_layout[0]
@@ -444,7 +441,7 @@ def fused_banded_attention(
     q: Tensor,
     keys: Sequence[Tensor],
     v: Tensor,
-    bands: Sequence[Band],
+    bands: Sequence[Any],
     key_positions: Tensor,
     rotate: Callable[[Tensor, Tensor, bool], Tensor],
     *,
@@ -457,7 +454,8 @@ def fused_banded_attention(
     """Banded attention of unrotated q (B, H, T, D) over each slot's rotated keys
     (B, K, S, D) and v (B, K, S, D): (B, H, T, D) in v's dtype. ``slots[b]``: which of
     ``keys`` band b reads; ``block_rows``: query rows per block (None: ``BLOCK_ROWS``).
-    Arguments otherwise as ``bands.banded_attention``."""
+    Arguments otherwise as ``bands.banded_attention`` (``bands`` are its ``Band`` records,
+    typed ``Any`` here because ``bands`` imports this module)."""
     T = q.shape[2]
     rows = BLOCK_ROWS if block_rows is None else block_rows
     if rows < 1:
