@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ropekit.encodings import build, rotary
-from ropekit.encodings.base import PositionsKey
+from ropekit.encodings.positions import PositionsKey
 
 from .conftest import ROTARY_SPECS, SHAPE, perturb
 

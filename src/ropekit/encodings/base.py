@@ -6,7 +6,7 @@ D head dim · d model width.
 Holds: PositionEncoding (the one interface: embed, rotate_q, rotate_k, score_bias, and the
 typed surface that says what an encoding does, so no caller has to ask ``getattr``/``hasattr``
 or compare methods: see "What an encoding declares" below), EncodingConfig (frozen options
-parsed from spec strings, validated in ``__post_init__``), HeadRows, PositionsKey,
+parsed from spec strings, validated in ``__post_init__``), HeadRows,
 split_options / parse_options (the option grammar of spec strings), check_positive /
 check_choice helpers that word errors the same way everywhere.
 

@@ -76,10 +76,10 @@ from .base import (
     EncodingConfig,
     Extension,
     PositionEncoding,
-    PositionsKey,
     check_choice,
     check_positive,
 )
+from .positions import PositionsKey
 from .rope import RopeConfig, RotaryEncoding
 from .rotary import rotate
 

@@ -25,11 +25,11 @@ from .base import (
     EncodingConfig,
     Extension,
     PositionEncoding,
-    PositionsKey,
     check_choice,
     check_positive,
     resolve_positions,
 )
+from .positions import PositionsKey
 from .rotary import PAIRINGS, angles, rotate, tables
 
 
