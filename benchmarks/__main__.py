@@ -2,7 +2,8 @@
 benchmarks/results.json (name, ratio, target, note, device).
 
 `python -m benchmarks rotary memory` runs only the named modules (results.json keeps the
-other rows). Modules: rotary, training, memory, bands, hf, evals, probes.
+other rows). Modules: rotary, training, memory, bands, hf, evals, probes, smollm2 (the last
+two on SmolLM2-135M, about 45 minutes together on one thread).
 
 Threads: one by default (``--threads N`` to change). This machine is shared with long
 experiments; with two threads and other jobs on the two cores, OpenMP's parallel regions wait
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from . import bands, evals, hf, memory, probes, rotary, training
+from . import bands, evals, hf, memory, probes, rotary, smollm2, training
 from .common import RESULTS, print_table, write_results
 
 MODULES = {
@@ -32,6 +33,7 @@ MODULES = {
     "hf": hf,
     "evals": evals,
     "probes": probes,
+    "smollm2": smollm2,
 }
 
 
