@@ -91,16 +91,14 @@ def _timed(fn: Callable[[], object]) -> float:
 
 def _prefill_and_step(backbone, ids: torch.Tensor) -> tuple[float, float]:
     """(seconds of the prefill of ids[:-1] with a cache, median seconds of one more token)."""
-    model = backbone.model
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
+    cache = backbone.new_cache()
+    n = ids.shape[1] - 1
     with torch.no_grad():
-        prefill = _timed(lambda: model(ids[:, :-1], cache=cache, use_cache=True, logits_to_keep=1))
+        prefill = _timed(lambda: backbone.run(ids[:, :-1], cache, None, None, last_only=True))
         steps = []
         for _ in range(5):
-            steps.append(_timed(lambda: model(ids[:, -1:], cache=cache, use_cache=True)))
-            cache.crop(ids.shape[1] - 1)
+            steps.append(_timed(lambda: backbone.run(ids[:, -1:], cache, None, None, True)))
+            backbone.crop_cache(cache, n)
     return prefill, sorted(steps)[2]
 
 
@@ -170,7 +168,7 @@ def _precision_rows(ids: torch.Tensor) -> list[Result]:
             t = _timed(lambda b=backbone: b.model(ids, use_cache=False, logits_to_keep=1))
         times.setdefault(dtype, []).append(t)
         if dtype not in ppl:
-            config = PerplexityConfig((2048, LENGTH), n_tokens=LENGTH, single_documents=True)
+            config = PerplexityConfig((LENGTH // 8, LENGTH), n_tokens=LENGTH, single_documents=True)
             with tempfile.TemporaryDirectory() as out:
                 result = run_perplexity(backbone, config, out, data="shakespeare", progress=False)
             ppl[dtype] = {r["length"]: r["perplexity"] for r in result["results"]}
@@ -195,8 +193,8 @@ def _precision_rows(ids: torch.Tensor) -> list[Result]:
                 f"smollm2 perplexity bfloat16 / float32 at {n}",
                 1 + d,
                 None,
-                f"held-out Shakespeare, single documents, 8 windows of 2048 and 1 of 16384 "
-                f"(the same tokens): {ppl_note}",
+                f"held-out Shakespeare, single documents, 8 windows of {LENGTH // 8} and 1 of "
+                f"{LENGTH} (the same tokens): {ppl_note}",
             )
             for n, d in sorted(diffs.items())
         ],
