@@ -200,6 +200,7 @@ class Backbone(abc.ABC):
         encoding = self.encoding
         keep = set() if encoding is None else {id(t) for t in encoding.parameters()}
         keep |= set() if encoding is None else {id(t) for t in encoding.buffers()}
+        changed = False
         with torch.no_grad():
             for module in self.model.modules():
                 for store in (module._parameters, module._buffers):
@@ -207,11 +208,13 @@ class Backbone(abc.ABC):
                         if t is None or id(t) in keep or not t.is_floating_point():
                             continue
                         if t.dtype != dtype:
+                            changed = True
                             if isinstance(t, nn.Parameter):
                                 t.data = t.data.to(dtype)
                             else:
                                 store[name] = t.to(dtype)
-        self._digest = None
+        if changed:
+            self._digest = None  # the weights' bytes changed under the same storages' names
 
     @property
     def dtype(self) -> torch.dtype:
