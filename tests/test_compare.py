@@ -154,7 +154,9 @@ def test_compare_trains_scores_and_judges_every_method(compared):
             assert len(rows["128"]["ppl"]) == seeds
             assert all(len(w) == 2 for w in rows["128"]["last_quarter_windows"])  # 2 spans
     search = data["lr_search"]["adarope"]
-    assert set(search["selection_nll"]) == {"0.01", "0.03"} and search["chosen"] in (0.01, 0.03)
+    nll = search["selection_nll"]
+    assert set(nll) == {"0.01", "0.03"} and nll["0.01"] != nll["0.03"]
+    assert search["chosen"] == float(min(nll, key=nll.get))  # the lower selection NLL wins
     verdict = data["verdict"]
     assert verdict["baseline"] == "rope (unmodified)" and verdict["sentence"]
     assert all(math.isfinite(v) for v in verdict["scores"].values())
@@ -233,6 +235,64 @@ def test_a_rerun_recomputes_nothing_and_other_probes_are_refused(compared, capsy
     assert "probe_haystacks is 3 there, 2 now" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in out.glob("eval/**/probes/**/probes.jsonl")} == answers
     assert {p: p.read_bytes() for p in out.glob("*") if p.is_file()} == finished
+
+
+def test_a_method_added_to_a_finished_comparison_reuses_every_finished_job(
+    compared, tmp_path, monkeypatch
+):
+    """The one change a folder takes: methods added, everything else the same. The rerun
+    scores the new method and recomputes nothing else: no training, no perplexity, no probe,
+    and no learning-rate selection (keyed by what it depends on, not the whole config)."""
+    import shutil
+
+    from ropekit.compare import run as compare_run
+
+    root, argv = compared
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    at = argv.index("--out") + 1
+    argv = [*argv[:at], str(out), *argv[at + 1 :]]
+    before = {p: p.read_bytes() for p in [*out.glob("eval/**/ppl.json"), *out.glob("**/*.jsonl")]}
+    before.pop(out / "times.jsonl")  # the job records: the new method's are added
+    selections = [r for r in map(json.loads, (out / "times.jsonl").open()) if "nll" in r]
+    real_selection = compare_run._Comparison.selection_nll
+
+    def selection(self, backbone, seed):
+        raise AssertionError("a finished learning-rate selection was recomputed")
+
+    monkeypatch.setattr(compare_run._Comparison, "selection_nll", selection)
+    grown = [*argv]
+    grown[grown.index("--methods") + 1] += ",ntk:factor=4"
+    grown[grown.index("--names") + 1] += ",ntk"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(grown) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert real_selection is not None and len(selections) == 2
+    data = json.loads((out / "compare.json").read_text())
+    assert [m["label"] for m in data["methods"]] == ["rope (unmodified)", "yarn", "adarope", "ntk"]
+    assert set(data["table"]["ntk"]) == {"shakespeare", "kjv"} and "ntk" in data["retrieval"]
+    assert {p: p.read_bytes() for p in before} == before  # every finished result untouched
+    assert len(list(out.glob("eval/ntk/s0/*/ppl.json"))) == 2  # scored on both domains
+    assert (
+        data["lr_search"]["adarope"]["chosen"]
+        == (
+            json.loads((root / "out" / "compare.json").read_text())["lr_search"]["adarope"][
+                "chosen"
+            ]
+        )
+    )
+
+
+def test_a_comparison_probes_the_first_seeds_it_is_told_to():
+    config = CompareConfig("m", 64, ("rope", "adarope"), seeds=(3, 4, 5), probe_seeds=1)
+    assert config.probed_seeds(True) == (3,) and config.probed_seeds(False) == (0,)
+    assert CompareConfig("m", 64, ("rope",), seeds=(3, 4)).probed_seeds(True) == (3, 4)
+    assert "probe_seeds" not in CompareConfig("m", 64, ("rope",)).to_dict()  # old folders
+    with pytest.raises(ValueError, match="probe_seeds=3 is not allowed; there are 2 seeds"):
+        CompareConfig("m", 64, ("rope",), seeds=(0, 1), probe_seeds=3)
 
 
 def test_a_length_no_single_document_holds_is_left_out_and_said(compared, tmp_path):

@@ -73,6 +73,9 @@ class CompareConfig:
     probe_needles: int = 5  # K: needles per haystack, each asked once from the cached prefix
     probe_haystacks: int = 4  # H: haystacks per length and run; K x H probes per length and run
     probe_task: str = "niah_single_2"  # the probes' format: a niah task asking one key's value
+    # trained methods: probe the runs of their first k seeds only (None: every seed); one
+    # probe is one long prefill, the costliest job of a long comparison
+    probe_seeds: int | None = None
     margin: float = 0.01  # largest cost at L0 a recommended method may have (0.01 = +1% ppl)
     # smallest lead in last-quarter NLL at N (nats/token) called resolved: 0.005 = 0.5% ppl
     min_difference: float = 0.005
@@ -100,6 +103,13 @@ class CompareConfig:
         for name in ("samples", "selection_samples", "spans", "probe_needles", "probe_haystacks"):
             integer(name, getattr(self, name), 1)
         integer("seed", self.seed, 0)
+        if self.probe_seeds is not None:
+            integer("probe_seeds", self.probe_seeds, 1)
+            if self.probe_seeds > len(self.seeds):
+                raise ValueError(
+                    f"probe_seeds={self.probe_seeds} is not allowed; there are "
+                    f"{len(self.seeds)} seeds (give at most that many, or none for every seed)"
+                )
         if not self.methods:
             raise ValueError("methods=() is not allowed; name at least one encoding spec")
         if self.names is not None and len(self.names) != len(self.methods):
@@ -154,6 +164,10 @@ class CompareConfig:
             return tuple(sorted({trained_at, self.target_length}))
         return tuple(sorted(set(self.probe_lengths)))
 
+    def probed_seeds(self, trained: bool) -> tuple[int, ...]:
+        """The seeds whose runs a method's probes ask: a method that trains nothing runs once."""
+        return self.seeds[: self.probe_seeds] if trained else (0,)
+
     def probe_config(self, trained_at: int) -> ProbeConfig:
         """The probes every run answers (the same haystacks and needles for every method)."""
         return ProbeConfig(
@@ -173,7 +187,7 @@ class CompareConfig:
 
 
 # Fields added after committed comparisons were made, with the default those comparisons ran at.
-_ADDED: dict[str, Any] = {"dtype": "float32"}
+_ADDED: dict[str, Any] = {"dtype": "float32", "probe_seeds": None}
 
 
 def from_file(path: str | Path, **overrides: Any) -> CompareConfig:

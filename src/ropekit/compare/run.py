@@ -9,13 +9,17 @@ verdict is rewritten after every stage from what is done):
 2. every trained method: one run per learning rate at the first seed, the rate chosen by the
    mean NLL on ``selection_samples`` unseen samples of the training split (never the held-out
    text the results are measured on), then the other seeds at that rate; each scored;
-3. retrieval probes of every method (every seed of a trained one), the longest stage: K
+3. retrieval probes of every method (every seed of a trained one, or its first
+   ``probe_seeds``), the longest stage: K
    needles per haystack asked from the cached prefix (``ropekit eval probes``), pooled over
    seeds into one accuracy per length with its Wilson interval, reported beside the rule.
 
 Every piece is a library run with its own provenance (extend, eval ppl, the probes), so a
 rerun of the same comparison recomputes nothing, and a change of model, adapter, spec or data
-in the same folder is refused rather than served from a cache.
+in the same folder is refused rather than served from a cache. The one change a folder takes
+is methods added (every earlier label kept with its spec, every other field the same): the
+rerun scores the new ones and reuses every finished job, the learning-rate selections too
+(each keyed by what it depends on: the method's spec, the training and the rate).
 
 Layout of ``out_dir``:
 
@@ -55,10 +59,12 @@ from ropekit.evals import (
 )
 from ropekit.evals.probes import build_haystack, probe_task
 from ropekit.results import (
+    ResultError,
     check_replaceable,
     digest,
     make_record,
     read_records,
+    read_result,
     run_metadata,
     write_records,
     write_result,
@@ -238,7 +244,7 @@ class _Comparison:
             if len(c.lrs) > 1:
                 job = f"select {method.label} lr {lr:g}"
                 candidates[lr] = self._selected(
-                    job, lambda b=backbone: self.selection_nll(b, first)
+                    job, method, lambda b=backbone: self.selection_nll(b, first)
                 )
         lr = min(candidates, key=candidates.get) if candidates else c.lrs[0]
         search = {"lrs": list(c.lrs), "selection_nll": candidates, "chosen": lr}
@@ -256,7 +262,7 @@ class _Comparison:
         c = self.config
         config = c.probe_config(self.trained_at)
         out = {}
-        for seed in c.seeds if method.trained else (0,):
+        for seed in c.probed_seeds(method.trained):
             backbone = self.extension(method, seed, lr, self.run_folder(method, seed, lr))
             folder = self.out / "eval" / _slug(method.label) / f"s{seed}" / "probes"
 
@@ -269,11 +275,26 @@ class _Comparison:
             out[seed] = self._timed(f"probes {folder.relative_to(self.out)}", probe)
         return out
 
-    def _selected(self, job: str, fn: Callable[[], float]) -> float:
-        """A selection score, computed once (its record keeps it with the job's provenance)."""
-        key = digest({"job": job, "config": self.config.to_dict()})
+    def _selected(self, job: str, method: _Method, fn: Callable[[], float]) -> float:
+        """A selection score, computed once (its record keeps it with what it depends on:
+        the model, the method's spec, the first seed's training and the selection samples;
+        the rate is in ``job``). Records made before this key (whose key digested the whole
+        config) are still found, and rekeyed."""
+        c = self.config
+        depends = {
+            "model": c.model, "target_length": c.target_length, "spec": method.spec,
+            "seed": c.seeds[0], "train_data": c.train_data, "samples": c.samples,
+            "pose": c.pose, "pose_window": c.pose_window,
+            "grad_checkpointing": c.grad_checkpointing,
+            "selection_samples": c.selection_samples, "dtype": c.dtype,
+        }  # fmt: skip
+        key = digest({"job": job, "selection": depends})
+        earlier = digest({"job": job, "config": c.to_dict()})
         for record in self.records.values():
-            if record.get("key") == key:
+            if record.get("key") in (key, earlier):
+                if record["key"] != key:
+                    record["key"] = key
+                    write_records(self.times, list(self.records.values()))
                 return record["nll"]
         value = self._timed(job, fn)
         self.records[job] = {**self.records[job], "key": key, "nll": value}
@@ -390,6 +411,29 @@ def _retrieval(probes: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
+def _folder_config(out: Path, config: CompareConfig, log: Callable[[str], None]) -> dict:
+    """The config ``out``'s comparison must have been made with: ``config``'s own, or the
+    earlier one when ``config`` only adds methods to it (every other field the same, every
+    earlier label kept with its spec), which the rerun then scores beside the finished ones."""
+    current = config.to_dict()
+    try:
+        recorded = read_result(out / COMPARE_JSON, "compare")["provenance"]["config"]
+        earlier = CompareConfig(**recorded)
+    except (OSError, ResultError, KeyError, TypeError, ValueError):
+        return current  # no comparison there, or not one this can grow: the check says which
+    rest = ("methods", "names")
+    same = {k: v for k, v in recorded.items() if k not in rest} == {
+        k: v for k, v in current.items() if k not in rest
+    }
+    specs = dict(zip(config.labels, config.methods, strict=True))
+    kept = all(specs.get(lb) == m for lb, m in zip(earlier.labels, earlier.methods, strict=True))
+    added = [lb for lb in config.labels if lb not in earlier.labels]
+    if not (same and kept and added):
+        return current
+    log(f"{out}: {', '.join(added)} added to the comparison there; finished jobs are reused")
+    return recorded
+
+
 def run_compare(
     config: CompareConfig,
     out_dir: str | Path,
@@ -404,7 +448,7 @@ def run_compare(
     out = Path(out_dir)
     # A folder holds one comparison: another config is refused before anything runs (naming
     # the field), so its compare.json and report are never replaced by another's.
-    check_replaceable(out / COMPARE_JSON, "compare", {"config": config.to_dict()})
+    check_replaceable(out / COMPARE_JSON, "compare", {"config": _folder_config(out, config, log)})
     run = _Comparison(config, out, command, log, progress)
     results = run.free()
     searches: dict[str, Any] = {}
