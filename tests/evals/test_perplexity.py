@@ -163,3 +163,55 @@ def test_a_length_following_encodings_result_says_it_was_scored_in_one_forward(t
             tiny_decoder(encoding=spec), config, tmp_path / spec, spec=spec, progress=False
         )
         assert result["provenance"].get("scoring") == scoring
+
+
+class _Killed(RuntimeError):
+    pass
+
+
+def _scored(model, calls: list, kill_after: int | None = None):
+    """``model`` as a LanguageModel whose forwards are counted (and that dies, like a kill,
+    on the forward after ``kill_after``)."""
+    lm = as_language_model(model)
+    real = lm.token_nll
+
+    def token_nll(ids):
+        if kill_after is not None and len(calls) == kill_after:
+            raise _Killed
+        calls.append(ids.shape)
+        return real(ids)
+
+    lm.token_nll = token_nll
+    return lm
+
+
+def test_a_killed_evaluation_resumes_at_the_next_window_with_the_same_numbers(tmp_path):
+    """A 32k window of SmolLM2 is minutes of CPU: a run killed part way keeps the windows it
+    scored, and the rerun scores only the rest and gives an uninterrupted run's numbers."""
+    config = PerplexityConfig((32, 64), n_tokens=256, batch_tokens=64, seed=1)
+    whole: list = []
+    expected = run_perplexity(
+        _scored(tiny_decoder(), whole), config, tmp_path / "a", progress=False
+    )
+    assert len(whole) == 8 and not (tmp_path / "a" / "windows").exists()  # spent, removed
+    out, first = tmp_path / "b", []
+    with pytest.raises(_Killed):
+        run_perplexity(_scored(tiny_decoder(), first, kill_after=5), config, out, progress=False)
+    assert len(list((out / "windows").glob("*.npz"))) == 5 and not (out / "ppl.json").exists()
+    rest: list = []
+    result = run_perplexity(_scored(tiny_decoder(), rest), config, out, progress=False)
+    assert len(rest) == 3  # the five windows scored before the kill were read back
+    assert result["results"] == expected["results"]  # bit for bit
+    assert not (out / "windows").exists()
+
+
+def test_windows_scored_by_another_model_are_never_reused(tmp_path):
+    config = PerplexityConfig((32, 64), n_tokens=256, batch_tokens=64, seed=1)
+    out = tmp_path / "b"
+    with pytest.raises(_Killed):
+        run_perplexity(_scored(tiny_decoder(0), [], kill_after=5), config, out, progress=False)
+    other: list = []
+    result = run_perplexity(_scored(tiny_decoder(1), other), config, out, progress=False)
+    assert len(other) == 8  # another model's windows were deleted unread
+    fresh = run_perplexity(tiny_decoder(1), config, tmp_path / "c", progress=False)
+    assert result["results"] == fresh["results"]

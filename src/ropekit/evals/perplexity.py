@@ -4,9 +4,10 @@ Holds:
 - `PerplexityConfig`: lengths, how many tokens to score, sliding-window stride, batching.
 - `evaluate_perplexity(lm, stream, config)`: the numbers, as a JSON-ready dict.
 - `run_perplexity(model, config, out_dir, ...)`: held-out data in, `ppl.json` and `ppl.png`
-  out (`ropekit eval ppl`). Called once per domain with the same model, it takes the
-  domain's tokenized `stream` (`heldout_stream(domain, tokenizer)`, made once per domain and
-  tokenizer) and the model as a Backbone (whose weight digest is computed once).
+  out (`ropekit eval ppl`), resumable window by window (`WindowStore`). Called once per
+  domain with the same model, it takes the domain's tokenized `stream`
+  (`heldout_stream(domain, tokenizer)`, made once per domain and tokenizer) and the model as
+  a Backbone (whose weight digest is computed once).
 - `document_spans(stream, tokenizer, span, count, context, rng)`: the single-document spans;
   `check_single_documents(stream, tokenizer, config)` asks, without a model, whether they fit
   (`DocumentsTooShort` when not).
@@ -42,6 +43,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,7 @@ from ropekit.evals.plots import plot_perplexity
 from ropekit.evals.prompts import default_prefix
 from ropekit.results import (
     check_replaceable,
+    digest,
     make_record,
     read_result,
     run_metadata,
@@ -68,6 +71,7 @@ from ropekit.results import (
 
 # Default number of windows of the longest length that the scored span holds.
 WINDOWS_AT_MAX = 4
+WINDOWS = "windows"  # run_perplexity's folder of the windows scored so far (WindowStore)
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,47 @@ def _bin_edges(length: int, bins: int) -> np.ndarray:
     return np.unique(edges)
 
 
+class WindowStore:
+    """The NLL rows of the windows scored so far, kept in a folder so that an evaluation
+    killed part way (a 32k window of SmolLM2 takes about 13 minutes on one core) resumes at
+    the next window. Each batch of windows is one ``.npz`` file (float64 rows, no pickle),
+    named by its length and first window, written atomically. The folder belongs to one
+    provenance (``key``, a digest of what the numbers depend on): files of another are
+    deleted unread, so a row is only ever reused for exactly what made it. ``run_perplexity``
+    removes the folder once ``ppl.json`` is written."""
+
+    KEY = "key.txt"
+
+    def __init__(self, folder: str | os.PathLike[str], key: str) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        marker = self.folder / self.KEY
+        if not marker.is_file() or marker.read_text().strip() != key:
+            for old in self.folder.glob("*.npz"):
+                old.unlink()
+            marker.write_text(key + "\n")
+
+    def _path(self, length: int, end: int) -> Path:
+        return self.folder / f"{length}-{end}.npz"
+
+    def load(self, length: int, end: int) -> list[torch.Tensor] | None:
+        path = self._path(length, end)
+        if not path.is_file():
+            return None
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                return [torch.from_numpy(data[f"r{i}"].copy()) for i in range(len(data.files))]
+        except (OSError, ValueError, KeyError):
+            return None  # a damaged file (the kill came mid-write elsewhere): score again
+
+    def save(self, length: int, end: int, rows: list[torch.Tensor]) -> None:
+        path = self._path(length, end)
+        part = path.with_name(path.name + ".part")
+        with open(part, "wb") as f:
+            np.savez(f, **{f"r{i}": r.numpy() for i, r in enumerate(rows)})
+        os.replace(part, path)
+
+
 def _score_windows(
     lm: LanguageModel,
     ids: torch.Tensor,
@@ -217,8 +262,10 @@ def _score_windows(
     batch_tokens: int,
     bos: list[int] | None,
     bar: tqdm,
+    store: WindowStore | None = None,
 ) -> list[torch.Tensor]:
-    """NLL (float64) of the scored targets of each window, `batch_tokens` per forward.
+    """NLL (float64) of the scored targets of each window, `batch_tokens` per forward; a
+    batch ``store`` holds already is read back instead of scored.
 
     Without a stride every target of a window is scored, so each row is the whole window's
     NLL by position, which the position curve and the last-quarter numbers need."""
@@ -226,6 +273,11 @@ def _score_windows(
     rows: list[torch.Tensor] = []
     for b in range(0, len(windows), batch):
         chunk = windows[b : b + batch]
+        kept = None if store is None else store.load(length, chunk[0][0])
+        if kept is not None and [len(r) for r in kept] == [n for _, n in chunk]:
+            rows += kept
+            bar.update(len(chunk))
+            continue
         inputs = []
         for end, _ in chunk:
             if bos is not None:
@@ -234,7 +286,10 @@ def _score_windows(
                 inputs.append(ids[end - length - 1 : end])
         nll = lm.token_nll(torch.stack(inputs)).double()  # (B, length)
         # Copies, not views: a view would carry its whole batch along when gathered.
-        rows += [row[length - n :].clone() for row, (_, n) in zip(nll, chunk, strict=True)]
+        new = [row[length - n :].clone() for row, (_, n) in zip(nll, chunk, strict=True)]
+        if store is not None:
+            store.save(length, chunk[0][0], new)
+        rows += new
         bar.update(len(chunk))
     return rows
 
@@ -359,12 +414,14 @@ def evaluate_perplexity(
     progress: bool = True,
     *,
     processes: Processes | None = None,
+    store: WindowStore | None = None,
 ) -> dict[str, Any]:
     """Score `lm` on `stream` at every length of `config` (see the module docstring).
 
     Launched as several processes (`accelerate launch`, `torchrun`), each scores a share of
     the windows and every process returns the whole result. `processes` defaults to the
-    current run's (`ropekit.distributed.processes()`)."""
+    current run's (`ropekit.distributed.processes()`). `store` keeps each scored window's
+    rows so that a rerun resumes at the first window not scored (``WindowStore``)."""
     use_bos, prefix = _window_start(lm.tokenizer, stream, config)
     context = 0 if use_bos else 1  # without BOS, the first target's input precedes it
     rng = np.random.default_rng(config.seed)
@@ -379,7 +436,7 @@ def evaluate_perplexity(
     }
     procs = processes if processes is not None else current_processes()
     place_on(lm, procs.device)
-    scored = _score_shares(lm, stream.ids, plan, config, prefix, procs, progress)
+    scored = _score_shares(lm, stream.ids, plan, config, prefix, procs, progress, store)
     results = []
     for length, windows in plan.items():
         rows = [row for share in scored for row in share[length]]  # every window, in order
@@ -471,6 +528,7 @@ def _score_shares(
     prefix: list[int] | None,
     procs: Processes,
     progress: bool,
+    store: WindowStore | None = None,
 ) -> list[dict[int, list[torch.Tensor]]]:
     """Every process's NLL rows per length, in rank order (``Processes.each``).
 
@@ -486,7 +544,7 @@ def _score_shares(
 
     def score_mine() -> dict[int, list[torch.Tensor]]:
         return {
-            L: _score_windows(lm, ids, windows, L, config.batch_tokens, prefix, bar)
+            L: _score_windows(lm, ids, windows, L, config.batch_tokens, prefix, bar, store)
             for L, windows in mine.items()
         }
 
@@ -550,7 +608,8 @@ def run_perplexity(
     if check_replaceable(paths["json"], "perplexity", provenance, overwrite=overwrite):
         result = read_result(paths["json"], "perplexity")
         return {**result, "paths": {k: str(v) for k, v in paths.items()}, "reused": True}
-    result = evaluate_perplexity(lm, stream, config, progress, processes=procs)
+    store = WindowStore(out / WINDOWS, digest(provenance))
+    result = evaluate_perplexity(lm, stream, config, progress, processes=procs, store=store)
     result.update(data=data, spec=spec, seed=config.seed, model=lm.describe())
     meta = run_metadata(command, spec=spec, seed=config.seed)
     # Every process holds the whole result; one writes it, the others wait for the files.
@@ -558,5 +617,7 @@ def run_perplexity(
         write_result(paths["json"], "perplexity", result, meta=meta, provenance=provenance)
         plot_perplexity(result, paths["png"])
     procs.barrier()
+    if procs.is_main:  # the result holds every row's numbers now: the windows are spent
+        shutil.rmtree(store.folder, ignore_errors=True)
     record = make_record("perplexity", result, meta=meta, provenance=provenance)
     return {**record, "paths": {k: str(v) for k, v in paths.items()}}
