@@ -22,6 +22,7 @@ from typing import Any
 from ropekit.backbone import COMPUTE_DTYPES
 from ropekit.encodings import names as encoding_names
 from ropekit.evals.probes import ProbeConfig, probe_task
+from ropekit.train.extend import ExtendConfig
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
@@ -163,6 +164,15 @@ class CompareConfig:
         if self.probe_lengths is None:
             return tuple(sorted({trained_at, self.target_length}))
         return tuple(sorted(set(self.probe_lengths)))
+
+    def extension_config(self, spec: str, seed: int, lr: float) -> ExtendConfig:
+        """The extension run of method ``spec`` at ``seed`` and ``lr``: the same training for
+        every method (samples, data, PoSE), so that differences are the methods'."""
+        return ExtendConfig(
+            method=spec, target_length=self.target_length, samples=self.samples, lr=lr,
+            data=self.train_data, seed=seed, pose=self.pose, pose_window=self.pose_window,
+            grad_checkpointing=self.grad_checkpointing,
+        )  # fmt: skip
 
     def probed_seeds(self, trained: bool) -> tuple[int, ...]:
         """The seeds whose runs a method's probes ask: a method that trains nothing runs once."""

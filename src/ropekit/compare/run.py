@@ -32,7 +32,7 @@ Layout of ``out_dir``:
     eval/<label>/s<seed>/probes/                      retrieval probes (summary.json, one
                                                       folder per length)
 
-Holds: run_compare.
+Holds: run_compare, run_folder.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from ropekit.results import (
     write_records,
     write_result,
 )
-from ropekit.train.extend import ExtendConfig, extend
+from ropekit.train.extend import extend
 
 from .config import CompareConfig
 from .report import write_report
@@ -88,6 +88,14 @@ class _Method:
 
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in text).strip("-") or "method"
+
+
+def run_folder(out: Path, label: str, trained: bool, seed: int, lr: float) -> Path:
+    """Where the comparison in ``out`` keeps the extension run of method ``label`` at ``seed``
+    (and ``lr``, if it trains): another process may run it there first (``ropekit extend
+    --resume`` with ``CompareConfig.extension_config``), and the comparison then reuses it."""
+    base = Path(out) / "methods" / _slug(label)
+    return base / f"lr-{lr:g}" / f"s{seed}" if trained else base / f"s{seed}"
 
 
 class _Comparison:
@@ -137,18 +145,13 @@ class _Comparison:
 
     def run_folder(self, method: _Method, seed: int, lr: float) -> Path:
         """Where ``method``'s extension run at ``seed`` (and ``lr``, if it trains) lives."""
-        base = self.out / "methods" / _slug(method.label)
-        return base / f"lr-{lr:g}" / f"s{seed}" if method.trained else base / f"s{seed}"
+        return run_folder(self.out, method.label, method.trained, seed, lr)
 
     def extension(self, method: _Method, seed: int, lr: float, folder: Path) -> Backbone:
         """The model with ``method`` attached (trained at ``seed`` and ``lr`` if it trains)."""
         c = self.config
         backbone = open_backbone(c.model)
-        config = ExtendConfig(
-            method=method.spec, target_length=c.target_length, samples=c.samples, lr=lr,
-            data=c.train_data, seed=seed, pose=c.pose, pose_window=c.pose_window,
-            grad_checkpointing=c.grad_checkpointing,
-        )  # fmt: skip
+        config = c.extension_config(method.spec, seed, lr)
 
         def run() -> None:
             extend(backbone, config, folder, resume=True, command=self.command, log=self.log)
