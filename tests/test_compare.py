@@ -338,3 +338,25 @@ def test_probes_that_do_not_fit_stop_the_comparison_before_it_trains(compared, t
     assert main(argv) == 2
     assert "do not fit length=64" in capsys.readouterr().err
     assert not (tmp_path / "out" / "methods").exists()
+
+
+def test_specs_that_omit_the_factor_take_n_over_l0_as_extend_does(compared, tmp_path):
+    """The README's own example: `dynamic-ntk` and `yarn` need a factor, which compare (like
+    extend, by extend's one rule) derives from N / L0; a spec that cannot be built at all
+    stops the comparison before any job, one line, nothing written."""
+    root, _ = compared
+    out = tmp_path / "out"
+    argv = [
+        "compare", "--model", str(root / "base"), "--target-length", "128",
+        "--methods", "rope,dynamic-ntk,yarn,string", "--eval-data", "shakespeare",
+        "--lengths", "128", "--probe-lengths", "", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "compare.json").read_text())
+    assert set(data["table"]) == {"rope", "dynamic-ntk", "yarn", "string"}
+    extended = json.loads((out / "methods/yarn/s0/extend.json").read_text())
+    assert "factor=4" in extended["spec"]  # 128 / 32
+    bad = [*argv[: argv.index("--out") + 1], str(tmp_path / "bad")]
+    bad[bad.index("--methods") + 1] = "rope,yarn:beta_fast=oops"
+    assert main(bad) == 2
+    assert not (tmp_path / "bad" / "compare.json").exists()

@@ -49,6 +49,7 @@ import torch
 from ropekit.backbone import COMPUTE_DTYPES, Backbone, open_backbone
 from ropekit.data import heldout_stream, make_train_dataset
 from ropekit.data.streams import TokenStream
+from ropekit.encodings import PositionEncoding
 from ropekit.evals import (
     DocumentsTooShort,
     PerplexityConfig,
@@ -69,7 +70,7 @@ from ropekit.results import (
     write_records,
     write_result,
 )
-from ropekit.train.extend import extend
+from ropekit.train.extend import extend, resolve_method
 
 from .config import CompareConfig
 from .report import write_report
@@ -111,8 +112,10 @@ class _Comparison:
         methods = list(zip(config.labels, config.methods, strict=True))
         if BASELINE not in config.methods:
             methods.insert(0, ("rope (unmodified)", BASELINE))
+        # Each spec as the extension run resolves it (a factor it omits is N / L0: extend's
+        # one rule), so a spec that cannot be built stops the comparison here, before any job.
         self.methods = [
-            _Method(label, spec, bool(probe.build_encoding(spec).positional_parameters()))
+            _Method(label, spec, bool(self.resolved(probe, spec).positional_parameters()))
             for label, spec in methods
         ]
         self.baseline = next(m.label for m in self.methods if m.spec == BASELINE)
@@ -123,6 +126,10 @@ class _Comparison:
         self.times = out / "times.jsonl"  # wall time of each job, kept when a job is reused
         self.records = {r["job"]: r for r in read_records(self.times)}
         self.check_probes_fit()
+
+    def resolved(self, probe: Backbone, spec: str) -> PositionEncoding:
+        c = self.config
+        return resolve_method(probe, c.extension_config(spec, c.seeds[0], c.lrs[0]))[0]
 
     def check_probes_fit(self) -> None:
         """Build one haystack per probe length now: K needles that do not fit a length stop
