@@ -117,3 +117,17 @@ def test_bf16_at_position_65536_is_within_bf16_tolerance_of_float64():
     # A float32 angle would be off by up to 65,536 * 2^-24 = 4e-3 rad for theta = 1; ours is not.
     phi = angles(pos, torch.ones(1, dtype=torch.float64))
     assert (phi[0, :, 0] - pos[0].double()).abs().max() == 0
+
+
+@pytest.mark.parametrize("pairing", PAIRINGS)
+def test_the_stored_table_rotation_passes_gradcheck_in_float64(pairing):
+    """Gradients to x and to both tables, in float64 throughout (the backward once summed the
+    table gradients in float32, which a float64 check cannot pass)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 5, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    phi = torch.randn(1, 1, 5, 3, dtype=torch.float64, generator=g)
+    cos, sin = phi.cos().requires_grad_(), phi.sin().requires_grad_()
+    rotated = lambda a, c, s: rotate(a, c, s, pairing)  # noqa: E731
+    # float32 sums are off by ~1e-7: within 1e-8 (the finite differences hold ~1e-10), only
+    # a float64 backward passes
+    assert torch.autograd.gradcheck(rotated, (x, cos, sin), atol=1e-8, rtol=0)

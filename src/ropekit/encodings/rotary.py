@@ -272,8 +272,11 @@ class _Rotate(torch.autograd.Function):
             # R(phi)^T = R(-phi): the inverse rotation carries the gradient back.
             grad_x = rotate_tensor(grad, c, -s, pairing)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            g1, g2 = _pairs(grad.float(), n, pairing)
-            x1, x2 = _pairs(x.float(), n, pairing)
+            # At least float32 (a bf16 table gradient summed over positions loses digits),
+            # float64 when the activations are: a float64 check must see float64 throughout.
+            acc = torch.promote_types(x.dtype, torch.float32)
+            g1, g2 = _pairs(grad.to(acc), n, pairing)
+            x1, x2 = _pairs(x.to(acc), n, pairing)
             if ctx.needs_input_grad[1]:
                 grad_cos = _sum_to(g1 * x1 + g2 * x2, c.shape).to(ctx.table_dtype)
             if ctx.needs_input_grad[2]:
