@@ -667,7 +667,7 @@ def add_export(sub: argparse._SubParsersAction) -> None:
         default="hf",
         help="hf: config.json rope_parameters (transformers, vLLM); gguf: model.gguf with "
         "llama.cpp's rope keys and rope_freqs; vllm: an HF folder for ropekit's vLLM plugin, "
-        "which serves per-head AdaRoPE exactly (default: %(default)s)",
+        "which serves per-head AdaRoPE within the engine's noise floor (default: %(default)s)",
     )
     p.add_argument(
         "--nearest",

@@ -17,12 +17,13 @@ rotation of q and one of k cannot express it. Every such method is a small numbe
 
 (ReRoPE: a near band d < w at true positions and a far band at clipped distance; Self-Extend:
 neighbours and groups; DCA: intra-, successive- and inter-chunk; STRING: near and shifted.)
-Plain RoPE is one band covering every key. ``banded_attention`` computes this exactly with
+Plain RoPE is one band covering every key. ``banded_attention`` computes this (to round-off) with
 one of two kernels, held together by tests (house style of ``rotary.py``):
 
 - ``fused`` (default, ``bands_fused``): each band's keys for a block of query rows are at most
   a few contiguous *pieces*, each one call of PyTorch's fused attention kernel returning its
-  log-sum-exp, merged exactly by log-sum-exp; about the cost of one causal attention;
+  log-sum-exp, merged by log-sum-exp (exact up to round-off); about the cost of one causal
+  attention;
 - ``reference``: block by block over query rows, per block and band the ordinary q k^T on the
   band's keys, the logits of each pair taken from the band that covers it, then one softmax
   over the block's row (the selected-logits form of an exact log-sum-exp merge). A block holds

@@ -30,7 +30,7 @@ rotated at the length of their own step, so once L grows past the original lengt
 the new frequencies meets keys at old ones and relative positions no longer line up. Here the
 cache holds *unrotated* keys; every step rotates all S keys again at the current L, with their
 positions kept beside the cache (an attribute of transformers' cache layer, trimmed the same way
-for sliding-window layers). The attention of the newest query in every layer is then exactly
+for sliding-window layers). The attention of the newest query in every layer is then (to round-off)
 what a full forward at the final length computes from the same layer inputs. What a cache
 cannot change is the past tokens' hidden states: in layers > 0 the keys and values of an earlier
 token were computed (in the layers below) at the length of its own step, as in any cached
@@ -45,7 +45,7 @@ transformers does, in any cache.
 
 Distance remaps (``encoding.remaps_distance``: rerope, self-extend, dca, string) replace the
 attention function: q, k and v go unrotated to ``ropekit.encodings.banded_attention``, which
-computes each band (its own rotations of q and k, its own keys) and merges them exactly,
+computes each band (its own rotations of q and k, its own keys) and merges them (to round-off),
 block by block over query rows, with transformers' mask (sdpa's boolean one, or None for
 ``is_causal``; eager's additive one) applied on top, so padding, GQA and sliding windows keep
 their meaning and no (T, S) logit tensor per head is built. The cache holds unrotated keys

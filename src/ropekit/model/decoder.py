@@ -14,7 +14,7 @@ ones add to the attention logits (``score_bias``); every path is always called, 
 defaults are identities. Encodings that remap the query-key distance (``remaps_distance``:
 ReRoPE, Self-Extend, DCA, STRING) attend instead through their ``bands``
 (``ropekit.encodings.bands.banded_attention``: per band, q and k rotated at that band's
-positions, merged exactly, in blocks of query rows), with the cache holding unrotated keys.
+positions, merged to round-off, in blocks of query rows), with the cache holding unrotated keys.
 
 Masking: attention is causal within a row. A position that does not exceed its predecessor
 in ``position_ids`` starts a new document (packed rows), and tokens then attend only within
@@ -250,7 +250,7 @@ class Attention(nn.Module):
         visibility: Visibility,
         rotated_keys: RotatedKeys | None = None,
     ) -> Tensor:
-        """Attention of a distance-remapping encoding: its bands, merged exactly, blockwise
+        """Attention of a distance-remapping encoding: its bands, merged (to round-off), blockwise
         over query rows (``banded_attention``); causal, with documents from ``visibility``.
         The probe is not called: no single (q, k) pair of tensors describes these logits."""
         S, T = k.shape[-2], q.shape[-2]

@@ -411,8 +411,9 @@ def _served_config(
 
         extra = {**extra, "architectures": [ARCHITECTURE]}
         notes = [
-            f"served exactly by vLLM with ropekit's plugin ({ARCHITECTURE}, adapter in "
-            "ropekit_adapter/); rope_parameters (what engines without the plugin compute):",
+            f"served by vLLM with ropekit's plugin within its noise floor ({ARCHITECTURE}, "
+            "adapter in ropekit_adapter/); rope_parameters (what engines without the plugin "
+            "compute):",
             *notes,
         ]
     target = int(max_length or target_length(encoding, model.config))
