@@ -171,3 +171,32 @@ def test_inspect_command_prints_engines_and_writes_json(tmp_path: Path, capsys) 
     assert (tmp_path / "notes.json").read_text() == "{}"
     assert json.loads((tmp_path / "r.json").read_text()) == written
     assert main(["inspect", str(other), "--json", str(tmp_path / "r.json"), "--overwrite"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda c: c["rope_parameters"].update(rope_theta=-1), "rope_theta=-1 is not allowed"),
+        (lambda c: c["rope_parameters"].update(factor=0), "factor=0 is not allowed"),
+        (lambda c: c["rope_parameters"].update(rope_type="warp"), "rope_type='warp' is not"),
+        (lambda c: c.update(max_position_embeddings=-5), "max_position_embeddings=-5 is not"),
+        (lambda c: c["rope_parameters"].update(beta_fast="x"), "beta_fast='x' is not allowed"),
+        (lambda c: c.update(rope_parameters=[1]), "rope_parameters must be a JSON object"),
+    ],
+)
+def test_nonsense_rope_values_are_errors_not_agreement(tmp_path, capsys, change, message):
+    folder = _edit(_folder("yarn:factor=4", tmp_path), change)
+    capsys.readouterr()  # the export's own output
+    assert main(["inspect", str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and str(folder / "config.json") in err and err.count("\n") == 0
+
+
+@pytest.mark.parametrize("text", ["[]", "{not json", "\xff\xfe"])
+def test_a_config_that_is_not_a_json_object_is_one_line_naming_the_file(tmp_path, capsys, text):
+    folder = _folder("yarn:factor=4", tmp_path)
+    (folder / "config.json").write_bytes(text.encode("latin-1"))
+    capsys.readouterr()
+    assert main(["inspect", str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(folder / "config.json") in err and err.count("\n") == 0

@@ -8,7 +8,7 @@ from the config). A disagreement is a per-pair frequency off by more than 1e-6 r
 attention factor off by more than 1e-6, a longest accepted length below the target, or a
 refusal. The rules are ``ropekit.serve.engines`` (each cites the engine file and function).
 
-Holds: inspect_folder, format_report, Disagreement.
+Holds: inspect_folder, check_rope_config, format_report, Disagreement.
 """
 
 from __future__ import annotations
@@ -35,9 +35,13 @@ class Disagreement:
 def _target(config: dict[str, Any], folder: Path) -> int:
     record = folder / "ropekit_export.json"
     if record.is_file():
-        target = json.loads(record.read_text(encoding="utf-8")).get("target_length")
-        if target:
-            return int(target)
+        target = _json_object(record).get("target_length")
+        if target is not None:
+            if isinstance(target, bool) or not isinstance(target, int) or target < 1:
+                raise ValueError(
+                    f"{record}: target_length={target!r} is not allowed; it must be an integer >= 1"
+                )
+            return target
     p = config.get("rope_parameters") or {}
     kind = p.get("rope_type", "default")
     max_pos = int(config["max_position_embeddings"])
@@ -140,6 +144,68 @@ def _fix_attention(engine: str, kind: str, value: float) -> str:
     return f"make {engine}'s attention factor {value:.6f}"
 
 
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; a file that is not one is a ValueError naming it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a {type(data).__name__}")
+    return data
+
+
+# The rope keys inspect reads, with what each must be: a nonsense value is an error, never a
+# schedule the engines then "agree" on.
+_POSITIVE = ("rope_theta", "factor", "attention_factor", "mscale", "mscale_all_dim")
+_LENGTHS = ("max_position_embeddings", "original_max_position_embeddings")
+
+
+def check_rope_config(config: dict[str, Any], where: Path | str) -> None:
+    """Refuse a config whose rope keys no engine can mean: a ValueError naming the key, its
+    value and what is allowed. ``config`` has ``rope_parameters`` (or its default)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    p = config["rope_parameters"]
+    if not isinstance(p, dict):
+        raise ValueError(f"{where}: rope_parameters must be a JSON object, not {p!r}")
+    kinds = sorted({"default", *ROPE_INIT_FUNCTIONS})
+    if p.get("rope_type", "default") not in kinds:
+        raise ValueError(
+            f"{where}: rope_type={p.get('rope_type')!r} is not allowed; allowed: {', '.join(kinds)}"
+        )
+
+    def number(name: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            raise ValueError(f"{where}: {name}={value!r} is not allowed; it must be a number")
+        return float(value)
+
+    for name in _POSITIVE:
+        if p.get(name) is not None and not 0 < number(name, p[name]) < float("inf"):
+            raise ValueError(f"{where}: {name}={p[name]!r} is not allowed; it must be > 0")
+    for name in ("beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor"):
+        if p.get(name) is not None:
+            number(name, p[name])
+    for name in _LENGTHS:
+        value = p.get(name, config.get(name))
+        if name == "max_position_embeddings" and value is None:
+            raise ValueError(f"{where}: max_position_embeddings is missing")
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(
+                f"{where}: {name}={value!r} is not allowed; it must be an integer >= 1"
+            )
+    for name in ("short_factor", "long_factor"):
+        factors = p.get(name)
+        if factors is not None and (
+            not isinstance(factors, list)
+            or not factors
+            or any(not 0 < number(name, f) < float("inf") for f in factors)
+        ):
+            raise ValueError(f"{where}: {name} must be a list of numbers > 0")
+
+
 def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Every engine's RoPE for the HF folder at ``path`` and their disagreements."""
     from transformers import AutoConfig
@@ -148,7 +214,7 @@ def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
-    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config = _json_object(config_file)
     if "rope_parameters" not in config and "rope_scaling" in config:
         raise ValueError(
             f"{config_file}: rope_scaling (transformers < 5) is not read here; load and save it "
@@ -157,10 +223,9 @@ def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
     config.setdefault(
         "rope_parameters", {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
     )
+    check_rope_config(config, config_file)
     tokenizer_file = folder / "tokenizer_config.json"
-    tokenizer_config = (
-        json.loads(tokenizer_file.read_text(encoding="utf-8")) if tokenizer_file.is_file() else None
-    )
+    tokenizer_config = _json_object(tokenizer_file) if tokenizer_file.is_file() else None
     hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
     p = config["rope_parameters"]
     l0 = int(p.get("original_max_position_embeddings") or config["max_position_embeddings"])
