@@ -395,3 +395,34 @@ def test_trained_retriever_answers_probes_as_full_prompts(trained_retriever, tmp
     summary = run_probes(lm, one, tmp_path, **OPTIONS)
     assert summary["overall"]["n"] == 20
     assert summary["overall"]["accuracy"] >= 0.5, summary["overall"]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"lengths": (128,), "needles": 100_000}, "needles=100000 cannot fit in 128 tokens"),
+        (
+            {"lengths": (128,), "haystacks": 10**9},
+            "128000000000 prompt tokens|limit is 100,000,000",
+        ),
+        ({"lengths": (10**8,), "needles": 1}, "length 100000000 needs a KV cache of"),
+    ],
+)
+def test_sizes_that_cannot_run_are_refused_at_once_and_leave_the_folder(
+    tmp_path, byte_tok, options, message
+):
+    """Each of these once ran for minutes (building haystacks) before any output."""
+    import time
+
+    out = tmp_path / "out"
+    start = time.perf_counter()
+    model = sharp_decoder("rope") if options["lengths"][0] > 10**6 else SuffixCopyLM()
+    with pytest.raises(ValueError, match=message):
+        run_probes(model, ProbeConfig(**options), out, tokenizer=byte_tok)
+    assert time.perf_counter() - start < 5 and not out.exists()
+
+
+def test_a_length_refused_leaves_the_other_lengths_folders_as_they_were(tmp_path, byte_tok):
+    with pytest.raises(TaskDoesNotFit):
+        run_probes(SuffixCopyLM(), ProbeConfig((150, 512), needles=3), tmp_path, tokenizer=byte_tok)
+    assert list(tmp_path.iterdir()) == []

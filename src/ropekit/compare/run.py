@@ -54,11 +54,12 @@ from ropekit.evals import (
     DocumentsTooShort,
     PerplexityConfig,
     PromptFormat,
+    as_language_model,
     check_single_documents,
     run_perplexity,
     run_probes,
 )
-from ropekit.evals.probes import build_haystack, probe_task
+from ropekit.evals.probes import build_haystack, check_probe_sizes, probe_task
 from ropekit.results import (
     ResultError,
     check_replaceable,
@@ -125,18 +126,20 @@ class _Comparison:
         self.skipped: list[dict[str, Any]] = []  # the lengths left out, with the reason
         self.times = out / "times.jsonl"  # wall time of each job, kept when a job is reused
         self.records = {r["job"]: r for r in read_records(self.times)}
-        self.check_probes_fit()
+        self.check_probes_fit(probe)
 
     def resolved(self, probe: Backbone, spec: str) -> PositionEncoding:
         c = self.config
         return resolve_method(probe, c.extension_config(spec, c.seeds[0], c.lrs[0]))[0]
 
-    def check_probes_fit(self) -> None:
-        """Build one haystack per probe length now: K needles that do not fit a length stop
-        the comparison here (TaskDoesNotFit, a ValueError), not after every method trained."""
+    def check_probes_fit(self, probe: Backbone) -> None:
+        """Check the probe sizes and build one haystack per probe length now: K needles that
+        do not fit a length stop the comparison here (TaskDoesNotFit, a ValueError), not after
+        every method trained."""
         if not self.config.retrieval_lengths(self.trained_at):
             return
         config = self.config.probe_config(self.trained_at)
+        check_probe_sizes(config, as_language_model(probe))
         task, fmt = probe_task(config.task), PromptFormat(self.tokenizer, chat=config.chat)
         for length in config.lengths:
             build_haystack(task, fmt, config, length, 0)

@@ -410,6 +410,44 @@ def exact_match(prediction: str, value: str) -> bool:
     return bool(words) and words[0].lstrip(_LEADING).rstrip(_TRAILING).lower() == value.lower()
 
 
+# Sizes checked before anything is built (building a haystack tokenizes its whole text).
+NEEDLE_TOKENS = 6  # "The value of key K is V." is 6 words: no tokenizer makes it fewer tokens
+MAX_PROMPT_TOKENS = 10**8  # prefill tokens of one probes run: days of CPU for the tiniest model
+
+
+def check_probe_sizes(config: ProbeConfig, lm: BackboneLM) -> None:
+    """Refuse at once, naming the limit, what cannot run: more needles than a length holds,
+    more prompt tokens than any machine prefills in reasonable time, or a length whose KV
+    cache alone exceeds this machine's memory. A ValueError (TaskDoesNotFit for needles)."""
+    for n in config.lengths:
+        if config.needles * NEEDLE_TOKENS > n:
+            raise TaskDoesNotFit(
+                f"needles={config.needles} cannot fit in {n} tokens: each needle takes at "
+                f"least {NEEDLE_TOKENS}; allowed: at most {n // NEEDLE_TOKENS} needles at "
+                f"length {n}"
+            )
+    shape = lm.backbone.fingerprint()
+    dims = ("n_layers", "n_kv_heads", "head_dim")
+    if all(isinstance(shape.get(k), int) for k in dims):  # a model with a KV cache to size
+        per_token = 2 * shape["n_layers"] * shape["n_kv_heads"] * shape["head_dim"]
+        per_token *= lm.backbone.dtype.itemsize  # keys and values of every layer
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        longest = max(config.lengths)
+        if longest * per_token > memory:
+            raise ValueError(
+                f"length {longest} needs a KV cache of {longest * per_token / 2**30:.1f} GiB, "
+                f"above this machine's {memory / 2**30:.1f} GiB of memory; allowed: lengths "
+                f"up to {memory // per_token:,} tokens"
+            )
+    total = config.haystacks * sum(config.lengths)
+    if total > MAX_PROMPT_TOKENS:
+        raise ValueError(
+            f"haystacks={config.haystacks} x lengths {list(config.lengths)} is {total:,} "
+            f"prompt tokens to prefill; the limit is {MAX_PROMPT_TOKENS:,} (fewer haystacks "
+            "or shorter lengths)"
+        )
+
+
 def _backbone_lm(lm: LanguageModel) -> BackboneLM:
     if not isinstance(lm, BackboneLM):
         raise ValueError(
@@ -527,14 +565,10 @@ def _check_stage(stage: _Stage, overwrite: bool) -> None:
         )
 
 
-def _prepare(
-    stage: _Stage, spec: TaskSpec, fmt: PromptFormat, config: ProbeConfig, overwrite: bool
-) -> None:
-    """Build the stage's haystacks and load its answered probes, checked against them."""
+def _prepare(stage: _Stage, haystacks: list[ProbeHaystack], overwrite: bool) -> None:
+    """Give the stage its haystacks and load its answered probes, checked against them."""
     _check_stage(stage, overwrite)
-    stage.haystacks = [
-        build_haystack(spec, fmt, config, stage.length, h) for h in range(config.haystacks)
-    ]
+    stage.haystacks = haystacks
     by_id = {(hay.index, p.needle): (hay, p) for hay in stage.haystacks for p in hay.probes}
     stage.records = {}
     for r in read_records(stage.directory / "probes.jsonl"):
@@ -729,6 +763,7 @@ def run_probes(
     out = Path(out_dir)
     identity = lm.identity()
     provenance = {"model": identity}
+    check_probe_sizes(config, lm)
     if procs.is_main:  # another command's or another model's summary is never replaced
         check_replaceable(out / "summary.json", "probes", provenance, overwrite=overwrite)
     fmt = PromptFormat(lm.tokenizer, chat=config.chat)
@@ -795,8 +830,14 @@ def _prepare_stages(
     (``Processes.on_main``), so only one process reads or clears the folders."""
 
     def prepare() -> list[tuple[Any, Any]]:
-        for stage in tqdm(stages, desc="haystacks", unit="length", disable=not progress):
-            _prepare(stage, task, fmt, config, overwrite)
+        # Every length's haystacks first (a length they do not fit is refused here), then
+        # the stage folders: a refused run leaves every folder as it found it.
+        built = [
+            [build_haystack(task, fmt, config, stage.length, h) for h in range(config.haystacks)]
+            for stage in tqdm(stages, desc="haystacks", unit="length", disable=not progress)
+        ]
+        for stage, haystacks in zip(stages, built, strict=True):
+            _prepare(stage, haystacks, overwrite)
         return [(s.haystacks, s.records) for s in stages]
 
     for stage, (haystacks, records) in zip(stages, procs.on_main(prepare), strict=True):
