@@ -102,3 +102,13 @@ def test_bad_settings_are_refused(base_dir, tmp_path):
         SearchConfig(TARGET, samples=2, budget=4)
     with pytest.raises(ValueError, match="longer target"):
         search(Decoder.load(base_dir), SearchConfig(CONTEXT), tmp_path / "x", progress=False)
+
+
+def test_a_model_without_rotary_positions_and_an_absurd_budget_are_one_line_errors(tmp_path):
+    alibi = Decoder(DecoderConfig(d_model=32, n_layers=1, n_heads=2, context_length=CONTEXT,
+                                  encoding="alibi"))  # fmt: skip
+    with pytest.raises(ValueError, match="'alibi', not rotary: a factor search rescales RoPE"):
+        search(alibi, SearchConfig(TARGET), tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match=r"128,000,000,000 tokens to score; the limit is"):
+        SearchConfig(TARGET, budget=10**9)

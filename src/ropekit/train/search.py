@@ -65,6 +65,9 @@ from ropekit.results import (
 SEARCH_JSON = "search.json"
 CANDIDATES = "candidates.jsonl"
 MAX_FACTOR_TIMES_S = 4.0  # factors are capped at this multiple of s
+# Tokens a search may score in all (budget x target_length): past it the run would take
+# months (SmolLM2-135M on one CPU core here scores 8,192 tokens in about a minute).
+MAX_SEARCH_TOKENS = 10**9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +99,13 @@ class SearchConfig:
             raise ValueError(
                 f"budget={self.budget} is not allowed: it must cover the three seeds (PI, NTK, "
                 f"YaRN), samples={self.samples} forwards each, so >= {3 * self.samples}"
+            )
+        if self.budget * self.target_length > MAX_SEARCH_TOKENS:
+            raise ValueError(
+                f"budget={self.budget} forwards of target_length={self.target_length} is "
+                f"{self.budget * self.target_length:,} tokens to score; the limit is "
+                f"{MAX_SEARCH_TOKENS:,} (budget <= {MAX_SEARCH_TOKENS // self.target_length:,} "
+                "at this length)"
             )
         if not (math.isfinite(self.mutation) and 0 < self.mutation <= 1):
             raise ValueError(f"mutation={self.mutation!r} is not allowed; it must lie in (0, 1]")
@@ -274,6 +284,12 @@ def search(
             f"{trained_at}; a search needs a longer target"
         )
     fingerprint = backbone.fingerprint()
+    if not isinstance(fingerprint.get("base"), int | float) or not fingerprint.get("head_dim"):
+        current = backbone.encoding.spec if backbone.encoding is not None else "its own"
+        raise ValueError(
+            f"the model's positions are {current!r}, not rotary: a factor search rescales "
+            "RoPE's per-pair frequencies; allowed: a model with rotary positions"
+        )
     rope: PositionEncoding = backbone.build_encoding("rope")
     context = {"factor": factor, "original_length": trained_at}
     provenance = {"model": backbone.identity(), "config": config.to_dict()}
