@@ -144,6 +144,22 @@ CASES: list[tuple[str, str, tuple[str, ...]]] = [
     ("factor-below-1", "schedules --factor 0.5 --out {tmp}/s", ("factor",)),
     ("unknown-method", "schedules --methods banana --out {tmp}/s", ("unknown encoding",)),
     ("odd-head-dim", "schedules --head-dim 7 --out {tmp}/s", ("head_dim",)),
+    ("methods-repeat", "schedules --methods rope,yarn,rope --out {tmp}/s", ("repeat", "'rope'")),
+    (
+        "probe-needles-past-the-length",
+        "eval probes --model {base} --lengths 128 --needles 100000 --out {tmp}/pr",
+        ("needles=100000", "at most 21"),
+    ),
+    (
+        "probe-haystacks-absurd",
+        "eval probes --model {base} --lengths 128 --haystacks 1000000000 --out {tmp}/pr",
+        ("prompt tokens", "limit"),
+    ),
+    (
+        "search-budget-absurd",
+        "search --model {base} --target-length 128 --budget 1000000000 --out {tmp}/sr",
+        ("tokens to score", "the limit is"),
+    ),
     ("head-dim-text", "schedules --head-dim x --out {tmp}/s", ("--head-dim", "integer")),
     ("negative-base", "schedules --base -1 --out {tmp}/s", ("base",)),
     ("zero-original-length", "schedules --original-length 0 --out {tmp}/s", ("original_length",)),

@@ -50,6 +50,9 @@ def compare_schedules(
             f"factor={factor!r} is too large: the target length factor x original_length="
             f"{original_length} is not a finite number"
         )
+    repeated = sorted({m for m in methods if list(methods).count(m) > 1})
+    if repeated:
+        raise ValueError(f"methods repeat {repeated}; name each method once")
     target = int(factor * original_length)
     rows = []
     for method in methods:
