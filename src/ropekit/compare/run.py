@@ -17,9 +17,10 @@ verdict is rewritten after every stage from what is done):
 Every piece is a library run with its own provenance (extend, eval ppl, the probes), so a
 rerun of the same comparison recomputes nothing, and a change of model, adapter, spec or data
 in the same folder is refused rather than served from a cache. The one change a folder takes
-is methods added (every earlier label kept with its spec, every other field the same): the
-rerun scores the new ones and reuses every finished job, the learning-rate selections too
-(each keyed by what it depends on: the method's spec, the training and the rate).
+is methods or held-out domains added (every earlier label kept with its spec, every earlier
+domain kept, every other field the same): the rerun scores what was added and reuses every
+finished job, the learning-rate selections too (each keyed by what it depends on: the
+method's spec, the training and the rate).
 
 Layout of ``out_dir``:
 
@@ -426,21 +427,24 @@ def _retrieval(probes: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
 
 def _folder_config(out: Path, config: CompareConfig, log: Callable[[str], None]) -> dict:
     """The config ``out``'s comparison must have been made with: ``config``'s own, or the
-    earlier one when ``config`` only adds methods to it (every other field the same, every
-    earlier label kept with its spec), which the rerun then scores beside the finished ones."""
+    earlier one when ``config`` only adds to it, methods (every earlier label kept with its
+    spec) or held-out domains (every earlier one kept), every other field the same; the rerun
+    then scores what was added beside what is finished."""
     current = config.to_dict()
     try:
         recorded = read_result(out / COMPARE_JSON, "compare")["provenance"]["config"]
         earlier = CompareConfig(**recorded)
     except (OSError, ResultError, KeyError, TypeError, ValueError):
         return current  # no comparison there, or not one this can grow: the check says which
-    rest = ("methods", "names")
-    same = {k: v for k, v in recorded.items() if k not in rest} == {
-        k: v for k, v in current.items() if k not in rest
+    grown = ("methods", "names", "eval_data")
+    same = {k: v for k, v in recorded.items() if k not in grown} == {
+        k: v for k, v in current.items() if k not in grown
     }
     specs = dict(zip(config.labels, config.methods, strict=True))
     kept = all(specs.get(lb) == m for lb, m in zip(earlier.labels, earlier.methods, strict=True))
+    kept = kept and set(earlier.eval_data) <= set(config.eval_data)
     added = [lb for lb in config.labels if lb not in earlier.labels]
+    added += [f"domain {d}" for d in config.eval_data if d not in earlier.eval_data]
     if not (same and kept and added):
         return current
     log(f"{out}: {', '.join(added)} added to the comparison there; finished jobs are reused")

