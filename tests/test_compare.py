@@ -369,3 +369,43 @@ def test_specs_that_omit_the_factor_take_n_over_l0_as_extend_does(compared, tmp_
     bad[bad.index("--methods") + 1] = "rope,yarn:beta_fast=oops"
     assert main(bad) == 2
     assert not (tmp_path / "bad" / "compare.json").exists()
+
+
+@pytest.mark.parametrize("domain", ["banana", "empty.txt", "binary.txt"])
+def test_a_bad_domain_is_refused_before_anything_is_written(compared, tmp_path, capsys, domain):
+    """Every held-out domain is read when the comparison starts: an unknown name, an empty or
+    a non-UTF-8 file is one line, exit 2, and --out is left as it was found (it once failed
+    after the first domain was scored, leaving methods/, times.jsonl and a lock)."""
+    root, _ = compared
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)) * 40)
+    data = domain if domain == "banana" else str(tmp_path / domain)
+    out = tmp_path / "out"
+    argv = [
+        "compare", "--model", str(root / "base"), "--target-length", "128",
+        "--methods", "rope,yarn", "--eval-data", f"shakespeare,{data}",
+        "--lengths", "128", "--probe-lengths", "", "--out", str(out),
+    ]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and (domain in err or "banana" in err)
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_a_users_own_file_is_scored_whole(compared, tmp_path):
+    """One long text file is held-out text: scored, not split into an empty validation part."""
+    from ropekit.data import load_corpus
+
+    root, _ = compared
+    book = tmp_path / "book.txt"
+    book.write_text("\n\n".join(d.text for d in load_corpus("kjv")[:3]))
+    out = tmp_path / "out"
+    argv = [
+        "compare", "--model", str(root / "base"), "--target-length", "128",
+        "--methods", "rope,yarn", "--eval-data", str(book), "--lengths", "128",
+        "--probe-lengths", "", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "compare.json").read_text())
+    assert str(book) in data["table"]["yarn"]
