@@ -118,6 +118,15 @@ def test_single_documents_is_on_unless_turned_off():
     assert CompareConfig("m", 64, ("rope",)).single_documents is True
 
 
+def test_the_help_of_a_no_flag_says_it_turns_the_default_off(capsys):
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--no-single-documents turn off what is on by default: score windows inside" in (
+        help_text
+    )
+
+
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory):
     threads = torch.get_num_threads()

@@ -75,12 +75,13 @@ def add_encodings(sub: argparse._SubParsersAction) -> None:
 
 def cmd_encodings(args: argparse.Namespace) -> int:
     from ropekit.encodings import REGISTRY, describe
+    from ropekit.encodings.registry import FROM_MODEL, FROM_TARGET, REQUIRED
 
     for name, entry in REGISTRY.items():
         print(f"{name:<12} {entry.summary} ({entry.source})")
         for option, kind, default in describe(name):
             kind = kind.replace("typing.", "").replace("| None", "").strip()
-            shown = "required" if default is None else repr(default)
+            shown = default if default in (REQUIRED, FROM_MODEL, FROM_TARGET) else repr(default)
             print(f"    {option:<18} {kind:<22} {shown}")
     return 0
 

@@ -180,16 +180,19 @@ def add_options(
             # One that is on by default can only be turned off: --no-... stores False.
             on = bool(default)
             flag_name = ("--no-" if on else "--") + name.replace("_", "-")
+            # The help says what the flag does: a --no-... flag turns the field's meaning off.
+            shown = f"turn off what is on by default: {text}" if on else f"{text} (default: off)"
             parser.add_argument(
                 (flags or {}).get(name, flag_name), dest=name, action="store_const",
-                const=not on, default=None, help=f"{text} (default: {on})",
+                const=not on, default=None, help=shown,
             )  # fmt: skip
             continue
         if kind is None:  # a switch; one that is on by default is turned off by --no-...
             off = bool(default)
             flag = (flags or {}).get(name, "--no-" + name.replace("_", "-") if off else flag)
             action = "store_false" if off else "store_true"
-            parser.add_argument(flag, dest=name, action=action, default=bool(default), help=text)
+            shown = f"turn off what is on by default: {text}" if off else text
+            parser.add_argument(flag, dest=name, action=action, default=bool(default), help=shown)
             continue
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
         known = name not in required and default is not None

@@ -97,6 +97,8 @@ class EncodingConfig:
     # Fields that the surrounding model can supply when the spec leaves them out (the base of
     # a Hugging Face model, its original context length).
     CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = ()
+    # Fields with a None default that a spec must still give (listed as required)
+    REQUIRED_OPTIONS: ClassVar[tuple[str, ...]] = ()
     name: ClassVar[str] = ""  # the registered encoding name
 
     def __post_init__(self) -> None:

@@ -80,6 +80,7 @@ class MixedConfig(EncodingConfig):
     schedule: EncodingConfig = dataclasses.field(default_factory=RopeConfig)  # method's options
 
     CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = RopeConfig.CONTEXT_FIELDS
+    REQUIRED_OPTIONS: ClassVar[tuple[str, ...]] = ("method",)
 
     def __post_init__(self) -> None:
         if self.method is None:

@@ -169,14 +169,31 @@ def names() -> list[str]:
     return list(REGISTRY)
 
 
+REQUIRED = "required"  # describe: the spec must give it
+FROM_MODEL = "from the model"  # describe: filled from the model it is built for (base, L0...)
+FROM_TARGET = "N / L0 (extend, compare)"  # describe: a factor those commands derive if omitted
+
+
 def describe(name: str) -> list[tuple[str, str, Any]]:
-    """(option, type, default) for each option of an encoding (AdaRoPE lists its own)."""
+    """(option, type, default) for each option of an encoding (AdaRoPE lists its own). The
+    default is the value itself (None: the encoding's own rule, e.g. DCA's chunk size from L0,
+    ReRoPE's clip), or says where the value comes from when the spec omits it: ``FROM_MODEL``
+    (the model's base, original length... ``CONTEXT_FIELDS``), ``FROM_TARGET`` (a scaling
+    factor, which ``extend`` and ``compare`` take as N / L0), or ``REQUIRED``."""
     entry = REGISTRY[name]
+    context = set(entry.config.CONTEXT_FIELDS)
     out = []
     for field in dataclasses.fields(entry.config):
         if field.name == "schedule":
             continue
-        default = field.default if field.default is not dataclasses.MISSING else None
+        if field.name in context:
+            default: Any = FROM_MODEL
+        elif field.default is dataclasses.MISSING or field.name in entry.config.REQUIRED_OPTIONS:
+            default = REQUIRED
+        elif field.name == "factor" and field.default is None:
+            default = FROM_TARGET
+        else:
+            default = field.default
         out.append((field.name, str(field.type), default))
     return out
 
