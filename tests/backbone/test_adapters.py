@@ -136,6 +136,7 @@ def test_unreadable_weights_with_a_matching_checksum_are_reported(trained) -> No
     (folder / ADAPTER_WEIGHTS).write_bytes(b"not a safetensors file")
     meta = json.loads((folder / ADAPTER_CONFIG).read_text())
     meta["sha256"] = hashlib.sha256(b"not a safetensors file").hexdigest()
+    meta.pop("meta_sha256")  # as a file written before the metadata checksum
     (folder / ADAPTER_CONFIG).write_text(json.dumps(meta))
     with pytest.raises(AdapterError, match="not a safetensors file"):
         load_adapter(tiny_model("llama"), folder)
@@ -159,9 +160,39 @@ def test_weights_that_do_not_fit_the_spec_are_reported(trained) -> None:
     data = safetensors.torch.save(tensors)
     (folder / ADAPTER_WEIGHTS).write_bytes(data)
     meta["sha256"] = hashlib.sha256(data).hexdigest()
+    meta.pop("meta_sha256")  # as a file written before the metadata checksum
     (folder / ADAPTER_CONFIG).write_text(json.dumps(meta))
     with pytest.raises(AdapterError, match=r"log_tau has shape \(3, 3\)"):
         load_adapter(tiny_model("llama"), folder)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.update(spec=m["spec"].replace("factor=2", "factor=3")),
+        lambda m: m["fingerprint"].update(n_layers=m["fingerprint"]["n_layers"] + 1),
+    ],
+    ids=["spec", "fingerprint"],
+)
+def test_an_edited_adapter_json_is_refused(trained, edit) -> None:
+    """The checksum covers the metadata, not only the weights: a spec edited from factor 2
+    to 3 once loaded silently, as factor 3 with factor 2's trained parameters."""
+    _, folder = trained
+    meta = json.loads((folder / ADAPTER_CONFIG).read_text())
+    edit(meta)
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(meta))
+    with pytest.raises(AdapterError, match="was edited after it was written"):
+        load_adapter(tiny_model("llama"), folder)
+
+
+def test_an_adapter_written_before_the_metadata_checksum_still_loads(trained) -> None:
+    model, folder = trained
+    meta = json.loads((folder / ADAPTER_CONFIG).read_text())
+    meta.pop("meta_sha256")
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(meta))
+    fresh = tiny_model("llama")
+    load_adapter(fresh, folder)
+    assert torch.equal(_logits(fresh), _logits(model))
 
 
 def test_saving_an_unpatched_model_is_refused(tmp_path: Path) -> None:

@@ -8,7 +8,9 @@ rename):
   ``encoding.named_parameters()``.
 - ``adapter.json``: the spec that rebuilds the encoding, the fingerprint of the model it was
   trained on (architecture, layers, heads, kv heads, head dim, base, original length), each
-  parameter's shape and dtype, the sha256 of the weights file and the versions that wrote it.
+  parameter's shape and dtype, the sha256 of the weights file, the sha256 of all of these
+  (``meta_sha256``: an edited spec or fingerprint is refused; files written before it have
+  none and load as they did) and the versions that wrote it.
 
 LoRA weights (an extension run's ``lora.safetensors``) carry the same check in ``lora.json``:
 rank, alpha, target modules, the model's fingerprint, every tensor's shape and the sha256 of
@@ -86,11 +88,23 @@ def _write_checked(
             for name, t in tensors.items()
         },
         "sha256": hashlib.sha256(data).hexdigest(),
-        "versions": _versions(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    meta["meta_sha256"] = _meta_digest(meta)
+    meta |= {"versions": _versions(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     atomic_write_bytes(directory / weights, data)
     atomic_write_text(directory / config, json.dumps(meta, indent=2) + "\n")
+
+
+# Entries of a checked JSON that its own checksum does not cover: the record of who wrote it
+# and when (the checksum itself, the versions, the time).
+_UNCHECKED = ("meta_sha256", "versions", "created")
+
+
+def _meta_digest(meta: dict[str, Any]) -> str:
+    """sha256 of every entry that says what the weights are (the spec, LoRA's rank and
+    targets, the model's fingerprint, the parameters, the weights' own sha256)."""
+    checked = {k: v for k, v in meta.items() if k not in _UNCHECKED}
+    return hashlib.sha256(json.dumps(checked, sort_keys=True).encode()).hexdigest()
 
 
 def _read_checked(
@@ -114,6 +128,14 @@ def _read_checked(
     for key in ("fingerprint", "parameters", "sha256", *keys):
         if key not in meta:
             raise AdapterError(f"{config_path} is corrupted: the {key!r} entry is missing")
+    # Written since the checksum covers the metadata too; files written before have none.
+    if "meta_sha256" in meta and meta["meta_sha256"] != _meta_digest(meta):
+        described = ", ".join(k for k in (*keys, "fingerprint") if k in meta)
+        raise AdapterError(
+            f"{config_path} was edited after it was written: its entries ({described}, "
+            "parameters) no longer match the checksum it was written with; re-create the "
+            "adapter (ropekit extend) rather than editing it"
+        )
     data = weights_path.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     if digest != meta["sha256"]:
