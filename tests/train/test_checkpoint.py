@@ -168,8 +168,8 @@ def _flip_bit(path, offset_fraction=0.5):
     path.write_bytes(bytes(data))
 
 
-def _truncate(path):
-    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+def _truncate(path, keep=None):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2 if keep is None else keep])
 
 
 # name -> (damage done to a checkpoint folder, what the warning says)
@@ -196,7 +196,29 @@ DAMAGE = {
         lambda c: (c / "rng-1.pt").write_bytes((c / "rng-0.pt").read_bytes()),
         r"rng-1\.pt is not in manifest\.json",
     ),
+    # Files that match their manifest but cannot be read: they once stopped the resume.
+    "planted pickle, manifest updated": (
+        lambda c: _plant_pickle(c / "optimizer.pt"),
+        r"optimizer\.pt cannot be read \(UnpicklingError",
+    ),
+    "legacy checkpoint, damaged header": (
+        lambda c: (_make_legacy(c), _truncate(c / "model.safetensors", 40)),
+        r"model\.safetensors cannot be read",
+    ),
 }
+
+
+class _Planted:
+    """What a malicious optimizer.pt would hold: an object weights_only refuses to build."""
+
+
+def _plant_pickle(path):
+    torch.save({"state": _Planted()}, path)
+    manifest_path = path.parent / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    data = path.read_bytes()
+    manifest["files"][path.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest_path.write_text(json.dumps(manifest))
 
 
 class Interrupted(Exception):
@@ -332,3 +354,43 @@ def test_a_linked_checkpoints_folder_is_refused(tmp_path):
     with pytest.raises(OutputError, match="checkpoints: it is a symbolic link"):
         save(tmp_path / "run", nn.Linear(2, 2), step=1)
     assert list(elsewhere.iterdir()) == []
+
+
+_LIMITED = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+from ropekit.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_loses_nothing(tmp_path):
+    """A full disk, made real with a file-size limit (RLIMIT_FSIZE: every write past it fails
+    as on a full disk): one line, exit 2, the older checkpoint intact, and the run resumes."""
+    import subprocess
+    import sys
+
+    tiny = ["pretrain", "--layers", "1", "--d-model", "32", "--heads", "2", "--batch-size", "2",
+            "--warmup", "1", "--context", "32", "--checkpoint-interval", "2", "--out",
+            str(tmp_path)]  # fmt: skip
+
+    def run(limit: int, steps: int, *extra: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-c", _LIMITED, str(limit), *tiny, "--steps", str(steps), *extra]
+        return subprocess.run(argv, capture_output=True, text=True)
+
+    # A run stopped after its step-2 checkpoint: what a kill in step 3 leaves (the finished
+    # run's step-4 checkpoint and summary removed).
+    assert run(1 << 30, 4).returncode == 0
+    shutil.rmtree(tmp_path / "checkpoints/step-00000004")
+    (tmp_path / "summary.json").unlink(missing_ok=True)
+    kept = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints/step-00000002").iterdir()}
+    failed = run(60_000, 4, "--resume")
+    assert failed.returncode == 2, failed.stderr[-2000:]
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith("ropekit pretrain: error: could not write checkpoint step-00000004")
+    assert "Traceback" not in failed.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000002"]
+    after = {p.name: p.read_bytes() for p in (tmp_path / "checkpoints/step-00000002").iterdir()}
+    assert after == kept
+    assert run(1 << 30, 4, "--resume").returncode == 0

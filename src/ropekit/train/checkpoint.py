@@ -84,6 +84,7 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -202,18 +203,19 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     try:
-        torch.save(_rng_state(), tmp / f"rng-{accelerator.process_index}.pt")
+        _written(root, final, torch.save, _rng_state(), tmp / f"rng-{accelerator.process_index}.pt")
         groups = _save_sharded(tmp, model, optimizer, save_frozen) if sharded else None
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             if sharded:
-                torch.save(groups, tmp / OPTIMIZER_GROUPS)
+                _written(root, final, torch.save, groups, tmp / OPTIMIZER_GROUPS)
             else:
                 # "format": "pt" is what Hugging Face loaders expect of a PyTorch safetensors
                 # file.
-                save_file(_model_tensors(model, save_frozen), tmp / MODEL_FILE, {"format": "pt"})
-                torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+                tensors = _model_tensors(model, save_frozen)
+                _written(root, final, save_file, tensors, tmp / MODEL_FILE, {"format": "pt"})
+                _written(root, final, torch.save, optimizer.state_dict(), tmp / "optimizer.pt")
+            _written(root, final, torch.save, scheduler.state_dict(), tmp / "scheduler.pt")
             fields = dataclasses.asdict(state)
             (tmp / "config.json").write_text(json.dumps(fields.pop("config"), indent=2))
             fields["checkpoint_format"] = CHECKPOINT_FORMAT
@@ -234,6 +236,22 @@ def save_checkpoint(
         raise
     accelerator.wait_for_everyone()
     return final
+
+
+def _written(root: Path, final: Path, save: Any, *args: Any) -> None:
+    """``save(*args)``; a write that fails (a full disk: torch and safetensors report it as
+    their own RuntimeError) is an OSError naming the checkpoint and the free space, which the
+    command line prints as one line. The caller removes the partial folder; the checkpoints
+    written before stay as they are."""
+    try:
+        save(*args)
+    except (RuntimeError, SafetensorError) as e:
+        free = shutil.disk_usage(root).free
+        detail = (str(e).strip().splitlines() or [""])[0][:160]
+        raise OSError(
+            f"could not write checkpoint {final.name} in {root} ({free / 2**20:.0f} MiB free "
+            f"there): {detail}; the older checkpoints are intact, resume from them"
+        ) from None
 
 
 def load_checkpoint(
@@ -623,7 +641,25 @@ def _problems(path: Path) -> tuple[list[str], bool]:
             problems.append(f"{name} is {size} bytes, {MANIFEST} says {expected_size}")
         elif digest != expected_digest:
             problems.append(f"{name} does not match its sha256 in {MANIFEST}")
-    return problems, False
+    return problems or _unreadable(path), False
+
+
+def _unreadable(path: Path) -> list[str]:
+    """What cannot be parsed in a checkpoint whose files are all there (and match a manifest
+    that may itself have been rewritten): every ``.pt`` file loads with ``weights_only``
+    (memory-mapped, so nothing large is read), the weights' safetensors header parses. A
+    checkpoint failing this is damaged like one failing its checksums: skipped on resume."""
+    problems = []
+    for file in sorted(path.iterdir()):
+        try:
+            if file.suffix == ".pt":
+                torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            elif file.suffix == ".safetensors":
+                with safe_open(file, framework="pt"):
+                    pass
+        except Exception as e:  # pickle, zipfile, safetensors: each has its own errors
+            problems.append(f"{file.name} cannot be read ({type(e).__name__})")
+    return problems
 
 
 def _without_manifest(path: Path) -> tuple[list[str], bool]:
@@ -636,7 +672,8 @@ def _without_manifest(path: Path) -> tuple[list[str], bool]:
     if not isinstance(state, dict) or "checkpoint_format" in state:
         return [f"{MANIFEST} missing"], False
     missing = [f"{name} missing" for name in _REQUIRED if not (path / name).is_file()]
-    return missing, not missing
+    problems = missing or _unreadable(path)
+    return problems, not problems
 
 
 def _warn_legacy(path: Path) -> None:
