@@ -105,11 +105,20 @@ def _snapshot(folder: Path) -> dict[str, str]:
     return out
 
 
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo this should never run",))
+
+
 def _damaged(runs: dict[str, Path], tmp: Path, what: str) -> Path:
     """A copy of a run with one file damaged (made per case, in the case's own folder)."""
     if what == "hf-config":
         folder = shutil.copytree(runs["hf"], tmp / "hf-bad-config")
         (folder / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    elif what == "hf-pickle":  # weights that would run code when unpickled
+        folder = shutil.copytree(runs["hf"], tmp / "hf-pickle")
+        (folder / "model.safetensors").unlink()
+        torch.save({"x": _RunsCode()}, folder / "pytorch_model.bin")
     elif what == "hf-weights":
         folder = shutil.copytree(runs["hf"], tmp / "hf-bad-weights")
         weights = folder / "model.safetensors"
@@ -350,6 +359,11 @@ CASES: list[tuple[str, str, tuple[str, ...]]] = [
         "ppl-corrupt-model",
         "eval ppl --model {bad:decoder-weights} --lengths 32 --out {tmp}/q",
         ("model.safetensors",),
+    ),
+    (
+        "hf-pickled-code",
+        "eval ppl --model {bad:hf-pickle} --lengths 32 --out {tmp}/q",
+        ("pickled weights", "refused", "posix.system"),
     ),
     (
         "hf-corrupt-config",

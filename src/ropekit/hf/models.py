@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -255,6 +256,15 @@ def load_model(
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per model is noise here
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **options, **kwargs)
+    except pickle.UnpicklingError as e:
+        # torch.load(weights_only=True) refused to build an object: a pickle that would run
+        # code (or simply holds more than tensors), refused, never loaded unsafely.
+        detail = next((ln for ln in str(e).splitlines() if "GLOBAL" in ln), "").strip()
+        raise ValueError(
+            f"{path}: its pickled weights (pytorch_model.bin) hold objects other than tensors "
+            f"and are refused ({detail or 'weights_only load failed'}); use safetensors "
+            "weights, or convert the file from a source you trust"
+        ) from None
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         reason = " ".join(str(e).split())[:300] or type(e).__name__
         if "trust_remote_code" in str(e):
