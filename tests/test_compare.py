@@ -91,6 +91,32 @@ def test_the_recommendation_obeys_the_margin_and_says_when_it_is_not_resolved():
     assert "1 window at 32 cannot resolve a lead (the rule needs at least 3)" in one["sentence"]
 
 
+def test_a_collapsed_method_is_named_as_such_not_as_an_unresolved_runner_up():
+    """The new user's case: dynamic NTK at a last-quarter perplexity of 30.7 against the
+    unmodified model's collapse to 286.7, over 1 window, was called unresolved."""
+    collapse = _table({
+        "rope": (10.0, [math.log(286.7)]),
+        "dynamic-ntk": (10.0, [math.log(30.7)]),
+    })  # fmt: skip
+    verdict = recommend(collapse, ["rope", "dynamic-ntk"], "rope", 8, 32, margin=0.01)
+    assert verdict["winner"] == "dynamic-ntk" and verdict["resolved"]
+    assert verdict["collapsed"] == ["rope"] and verdict["runner_up"] is None
+    assert verdict["sentence"].startswith("Use dynamic-ntk at 32 tokens: last-quarter perplexity")
+    assert "collapses there: rope (last-quarter perplexity 286.7)" in verdict["sentence"]
+    # The closest method that has not collapsed is the runner-up; the collapsed one is named.
+    three = _table({
+        "rope": (10.0, [math.log(286.7)] * 4),
+        "a": (10.0, [3.40, 3.41, 3.42, 3.40]),
+        "b": (10.0, [3.43, 3.45, 3.44, 3.46]),
+    })  # fmt: skip
+    verdict = recommend(three, ["rope", "a", "b"], "rope", 8, 32, margin=0.01)
+    assert verdict["winner"] == "a" and verdict["runner_up"] == "b"
+    assert verdict["collapsed"] == ["rope"] and "collapsed at 32: rope" in verdict["sentence"]
+    # A lead inside the noise is still refused, collapse or not.
+    assert not recommend(_table({"a": (10.0, [3.40]), "b": (10.0, [3.41])}), ["a", "b"], "a",
+                         8, 32, 0.01)["resolved"]  # fmt: skip
+
+
 def test_bad_configs_are_refused():
     with pytest.raises(ValueError, match="names"):
         CompareConfig("m", 64, ("rope", "yarn"), names=("a",))
@@ -171,7 +197,7 @@ def test_compare_trains_scores_and_judges_every_method(compared):
     report = (root / "out" / "report.md").read_text()
     assert "## Verdict" in report and verdict["sentence"] in report
     rule = report.split("How it is decided:", 1)[1].split("## Perplexity", 1)[0]
-    assert rule.count("\n- ") == 5 and "**" not in rule  # one paragraph per bullet
+    assert rule.count("\n- ") == 6 and "**" not in rule  # one paragraph per bullet
     assert (root / "out" / "cost_vs_gain.png").is_file()
     for domain in ("shakespeare", "kjv"):  # NLL against position at N, one figure per domain
         assert (root / "out" / f"nll_position_{domain}.png").is_file()

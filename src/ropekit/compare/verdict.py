@@ -17,6 +17,11 @@ The question: which method should serve N tokens, and what does it cost at L0? T
   ``min_difference`` nats (methods that agree to rounding have a standard error near 0, so a
   lead of 1e-6 would otherwise count). Otherwise the comparison says that
   no difference is resolved at this sample size, names the two, and gives the numbers.
+- **Collapsed** methods, whose score at N is more than ln 3 nats above the best eligible
+  score (far-position perplexity at least 3x the best's: the method has left its trained
+  range), are reported as collapsed, never as the runner-up: the recommendation is compared
+  with the closest eligible method that has not collapsed, and when every other eligible
+  method has collapsed the lead is resolved by the collapse itself.
 - A domain with no held-out document long enough for a length (single-document windows) is
   not scored at that length by any method, and is left out of that length's means.
 
@@ -35,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ropekit.evals.intervals import CONFIDENCE, accuracy_entry
+
+COLLAPSE_NATS = math.log(3.0)  # a score this far above the best: far-position ppl >= 3x
 
 
 def mean_std(values: Sequence[float]) -> dict[str, Any]:
@@ -159,7 +166,7 @@ def recommend(
         "margin": margin, "min_difference": min_difference, "short_length": short,
         "target_length": target, "baseline": baseline,
         "costs": costs, "scores": scores, "eligible": eligible, "winner": None,
-        "runner_up": None, "difference": None, "resolved": False,
+        "runner_up": None, "difference": None, "resolved": False, "collapsed": [],
     }  # fmt: skip
     if not eligible:
         out["sentence"] = (
@@ -168,6 +175,21 @@ def recommend(
         return out
     winner = eligible[0]
     out["winner"] = winner
+    collapsed = [m for m in eligible[1:] if scores[m] - scores[winner] > COLLAPSE_NATS]
+    out["collapsed"] = collapsed
+    eligible = [m for m in eligible if m not in collapsed]
+    if len(eligible) == 1 and collapsed:
+        out["resolved"] = True
+        gone = ", ".join(
+            f"{m} (last-quarter perplexity {math.exp(scores[m]):.1f})" for m in collapsed
+        )
+        out["sentence"] = (
+            f"Use {winner} at {target} tokens: last-quarter perplexity at {target} "
+            f"{math.exp(scores[winner]):.1f} (NLL {scores[winner]:.4f}), costing "
+            f"{costs[winner]:+.1%} at {short} tokens; every other method within {margin:.1%} "
+            f"collapses there: {gone}."
+        )
+        return out
     if len(eligible) == 1:
         out["resolved"] = True
         out["sentence"] = (
@@ -193,6 +215,8 @@ def recommend(
         f"{stats['mean']:+.4f}" + (f" ± {se:.4f} s.e.)" if se is not None else ")")
     )
     cost = f"costing {costs[winner]:+.1%} at {short} tokens"
+    if collapsed:
+        lead += f"; collapsed at {target}: {', '.join(collapsed)}"
     if resolved:
         out["sentence"] = f"Use {winner} at {target} tokens: {lead}, {cost}."
     else:
