@@ -3,7 +3,8 @@ benchmarks/results.json (name, ratio, target, note, device).
 
 `python -m benchmarks rotary memory` runs only the named modules (results.json keeps the
 other rows). Modules: rotary, training, memory, bands, hf, evals, probes, smollm2 (the last
-two on SmolLM2-135M, about 45 minutes together on one thread).
+two on SmolLM2-135M; smollm2 is also three parts, smollm2-memory, smollm2-precision and
+smollm2-remaps, of 30-90 CPU minutes each).
 
 Threads: one by default (``--threads N`` to change). This machine is shared with long
 experiments; with two threads and other jobs on the two cores, OpenMP's parallel regions wait
@@ -19,6 +20,7 @@ import os
 import platform
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -34,6 +36,10 @@ MODULES = {
     "evals": evals,
     "probes": probes,
     "smollm2": smollm2,
+    # smollm2's parts, each alone (its rows merged into results.json when it finishes)
+    "smollm2-memory": SimpleNamespace(run=smollm2.run_memory),
+    "smollm2-precision": SimpleNamespace(run=smollm2.run_precision),
+    "smollm2-remaps": SimpleNamespace(run=smollm2.run_remaps),
 }
 
 
@@ -42,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("names", nargs="*", help=f"modules: {', '.join(MODULES)} (default: all)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args(argv)
-    names = args.names or list(MODULES)
+    names = args.names or [n for n in MODULES if "-" not in n]  # a part runs in its whole
     unknown = [n for n in names if n not in MODULES]
     if unknown:
         parser.error(f"unknown benchmark {unknown[0]!r}; allowed: {', '.join(MODULES)}")
@@ -55,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for name in names:
         start = time.perf_counter()
-        results += MODULES[name].run(device)
+        rows = MODULES[name].run(device)
+        results += rows
+        write_results(rows, label)  # each module's rows kept as soon as it finishes
         print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     after = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(f"device: {label}, torch {torch.__version__}, threads {torch.get_num_threads()}")

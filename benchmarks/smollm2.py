@@ -16,7 +16,9 @@ each candidate against the reference in the same run:
    allocator setting (``ropekit.allocator``), and without it for comparison.
 
 Each forward runs once (minutes each), candidates interleaved with the reference, so a change
-of load during the run falls on both. Skipped when the model is not installed.
+of load during the run falls on both. Skipped when the model is not installed. The parts run
+alone too: ``python -m benchmarks smollm2-memory smollm2-precision smollm2-remaps`` (each
+merges its rows into results.json as it finishes).
 """
 
 from __future__ import annotations
@@ -229,16 +231,36 @@ def _memory_rows() -> list[Result]:
     return rows
 
 
-def run(device: str = "cpu") -> list[Result]:
-    if device != "cpu":
-        print("smollm2: CPU rows only (this benchmark measures the CPU kernels)")
-        return []
+def _inputs() -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The 16k and 4k token ids every part uses, or None (said) when the model is missing."""
     try:
         _open(None)
     except (OSError, ValueError) as e:
         print(f"smollm2: skipped, {MODEL} is not available ({e})")
-        return []
+        return None
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 49152, (1, LENGTH), generator=g)
-    train_ids = torch.randint(0, 49152, (1, TRAIN_LENGTH), generator=g)
-    return [*_memory_rows(), *_precision_rows(ids), *_remap_rows(ids, train_ids)]
+    return ids, torch.randint(0, 49152, (1, TRAIN_LENGTH), generator=g)
+
+
+def _part(rows: Callable[[torch.Tensor, torch.Tensor], list[Result]]):
+    """A benchmark part: CPU only, skipped without the model."""
+
+    def run(device: str = "cpu") -> list[Result]:
+        if device != "cpu":
+            print("smollm2: CPU rows only (this benchmark measures the CPU kernels)")
+            return []
+        inputs = _inputs()
+        return [] if inputs is None else rows(*inputs)
+
+    return run
+
+
+# Each part alone (``python -m benchmarks smollm2-precision``; a part is 30-90 CPU minutes),
+# or all three (``smollm2``).
+run_memory = _part(lambda ids, train_ids: _memory_rows())
+run_precision = _part(lambda ids, train_ids: _precision_rows(ids))
+run_remaps = _part(_remap_rows)
+run = _part(
+    lambda ids, train_ids: [*_memory_rows(), *_precision_rows(ids), *_remap_rows(ids, train_ids)]
+)
