@@ -155,6 +155,11 @@ CASES: list[tuple[str, str, tuple[str, ...]]] = [
     ("odd-head-dim", "schedules --head-dim 7 --out {tmp}/s", ("head_dim",)),
     ("methods-repeat", "schedules --methods rope,yarn,rope --out {tmp}/s", ("repeat", "'rope'")),
     (
+        "passkey-lengths-too-short",
+        "eval passkey --model {base} --lengths 16,32 --out {tmp}/pk",
+        ("no task fits any of the lengths", "length >= "),
+    ),
+    (
         "probe-needles-past-the-length",
         "eval probes --model {base} --lengths 128 --needles 100000 --out {tmp}/pr",
         ("needles=100000", "at most 21"),

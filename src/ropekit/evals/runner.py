@@ -196,6 +196,19 @@ def _check_stage(stage: _Stage, overwrite: bool) -> None:
         )  # fmt: skip
 
 
+def _does_not_fit(stage: _Stage, config: EvalConfig, fmt: PromptFormat) -> str | None:
+    """Why the stage's task does not fit its length (its first planned sample, built in
+    memory), or None when it fits."""
+    index, depth, draw = next(iter(config.plan(stage.spec)))
+    try:
+        generate_sample(
+            stage.spec, fmt, stage.length, index, config.seed, depth, config.max_new_tokens, draw
+        )
+    except TaskDoesNotFit as e:
+        return str(e)
+    return None
+
+
 def _prepare(stage: _Stage, config: EvalConfig, fmt: PromptFormat, overwrite: bool) -> None:
     """Load the stage's samples and predictions, or generate the samples."""
     _check_stage(stage, overwrite)
@@ -409,6 +422,11 @@ def _run_stages(
     stop = newline_ids(lm.tokenizer) | lm.eos_ids
 
     def prepare() -> list[tuple[Any, ...]]:
+        # A run where no task fits any length would measure nothing: refused before any
+        # stage folder is touched, with the first reason (exit 2 on the command line).
+        reasons = [_does_not_fit(stage, config, fmt) for stage in stages]
+        if all(reasons):
+            raise TaskDoesNotFit(f"no task fits any of the lengths asked: {reasons[0]}")
         for stage in tqdm(stages, desc="samples", unit="stage", disable=not progress):
             _prepare(stage, config, fmt, overwrite)
         return [(s.samples, s.skipped, s.predictions) for s in stages]
