@@ -26,7 +26,7 @@ TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--batch-size", "2",
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _hf_folder(folder: Path) -> Path:
+def _hf_folder(folder: Path, max_positions: int = 64) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -51,7 +51,7 @@ def _hf_folder(folder: Path) -> Path:
         num_hidden_layers=1,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=max_positions,
         eos_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )

@@ -443,3 +443,17 @@ def test_a_users_own_file_is_scored_whole(compared, tmp_path):
     assert main(argv) == 0
     data = json.loads((out / "compare.json").read_text())
     assert str(book) in data["table"]["yarn"]
+
+
+def test_a_corpus_no_method_trains_on_can_be_scored_whole():
+    """KJV's validation split (7 books by text hash) holds no 32k-token book; a comparison
+    that trains on Shakespeare only may score all of KJV, every book held out from training."""
+    whole = CompareConfig("m", 64, ("rope",), whole_untrained_corpora=True)
+    assert whole.heldout_split("kjv") == "all"
+    assert whole.heldout_split("shakespeare") == "validation"  # trained on: its split only
+    assert CompareConfig("m", 64, ("rope",)).heldout_split("kjv") == "validation"  # default
+    assert CompareConfig("m", 64, ("rope",)).heldout_split("/my/book.txt") == "all"
+    trains_on_kjv = CompareConfig("m", 64, ("rope",), train_data=("shakespeare", "kjv"),
+                                  whole_untrained_corpora=True)  # fmt: skip
+    assert trains_on_kjv.heldout_split("kjv") == "validation"
+    assert "whole_untrained_corpora" not in CompareConfig("m", 64, ("rope",)).to_dict()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ropekit.backbone import COMPUTE_DTYPES
+from ropekit.data import CORPORA
 from ropekit.encodings import names as encoding_names
 from ropekit.evals.probes import ProbeConfig, probe_task
 from ropekit.train.extend import ExtendConfig
@@ -69,6 +70,10 @@ class CompareConfig:
     # long documents, never from unrelated texts joined end to end (issue 19); a length no
     # document of a domain holds is left out there, and the report says so
     single_documents: bool = True
+    # a bundled corpus that no method trains on (not in train_data) is held-out text whole:
+    # score all its documents, not only its validation split (KJV's split holds no book of
+    # 32k tokens; all of it holds several)
+    whole_untrained_corpora: bool = False
     # retrieval probe lengths (tokens); None: L0 and N; empty ('' on the command line): none
     probe_lengths: tuple[int, ...] | None = None
     probe_needles: int = 5  # K: needles per haystack, each asked once from the cached prefix
@@ -165,6 +170,15 @@ class CompareConfig:
             return tuple(sorted({trained_at, self.target_length}))
         return tuple(sorted(set(self.probe_lengths)))
 
+    def heldout_split(self, domain: str) -> str:
+        """The split of ``domain`` that is scored: a bundled corpus's validation split, or
+        all of it when no method trains on it and ``whole_untrained_corpora``; a user's own
+        files whole (a split of one file would be empty, of a folder a tenth of it)."""
+        if domain not in CORPORA:
+            return "all"
+        trained_on = {self.train_data} if isinstance(self.train_data, str) else set(self.train_data)
+        return "all" if self.whole_untrained_corpora and domain not in trained_on else "validation"
+
     def extension_config(self, spec: str, seed: int, lr: float) -> ExtendConfig:
         """The extension run of method ``spec`` at ``seed`` and ``lr``: the same training for
         every method (samples, data, PoSE), so that differences are the methods'."""
@@ -197,7 +211,7 @@ class CompareConfig:
 
 
 # Fields added after committed comparisons were made, with the default those comparisons ran at.
-_ADDED: dict[str, Any] = {"dtype": "float32", "probe_seeds": None}
+_ADDED: dict[str, Any] = {"dtype": "float32", "probe_seeds": None, "whole_untrained_corpora": False}
 
 
 def from_file(path: str | Path, **overrides: Any) -> CompareConfig:

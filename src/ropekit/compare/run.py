@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ropekit.backbone import COMPUTE_DTYPES, Backbone, open_backbone
-from ropekit.data import CORPORA, heldout_stream, make_train_dataset
+from ropekit.data import heldout_stream, make_train_dataset
 from ropekit.data.streams import TokenStream
 from ropekit.encodings import PositionEncoding
 from ropekit.evals import (
@@ -200,9 +200,7 @@ class _Comparison:
         every method (one tokenizer), so every method is scored on the same windows."""
         if domain not in self.fitting:
             if domain not in self.streams:
-                # A bundled corpus's held-out split; a user's own files are held-out text
-                # whole (a split of one file would be empty, of a folder a tenth of it).
-                split = "validation" if domain in CORPORA else "all"
+                split = self.config.heldout_split(domain)
                 self.streams[domain] = heldout_stream(domain, self.tokenizer, split=split)
             lengths = self.config.eval_lengths(self.trained_at)
             while self.config.single_documents and lengths:

@@ -1,0 +1,196 @@
+"""Every `ropekit ...` command that README.md and docs/ show runs (issue 29: the README's own
+compare example once failed).
+
+The commands are read from the documents themselves: inline code spans and lines of code
+blocks that start with `ropekit ` (`a\\|b` alternatives expanded, `[...]` optional parts
+dropped). Each must appear in `STAND_INS`, which runs it on tiny stand-ins, because the real
+ones take minutes to hours here; the substitutions, stated once:
+
+- `M`, `smollm2-135m` -> a 1-layer Llama of 32 dims with a BPE tokenizer (L0 = 64 tokens;
+  1,024 for experiment D's config, whose DCA has a local size of 512);
+- `N` -> 256 (4 x L0) where the command extends, `A` -> an AdaRoPE adapter of that model,
+  `runs/...` and `DIR` -> folders under the test's temporary directory;
+- lengths in the thousands -> tens or hundreds, `--budget 24` as written, one sample and two
+  depths per retrieval length;
+- a decoder pretrained from scratch gets the tiny size flags (1 layer, 32 dims, 2 steps);
+- a config file of a committed experiment -> the same command with its model, lengths and
+  sample counts overridden to the stand-ins (the config's methods and protocol kept);
+- a command named without options (`ropekit search`) -> its `--help`.
+
+A command added to the documents without a stand-in fails `test_every_documented_command_
+has_a_stand_in`, naming it.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from ropekit.cli import main
+
+from .test_cli_bad_inputs import _hf_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+# docs/cli.md is generated from the parser (tests/test_cli_reference.py holds it to it).
+DOCUMENTS = [ROOT / "README.md", *(p for p in sorted((ROOT / "docs").rglob("*.md")))]
+DOCUMENTS = [p for p in DOCUMENTS if p.name != "cli.md"]
+
+TINY = "--layers 1 --d-model 32 --heads 2 --batch-size 2 --warmup 1 --steps 2"
+
+# documented command -> the stand-in run (placeholders: {hf} model, {ada} and {shared}
+# adapters, {yarn_hf} the model exported with yarn:factor=2, {out} a fresh folder)
+STAND_INS: dict[str, str] = {
+    "ropekit analyze --model M --adapter A --lengths 512,2048 --out DIR":
+        "analyze --model {hf} --adapter {ada} --lengths 16,64 --out {out}",
+    "ropekit compare --config experiments/smollm2_16k/ood.json":
+        "compare --config experiments/smollm2_16k/ood.json --model {hf1k} --target-length 2048 "
+        "--lengths 256,1024,2048 --samples 2 --seeds 0 --pose-window 64 --out {out}",
+    "ropekit compare --model M --target-length N --methods rope,dynamic-ntk,yarn,string,adarope "
+    "--eval-data shakespeare,kjv --out DIR":
+        "compare --model {hf} --target-length 256 --methods rope,dynamic-ntk,yarn,string,adarope "
+        "--eval-data shakespeare,kjv --samples 2 --seeds 0 --lrs 0.01 --lengths 64,256 "
+        "--probe-lengths '' --out {out}",
+    # run with --quick (at its test size, --tiny) by tests/test_demo.py
+    "ropekit demo --quick": "demo --help",
+    "ropekit encodings": "encodings",
+    "ropekit eval ppl --model M --lengths 512,1024,2048 --out DIR":
+        "eval ppl --model {hf} --lengths 16,32,64 --out {out}",
+    "ropekit eval needle --model M --lengths 512,1024,2048 --out DIR":
+        "eval needle --model {hf} --lengths 512,1024 --samples 1 --depths 2 --out {out}",
+    "ropekit eval passkey --model M --lengths 512,1024,2048 --out DIR":
+        "eval passkey --model {hf} --lengths 512,1024 --samples 1 --depths 2 --out {out}",
+    "ropekit eval ruler --model M --lengths 512,1024,2048 --out DIR":
+        "eval ruler --model {hf} --lengths 1024 --samples 1 --out {out}",
+    "ropekit eval probes --model M --lengths 8192,16384 --needles 5 --haystacks 4 --out DIR":
+        "eval probes --model {hf} --lengths 512,1024 --needles 5 --haystacks 4 --out {out}",
+    "ropekit export": "export --help",
+    "ropekit export --model M --adapter A --format hf --out DIR":
+        "export --model {hf} --adapter {shared} --format hf --out {out}",
+    "ropekit export --model M --adapter A --format gguf --out DIR":
+        "export --model {hf} --adapter {shared} --format gguf --out {out}",
+    "ropekit export --model M --adapter A --format vllm --out DIR":
+        "export --model {hf} --adapter {ada} --format vllm --out {out}",
+    "ropekit export --model smollm2-135m --adapter runs/ada-shared/adapter --format gguf "
+    "--out runs/a":
+        "export --model {hf} --adapter {shared} --format gguf --out {out}",
+    "ropekit export --model smollm2-135m --adapter runs/ada/adapter --format vllm "
+    "--out runs/ada-vllm":
+        "export --model {hf} --adapter {ada} --format vllm --out {out}da-vllm",
+    "ropekit export --model smollm2-135m --adapter runs/ada/adapter --nearest "
+    "--out runs/ada-near":
+        "export --model {hf} --adapter {ada} --nearest --out {out}da-near",
+    "ropekit export --model smollm2-135m --spec yarn:factor=2 --format gguf --out runs/yarn-gguf":
+        "export --model {hf} --spec yarn:factor=2 --format gguf --out {out}",
+    "ropekit export --model smollm2-135m --spec yarn:factor=2 --out runs/yarn-hf":
+        "export --model {hf} --spec yarn:factor=2 --out {out}",
+    "ropekit extend --model M --method 'adarope:init=yarn,factor=8' --target-length N --out DIR":
+        "extend --model {hf} --method 'adarope:init=yarn,factor=8' --target-length 512 "
+        "--samples 2 --out {out}",
+    "ropekit extend --pose --pose-window N --grad-checkpointing":
+        "extend --model {hf} --method adarope:init=yarn --target-length 256 --samples 2 --pose "
+        "--pose-window 32 --grad-checkpointing --out {out}",
+    "ropekit inspect": "inspect --help",
+    "ropekit inspect DIR": "inspect {yarn_hf}",
+    "ropekit inspect runs/yarn-hf": "inspect {yarn_hf}",
+    "ropekit models install smollm2-135m": "models install --help",
+    "ropekit pretrain --encoding alibi --context 512 --out DIR":
+        f"pretrain --encoding alibi --context 32 {TINY} --out {{out}}",
+    "ropekit schedules --methods rope,linear,ntk,yarn,llama3 --head-dim 64 --base 10000 "
+    "--factor 8 --original-length 512 --out runs/schedules":
+        "schedules --methods rope,linear,ntk,yarn,llama3 --head-dim 64 --base 10000 --factor 8 "
+        "--original-length 512 --out {out}",
+    "ropekit schedules --methods rope,linear,ntk,yarn,llama3 --out DIR":
+        "schedules --methods rope,linear,ntk,yarn,llama3 --out {out}",
+    "ropekit search": "search --help",
+    "ropekit search --model M --target-length N --budget 24 --out DIR":
+        "search --model {hf} --target-length 256 --budget 24 --samples 1 --out {out}",
+    "ropekit compare": "compare --help",
+    "ropekit eval probes": "eval probes --help",
+}  # fmt: skip
+ORDER = sorted(STAND_INS)
+
+
+def _expanded(command: str) -> list[str]:
+    """`a\\|b` alternatives as separate commands, `[...]` optional parts dropped to their
+    content, runs of spaces made one."""
+    command = re.sub(r"\[([^\]]*)\]", r"\1", command)
+    commands = [command]
+    while any("\\|" in c for c in commands):
+        c = next(c for c in commands if "\\|" in c)
+        word = next(w for w in c.split() if "\\|" in w)
+        commands.remove(c)
+        commands += [c.replace(word, alt, 1) for alt in word.split("\\|")]
+    return [" ".join(c.split()) for c in commands]
+
+
+def documented() -> set[str]:
+    found: set[str] = set()
+    for path in DOCUMENTS:
+        text = path.read_text(encoding="utf-8")
+        for span in re.findall(r"`(ropekit [^`]+)`", text):
+            found.update(_expanded(span))
+        block, line_so_far = False, ""
+        for line in text.splitlines():
+            if line.strip().startswith("```"):
+                block = not block
+                continue
+            code = "" if line.strip().startswith("#") else line.split(" #", 1)[0].strip()
+            if not block or not (line_so_far or code.startswith("ropekit ")):
+                continue
+            line_so_far = f"{line_so_far} {code}".strip()
+            if line_so_far.endswith("\\"):
+                line_so_far = line_so_far[:-1]
+                continue
+            found.update(_expanded(line_so_far))
+            line_so_far = ""
+    found.discard("ropekit <command>")  # the generic form
+    return found
+
+
+def test_every_documented_command_has_a_stand_in():
+    missing = sorted(documented() - set(STAND_INS))
+    assert not missing, f"documented commands without a stand-in in STAND_INS: {missing}"
+    stale = sorted(set(STAND_INS) - documented())
+    assert not stale, f"STAND_INS entries no document shows any more: {stale}"
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory) -> dict[str, Path]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("documented")
+    hf = _hf_folder(root / "hf")
+    made = {"hf": hf, "ada": root / "ada", "shared": root / "ada-shared"}
+    made["hf1k"] = _hf_folder(root / "hf1k", max_positions=1024)  # DCA's local size 512 fits
+    try:
+        for name, spec in (
+            ("ada", "adarope:init=yarn,factor=4"),
+            ("shared", "adarope:init=yarn,factor=4,share_heads=true,share_layers=true,scale=false"),
+        ):
+            argv = ["extend", "--model", str(hf), "--method", spec, "--target-length", "256",
+                    "--samples", "2", "--out", str(made[name])]  # fmt: skip
+            assert main(argv) == 0
+        made["yarn_hf"] = root / "yarn-hf"
+        assert main(["export", "--model", str(hf), "--spec", "yarn:factor=2", "--out",
+                     str(made["yarn_hf"])]) == 0  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    made["ada"], made["shared"] = made["ada"] / "adapter", made["shared"] / "adapter"
+    return made
+
+
+@pytest.mark.parametrize("command", ORDER)
+def test_the_documented_command_runs(command, stand_ins, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # documented paths (experiments/...) are relative to the repo
+    text = STAND_INS[command].format(out=tmp_path / "out", **stand_ins)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = main(shlex.split(text))
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, f"{command!r} (run as {text!r}) exited {code}"
