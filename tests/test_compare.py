@@ -399,6 +399,8 @@ def test_specs_that_omit_the_factor_take_n_over_l0_as_extend_does(compared, tmp_
     assert set(data["table"]) == {"rope", "dynamic-ntk", "yarn", "string"}
     extended = json.loads((out / "methods/yarn/s0/extend.json").read_text())
     assert "factor=4" in extended["spec"]  # 128 / 32
+    report = (out / "report.md").read_text()
+    assert "No method here trains anything" in report and "Trained methods" not in report
     bad = [*argv[: argv.index("--out") + 1], str(tmp_path / "bad")]
     bad[bad.index("--methods") + 1] = "rope,yarn:beta_fast=oops"
     assert main(bad) == 2
@@ -457,3 +459,25 @@ def test_a_corpus_no_method_trains_on_can_be_scored_whole():
                                   whole_untrained_corpora=True)  # fmt: skip
     assert trains_on_kjv.heldout_split("kjv") == "validation"
     assert "whole_untrained_corpora" not in CompareConfig("m", 64, ("rope",)).to_dict()
+
+
+def test_a_collapsed_method_does_not_flatten_the_perplexity_figures(tmp_path):
+    """The unmodified model at 286.7 against 30-ish: the axis stops at 3x the best value and
+    the caption names the method above it."""
+    from ropekit.compare.report import _figures
+
+    def entry(ppl: float) -> dict:
+        return {"ppl": {"mean": ppl, "std": 0.0}, "last_quarter_ppl": {"mean": ppl, "std": 0.0}}
+
+    summary = {
+        "rope": {"d": {"8": entry(30.0), "32": entry(286.7)}},
+        "yarn": {"d": {"8": entry(30.5), "32": entry(31.0)}},
+    }
+    data = {"summary": summary, "domains": ["d"], "table": {}, "trained_at": 8,
+            "target_length": 32, "verdict": None}  # fmt: skip
+    figures = _figures(data, tmp_path)
+    captions = [f.caption for f in figures if f.path.startswith("ppl_")]
+    assert len(captions) == 2
+    assert all("stops at 3x the best method's value; above it: rope." in c for c in captions)
+    alike = {**data, "summary": {"yarn": summary["yarn"], "ntk": summary["yarn"]}}
+    assert not any("stops at" in f.caption for f in _figures(alike, tmp_path))

@@ -140,11 +140,25 @@ def _figures(data: dict[str, Any], out: Path) -> list[Figure]:
                 for label, rows in scored.items()
             }
             name = f"ppl_{key}_{domain}.png".replace("/", "-")
+            # A collapsed method (hundreds or thousands against tens) would flatten every
+            # other line: the axis stops at 3x the best value at each length's worst.
+            lengths = {n for v in series.values() for n, x in v.items() if x}
+            best = [min(v[n] for v in series.values() if v.get(n)) for n in lengths]
+            top = 3 * max(best) if best else None
+            clipped = sorted(
+                label for label, v in series.items() if any(top and x > top for x in v.values())
+            )
             plot_vs_length(
                 series, out / name, errors=errors, ylabel=f"perplexity ({what})",
                 title=f"{domain}: {what}", train_length=data["trained_at"],
+                ylim=(None, top) if clipped else None,
             )  # fmt: skip
-            figures.append(Figure(name, f"{domain}, {what}: perplexity against length."))
+            note = (
+                f" The axis stops at 3x the best method's value; above it: {', '.join(clipped)}."
+                if clipped
+                else ""
+            )
+            figures.append(Figure(name, f"{domain}, {what}: perplexity against length.{note}"))
         position = _nll_vs_position(
             data, domain, out / f"nll_position_{domain}.png".replace("/", "-")
         )
@@ -229,13 +243,19 @@ def _retrieval_table(data: dict[str, Any]) -> list[Block]:
 def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:
     c = data["config"]
     verdict = data["verdict"]
+    trains = any(m["trained"] for m in data["methods"])
+    training = (
+        f"Trained methods learn their positional parameters on {c['samples']} samples of "
+        f"{data['target_length']} tokens of {c['train_data']} (training split) per seed "
+        f"({len(c['seeds'])} seeds, paired), backbone frozen"
+        if trains
+        else "No method here trains anything"
+    )
     blocks: list[Block] = [
         Heading(f"ropekit compare: {c['model']} to {data['target_length']} tokens", 1),
         Text(
-            f"The model was trained at {data['trained_at']} tokens. Trained methods learn "
-            f"their positional parameters on {c['samples']} samples of {data['target_length']} "
-            f"tokens of {c['train_data']} (training split) per seed ({len(c['seeds'])} seeds, "
-            f"paired), backbone frozen; every method is scored on the same held-out windows of "
+            f"The model was trained at {data['trained_at']} tokens. {training}; every method "
+            f"is scored on the same held-out windows of "
             f"{', '.join(data['domains'])} ({c['spans']} span(s) of {data['target_length']} "
             f"tokens per domain). {_windows_text(data)} Stage: {data['stage']}."
         ),
