@@ -383,7 +383,7 @@ def test_probes_that_do_not_fit_stop_the_comparison_before_it_trains(compared, t
     assert not (tmp_path / "out" / "methods").exists()
 
 
-def test_specs_that_omit_the_factor_take_n_over_l0_as_extend_does(compared, tmp_path):
+def test_specs_that_omit_the_factor_take_n_over_l0_as_extend_does(compared, tmp_path, capsys):
     """The README's own example: `dynamic-ntk` and `yarn` need a factor, which compare (like
     extend, by extend's one rule) derives from N / L0; a spec that cannot be built at all
     stops the comparison before any job, one line, nothing written."""
@@ -401,6 +401,8 @@ def test_specs_that_omit_the_factor_take_n_over_l0_as_extend_does(compared, tmp_
     assert "factor=4" in extended["spec"]  # 128 / 32
     report = (out / "report.md").read_text()
     assert "No method here trains anything" in report and "Trained methods" not in report
+    plan = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plan:"))
+    assert "4 methods; 0 training runs" in plan and "4 scored models x 128 tokens" in plan
     bad = [*argv[: argv.index("--out") + 1], str(tmp_path / "bad")]
     bad[bad.index("--methods") + 1] = "rope,yarn:beta_fast=oops"
     assert main(bad) == 2

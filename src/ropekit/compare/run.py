@@ -147,6 +147,27 @@ class _Comparison:
         for length in config.lengths:
             build_haystack(task, fmt, config, length, 0)
 
+    def plan(self) -> str:
+        """What the comparison will run, said before it starts (finished jobs are reused)."""
+        c = self.config
+        trained = [m for m in self.methods if m.trained]
+        runs = len(trained) * (len(c.lrs) + len(c.seeds) - 1)
+        scored = len(self.methods) - len(trained) + len(trained) * len(c.seeds)
+        windows = {d: self.domain_lengths(d) for d in c.eval_data}
+        tokens = sum(len(n) * c.spans * max(n) for n in windows.values() if n)
+        lengths = c.retrieval_lengths(self.trained_at)
+        probed = len(self.methods) - len(trained) + len(trained) * len(c.probed_seeds(True))
+        prefills = probed * c.probe_haystacks * len(lengths)
+        return (
+            f"plan: {len(self.methods)} methods; {runs} training runs "
+            f"({len(trained)} trained methods x ({len(c.lrs)} rates + {len(c.seeds) - 1} more "
+            f"seeds)); {scored} scored models x {tokens:,} tokens of held-out windows each "
+            f"(longest {max(max(v) for v in windows.values() if v):,}); {prefills} probe "
+            f"prefills"
+            + (f" of up to {max(lengths):,} tokens" if lengths else "")
+            + "; finished jobs in the folder are reused"
+        )
+
     # ------------------------------------------------------------------ jobs
     def _timed(self, job: str, fn: Callable[[], Any]) -> Any:
         start = time.perf_counter()
@@ -470,6 +491,7 @@ def run_compare(
     # the field), so its compare.json and report are never replaced by another's.
     check_replaceable(out / COMPARE_JSON, "compare", {"config": _folder_config(out, config, log)})
     run = _Comparison(config, out, command, log, progress)
+    log(run.plan())
     results = run.free()
     searches: dict[str, Any] = {}
     probes: dict[str, Any] = {}
