@@ -403,6 +403,8 @@ def test_specs_that_omit_the_factor_take_n_over_l0_as_extend_does(compared, tmp_
     assert "No method here trains anything" in report and "Trained methods" not in report
     plan = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plan:"))
     assert "4 methods; 0 training runs" in plan and "4 scored models x 128 tokens" in plan
+    # one span of one domain: the design cannot resolve a lead, and says so before it starts
+    assert "warning: 1 window at 128 cannot resolve any lead" in plan and "raise spans" in plan
     bad = [*argv[: argv.index("--out") + 1], str(tmp_path / "bad")]
     bad[bad.index("--methods") + 1] = "rope,yarn:beta_fast=oops"
     assert main(bad) == 2

@@ -158,6 +158,14 @@ class _Comparison:
         lengths = c.retrieval_lengths(self.trained_at)
         probed = len(self.methods) - len(trained) + len(trained) * len(c.probed_seeds(True))
         prefills = probed * c.probe_haystacks * len(lengths)
+        at_target = sum(c.spans for n in windows.values() if c.target_length in n)
+        warning = (
+            f"; warning: {at_target} window{'s' * (at_target != 1)} at {c.target_length} "
+            "cannot resolve any lead (the rule needs 3 paired windows): raise spans, or add "
+            "a domain whose documents hold the target length"
+            if at_target < 3
+            else ""
+        )
         return (
             f"plan: {len(self.methods)} methods; {runs} training runs "
             f"({len(trained)} trained methods x ({len(c.lrs)} rates + {len(c.seeds) - 1} more "
@@ -166,6 +174,7 @@ class _Comparison:
             f"prefills"
             + (f" of up to {max(lengths):,} tokens" if lengths else "")
             + "; finished jobs in the folder are reused"
+            + warning
         )
 
     # ------------------------------------------------------------------ jobs
