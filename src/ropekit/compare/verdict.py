@@ -139,6 +139,24 @@ def paired_windows(table: Table, a: str, b: str, length: int) -> list[float]:
     return diffs
 
 
+def _collapsed(ranked: list[str], scores: Mapping[str, Any]) -> list[str]:
+    """The methods after the first of ``ranked`` whose score is COLLAPSE_NATS above its."""
+    return [m for m in ranked[1:] if scores[m] - scores[ranked[0]] > COLLAPSE_NATS]
+
+
+def _over_collapsed(out: Mapping[str, Any], winner: str, collapsed: list[str]) -> str:
+    """The verdict when every other eligible method has collapsed at N."""
+    scores, costs = out["scores"], out["costs"]
+    target, short = out["target_length"], out["short_length"]
+    gone = ", ".join(f"{m} (last-quarter perplexity {math.exp(scores[m]):.1f})" for m in collapsed)
+    return (
+        f"Use {winner} at {target} tokens: last-quarter perplexity at {target} "
+        f"{math.exp(scores[winner]):.1f} (NLL {scores[winner]:.4f}), costing "
+        f"{costs[winner]:+.1%} at {short} tokens; every other method within "
+        f"{out['margin']:.1%} collapses there: {gone}."
+    )
+
+
 def recommend(
     table: Table,
     methods: Sequence[str],
@@ -175,21 +193,10 @@ def recommend(
         return out
     winner = eligible[0]
     out["winner"] = winner
-    collapsed = [m for m in eligible[1:] if scores[m] - scores[winner] > COLLAPSE_NATS]
-    out["collapsed"] = collapsed
+    out["collapsed"] = collapsed = _collapsed(eligible, scores)
     eligible = [m for m in eligible if m not in collapsed]
     if len(eligible) == 1 and collapsed:
-        out["resolved"] = True
-        gone = ", ".join(
-            f"{m} (last-quarter perplexity {math.exp(scores[m]):.1f})" for m in collapsed
-        )
-        out["sentence"] = (
-            f"Use {winner} at {target} tokens: last-quarter perplexity at {target} "
-            f"{math.exp(scores[winner]):.1f} (NLL {scores[winner]:.4f}), costing "
-            f"{costs[winner]:+.1%} at {short} tokens; every other method within {margin:.1%} "
-            f"collapses there: {gone}."
-        )
-        return out
+        return {**out, "resolved": True, "sentence": _over_collapsed(out, winner, collapsed)}
     if len(eligible) == 1:
         out["resolved"] = True
         out["sentence"] = (

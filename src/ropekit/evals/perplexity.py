@@ -608,7 +608,9 @@ def run_perplexity(
     if check_replaceable(paths["json"], "perplexity", provenance, overwrite=overwrite):
         result = read_result(paths["json"], "perplexity")
         return {**result, "paths": {k: str(v) for k, v in paths.items()}, "reused": True}
-    store = WindowStore(out / WINDOWS, digest(provenance))
+    # One process resumes window by window; several share the windows by rank, and a share
+    # depends on how many there are, so they score afresh (and write no windows).
+    store = WindowStore(out / WINDOWS, digest(provenance)) if procs.world == 1 else None
     result = evaluate_perplexity(lm, stream, config, progress, processes=procs, store=store)
     result.update(data=data, spec=spec, seed=config.seed, model=lm.describe())
     meta = run_metadata(command, spec=spec, seed=config.seed)
@@ -617,7 +619,7 @@ def run_perplexity(
         write_result(paths["json"], "perplexity", result, meta=meta, provenance=provenance)
         plot_perplexity(result, paths["png"])
     procs.barrier()
-    if procs.is_main:  # the result holds every row's numbers now: the windows are spent
+    if store is not None:  # the result holds every row's numbers now: the windows are spent
         shutil.rmtree(store.folder, ignore_errors=True)
     record = make_record("perplexity", result, meta=meta, provenance=provenance)
     return {**record, "paths": {k: str(v) for k, v in paths.items()}}
