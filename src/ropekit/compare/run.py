@@ -154,7 +154,9 @@ class _Comparison:
         runs = len(trained) * (len(c.lrs) + len(c.seeds) - 1)
         scored = len(self.methods) - len(trained) + len(trained) * len(c.seeds)
         windows = {d: self.domain_lengths(d) for d in c.eval_data}
-        tokens = sum(len(n) * c.spans * max(n) for n in windows.values() if n)
+        # every length of a domain scores the same spans x N targets (ppl_config)
+        per_length = self.ppl_config((c.target_length,)).n_tokens
+        tokens = sum(len(n) for n in windows.values()) * per_length
         lengths = c.retrieval_lengths(self.trained_at)
         probed = len(self.methods) - len(trained) + len(trained) * len(c.probed_seeds(True))
         prefills = probed * c.probe_haystacks * len(lengths)
