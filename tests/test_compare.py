@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,8 +57,10 @@ def test_the_report_counts_answers_that_name_another_needle_when_a_haystack_hold
 def _table(values: dict[str, tuple[float, list[float]]]) -> dict:
     """Two lengths (8 = L0, 32 = N) of one domain: ppl at 8, last-quarter NLL windows at 32."""
     return {
-        m: {"d": {8: {"ppl": [ppl], "last_quarter_windows": [[1.0]]},
-                  32: {"ppl": [1.0], "last_quarter_windows": [windows]}}}
+        m: {"d": {8: {"ppl": [ppl], "last_quarter_windows": [[1.0]],
+                      "last_quarter_blocks": [None]},
+                  32: {"ppl": [1.0], "last_quarter_windows": [windows],
+                       "last_quarter_blocks": [None]}}}
         for m, (ppl, windows) in values.items()
     }  # fmt: skip
 
@@ -88,7 +91,58 @@ def test_the_recommendation_obeys_the_margin_and_says_when_it_is_not_resolved():
     assert "cannot resolve" not in verdict["sentence"]  # 4 windows: the sample could
     one = recommend(_table({"a": (10.0, [2.0]), "b": (10.0, [2.5])}), ["a", "b"], "a", 8, 32, 0.01)
     assert not one["resolved"] and "paired over 1 window:" in one["sentence"]
-    assert "1 window at 32 cannot resolve a lead (the rule needs at least 3)" in one["sentence"]
+    assert "1 window at 32 cannot resolve a lead (the rule needs at least 3" in one["sentence"]
+
+
+def _token_table(nll: dict[str, list[np.ndarray]], length: int = 4096) -> dict:
+    """One domain scored at 8 (cost 0) and at ``length`` from per-token NLLs of each window,
+    summarized as the evaluation summarizes them (window means and 64-token block means of
+    the last quarter)."""
+    from ropekit.evals.perplexity import _block_means
+
+    quarter = length - length // 4
+    table = {}
+    for m, windows in nll.items():
+        rows = [torch.from_numpy(w) for w in windows]
+        table[m] = {"d": {
+            8: {"ppl": [10.0], "last_quarter_windows": [[1.0]], "last_quarter_blocks": [None]},
+            length: {"ppl": [1.0],
+                     "last_quarter_windows": [[float(r[quarter:].mean()) for r in rows]],
+                     "last_quarter_blocks": [[_block_means(r[quarter:]) for r in rows]]},
+        }}  # fmt: skip
+    return table
+
+
+def test_one_window_resolves_a_large_lead_from_blocks_within_it_and_refuses_noise():
+    """The new user's case of one window per domain: the error comes from blocks of positions
+    within the window, so a large lead resolves and a lead inside the noise does not."""
+    rng = np.random.default_rng(0)
+    a = 3.0 + rng.standard_normal(4096)  # per-token NLL, sd 1 nat
+    large = _token_table({"a": [a], "b": [a + 0.5 + 0.5 * rng.standard_normal(4096)]})
+    verdict = recommend(large, ["a", "b"], "a", 8, 4096, margin=0.01)
+    d = verdict["difference"]
+    assert verdict["winner"] == "a" and verdict["resolved"], verdict["sentence"]
+    assert d["n"] == 1 and d["se_windows"] is None and d["block_tokens"] >= 64
+    assert d["se"] == pytest.approx(0.5 / np.sqrt(1024), rel=0.5)  # iid: sd / sqrt(tokens)
+    assert "blocks of" in verdict["sentence"] and "within 1 window" in verdict["sentence"]
+    # No true difference, only noise of sd 0.5 per token: whichever leads is refused.
+    noise = _token_table({"a": [a], "b": [a + 0.5 * rng.standard_normal(4096)]})
+    refused = recommend(noise, ["a", "b"], "a", 8, 4096, margin=0.01, min_difference=0.0)
+    assert not refused["resolved"] and refused["difference"]["se"] > 0.01
+
+
+def test_the_block_error_grows_with_correlated_positions_rather_than_trusting_64_tokens():
+    """A difference that drifts slowly along the window (correlated over 256 tokens) has a
+    64-token batch-means error far too small; the blocking analysis keeps the larger one."""
+    rng = np.random.default_rng(1)
+    drift = np.repeat(rng.standard_normal(16384 // 256), 256) * 0.3  # 256-token plateaus
+    a = 3.0 + 0.05 * rng.standard_normal(16384)
+    table = _token_table({"a": [a], "b": [a + 0.1 + drift]}, length=16384)
+    d = recommend(table, ["a", "b"], "a", 8, 16384, margin=0.01)["difference"]
+    blocks = [np.subtract(*(table[m]["d"][16384]["last_quarter_blocks"][0][0] for m in "ba"))]
+    one_scale = np.std(blocks[0], ddof=1) / np.sqrt(len(blocks[0]))
+    assert d["block_tokens"] >= 256
+    assert d["se_blocks"] > 1.5 * one_scale  # one_scale: 64-token blocks taken as independent
 
 
 def test_a_collapsed_method_is_named_as_such_not_as_an_unresolved_runner_up():
@@ -403,8 +457,9 @@ def test_specs_that_omit_the_factor_take_n_over_l0_as_extend_does(compared, tmp_
     assert "No method here trains anything" in report and "Trained methods" not in report
     plan = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plan:"))
     assert "4 methods; 0 training runs" in plan and "4 scored models x 128 tokens" in plan
-    # one span of one domain: the design cannot resolve a lead, and says so before it starts
-    assert "warning: 1 window at 128 cannot resolve any lead" in plan and "raise spans" in plan
+    # one span of one domain: a lead resolves only within its text, said before it starts
+    assert "warning: 1 window at 128: a lead is resolved only within" in plan
+    assert "raise spans" in plan
     bad = [*argv[: argv.index("--out") + 1], str(tmp_path / "bad")]
     bad[bad.index("--methods") + 1] = "rope,yarn:beta_fast=oops"
     assert main(bad) == 2

@@ -120,6 +120,21 @@ def test_position_curve_and_last_quarter_agree_with_the_mean(stream, byte_tok):
         )
 
 
+def test_the_last_quarter_blocks_are_its_64_token_means(stream, byte_tok):
+    from ropekit.evals.perplexity import QUARTER_BLOCK
+
+    config = PerplexityConfig(lengths=(512, 1024), n_tokens=2048)
+    lm = as_language_model(tiny_decoder(), byte_tok)
+    result = evaluate_perplexity(lm, stream, config, False)
+    for row in result["results"]:
+        blocks = row["last_quarter_nll_blocks"]
+        assert len(blocks) == row["windows"]
+        assert all(len(b) == row["length"] // 4 // QUARTER_BLOCK for b in blocks)
+        for b, mean in zip(blocks, row["last_quarter_nll_windows"], strict=True):
+            assert sum(b) / len(b) == pytest.approx(mean, rel=1e-12)
+            assert len(set(b)) == len(b)  # each block its own targets, not the mean repeated
+
+
 def test_config_errors_name_what_is_allowed(stream, byte_tok):
     with pytest.raises(ValueError, match="lcm"):
         PerplexityConfig(lengths=(32, 48), n_tokens=100)

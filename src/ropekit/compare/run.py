@@ -162,9 +162,10 @@ class _Comparison:
         prefills = probed * c.probe_haystacks * len(lengths)
         at_target = sum(c.spans for n in windows.values() if c.target_length in n)
         warning = (
-            f"; warning: {at_target} window{'s' * (at_target != 1)} at {c.target_length} "
-            "cannot resolve any lead (the rule needs 3 paired windows): raise spans, or add "
-            "a domain whose documents hold the target length"
+            f"; warning: {at_target} window{'s' * (at_target != 1)} at {c.target_length}: "
+            "a lead is resolved only within their own text (the error then comes from blocks of "
+            "positions inside them; 3 paired windows say whether it holds across documents): "
+            "raise spans, or add a domain whose documents hold the target length"
             if at_target < 3
             else ""
         )
@@ -352,8 +353,8 @@ class _Comparison:
 
     # ------------------------------------------------------------------ the verdict
     def table(self, results: dict[str, dict[int, dict[str, Any]]]) -> dict:
-        """table[label][domain][length] = per-seed ppl, NLL, last-quarter windows and binned
-        NLL-vs-position curve."""
+        """table[label][domain][length] = per-seed ppl, NLL, last-quarter windows and their
+        blocks, and binned NLL-vs-position curve."""
         table: dict[str, Any] = {}
         for label, by_seed in results.items():
             table[label] = {}
@@ -363,11 +364,15 @@ class _Comparison:
                     for row in by_seed[seed][domain]["results"]:
                         entry = rows.setdefault(
                             row["length"],
-                            {"ppl": [], "nll": [], "last_quarter_windows": [], "position_nll": []},
-                        )
+                            {"ppl": [], "nll": [], "last_quarter_windows": [],
+                             "last_quarter_blocks": [], "position_nll": []},
+                        )  # fmt: skip
                         entry["ppl"].append(row["perplexity"])
                         entry["nll"].append(row["nll"])
                         entry["last_quarter_windows"].append(row["last_quarter_nll_windows"])
+                        # ppl.json written before the blocks existed has none: the verdict
+                        # then takes its error from windows alone
+                        entry["last_quarter_blocks"].append(row.get("last_quarter_nll_blocks"))
                         entry["position_nll"].append(row.get("position_nll"))  # binned curve
                 table[label][domain] = rows
         return table

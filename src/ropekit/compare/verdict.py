@@ -13,10 +13,16 @@ The question: which method should serve N tokens, and what does it cost at L0? T
   last-quarter NLLs at N are compared window by window (the same held-out windows for every
   method; a trained method's value is its mean over seeds), and the lead counts as resolved
   when the mean paired difference exceeds twice its standard error (about a 95% one-sided
-  bound on a normal approximation) with at least 3 windows, and is at least
-  ``min_difference`` nats (methods that agree to rounding have a standard error near 0, so a
-  lead of 1e-6 would otherwise count). Otherwise the comparison says that
-  no difference is resolved at this sample size, names the two, and gives the numbers.
+  bound on a normal approximation) and is at least ``min_difference`` nats (methods that
+  agree to rounding have a standard error near 0, so a lead of 1e-6 would otherwise count).
+  The standard error is the larger of two: over windows (at least 2), and from blocks of
+  positions within the windows (batch means of each window's last-quarter differences, at
+  least 8 blocks per window, blocks of 64 tokens merged by doubling while 8 remain, the
+  largest error kept: a blocking analysis, so correlation between neighbouring tokens cannot
+  shrink it). The block error says whether the lead is more than noise on these windows'
+  text; the window error, whether it holds from document to document. Without blocks (results
+  written before they were kept) at least 3 windows are needed. Otherwise the comparison says
+  that no difference is resolved at this sample size, names the two, and gives the numbers.
 - **Collapsed** methods, whose score at N is more than ln 3 nats above the best eligible
   score (far-position perplexity at least 3x the best's: the method has left its trained
   range), are reported as collapsed, never as the runner-up: the recommendation is compared
@@ -30,7 +36,7 @@ Retrieval accuracy is reported beside it with Wilson score intervals
 wins on perplexity and loses retrieval is shown as such.
 
 Holds: mean_std, pooled_accuracy, accuracy_text, retrieval_note, cost_at, score_at,
-paired_windows, recommend.
+paired_windows, paired_blocks, block_error, recommend.
 """
 
 from __future__ import annotations
@@ -39,9 +45,13 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from ropekit.evals.intervals import CONFIDENCE, accuracy_entry
+from ropekit.evals.perplexity import QUARTER_BLOCK
 
 COLLAPSE_NATS = math.log(3.0)  # a score this far above the best: far-position ppl >= 3x
+MIN_BLOCKS = 8  # blocks per window that a block length needs before its error is used
 
 
 def mean_std(values: Sequence[float]) -> dict[str, Any]:
@@ -92,7 +102,8 @@ def retrieval_note(
     )
 
 
-# table[method][domain][length] = {"ppl": [per seed], "last_quarter_windows": [per seed: [...]]}
+# table[method][domain][length] = {"ppl": [per seed], "last_quarter_windows": [per seed: [...]],
+#   "last_quarter_blocks": [per seed: [per window: [block means]] or None]} (blocks optional)
 Table = Mapping[str, Mapping[str, Mapping[int, Mapping[str, Any]]]]
 
 
@@ -137,6 +148,73 @@ def paired_windows(table: Table, a: str, b: str, length: int) -> list[float]:
             continue
         diffs += [x - y for x, y in zip(_window_means(mine), _window_means(theirs), strict=True)]
     return diffs
+
+
+def _window_blocks(entry: Mapping[str, Any]) -> list[np.ndarray] | None:
+    """Per-window last-quarter block means, averaged over seeds; None when a seed has none."""
+    per_seed = entry["last_quarter_blocks"]  # None per seed: ppl.json older than the blocks
+    if any(b is None for b in per_seed):
+        return None
+    return [np.mean(np.asarray(ws, dtype=float), axis=0) for ws in zip(*per_seed, strict=True)]
+
+
+def paired_blocks(table: Table, a: str, b: str, length: int) -> list[np.ndarray] | None:
+    """Per window (every domain's), the block means of ``a``'s last quarter minus ``b``'s at
+    ``length``; None when either lacks blocks anywhere."""
+    diffs = []
+    for domain in table[a]:
+        mine, theirs = table[a][domain].get(length), table[b][domain].get(length)
+        if mine is None or theirs is None:
+            continue
+        ours, others = _window_blocks(mine), _window_blocks(theirs)
+        if ours is None or others is None:
+            return None
+        diffs += [x - y for x, y in zip(ours, others, strict=True)]
+    return diffs or None
+
+
+def block_error(windows: Sequence[np.ndarray], base: int = QUARTER_BLOCK) -> dict | None:
+    """The standard error of the mean over windows of each window's mean, from the blocks
+    within the windows: Var = sum over windows of s_w^2 / m_w, over W^2 (s_w^2 the variance of
+    window w's m_w block means, batch means). Blocks are merged in pairs while every window
+    keeps MIN_BLOCKS, and the largest error over block lengths is kept (blocking analysis:
+    it grows with the block length until blocks are longer than the correlation, then levels).
+    None when a window has fewer than MIN_BLOCKS blocks."""
+    best, scale = None, 1
+    while min(len(w) for w in windows) // scale >= MIN_BLOCKS:
+        merged = [w[: len(w) // scale * scale].reshape(-1, scale).mean(1) for w in windows]
+        var = sum(m.var(ddof=1) / len(m) for m in merged) / len(merged) ** 2
+        if best is None or math.sqrt(var) > best["se_blocks"]:
+            best = {"se_blocks": math.sqrt(var), "block_tokens": base * scale,
+                    "blocks": sum(len(m) for m in merged)}  # fmt: skip
+        scale *= 2
+    return best
+
+
+def _error(diffs: list[float], blocks: list[np.ndarray] | None) -> dict[str, Any]:
+    """The paired difference's mean and standard error (module docstring: the rule)."""
+    stats = mean_std(diffs)
+    n = stats["n"]
+    windows = stats["std"] / math.sqrt(n) if n > 1 else None
+    within = block_error(blocks) if blocks is not None else None
+    if within is not None:
+        se = max(within["se_blocks"], windows or 0.0)
+    else:
+        se = windows if n >= 3 else None
+    within = within or {"se_blocks": None, "block_tokens": None, "blocks": None}
+    return {**stats, "se": se, "se_windows": windows, **within}
+
+
+def _error_text(d: Mapping[str, Any]) -> str:
+    """`` ± 0.0123 s.e. from blocks of 256 tokens`` (or ``over windows``), or nothing."""
+    if d["se"] is None:
+        return ""
+    source = (
+        f"from {d['blocks']} blocks of {d['block_tokens']} tokens within the windows"
+        if d["se_blocks"] is not None and d["se"] == d["se_blocks"]
+        else "over windows"
+    )
+    return f" ± {d['se']:.4f} s.e. {source}"
 
 
 def _collapsed(ranked: list[str], scores: Mapping[str, Any]) -> list[str]:
@@ -205,35 +283,38 @@ def recommend(
         )
         return out
     runner = eligible[1]
-    diffs = paired_windows(table, winner, runner, target)
-    stats = mean_std(diffs)
-    se = stats["std"] / math.sqrt(stats["n"]) if stats["n"] > 1 else None
-    out.update(runner_up=runner, difference={**stats, "se": se})
-    resolved = (
-        se is not None
-        and stats["n"] >= 3
-        and stats["mean"] + 2 * se < 0
-        and -stats["mean"] >= min_difference
+    stats = _error(
+        paired_windows(table, winner, runner, target),
+        paired_blocks(table, winner, runner, target),
     )
+    se = stats["se"]
+    out.update(runner_up=runner, difference=stats)
+    resolved = se is not None and stats["mean"] + 2 * se < 0 and -stats["mean"] >= min_difference
     out["resolved"] = resolved
     lead = (
         f"last-quarter NLL at {target} {scores[winner]:.4f} against {runner}'s "
         f"{scores[runner]:.4f} (paired over {stats['n']} window{'s' * (stats['n'] != 1)}: "
-        f"{stats['mean']:+.4f}" + (f" ± {se:.4f} s.e.)" if se is not None else ")")
+        f"{stats['mean']:+.4f}{_error_text(stats)})"
     )
     cost = f"costing {costs[winner]:+.1%} at {short} tokens"
     if collapsed:
         lead += f"; collapsed at {target}: {', '.join(collapsed)}"
     if resolved:
         out["sentence"] = f"Use {winner} at {target} tokens: {lead}, {cost}."
-    else:
-        out["sentence"] = (
-            f"No difference is resolved at this sample size between {winner} and {runner} at "
-            f"{target} tokens: {lead}; {winner} is ahead, {cost}."
-        )
-        if stats["n"] < 3:  # the rule needs 3 paired windows before any lead can count
+        if stats["n"] < 3:  # resolved within these windows' text only
             out["sentence"] += (
-                f" {stats['n']} window{'s' * (stats['n'] != 1)} at {target} cannot resolve a "
-                "lead (the rule needs at least 3): score more held-out spans (spans)."
+                f" The error is from within {stats['n']} window{'s' * (stats['n'] != 1)}: more "
+                "held-out spans (spans) would say whether the lead holds across documents."
             )
+        return out
+    out["sentence"] = (
+        f"No difference is resolved at this sample size between {winner} and {runner} at "
+        f"{target} tokens: {lead}; {winner} is ahead, {cost}."
+    )
+    if se is None:  # neither 3 paired windows nor blocks within them
+        out["sentence"] += (
+            f" {stats['n']} window{'s' * (stats['n'] != 1)} at {target} cannot resolve a "
+            f"lead (the rule needs at least 3, or {MIN_BLOCKS} blocks of {QUARTER_BLOCK} tokens "
+            "in each window's last quarter): score more held-out spans (spans)."
+        )
     return out
