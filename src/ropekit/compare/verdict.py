@@ -42,7 +42,7 @@ paired_windows, paired_blocks, block_error, recommend.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -139,15 +139,23 @@ def score_at(table: Table, method: str, length: int) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def paired_windows(table: Table, a: str, b: str, length: int) -> list[float]:
-    """Per-window last-quarter NLL of ``a`` minus ``b`` at ``length``, every domain's windows."""
-    diffs = []
+def _scored_by_both(
+    table: Table, a: str, b: str, length: int
+) -> Iterator[tuple[Mapping[str, Any], Mapping[str, Any]]]:
+    """``a``'s and ``b``'s entries at ``length`` in every domain that scored both there."""
     for domain in table[a]:
         mine, theirs = table[a][domain].get(length), table[b][domain].get(length)
-        if mine is None or theirs is None:
-            continue
-        diffs += [x - y for x, y in zip(_window_means(mine), _window_means(theirs), strict=True)]
-    return diffs
+        if mine is not None and theirs is not None:
+            yield mine, theirs
+
+
+def paired_windows(table: Table, a: str, b: str, length: int) -> list[float]:
+    """Per-window last-quarter NLL of ``a`` minus ``b`` at ``length``, every domain's windows."""
+    return [
+        x - y
+        for mine, theirs in _scored_by_both(table, a, b, length)
+        for x, y in zip(_window_means(mine), _window_means(theirs), strict=True)
+    ]
 
 
 def _window_blocks(entry: Mapping[str, Any]) -> list[np.ndarray] | None:
@@ -162,10 +170,7 @@ def paired_blocks(table: Table, a: str, b: str, length: int) -> list[np.ndarray]
     """Per window (every domain's), the block means of ``a``'s last quarter minus ``b``'s at
     ``length``; None when either lacks blocks anywhere."""
     diffs = []
-    for domain in table[a]:
-        mine, theirs = table[a][domain].get(length), table[b][domain].get(length)
-        if mine is None or theirs is None:
-            continue
+    for mine, theirs in _scored_by_both(table, a, b, length):
         ours, others = _window_blocks(mine), _window_blocks(theirs)
         if ours is None or others is None:
             return None
