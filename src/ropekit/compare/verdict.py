@@ -287,28 +287,38 @@ def recommend(
             f"{short} tokens (last-quarter NLL at {target}: {scores[winner]:.4f})."
         )
         return out
-    runner = eligible[1]
+    return _paired_verdict(out, table, winner, eligible[1])
+
+
+def _paired_verdict(out: dict[str, Any], table: Table, winner: str, runner: str) -> dict[str, Any]:
+    """``recommend``'s verdict between the two best eligible methods: the paired difference,
+    its error, and the sentence that says whether the lead is resolved."""
+    target, short, costs, scores = (
+        out[k] for k in ("target_length", "short_length", "costs", "scores")
+    )
     stats = _error(
         paired_windows(table, winner, runner, target),
         paired_blocks(table, winner, runner, target),
     )
     se = stats["se"]
-    out.update(runner_up=runner, difference=stats)
-    resolved = se is not None and stats["mean"] + 2 * se < 0 and -stats["mean"] >= min_difference
-    out["resolved"] = resolved
+    n_windows = f"{stats['n']} window{'s' * (stats['n'] != 1)}"
+    resolved = (
+        se is not None and stats["mean"] + 2 * se < 0 and -stats["mean"] >= out["min_difference"]
+    )
+    out.update(runner_up=runner, difference=stats, resolved=resolved)
     lead = (
         f"last-quarter NLL at {target} {scores[winner]:.4f} against {runner}'s "
-        f"{scores[runner]:.4f} (paired over {stats['n']} window{'s' * (stats['n'] != 1)}: "
+        f"{scores[runner]:.4f} (paired over {n_windows}: "
         f"{stats['mean']:+.4f}{_error_text(stats)})"
     )
     cost = f"costing {costs[winner]:+.1%} at {short} tokens"
-    if collapsed:
-        lead += f"; collapsed at {target}: {', '.join(collapsed)}"
+    if out["collapsed"]:
+        lead += f"; collapsed at {target}: {', '.join(out['collapsed'])}"
     if resolved:
         out["sentence"] = f"Use {winner} at {target} tokens: {lead}, {cost}."
         if stats["n"] < 3:  # resolved within these windows' text only
             out["sentence"] += (
-                f" The error is from within {stats['n']} window{'s' * (stats['n'] != 1)}: more "
+                f" The error is from within {n_windows}: more "
                 "held-out spans (spans) would say whether the lead holds across documents."
             )
         return out
@@ -318,7 +328,7 @@ def recommend(
     )
     if se is None:  # neither 3 paired windows nor blocks within them
         out["sentence"] += (
-            f" {stats['n']} window{'s' * (stats['n'] != 1)} at {target} cannot resolve a "
+            f" {n_windows} at {target} cannot resolve a "
             f"lead (the rule needs at least 3, or {MIN_BLOCKS} blocks of {QUARTER_BLOCK} tokens "
             "in each window's last quarter): score more held-out spans (spans)."
         )
