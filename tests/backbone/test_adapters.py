@@ -15,10 +15,12 @@ from ropekit.backbone import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     AdapterError,
+    as_backbone,
     load_adapter,
     read_adapter,
     save_adapter,
 )
+from ropekit.backbone.adapters import OTHER_WEIGHTS_ENV, add_lora, load_lora, save_lora
 from ropekit.hf import encoding_of, patch
 
 from ..hf.tiny import VOCAB, perturb, tiny_model
@@ -246,3 +248,33 @@ def test_lora_weights_round_trip_and_are_checked(tmp_path: Path) -> None:
     (bare / "lora.json").unlink()
     with pytest.raises(AdapterError, match=r"lora\.json is missing"):
         load_adapter(tiny_model("llama"), bare)
+
+
+def test_another_models_adapter_of_the_same_shape_is_refused(trained) -> None:
+    """The fingerprint is the shape; the weights sample names the model: an adapter made on
+    one model and loaded onto another of the same shape once loaded silently."""
+    _, folder = trained
+    with pytest.raises(AdapterError, match="made for another model: its weights_sample"):
+        load_adapter(tiny_model("llama", seed=1), folder)
+
+
+def test_the_same_model_in_another_dtype_loads(trained) -> None:
+    _, folder = trained
+    load_adapter(tiny_model("llama").to(torch.bfloat16), folder)
+
+
+def test_another_models_adapter_loads_when_the_user_says_so(trained, monkeypatch) -> None:
+    _, folder = trained
+    monkeypatch.setenv(OTHER_WEIGHTS_ENV, "1")
+    load_adapter(tiny_model("llama", seed=1), folder)
+
+
+def test_another_models_lora_is_refused(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    patch(model, "yarn:factor=2")
+    backbone = as_backbone(model)
+    targets = add_lora(backbone, 2, 4)
+    save_lora(backbone, tmp_path, 2, 4, targets)
+    other = as_backbone(tiny_model("llama", seed=1))
+    with pytest.raises(AdapterError, match="made for another model"):
+        load_lora(other, tmp_path)

@@ -7,7 +7,11 @@ rename):
   temperatures, tuned-yarn's knobs; empty for fixed schedules), named as in
   ``encoding.named_parameters()``.
 - ``adapter.json``: the spec that rebuilds the encoding, the fingerprint of the model it was
-  trained on (architecture, layers, heads, kv heads, head dim, base, original length), each
+  trained on (architecture, layers, heads, kv heads, head dim, base, original length), a
+  sample of that model's weights (``weights_sample``: 64 values, compared to bfloat16's
+  precision, so another model of the same shape is refused and the same model in another
+  dtype is not; ``ROPEKIT_ADAPTER_OTHER_WEIGHTS=1`` loads it anyway, e.g. onto a fine-tuned
+  copy of the model; files written before it have none), each
   parameter's shape and dtype, the sha256 of the weights file, the sha256 of all of these
   (``meta_sha256``: an edited spec or fingerprint is refused; files written before it have
   none and load as they did) and the versions that wrote it.
@@ -20,14 +24,15 @@ The weights are written first and the JSON last, so a crash between the two leav
 checksum no longer matches and loading says so instead of using stale numbers.
 
 Holds: AdapterError, save_adapter, write_adapter, read_adapter, load_adapter (an adapter folder
-or an extension run folder), add_lora, save_lora, load_lora, ADAPTER_WEIGHTS, ADAPTER_CONFIG,
-LORA_WEIGHTS, LORA_CONFIG.
+or an extension run folder), check_weights, OTHER_WEIGHTS_ENV, add_lora, save_lora, load_lora,
+ADAPTER_WEIGHTS, ADAPTER_CONFIG, LORA_WEIGHTS, LORA_CONFIG.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -174,12 +179,45 @@ def check_fingerprint(saved: dict[str, Any], model: dict[str, Any], where: Path)
         )
 
 
+# The override for an adapter of another model's weights (module docstring).
+OTHER_WEIGHTS_ENV = "ROPEKIT_ADAPTER_OTHER_WEIGHTS"
+# A cast to bfloat16 moves a weight by at most half its last place (2^-9 relative); the
+# tolerance is four times that, plus an absolute floor for float16's subnormals.
+_SAMPLE_RTOL, _SAMPLE_ATOL = 2.0**-7, 1e-7
+
+
+def check_weights(saved: list[float] | None, backbone: Backbone, where: Path) -> None:
+    """AdapterError when the weights the adapter was made on are not this model's: its
+    ``weights_sample`` differs beyond a dtype cast (none recorded: files written before it,
+    which load as they did; ``OTHER_WEIGHTS_ENV`` set: load anyway)."""
+    if saved is None or os.environ.get(OTHER_WEIGHTS_ENV) == "1":
+        return
+    got = backbone.weights_sample(len(saved))
+    differ = [
+        (a, b)
+        for a, b in zip(saved, got, strict=True)
+        if abs(a - b) > _SAMPLE_RTOL * abs(a) + _SAMPLE_ATOL
+    ]
+    if differ:
+        raise AdapterError(
+            f"adapter {where} was made for another model: its weights_sample differs from this "
+            f"model's weights at {len(differ)} of {len(saved)} positions (e.g. {differ[0][0]:.6g} "
+            f"vs {differ[0][1]:.6g}), beyond a dtype cast; load it onto the model it was trained "
+            f"on, or set {OTHER_WEIGHTS_ENV}=1 to load it anyway (e.g. a fine-tuned copy)"
+        )
+
+
 # ----------------------------------------------------------------------------- positional
 def write_adapter(
-    encoding: PositionEncoding, model_fingerprint: dict[str, Any], directory: str | Path
+    encoding: PositionEncoding,
+    model_fingerprint: dict[str, Any],
+    directory: str | Path,
+    *,
+    weights_sample: list[float],
 ) -> Path:
     """Write an adapter: the encoding's parameters (every one, frozen or not: a model frozen
-    for evaluation must still save what it learned), its spec, the model's fingerprint."""
+    for evaluation must still save what it learned), its spec, the model's fingerprint and
+    its ``Backbone.weights_sample``."""
     directory = Path(directory)
     tensors = {n: p.detach().to("cpu").contiguous() for n, p in encoding.named_parameters()}
     meta = {
@@ -187,6 +225,7 @@ def write_adapter(
         "format_version": FORMAT_VERSION,
         "spec": encoding.spec,
         "fingerprint": model_fingerprint,
+        "weights_sample": weights_sample,
     }
     _write_checked(directory, ADAPTER_WEIGHTS, ADAPTER_CONFIG, tensors, meta)
     return directory
@@ -203,7 +242,9 @@ def save_adapter(model: Backbone | nn.Module, directory: str | Path) -> Path:
             "the model is not patched with a ropekit encoding; attach one "
             "(ropekit.hf.patch(model, spec), or Backbone.set_encoding) before saving"
         )
-    return write_adapter(encoding, backbone.fingerprint(), directory)
+    return write_adapter(
+        encoding, backbone.fingerprint(), directory, weights_sample=backbone.weights_sample()
+    )
 
 
 def read_adapter(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -214,6 +255,7 @@ def read_adapter(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch
 def _apply_positional(backbone: Backbone, directory: Path) -> PositionEncoding:
     meta, tensors = read_adapter(directory)
     check_fingerprint(meta["fingerprint"], backbone.fingerprint(), directory)
+    check_weights(meta.get("weights_sample"), backbone, directory)
     spec = meta["spec"]
     encoding = backbone.encoding
     if encoding is None or encoding.spec != spec:
@@ -272,6 +314,7 @@ def save_lora(
         "alpha": alpha,
         "targets": list(targets),
         "fingerprint": backbone.fingerprint(),
+        "weights_sample": backbone.weights_sample(),
     }
     _write_checked(directory, LORA_WEIGHTS, LORA_CONFIG, tensors, meta)
     return directory / LORA_WEIGHTS
@@ -284,6 +327,7 @@ def load_lora(backbone: Backbone, directory: str | Path) -> None:
         directory, LORA_WEIGHTS, LORA_CONFIG, LORA_FORMAT, ("rank", "alpha", "targets")
     )
     check_fingerprint(meta["fingerprint"], backbone.fingerprint(), directory)
+    check_weights(meta.get("weights_sample"), backbone, directory)
     if not backbone.lora_parameters():
         add_lora(backbone, int(meta["rank"]), int(meta["alpha"]), tuple(meta["targets"]))
     params = backbone.lora_parameters()

@@ -11,7 +11,9 @@ behind these methods:
 - the encoding: ``encoding``, ``set_encoding(spec)``, ``own_encoding()`` (an unpatched model's
   own RoPE as a ropekit encoding, for analysis), ``training_length``;
 - identity: ``fingerprint()`` (what an adapter must match: architecture, heads, base, L0) and
-  ``identity()`` (what a result's provenance records: that plus a digest of every weight);
+  ``identity()`` (what a result's provenance records: that plus a digest of every weight),
+  ``weights_sample()`` (a few weights, which an adapter records to refuse another model of
+  the same shape);
 - training: ``lora_targets``, ``enable_grad_checkpointing()``, ``training_logits(module,
   batch)`` (the logits the loss is taken on, with the inputs each kind needs),
   ``block_names()`` (the decoder blocks, which sharded training wraps one by one);
@@ -25,14 +27,16 @@ behind these methods:
 Adapters (positional parameters and LoRA weights) are written and applied through the
 backbone in ``adapters.py``; models are opened in ``load.py``.
 
-Holds: Backbone, parameter_digest, COMPUTE_DTYPES.
+Holds: Backbone, parameter_digest, COMPUTE_DTYPES, WEIGHTS_SAMPLE.
 """
 
 from __future__ import annotations
 
 import abc
+import bisect
 import contextlib
 import hashlib
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -45,6 +49,8 @@ from ropekit.data.tokenizers import Tokenizer, tokenizer_identity
 from ropekit.encodings import PositionEncoding
 
 # The compute dtypes a model can be scored in (``Backbone.cast``; ``--dtype`` on the command line).
+# How many backbone weights an adapter records of its model (Backbone.weights_sample).
+WEIGHTS_SAMPLE = 64
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -148,6 +154,22 @@ class Backbone(abc.ABC):
         if self._digest is None or self._digest[0] != key:
             self._digest = (key, parameter_digest(params))
         return self._digest[1]
+
+    def weights_sample(self, n: int = WEIGHTS_SAMPLE) -> list[float]:
+        """``n`` backbone weights at evenly spaced positions of the parameters laid end to end
+        (sorted by name): what an adapter records of the model it was made for. Unlike
+        ``weights_digest`` it survives a cast, so the same model loaded in bfloat16 or float32
+        still matches (``adapters.check_weights``), while another model of the same shape
+        differs at almost every position."""
+        params = sorted(self.backbone_parameters().items())
+        ends = list(itertools.accumulate(p.numel() for _, p in params))
+        sample = []
+        for k in range(n):
+            position = (2 * k + 1) * ends[-1] // (2 * n)  # the middle of the k-th of n strides
+            i = bisect.bisect_right(ends, position)
+            start = ends[i - 1] if i else 0
+            sample.append(float(params[i][1].detach().reshape(-1)[position - start]))
+        return sample
 
     def identity(self) -> dict[str, Any]:
         """What a result's provenance records about the model: kind, fingerprint, config, a

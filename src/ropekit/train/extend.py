@@ -401,6 +401,7 @@ def extend(
     if finished:
         return _finished(backbone, out_dir, config, log)
     fingerprint = backbone.fingerprint()  # before the encoding changes: adapters name it
+    sample = backbone.weights_sample()  # before sharded training splits the weights
     encoding = _attach(backbone, config, keep_encoding, log)
     lora_targets = None
     if config.mode in ("lora", "joint") and not backbone.lora_parameters():
@@ -427,7 +428,7 @@ def extend(
     # gathered them back into it, whole): the main one writes them, and every process returns
     # only once it has, so the files are then safe to read.
     if procs.is_main:
-        write_adapter(encoding, fingerprint, out_dir / "adapter")
+        write_adapter(encoding, fingerprint, out_dir / "adapter", weights_sample=sample)
         targets = lora_targets or config.lora_targets or backbone.lora_targets
         save_lora(backbone, out_dir, config.lora_rank, config.lora_alpha, tuple(targets))
         meta = run_metadata(command, spec=encoding.spec, seed=config.seed)

@@ -310,7 +310,7 @@ def search(
     bar.close()
     spec = _spec(best["factors"], factor, trained_at, short=True)
     encoding = backbone.set_encoding(spec)
-    write_adapter(encoding, fingerprint, out / "adapter")
+    write_adapter(encoding, fingerprint, out / "adapter", weights_sample=backbone.weights_sample())
     summary = {
         "spec": encoding.spec, "nll": best["nll"], "origin": best["origin"],
         "baselines": baselines, "forwards": scorer.forwards, "candidates": len(scorer.records),
