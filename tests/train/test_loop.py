@@ -226,6 +226,37 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, bad)
         assert torch.equal(a, b)
 
 
+def _failing_at(step: int):
+    calls = 0
+
+    def loss_fn(model, batch):
+        nonlocal calls
+        calls += 1
+        if calls == step:
+            raise RuntimeError("out of memory (simulated)")
+        return causal_lm_loss(model, batch)
+
+    return loss_fn
+
+
+def test_a_run_failing_before_its_first_checkpoint_leaves_its_folder_as_it_found_it(tmp_path):
+    """Nothing of it can be resumed, so nothing of it is kept: the corrected rerun once
+    needed --overwrite because of the empty metrics log the failed one left."""
+    out = tmp_path / "run"
+    for step in (1, 3):  # at the first step, and before the first checkpoint (step 4)
+        with pytest.raises(RuntimeError, match="simulated"):
+            train(tiny_llama(), CountingData(), tiny_config(out), loss_fn=_failing_at(step))
+        assert not out.exists() or list(out.iterdir()) == []
+    assert train(tiny_llama(), CountingData(), tiny_config(out, steps=2)).steps == 2
+
+
+def test_a_run_failing_after_a_checkpoint_keeps_it_and_its_metrics(tmp_path):
+    with pytest.raises(RuntimeError, match="simulated"):
+        train(tiny_llama(), CountingData(), tiny_config(tmp_path), loss_fn=_failing_at(6))
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    assert latest_checkpoint(tmp_path).name == "step-00000004"
+
+
 def test_a_folder_holding_other_files_is_refused_unless_overwrite(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match=str(tmp_path)):
@@ -238,7 +269,9 @@ def test_a_folder_holding_other_files_is_refused_unless_overwrite(tmp_path):
 
 def test_a_previous_run_is_refused_then_replaced_with_overwrite(tmp_path):
     train(tiny_llama(), CountingData(), tiny_config(tmp_path, steps=8, keep_last=3))
-    with pytest.raises(FileExistsError, match=r"resume=True .* overwrite=True"):
+    with pytest.raises(
+        FileExistsError, match=r"--resume \(resume=True\) .* --overwrite \(overwrite=True\)"
+    ):
         train(tiny_llama(), CountingData(), tiny_config(tmp_path, steps=2))
 
     train(tiny_llama(), CountingData(), tiny_config(tmp_path, steps=2, overwrite=True))

@@ -355,8 +355,8 @@ def _claim(out_dir: Path, provenance: dict[str, Any], overwrite: bool, resume: b
         return False
     if not resume and path.exists():
         raise FileExistsError(
-            f"{out_dir} already holds an extension run; pass overwrite to replace it (or "
-            "resume to continue it)"
+            f"{out_dir} already holds an extension run; pass --overwrite (overwrite=True) to "
+            "replace it, or --resume (resume=True) to continue it"
         )
     return check_replaceable(path, "extend", provenance) if resume else False
 

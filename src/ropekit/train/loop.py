@@ -180,6 +180,7 @@ def _train(
     metrics = _open_metrics(config.out_dir / METRICS, step) if main else None
     bar = tqdm(total=config.steps, initial=step, desc="train", unit="step", disable=not main)
     wrapped.train()
+    fresh = checkpoint is None
     try:
         while step < config.steps:
             loss, grad_norm, n_tokens = _optimizer_step(
@@ -221,6 +222,13 @@ def _train(
                     save_frozen=config.save_frozen, keep_last=config.keep_last,
                     sharded=parallel.sharded,
                 )  # fmt: skip
+    except BaseException:
+        if metrics is not None and fresh and checkpoint is None:
+            # Nothing of this run can be resumed (no checkpoint yet): leave the folder as it
+            # was found, so the corrected rerun needs neither --resume nor --overwrite.
+            metrics.close()
+            (config.out_dir / METRICS).unlink(missing_ok=True)
+        raise
     finally:
         bar.close()
         if metrics is not None:
@@ -379,9 +387,9 @@ def _claim_out_dir(config: TrainConfig, accelerator: Accelerator) -> tuple[OutDi
             occupied = has_outputs(out)
             if occupied and not (config.resume or config.overwrite):
                 raise FileExistsError(
-                    f"{out} already holds files (another run?); pass resume=True to continue "
-                    "the run in it or overwrite=True to replace its checkpoints, metrics and "
-                    "summary"
+                    f"{out} already holds files (another run?); pass --resume (resume=True) to "
+                    "continue the run in it or --overwrite (overwrite=True) to replace its "
+                    "checkpoints, metrics and summary"
                 )
             check_target(out / CHECKPOINTS, out)  # neither read nor removed through a link
             checkpoint = resume_checkpoint(out) if config.resume else None
