@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -504,6 +505,42 @@ def test_a_users_own_file_is_scored_whole(compared, tmp_path):
     assert main(argv) == 0
     data = json.loads((out / "compare.json").read_text())
     assert str(book) in data["table"]["yarn"]
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["single-documents", "joined"])
+def test_the_report_names_the_held_out_documents_and_times_only_its_own_jobs(
+    compared, tmp_path, single
+):
+    """A folder of the user's files is one domain, named as passed; the report says which of
+    its documents the windows were cut from (it named none), and its time table lists only
+    this comparison's jobs, not those of a stopped run with other methods in the folder."""
+    from ropekit.data import load_corpus
+
+    root, _ = compared
+    books = tmp_path / "my books"
+    books.mkdir()
+    for i, doc in enumerate(load_corpus("kjv")[:2]):
+        (books / f"book{i}.txt").write_text(doc.text)
+    out = tmp_path / "out"
+    out.mkdir()
+    stopped = {"job": "train methods/stopped-method/s0", "seconds": 12.0}
+    (out / "times.jsonl").write_text(json.dumps(stopped) + "\n")
+    argv = [
+        "compare", "--model", str(root / "base"), "--target-length", "128",
+        "--methods", "rope,yarn", "--eval-data", str(books), "--lengths", "128",
+        "--spans", "2", "--probe-lengths", "", "--out", str(out),
+        *([] if single else ["--no-single-documents"]),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads((out / "compare.json").read_text())
+    held = data["held_out"][str(books)]
+    assert {Path(s["document"]).name for s in held} <= {"book0.txt", "book1.txt"}
+    assert sum(s["tokens"] for s in held) >= 2 * 128
+    report = (out / "report.md").read_text()
+    assert f"Held-out text of {books}: {held[0]['document']} (tokens " in report
+    jobs = [t["job"] for t in data["times"]]
+    assert "train methods/stopped-method/s0" not in jobs and "train methods/yarn/s0" in jobs
+    assert "stopped-method" not in report
 
 
 def test_a_corpus_no_method_trains_on_can_be_scored_whole():

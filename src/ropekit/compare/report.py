@@ -182,6 +182,25 @@ def _windows_text(data: dict[str, Any]) -> str:
     )
 
 
+# How many held-out documents a domain's line names before it counts the rest.
+_NAMED_DOCUMENTS = 12
+
+
+def _held_out(data: dict[str, Any]) -> list[Block]:
+    """One line per domain, named as the user passed it, naming the held-out documents its
+    windows were cut from and where (comparisons written before this have none)."""
+    lines = []
+    for domain, stretches in data.get("held_out", {}).items():
+        named = [
+            f"{s['document']} (tokens {s['offset']:,}-{s['offset'] + s['tokens']:,})"
+            for s in stretches[:_NAMED_DOCUMENTS]
+        ]
+        rest = len(stretches) - len(named)
+        more = f" and {rest} more (compare.json's held_out lists them)" if rest > 0 else ""
+        lines.append(f"Held-out text of {domain}: {', '.join(named)}{more}.")
+    return [Text(line) for line in lines]
+
+
 def _skipped(data: dict[str, Any]) -> list[Block]:
     """One line per length a domain's documents could not hold (single documents)."""
     lines = []
@@ -260,6 +279,7 @@ def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:
             f"tokens per domain). {_windows_text(data)} Stage: {data['stage']}."
         ),
         *_skipped(data),
+        *_held_out(data),
         Heading("Verdict", 2),
         Text(verdict["sentence"] if verdict else "No verdict yet: the baseline is not scored."),
     ]

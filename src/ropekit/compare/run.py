@@ -127,6 +127,9 @@ class _Comparison:
         self.skipped: list[dict[str, Any]] = []  # the lengths left out, with the reason
         self.times = out / "times.jsonl"  # wall time of each job, kept when a job is reused
         self.records = {r["job"]: r for r in read_records(self.times)}
+        # The jobs of this comparison, run or reused: the time table lists only these (the
+        # folder may keep records of a stopped run with other methods or domains).
+        self.jobs: set[str] = set()
         self.check_probes_fit(probe)
         for domain in config.eval_data:  # an unknown, empty or unreadable domain stops it here
             self.domain_lengths(domain)
@@ -184,6 +187,7 @@ class _Comparison:
     def _timed(self, job: str, fn: Callable[[], Any]) -> Any:
         start = time.perf_counter()
         value = fn()
+        self.jobs.add(job)
         if job not in self.records:
             self.records[job] = {"job": job, "seconds": time.perf_counter() - start}
             write_records(self.times, list(self.records.values()))
@@ -342,6 +346,7 @@ class _Comparison:
         earlier = digest({"job": job, "config": c.to_dict()})
         for record in self.records.values():
             if record.get("key") in (key, earlier):
+                self.jobs.add(record["job"])
                 if record["key"] != key:
                     record["key"] = key
                     write_records(self.times, list(self.records.values()))
@@ -377,6 +382,25 @@ class _Comparison:
                 table[label][domain] = rows
         return table
 
+    def held_out(self, results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, list]:
+        """domain -> the held-out text its windows were cut from, as [{document, offset,
+        tokens}]: the single-document spans, or the stretch of the documents joined end to end
+        (every method scores the same windows, so the first scored result says it)."""
+        out: dict[str, list] = {}
+        for domain in self.config.eval_data:
+            scored = (r for by_seed in results.values() for r in by_seed.values())
+            result = next((r[domain] for r in scored if domain in r), None)
+            if result is None:
+                continue
+            if result.get("spans") is not None:  # a single-document run names its spans
+                out[domain] = [
+                    {k: span[k] for k in ("document", "offset", "tokens")}
+                    for span in result["spans"]
+                ]
+            elif result.get("start") is not None:
+                out[domain] = _stretch(self.streams[domain], result["start"], result["config"])
+        return out
+
     def write(self, results: dict, searches: dict, probes: dict, stage: str) -> dict[str, Any]:
         c = self.config
         table = self.table(results)
@@ -406,10 +430,12 @@ class _Comparison:
             "stage": stage, "trained_at": self.trained_at, "target_length": c.target_length,
             "lengths": list(c.eval_lengths(self.trained_at)), "domains": list(c.eval_data),
             "single_documents": c.single_documents, "skipped": self.skipped,
+            "held_out": self.held_out(results),
             "methods": [dataclasses.asdict(m) for m in self.methods], "baseline": self.baseline,
             "table": _jsonable(table), "summary": _summary(table), "lr_search": searches,
             "verdict": verdict, "retrieval": retrieval, "probes": settings,
-            "times": list(self.records.values()), "config": c.to_dict(),
+            "times": [r for r in self.records.values() if r["job"] in self.jobs],
+            "config": c.to_dict(),
         }  # fmt: skip
         meta = run_metadata(self.command, seed=c.seed)
         provenance = {"config": c.to_dict()}
@@ -441,6 +467,19 @@ def _summary(table: dict) -> dict:
                 }
                 for n, e in rows.items()
             }
+    return out
+
+
+def _stretch(stream: TokenStream, start: int, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The documents that tokens [start, start + n_tokens] of ``stream`` (its documents joined
+    end to end) lie in: [{document, offset, tokens}], in order."""
+    stop = min(len(stream), start + int(config["n_tokens"]) + 1)  # + the first input token
+    bounds = stream.doc_starts.tolist()
+    out = []
+    for d, name in enumerate(stream.names):
+        lo, hi = max(start, bounds[d]), min(stop, bounds[d + 1])
+        if lo < hi:
+            out.append({"document": name, "offset": lo - bounds[d], "tokens": hi - lo})
     return out
 
 
