@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -461,10 +462,22 @@ def test_specs_that_omit_the_factor_take_n_over_l0_as_extend_does(compared, tmp_
     # one span of one domain: a lead resolves only within its text, said before it starts
     assert "warning: 1 window at 128: a lead is resolved only within" in plan
     assert "raise spans" in plan
+    assert re.search(r"estimated compute for every job: perplexity \d+ min \(rough", plan)
     bad = [*argv[: argv.index("--out") + 1], str(tmp_path / "bad")]
     bad[bad.index("--methods") + 1] = "rope,yarn:beta_fast=oops"
     assert main(bad) == 2
     assert not (tmp_path / "bad" / "compare.json").exists()
+
+
+def test_the_plans_cost_model_grows_with_attentions_square(compared):
+    """forward_seconds: positive, linear in the weights' term and quadratic in attention's,
+    so doubling a long window more than doubles its time (and less than quadruples it)."""
+    from ropekit.backbone import open_backbone
+    from ropekit.compare.run import forward_seconds
+
+    root, _ = compared
+    seconds = forward_seconds(open_backbone(root / "base"))
+    assert seconds(1024) > 0 and 2 * seconds(1024) < seconds(2048) < 4 * seconds(1024)
 
 
 @pytest.mark.parametrize("domain", ["banana", "empty.txt", "binary.txt"])

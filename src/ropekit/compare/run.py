@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ropekit.backbone import COMPUTE_DTYPES, Backbone, open_backbone
 from ropekit.data import heldout_stream, make_train_dataset
@@ -131,6 +132,8 @@ class _Comparison:
         # folder may keep records of a stopped run with other methods or domains).
         self.jobs: set[str] = set()
         self.check_probes_fit(probe)
+        probe.cast(COMPUTE_DTYPES[config.dtype])
+        self.forward_seconds = forward_seconds(probe)  # for the plan's estimate
         for domain in config.eval_data:  # an unknown, empty or unreadable domain stops it here
             self.domain_lengths(domain)
 
@@ -180,7 +183,31 @@ class _Comparison:
             f"prefills"
             + (f" of up to {max(lengths):,} tokens" if lengths else "")
             + "; finished jobs in the folder are reused"
+            + self.estimate(len(trained), runs, scored, probed)
             + warning
+        )
+
+    def estimate(self, trained: int, runs: int, scored: int, probed: int) -> str:
+        """The plan's compute estimate for every job, before any is reused: training runs
+        (a step's forward and backward as three forwards), perplexity windows, probe
+        prefills, each at ``forward_seconds``."""
+        c, seconds = self.config, self.forward_seconds
+        window = (c.pose_window or self.trained_at) if c.pose else c.target_length
+        train = runs * c.samples * 3 * seconds(window)
+        per_length = self.ppl_config((c.target_length,)).n_tokens
+        score = scored * sum(
+            per_length / n * seconds(n) for d in c.eval_data for n in self.domain_lengths(d)
+        )
+        lengths = c.retrieval_lengths(self.trained_at)
+        probes = probed * c.probe_haystacks * sum(seconds(n) for n in lengths)
+        hours = ", ".join(
+            f"{what} {_duration(t)}"
+            for what, t in (("training", train), ("perplexity", score), ("probes", probes))
+            if t
+        )
+        return (
+            f"; estimated compute for every job: {hours} (rough: FLOPs at the rates of one timed "
+            f"forward of {TIMED_TOKENS} tokens and one attention call of {TIMED_ATTENTION})"
         )
 
     # ------------------------------------------------------------------ jobs
@@ -468,6 +495,52 @@ def _summary(table: dict) -> dict:
                 for n, e in rows.items()
             }
     return out
+
+
+# The forward a comparison times before it starts, to estimate what it will take (plan), and
+# the length of the attention call timed beside it (long enough that its T^2 term dominates).
+TIMED_TOKENS, TIMED_ATTENTION = 1024, 4096
+
+
+def forward_seconds(backbone: Backbone) -> Callable[[int], float]:
+    """A rough cost model of one forward over T tokens on this machine: 2 FLOPs per weight per
+    token at the rate of one timed forward of ``TIMED_TOKENS`` tokens (at most L0), plus
+    causal attention's 2 x heads x head_dim x T^2 per layer at the rate of one timed causal
+    attention call of ``TIMED_ATTENTION`` tokens (attention runs slower per FLOP here)."""
+    shape = backbone.fingerprint()
+    weights = sum(p.numel() for p in backbone.backbone_parameters().values())
+    heads, dim = shape.get("n_heads", 1), shape.get("head_dim", 1)
+    attention = shape.get("n_layers", 0) * 2 * heads * dim  # x T^2
+
+    def timed(fn: Callable[[], Any]) -> float:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            fn()
+            return max(time.perf_counter() - start, 1e-9)
+
+    g = torch.Generator().manual_seed(0)
+    dtype = next(iter(backbone.backbone_parameters().values())).dtype
+    q, k = (torch.randn(1, h, TIMED_ATTENTION, dim, generator=g).to(dtype) for h in (heads, 1))
+    attention_rate = (
+        2
+        * heads
+        * dim
+        * TIMED_ATTENTION**2
+        / timed(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True))
+    )
+    n = min(TIMED_TOKENS, backbone.training_length)
+    ids = torch.randint(0, backbone.vocab_size, (1, n), generator=g)
+    timed(lambda: backbone.forward_logits(ids[:, :16]))  # compiled kernels warm up untimed
+    whole = timed(lambda: backbone.forward_logits(ids))
+    rest = max(whole - attention * n**2 / attention_rate, whole / 10)  # the weights' share
+    weight_rate = 2.0 * weights * n / rest
+    return lambda tokens: (
+        2.0 * weights * tokens / weight_rate + attention * tokens**2 / attention_rate
+    )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
 def _stretch(stream: TokenStream, start: int, config: dict[str, Any]) -> list[dict[str, Any]]:
