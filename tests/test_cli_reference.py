@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from ropekit.cli import build_parser
@@ -64,3 +65,10 @@ def test_every_option_has_a_help_text():
         if not isinstance(action, argparse._HelpAction) and not (action.help or "").strip()
     ]
     assert bare == []
+
+
+def test_help_speaks_of_the_tool_not_of_its_issues():
+    """Help texts come from source comments, which cite the project's issues; a user's help
+    must not ("(issue 19)" once reached --no-single-documents)."""
+    cited = re.findall(r"[^\n]{0,40}\b(?:issue|task) #?\d+[^\n]{0,20}", cli_reference(), re.I)
+    assert not cited, cited

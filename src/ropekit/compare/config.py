@@ -67,7 +67,7 @@ class CompareConfig:
     lengths: tuple[int, ...] | None = None  # perplexity lengths; None: L0/4, L0 and N
     spans: int = 1  # held-out spans of N tokens per domain, scored at every length
     # score windows inside one held-out document each: a long-context number must come from
-    # long documents, never from unrelated texts joined end to end (issue 19); a length no
+    # long documents, never from unrelated texts joined end to end; a length no
     # document of a domain holds is left out there, and the report says so
     single_documents: bool = True
     # a bundled corpus that no method trains on (not in train_data) is held-out text whole:
