@@ -22,41 +22,15 @@ import torch
 
 from ropekit.cli import main
 
+from .hf.tiny import llama_folder
+
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--batch-size", "2", "--warmup", "1"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _hf_folder(folder: Path, max_positions: int = 64) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from ropekit.data import load_corpus
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    backend.train_from_iterator([d.text for d in load_corpus("essays")[:1]], trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
-    tokenizer.save_pretrained(folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        eos_token_id=0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
+    """tests/hf/tiny.py's Hugging Face folder with one layer and a tokenizer of one essay."""
+    return llama_folder(folder, layers=1, max_positions=max_positions, essays=1)
 
 
 @pytest.fixture(scope="module")

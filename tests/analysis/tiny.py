@@ -46,24 +46,13 @@ def tiny_decoder(
 
 
 def tiny_llama(*, attn_implementation: str = "sdpa", seed: int = 0) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM  # slow import, only where needed
+    """The shared tiny Llama (tests/hf/tiny.py) with transformers' default special tokens."""
+    from ..hf.tiny import tiny_model  # transformers: a slow import, only where needed
 
-    config = LlamaConfig(
-        vocab_size=LLAMA_VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # grouped-query attention: 2 query heads per kv head
-        head_dim=16,
-        max_position_embeddings=32,
-        initializer_range=0.08,  # peaked attention
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+    return tiny_model(
+        "llama", seed=seed, attn_implementation=attn_implementation, pad_token_id=None,
+        eos_token_id=2,
+    )  # fmt: skip
 
 
 def perturb(encoding: AdaRoPE, *, seed: int = 0) -> AdaRoPE:

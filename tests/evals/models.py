@@ -117,20 +117,11 @@ def tiny_decoder(seed: int = 0, encoding: str = "rope"):
 
 
 def tiny_llama(seed: int = 0, vocab_size: int = 256, attn: str = "sdpa"):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The shared tiny Llama (tests/hf/tiny.py) with a long context and no special tokens."""
+    from ..hf.tiny import tiny_model
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    config._attn_implementation = attn
-    return LlamaForCausalLM(config).eval()
+    return tiny_model(
+        "llama", seed=seed, attn_implementation=attn, vocab_size=vocab_size, hidden_size=32,
+        intermediate_size=64, head_dim=8, max_position_embeddings=4096, initializer_range=0.02,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip

@@ -138,10 +138,12 @@ def greedy_cached(model: nn.Module, ids: Tensor, steps: int, **kwargs: Any):
     return out.sequences, list(out.logits)
 
 
-def llama_folder(folder: Path) -> Path:
-    """A Hugging Face folder for CLI tests: a tiny random Llama (2 layers, hidden 32, 4 heads
-    over 2 kv heads, L0 = 64) and a byte-level BPE tokenizer of 300 ids trained here on two
-    essays; the same files for the same call."""
+def llama_folder(
+    folder: Path, *, layers: int = 2, max_positions: int = 64, essays: int = 2
+) -> Path:
+    """A Hugging Face folder for CLI tests: a tiny random Llama (``layers`` layers, hidden 32,
+    4 heads over 2 kv heads, L0 = ``max_positions``) and a byte-level BPE tokenizer of 300 ids
+    trained here on ``essays`` essays; the same files for the same call."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -155,7 +157,7 @@ def llama_folder(folder: Path) -> Path:
         special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    backend.train_from_iterator([d.text for d in load_corpus("essays")[:2]], trainer)
+    backend.train_from_iterator([d.text for d in load_corpus("essays")[:essays]], trainer)
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(
         folder
     )
@@ -164,10 +166,10 @@ def llama_folder(folder: Path) -> Path:
         vocab_size=300,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=64,
+        max_position_embeddings=max_positions,
         eos_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )

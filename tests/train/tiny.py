@@ -13,14 +13,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from ropekit.train import TrainConfig, causal_lm_loss, train
+
+try:
+    from ..hf.tiny import tiny_model
+except ImportError:  # run as a script: the process tests launch this file by its path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.hf.tiny import tiny_model
 
 VOCAB = 64
 
@@ -28,19 +35,12 @@ VOCAB = 64
 def tiny_llama(seed: int = 0, dropout: float = 0.0) -> LlamaForCausalLM:
     """The same weights for the same seed, in any process; `dropout` on attention weights
     makes training draw random numbers (resume tests then check the RNG state too)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+    return tiny_model(
+        "llama", seed=seed, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, head_dim=8,
+        max_position_embeddings=64, initializer_range=0.02, pad_token_id=None, eos_token_id=2,
         attention_dropout=dropout,
         use_cache=False,  # training: no KV cache to build and throw away
-    )
-    return LlamaForCausalLM(config)
+    ).train()  # fmt: skip
 
 
 class CountingData:
