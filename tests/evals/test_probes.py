@@ -356,26 +356,38 @@ def test_a_length_too_short_for_the_needles_names_the_shortest(tmp_path, byte_to
         run_probes(SuffixCopyLM(), ProbeConfig((150,), needles=3), tmp_path, tokenizer=byte_tok)
 
 
-def test_a_language_model_without_a_backbone_is_refused(tmp_path, byte_tok):
-    class Plain:
+def test_probes_speak_only_the_language_model_protocol(tmp_path, byte_tok):
+    """Any LanguageModel runs the probes, not only ropekit's BackboneLM (they once downcast
+    to it and called a private method): one that only delegates the protocol gives the same
+    answers, and greedy_after_prefix equals each prompt decoded alone."""
+    inner = as_language_model(SuffixCopyLM(), byte_tok)
+
+    class Delegating:  # the protocol and nothing else
         tokenizer = byte_tok
+        eos_ids = frozenset()
+        kv_bytes_per_token = None
 
         def token_nll(self, ids):
-            raise NotImplementedError
+            return inner.token_nll(ids)
 
         def greedy(self, prompts, max_new_tokens, stop=()):
-            return [[] for _ in prompts]
+            return inner.greedy(prompts, max_new_tokens, stop)
 
-        eos_ids = frozenset()
+        def greedy_after_prefix(self, prefix, questions, max_new_tokens, stop=()):
+            return inner.greedy_after_prefix(prefix, questions, max_new_tokens, stop)
 
         def describe(self):
-            return {}
+            return inner.describe()
 
         def identity(self):
-            return {}
+            return inner.identity()
 
-    with pytest.raises(ValueError, match="not allowed for probes: they crop the KV cache"):
-        run_probes(Plain(), ProbeConfig((256,)), tmp_path)
+    config = ProbeConfig((256,), needles=2, haystacks=1)
+    plain = run_probes(Delegating(), config, tmp_path / "plain")
+    ours = run_probes(inner, config, tmp_path / "ours")
+    assert plain["by_length"] == ours["by_length"]
+    hay = build_haystack(probe_task(config.task), PromptFormat(byte_tok), config, 256, 0)
+    assert answer_probes(Delegating(), hay, ()) == answer_separately(inner, hay, ())
 
 
 # ----------------------------------------------------------------------------- trained model

@@ -1,8 +1,9 @@
 """What every evaluation calls: one small interface over any model, through its Backbone.
 
 Holds:
-- `LanguageModel`: the protocol evaluations call: `token_nll`, `greedy`, `tokenizer`,
-  `eos_ids`, `describe`, `identity`.
+- `LanguageModel`: the protocol evaluations call: `token_nll`, `greedy`,
+  `greedy_after_prefix` (many questions after one cached prefix), `kv_bytes_per_token`,
+  `tokenizer`, `eos_ids`, `describe`, `identity`.
 - `BackboneLM`: the one implementation, over a `Backbone` (ropekit Decoders and Hugging Face
   causal LMs alike): chunked scoring and batched greedy decoding with a KV cache; the backbone
   runs each chunk through its model and says which prompts may share a batch (a Decoder has
@@ -53,6 +54,24 @@ class LanguageModel(Protocol):
     ) -> list[list[int]]:
         """Greedy continuation of each prompt: at most `max_new_tokens` new ids, ending before
         the first stop id (which is not returned)."""
+        ...
+
+    def greedy_after_prefix(
+        self,
+        prefix: Sequence[int],
+        questions: Sequence[Sequence[int]],
+        max_new_tokens: Sequence[int],
+        stop: Collection[int] = (),
+    ) -> list[list[int]]:
+        """Greedy continuation of ``prefix + question`` for each question (its own answer
+        budget), as ``greedy`` would give each alone: the prefix is read once and every
+        question continues the same cached prefix."""
+        ...
+
+    @property
+    def kv_bytes_per_token(self) -> int | None:
+        """Bytes of KV cache one token of context holds (every layer's keys and values);
+        None when the model keeps no cache to size."""
         ...
 
     @property
@@ -148,6 +167,52 @@ class BackboneLM:
             ):
                 out[i] = ids
         return out
+
+    @torch.inference_mode()
+    def greedy_after_prefix(
+        self,
+        prefix: Sequence[int],
+        questions: Sequence[Sequence[int]],
+        max_new_tokens: Sequence[int],
+        stop: Collection[int] = (),
+    ) -> list[list[int]]:
+        """One prefill of ``prefix``, then each question after the same cached prefix (the
+        cache cropped back to it after each answer); see `LanguageModel.greedy_after_prefix`.
+        Chunks are those of ``greedy`` for a batch of one."""
+        backbone, device, stops = self.backbone, self.device, frozenset(stop)
+        chunk = self._chunk(1)
+        ids = torch.tensor([list(prefix)], dtype=torch.long, device=device)  # (1, P)
+        P = ids.shape[1]
+        cache = backbone.new_cache()
+        for start in range(0, P, chunk):
+            backbone.run(ids[:, start : start + chunk], cache, None, None, last_only=True)
+        answers = []
+        for question, budget in zip(questions, max_new_tokens, strict=True):
+            q = torch.tensor([list(question)], dtype=torch.long, device=device)  # (1, Q)
+            for start in range(0, q.shape[1], chunk):
+                logits = backbone.run(q[:, start : start + chunk], cache, None, None, True)
+            new: list[int] = []
+            for step in range(budget):
+                token = int(logits[0, -1].argmax())
+                if token in stops:
+                    break
+                new.append(token)
+                if step == budget - 1:
+                    break
+                step_ids = torch.tensor([[token]], dtype=torch.long, device=device)  # (1, 1)
+                logits = backbone.run(step_ids, cache, None, None, last_only=True)
+            answers.append(new)
+            backbone.crop_cache(cache, P)  # the next question sees exactly the prefix again
+        return answers
+
+    @property
+    def kv_bytes_per_token(self) -> int | None:
+        shape = self.backbone.fingerprint()
+        dims = ("n_layers", "n_kv_heads", "head_dim")
+        if not all(isinstance(shape.get(k), int) for k in dims):
+            return None
+        per_token = 2 * shape["n_layers"] * shape["n_kv_heads"] * shape["head_dim"]
+        return per_token * self.backbone.dtype.itemsize  # keys and values of every layer
 
     def _greedy_batch(
         self, prompts: list[Sequence[int]], max_new_tokens: int, stops: Tensor

@@ -81,14 +81,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from ropekit.data.tokenizers import Tokenizer
 from ropekit.distributed import Processes
 from ropekit.distributed import processes as current_processes
 from ropekit.evals.adapters import (
-    BackboneLM,
     LanguageModel,
     as_language_model,
     newline_ids,
@@ -415,7 +413,7 @@ NEEDLE_TOKENS = 6  # "The value of key K is V." is 6 words: no tokenizer makes i
 MAX_PROMPT_TOKENS = 10**8  # prefill tokens of one probes run: days of CPU for the tiniest model
 
 
-def check_probe_sizes(config: ProbeConfig, lm: BackboneLM) -> None:
+def check_probe_sizes(config: ProbeConfig, lm: LanguageModel) -> None:
     """Refuse at once, naming the limit, what cannot run: more needles than a length holds,
     more prompt tokens than any machine prefills in reasonable time, or a length whose KV
     cache alone exceeds this machine's memory. A ValueError (TaskDoesNotFit for needles)."""
@@ -426,11 +424,8 @@ def check_probe_sizes(config: ProbeConfig, lm: BackboneLM) -> None:
                 f"least {NEEDLE_TOKENS}; allowed: at most {n // NEEDLE_TOKENS} needles at "
                 f"length {n}"
             )
-    shape = lm.backbone.fingerprint()
-    dims = ("n_layers", "n_kv_heads", "head_dim")
-    if all(isinstance(shape.get(k), int) for k in dims):  # a model with a KV cache to size
-        per_token = 2 * shape["n_layers"] * shape["n_kv_heads"] * shape["head_dim"]
-        per_token *= lm.backbone.dtype.itemsize  # keys and values of every layer
+    per_token = lm.kv_bytes_per_token
+    if per_token is not None:  # a model with a KV cache to size
         memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         longest = max(config.lengths)
         if longest * per_token > memory:
@@ -448,53 +443,18 @@ def check_probe_sizes(config: ProbeConfig, lm: BackboneLM) -> None:
         )
 
 
-def _backbone_lm(lm: LanguageModel) -> BackboneLM:
-    if not isinstance(lm, BackboneLM):
-        raise ValueError(
-            f"model={type(lm).__name__} is not allowed for probes: they crop the KV cache "
-            "through a Backbone; allowed: a Backbone, a ropekit Decoder, a Hugging Face causal "
-            "LM, or a BackboneLM"
-        )
-    return lm
-
-
-@torch.inference_mode()
 def answer_probes(
     lm: LanguageModel, haystack: ProbeHaystack, stop: Collection[int] = ()
 ) -> list[list[int]]:
     """Greedy answers (token ids, ending before the first stop id) to every probe of
     ``haystack``: one prefill of its prefix, then each question after the same cached prefix
-    (the cache cropped back to the prefix after each answer)."""
-    bl = _backbone_lm(lm)
-    backbone, device = bl.backbone, bl.device
-    stops = frozenset(stop)
-    prefix = torch.tensor([haystack.prefix], dtype=torch.long, device=device)  # (1, P)
-    P = prefix.shape[1]
-    # The chunk the one-prompt path (BackboneLM.greedy) prefills with, for a batch of one.
-    chunk = bl._chunk(1)
-    cache = backbone.new_cache()
-    for start in range(0, P, chunk):
-        backbone.run(prefix[:, start : start + chunk], cache, None, None, last_only=True)
-    answers = []
-    for probe in haystack.probes:
-        question = torch.tensor([probe.question], dtype=torch.long, device=device)  # (1, Q)
-        for start in range(0, question.shape[1], chunk):
-            logits = backbone.run(
-                question[:, start : start + chunk], cache, None, None, last_only=True
-            )
-        new: list[int] = []
-        for step in range(probe.max_new_tokens):
-            token = int(logits[0, -1].argmax())
-            if token in stops:
-                break
-            new.append(token)
-            if step == probe.max_new_tokens - 1:
-                break
-            ids = torch.tensor([[token]], dtype=torch.long, device=device)  # (1, 1)
-            logits = backbone.run(ids, cache, None, None, last_only=True)
-        answers.append(new)
-        backbone.crop_cache(cache, P)  # the next question sees exactly the prefix again
-    return answers
+    (``LanguageModel.greedy_after_prefix``)."""
+    return lm.greedy_after_prefix(
+        haystack.prefix,
+        [p.question for p in haystack.probes],
+        [p.max_new_tokens for p in haystack.probes],
+        stop,
+    )
 
 
 def answer_separately(
@@ -755,7 +715,7 @@ def run_probes(
     Decoder, a Hugging Face causal LM or a `BackboneLM` (with `tokenizer` when it has none);
     `spec` names its encoding in the result. Under several processes all return the summary
     and the main process writes the files."""
-    lm = _backbone_lm(as_language_model(model, tokenizer))
+    lm = as_language_model(model, tokenizer)
     task = probe_task(config.task)
     procs = processes if processes is not None else current_processes()
     place_on(lm, procs.device)
