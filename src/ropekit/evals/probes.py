@@ -73,12 +73,11 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import shutil
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -97,6 +96,7 @@ from ropekit.evals.intervals import CONFIDENCE, accuracy_entry
 from ropekit.evals.plots import plot_heatmap
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.scoring import clean_prediction, match_all
+from ropekit.evals.stages import Stage
 from ropekit.evals.tasks import (
     ANSWER_SLACK_FRACTION,
     ANSWER_SLACK_MIN,
@@ -118,9 +118,7 @@ from ropekit.evals.tasks import (
 from ropekit.figures import figure, length_axis, save
 from ropekit.results import (
     ProvenanceMismatch,
-    ResultError,
     check_replaceable,
-    digest,
     make_record,
     read_records,
     run_metadata,
@@ -467,17 +465,14 @@ def answer_separately(
 
 # ----------------------------------------------------------------------------- stages
 @dataclass
-class _Stage:
-    length: int
-    directory: Path
-    provenance: dict[str, Any]
+class _Stage(Stage):
+    kind: ClassVar[str] = "probe-stage"
+    records_file: ClassVar[str] = "probes.jsonl"
+    settings: ClassVar[str] = (
+        "task, needles, haystacks, seed, tokenizer, prompt format, answer budget"
+    )
     haystacks: list[ProbeHaystack] | None = None
     records: dict[tuple[int, int], dict[str, Any]] | None = None
-
-    @property
-    def fingerprint(self) -> str:
-        """The digest every record of the stage carries."""
-        return digest(self.provenance, size=8)
 
 
 def _provenance(
@@ -498,36 +493,9 @@ def _provenance(
     return {"probes": probes, "model": model}
 
 
-def _check_stage(stage: _Stage, overwrite: bool) -> None:
-    """Refuse (or, with overwrite, clear) a stage folder of other settings or another model;
-    leave this stage's provenance in its summary.json."""
-    summary = stage.directory / "summary.json"
-    try:
-        if summary.exists():
-            check_replaceable(summary, "probe-stage", stage.provenance)
-        elif any(
-            r.get("stage") != stage.fingerprint
-            for r in read_records(stage.directory / "probes.jsonl")
-        ):
-            raise ProvenanceMismatch(
-                f"{stage.directory / 'probes.jsonl'} was made with other settings (task, "
-                "needles, haystacks, seed, tokenizer, prompt format, answer budget or model); "
-                "use another output folder, or --overwrite to recompute it"
-            )
-    except ResultError:
-        if not overwrite:
-            raise
-        shutil.rmtree(stage.directory)
-    if not summary.exists():
-        payload = {"length": stage.length, "stage": stage.fingerprint, "complete": False}
-        write_result(
-            summary, "probe-stage", payload, meta=run_metadata(), provenance=stage.provenance
-        )
-
-
 def _prepare(stage: _Stage, haystacks: list[ProbeHaystack], overwrite: bool) -> None:
     """Give the stage its haystacks and load its answered probes, checked against them."""
-    _check_stage(stage, overwrite)
+    stage.claim(overwrite)
     stage.haystacks = haystacks
     by_id = {(hay.index, p.needle): (hay, p) for hay in stage.haystacks for p in hay.probes}
     stage.records = {}

@@ -36,10 +36,9 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tqdm.auto import tqdm
 
@@ -56,6 +55,7 @@ from ropekit.evals.scoring import (
     clean_prediction,
     effective_length,
 )
+from ropekit.evals.stages import Stage
 from ropekit.evals.tasks import (
     GENERATOR_VERSION,
     RULER_TASKS,
@@ -66,10 +66,7 @@ from ropekit.evals.tasks import (
     get_task,
 )
 from ropekit.results import (
-    ProvenanceMismatch,
-    ResultError,
     check_replaceable,
-    digest,
     make_record,
     read_records,
     run_metadata,
@@ -137,19 +134,16 @@ class EvalConfig:
 
 
 @dataclass
-class _Stage:
-    spec: TaskSpec
-    length: int
-    directory: Path
-    provenance: dict[str, Any]
+class _Stage(Stage):
+    kind: ClassVar[str] = "task-stage"
+    records_file: ClassVar[str] = "data.jsonl"
+    settings: ClassVar[str] = (
+        "task arguments, seed, samples, depths, tokenizer, prompt format, answer budget"
+    )
+    spec: TaskSpec = field(kw_only=True)
     samples: list[Sample] | None = None
     skipped: str | None = None
     predictions: dict[int, dict[str, Any]] | None = None
-
-    @property
-    def fingerprint(self) -> str:
-        """The digest every data.jsonl and pred.jsonl record of the stage carries."""
-        return digest(self.provenance, size=8)
 
 
 def _provenance(
@@ -169,33 +163,6 @@ def _provenance(
     return {"samples": samples, "model": model}
 
 
-def _check_stage(stage: _Stage, overwrite: bool) -> None:
-    """Refuse (or, with overwrite, clear) a stage folder made by other settings or another
-    model; leave a record of this stage's provenance in its summary.json."""
-    summary = stage.directory / "summary.json"
-    records = read_records(stage.directory / "data.jsonl")
-    try:
-        if summary.exists():
-            check_replaceable(summary, "task-stage", stage.provenance)
-        elif records and any(r.get("stage") != stage.fingerprint for r in records):
-            raise ProvenanceMismatch(
-                f"{stage.directory / 'data.jsonl'} was made with other settings (task "
-                "arguments, seed, samples, depths, tokenizer, prompt format, answer budget or "
-                "model); use another output folder, or --overwrite to recompute it"
-            )
-    except ResultError:
-        if not overwrite:
-            raise
-        shutil.rmtree(stage.directory)
-    if not summary.exists():
-        write_result(
-            summary, "task-stage",
-            {"task": stage.spec.name, "length": stage.length, "stage": stage.fingerprint,
-             "complete": False},
-            meta=run_metadata(), provenance=stage.provenance,
-        )  # fmt: skip
-
-
 def _does_not_fit(stage: _Stage, config: EvalConfig, fmt: PromptFormat) -> str | None:
     """Why the stage's task does not fit its length (its first planned sample, built in
     memory), or None when it fits."""
@@ -211,7 +178,7 @@ def _does_not_fit(stage: _Stage, config: EvalConfig, fmt: PromptFormat) -> str |
 
 def _prepare(stage: _Stage, config: EvalConfig, fmt: PromptFormat, overwrite: bool) -> None:
     """Load the stage's samples and predictions, or generate the samples."""
-    _check_stage(stage, overwrite)
+    stage.claim(overwrite, task=stage.spec.name)
     data_path = stage.directory / "data.jsonl"
     records = read_records(data_path)
     if records:
@@ -395,7 +362,7 @@ def run_tasks(
         check_replaceable(out / "summary.json", "tasks", provenance, overwrite=overwrite)
     fmt = PromptFormat(lm.tokenizer, chat=config.chat)
     stages = [
-        _Stage(s, n, out / s.name / str(n), _provenance(s, n, config, fmt, model))
+        _Stage(n, out / s.name / str(n), _provenance(s, n, config, fmt, model), spec=s)
         for s in specs
         for n in config.lengths
     ]
