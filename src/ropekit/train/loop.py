@@ -199,17 +199,7 @@ def _train(
                 logged = (now, tokens)
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
                 if metrics is not None:
-                    record = {
-                        "step": step,
-                        "loss": loss,
-                        "lr": config.lr * lr_factor(step - 1, config),  # times any lr_scale
-                        "grad_norm": grad_norm,  # before clipping
-                        "tokens": tokens,
-                        "tokens_per_s": tokens_per_s,  # since the previous line
-                        "elapsed": elapsed,
-                    }
-                    metrics.write(json.dumps(record) + "\n")
-                    metrics.flush()
+                    _log_line(metrics, config, step, loss, grad_norm, tokens, tokens_per_s, elapsed)
             if step % config.checkpoint_interval == 0 or step == config.steps:
                 state = dataclasses.replace(
                     state, step=step, samples_seen=step * config.batch_size, tokens=tokens,
@@ -235,6 +225,30 @@ def _train(
             metrics.close()
     parallel.finish()  # sharded: the trained values, whole, into the caller's model
     return _finish(state, checkpoint, config, accelerator)
+
+
+def _log_line(
+    metrics: IO[str],
+    config: TrainConfig,
+    step: int,
+    loss: float,
+    grad_norm: float,
+    tokens: int,
+    tokens_per_s: float,
+    elapsed: float,
+) -> None:
+    """One line of metrics.jsonl, flushed so a killed run keeps every line it logged."""
+    record = {
+        "step": step,
+        "loss": loss,
+        "lr": config.lr * lr_factor(step - 1, config),  # times any lr_scale
+        "grad_norm": grad_norm,  # before clipping
+        "tokens": tokens,
+        "tokens_per_s": tokens_per_s,  # since the previous line
+        "elapsed": elapsed,
+    }
+    metrics.write(json.dumps(record) + "\n")
+    metrics.flush()
 
 
 def _start_state(
