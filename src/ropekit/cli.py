@@ -662,13 +662,17 @@ def add_export(sub: argparse._SubParsersAction) -> None:
         help="export a fixed schedule instead of an adapter, e.g. yarn:factor=2",
     )
     _out(p, "folder of the exported model (replaced only with --overwrite)")
+    from ropekit.serve.engines import ENGINES, FORMATS
+
+    served = "; ".join(
+        f"{fmt}: {', '.join(ENGINES[name].label for name in names)}" for fmt, names in FORMATS.items()
+    )
     p.add_argument(
         "--format",
-        choices=("hf", "gguf", "vllm"),
+        choices=tuple(FORMATS),
         default="hf",
-        help="hf: config.json rope_parameters (transformers, vLLM); gguf: model.gguf with "
-        "llama.cpp's rope keys and rope_freqs; vllm: an HF folder for ropekit's vLLM plugin, "
-        "which serves per-head AdaRoPE within the engine's noise floor (default: %(default)s)",
+        help=f"the engine the folder is for ({served}); vllm's folder carries the adapter, "
+        "served per head by ropekit's vLLM plugin (default: %(default)s)",
     )
     p.add_argument(
         "--nearest",

@@ -231,6 +231,24 @@ def test_longrope_exports_carry_vllms_mscales(tmp_path: Path) -> None:
     ]
     # vLLM's longrope reads only short_mscale/long_mscale (get_rope), never attention_factor.
     assert params["short_mscale"] == params["long_mscale"] == params["attention_factor"]
+    # transformers warns about those keys on every load: the folder says why, where users read.
+    for text in (
+        (tmp_path / "o" / EXPORT_RECORD).read_text(),
+        (tmp_path / "o" / "README.md").read_text(),
+    ):
+        assert "Unrecognized keys" in text and "vLLM's" in text
+
+
+def test_every_export_folder_says_what_serves_it(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    perturb(patch(model, "adarope:init=yarn,factor=2"))
+    plugin = (export(model, None, tmp_path / "v", format="vllm") / "README.md").read_text()
+    assert "vllm+ropekit" in plugin and "Without the plugin" in plugin
+    assert "nearest shared schedule" in plugin and "largest move is" in plugin  # by how much
+    patch(model, "yarn:factor=2")
+    for fmt, engines in (("hf", "transformers, vllm"), ("gguf", "llama.cpp")):
+        readme = (export(model, None, tmp_path / fmt, format=fmt) / "README.md").read_text()
+        assert f"`--format {fmt}` for {engines}" in readme and "Without the plugin" not in readme
 
 
 def test_max_length_and_the_tokenizer_cap(tmp_path: Path) -> None:

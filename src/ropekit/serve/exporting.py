@@ -48,7 +48,8 @@ factor); longrope also writes ``short_mscale = long_mscale = attention_factor`` 
 longrope ignores ``attention_factor``; a finite tokenizer ``model_max_length`` below the target
 is raised to it.
 
-Holds: export, export_rope_parameters, target_length, length_fields, EXPORT_RECORD, FORMATS.
+Holds: export, export_rope_parameters, target_length, length_fields (and, from ``engines``,
+EXPORT_RECORD and FORMATS).
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ from ropekit.hf.models import load_model, load_tokenizer, resolve_model
 from ropekit.hf.patching import ENCODING_ATTR, encoding_of, patch
 from ropekit.hf.rope_config import ExportRefused, rope_parameters_for
 
-EXPORT_RECORD = "ropekit_export.json"
-FORMATS = ("hf", "gguf", "vllm")
+from .engines import EXPORT_RECORD, FORMATS
+from .nearest import head_frequencies, nearest_shared
 
 # Learned frequencies count as shared when every row equals the first to this relative
 # precision: rows computed from identical parameters agree exactly; trained rows differ by far
@@ -85,13 +86,7 @@ _SHARED_RTOL = 1e-9
 def _learned_frequencies(encoding: PositionEncoding) -> tuple[torch.Tensor, float]:
     """The one theta (F,) float64 shared by all layers and kv heads, and the cos/sin factor;
     ExportRefused naming the first layer/head that differs."""
-    rows, factors = [], []
-    with torch.no_grad():
-        for layer in range(encoding.n_layers):
-            theta, factor = encoding.inv_freq(layer)  # (K|1, F)
-            rows.append(theta.double().cpu().expand(encoding.n_kv_heads, -1))
-            factors.append(float(factor))
-    theta = torch.stack(rows)  # (L, K, F)
+    theta, factors = head_frequencies(encoding)  # (L, K, F)
     ref = theta[0, 0]
     spread = (theta / ref - 1).abs().amax(dim=-1)  # (L, K)
     if spread.max() > _SHARED_RTOL:
@@ -190,8 +185,6 @@ def _learned_rope_parameters(
     except ExportRefused:
         if not (nearest and encoding.head_rows("freq") is not None):
             raise
-        from .nearest import nearest_shared
-
         fit = nearest_shared(encoding, length=temperature_at or target_length(encoding, config))
         theta, factor, temperature = fit.theta, fit.attention_factor, fit.temperature
         notes = list(fit.notes)
@@ -420,6 +413,8 @@ def _served_config(
     fields, engine_keys = length_fields(params, model.config, target)
     params = {**params, **engine_keys}
     extra = {**extra, **fields}
+    if "short_mscale" in engine_keys:
+        notes = [*notes, _MSCALE_WARNING]
     config = copy.deepcopy(model.config)
     config.rope_parameters = params
     for key, value in extra.items():
@@ -430,6 +425,42 @@ def _served_config(
         "ropekit": __version__,
     }  # fmt: skip
     return config, record
+
+
+# Where the user sees transformers' warning on loading a longrope export, its explanation.
+_MSCALE_WARNING = (
+    "transformers warns \"Unrecognized keys in `rope_parameters` for 'rope_type'='longrope': "
+    "{'short_mscale', 'long_mscale'}\" on loading this folder: the keys are vLLM's (its "
+    "longrope scales cos/sin by them and never reads attention_factor); transformers ignores "
+    "them and computes the schedule from attention_factor, the same value"
+)
+
+
+def folder_readme(record: dict[str, Any]) -> str:
+    """The README.md of an export: what it is, which engine serves it, and what it
+    approximates (the record's notes)."""
+    from .engines import FORMATS
+
+    engines = ", ".join(FORMATS[record["format"]])
+    lines = [
+        f"# ropekit export: `{record['spec']}`",
+        "",
+        f"Written by ropekit {record['ropekit']} with `--format {record['format']}` for "
+        f"{engines}; engines accept {record['target_length']} tokens.",
+    ]
+    if record["format"] == "vllm":
+        lines += [
+            "",
+            "Served exactly (per layer and kv head, within vLLM's noise floor) only by vLLM with "
+            "ropekit's plugin: install ropekit into vLLM's environment "
+            "(`pip install --no-deps ropekit`); `config.json` names its architecture. "
+            "**Without the plugin** transformers, stock vLLM and llama.cpp open this folder "
+            "without an error and compute `rope_parameters`: the adapter's nearest shared "
+            "schedule, an approximation (how far it moved is below).",
+        ]
+    lines += ["", "Notes (also in ropekit_export.json; `ropekit inspect` on this folder):", ""]
+    lines += [f"- {note}" for note in record["notes"]]
+    return "\n".join(lines) + "\n"
 
 
 def _write(
@@ -452,6 +483,7 @@ def _write(
             _raise_model_max_length(tokenizer, record["target_length"])
             tokenizer.save_pretrained(tmp)
     (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    (tmp / "README.md").write_text(folder_readme(record), encoding="utf-8")
     for path in tmp.rglob("*"):
         if path.is_file():
             with path.open("rb") as f:

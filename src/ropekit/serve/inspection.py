@@ -8,7 +8,7 @@ from the config). A disagreement is a per-pair frequency off by more than 1e-6 r
 attention factor off by more than 1e-6, a longest accepted length below the target, or a
 refusal. The rules are ``ropekit.serve.engines`` (each cites the engine file and function).
 
-Holds: inspect_folder, check_rope_config, format_report, Disagreement.
+Holds: inspect_folder, read_folder, check_rope_config, format_report, Disagreement.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .engines import EngineRoPE, llamacpp_from_config, transformers_rope, vllm_rope
+import torch
+
+from .engines import ENGINES, EXPORT_RECORD, Engine, EngineRoPE, ServedFolder
 
 RTOL = 1e-6  # far above float64 schedule noise, far below any real schedule change
 
@@ -33,7 +35,7 @@ class Disagreement:
 
 
 def _target(config: dict[str, Any], folder: Path) -> int:
-    record = folder / "ropekit_export.json"
+    record = folder / EXPORT_RECORD
     if record.is_file():
         target = _json_object(record).get("target_length")
         if target is not None:
@@ -52,96 +54,45 @@ def _target(config: dict[str, Any], folder: Path) -> int:
     return max_pos
 
 
-def _fix_for_length(engine: str, config: dict[str, Any], limit: int, target: int) -> str:
-    p = config.get("rope_parameters") or {}
-    kind = p.get("rope_type", "default")
-    if engine == "vllm":
-        if kind in ("linear", "dynamic"):
-            return (
-                f"vLLM accepts max_position_embeddings x factor: set max_position_embeddings "
-                f"so that it times factor {p.get('factor')} is >= {target}"
-                + (
-                    " (dynamic: transformers measures its stretch against it, so exact "
-                    "dynamic serving in both is impossible)"
-                    if kind == "dynamic"
-                    else ""
-                )
-            )
-        return (
-            f"set max_position_embeddings = {target} (and a tokenizer model_max_length >= "
-            f"{target}); vLLM takes {kind}'s length from it unscaled"
-        )
-    return f"set llama.context_length = {target} in the GGUF (or pass n_ctx={target})"
-
-
 def _compare(
-    ref: EngineRoPE, view: EngineRoPE, length: int, config: dict[str, Any]
+    engine: Engine, ref: EngineRoPE, view: EngineRoPE, length: int, folder: ServedFolder
 ) -> list[Disagreement]:
-    out = []
-    p = config.get("rope_parameters") or {}
-    kind = p.get("rope_type", "default")
+    """How ``view`` (one engine at ``length``) departs from the reference ``ref``."""
     if view.error is not None:
         return [
-            Disagreement(view.engine, length, f"refuses: {view.error}", _fix_refusal(view, kind))
+            Disagreement(engine.name, length, f"refuses: {view.error}", engine.refusal_fix(folder))
         ]
-    rel = float(((view.inv_freq - ref.inv_freq).abs() / ref.inv_freq).max())
-    if rel > RTOL:
-        pair = int(((view.inv_freq - ref.inv_freq).abs() / ref.inv_freq).argmax())
-        out.append(
-            Disagreement(
-                view.engine,
-                length,
-                f"frequencies differ by up to {rel:.3g} relative (pair {pair})",
-                _fix_frequencies(view.engine, kind, p),
+    out = []
+    if view.target_refused is not None:
+        what = f"refuses {folder.target} tokens: {view.target_refused}"
+        out.append(Disagreement(engine.name, length, what, engine.length_fix(folder)))
+    if ref.per_head is not None:  # the reference is per head: this engine computes one schedule
+        rel = (view.inv_freq / ref.per_head - 1).abs()  # (L, K, F)
+        if float(rel.max()) > RTOL:
+            layer, head, pair = (int(i) for i in torch.unravel_index(rel.argmax(), rel.shape))
+            what = (
+                f"one shared schedule (rope_parameters: the nearest), not the adapter's per-head "
+                f"one: frequencies off by up to {float(rel.max()):.3g} relative (layer {layer}, "
+                f"kv head {head}, pair {pair})"
             )
-        )
+            out.append(Disagreement(engine.name, length, what, engine.per_head_fix(folder)))
+        return out
+    rel = (view.inv_freq - ref.inv_freq).abs() / ref.inv_freq
+    if float(rel.max()) > RTOL:
+        pair = int(rel.argmax())
+        what = f"frequencies differ by up to {float(rel.max()):.3g} relative (pair {pair})"
+        out.append(Disagreement(engine.name, length, what, engine.frequencies_fix(folder)))
     if abs(view.attention_factor - ref.attention_factor) > RTOL * max(1.0, ref.attention_factor):
+        what = (
+            f"attention factor {view.attention_factor:.6f} vs {ref.engine}'s "
+            f"{ref.attention_factor:.6f}"
+        )
         out.append(
             Disagreement(
-                view.engine,
-                length,
-                f"attention factor {view.attention_factor:.6f} vs transformers' "
-                f"{ref.attention_factor:.6f}",
-                _fix_attention(view.engine, kind, ref.attention_factor),
+                engine.name, length, what, engine.attention_fix(folder, ref.attention_factor)
             )
         )
     return out
-
-
-def _fix_refusal(view: EngineRoPE, kind: str) -> str:
-    if view.engine == "llama.cpp" and kind == "longrope":
-        # One rope_freqs tensor for every length (llama-model.cpp: get_rope_factors).
-        return (
-            "set short_factor = long_factor (llama.cpp applies one set of factors at every "
-            "length; the GGUF export then writes them as rope_freqs)"
-        )
-    if view.engine == "llama.cpp":
-        return "export a schedule llama.cpp has (linear, yarn with default betas, rope_freqs)"
-    return "serve at a length the engine accepts, or change the length fields"
-
-
-def _fix_frequencies(engine: str, kind: str, p: dict[str, Any]) -> str:
-    if engine == "vllm" and kind == "dynamic":
-        return (
-            "none in the config: vLLM's dynamic NTK is one fixed base (plain RoPE unless "
-            "max_trained_positions < max_position_embeddings); export a fixed schedule "
-            "(yarn, or ntk at the target) or serve with transformers/ropekit"
-        )
-    if engine == "vllm" and kind == "longrope":
-        return (
-            "set short_factor = long_factor (vLLM picks one set for every length from "
-            "max_model_len, transformers switches by sequence length), or serve with "
-            "--max-model-len <= original_max_position_embeddings for short prompts"
-        )
-    return f"no rule here for {engine} {kind}; compare the engine's source"
-
-
-def _fix_attention(engine: str, kind: str, value: float) -> str:
-    if engine == "vllm" and kind == "longrope":
-        return f"add short_mscale = long_mscale = {value:.6f} to rope_parameters"
-    if engine == "llama.cpp" and kind == "yarn":
-        return "write rope.scaling.attn_factor = transformers' factor / (1 + 0.1 ln s)"
-    return f"make {engine}'s attention factor {value:.6f}"
 
 
 def _json_object(path: Path) -> dict[str, Any]:
@@ -206,8 +157,9 @@ def check_rope_config(config: dict[str, Any], where: Path | str) -> None:
             raise ValueError(f"{where}: {name} must be a list of numbers > 0")
 
 
-def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Every engine's RoPE for the HF folder at ``path`` and their disagreements."""
+def read_folder(path: str | os.PathLike[str]) -> ServedFolder:
+    """The HF folder at ``path`` as the engines read it; a ValueError or FileNotFoundError
+    naming what is wrong with it."""
     from transformers import AutoConfig
 
     folder = Path(path)
@@ -225,51 +177,53 @@ def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
     )
     check_rope_config(config, config_file)
     tokenizer_file = folder / "tokenizer_config.json"
-    tokenizer_config = _json_object(tokenizer_file) if tokenizer_file.is_file() else None
-    hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    p = config["rope_parameters"]
-    l0 = int(p.get("original_max_position_embeddings") or config["max_position_embeddings"])
-    if p.get("rope_type") in ("linear", "dynamic"):
-        l0 = int(config["max_position_embeddings"])
-    target = _target(config, folder)
-    lengths = sorted({min(1024, l0), target})
+    record_file = folder / EXPORT_RECORD
+    return ServedFolder(
+        path=folder,
+        config=config,
+        hf_config=AutoConfig.from_pretrained(folder, local_files_only=True),
+        target=_target(config, folder),
+        tokenizer_config=_json_object(tokenizer_file) if tokenizer_file.is_file() else None,
+        record=_json_object(record_file) if record_file.is_file() else None,
+    )
+
+
+def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every engine's RoPE for the HF folder at ``path`` and their disagreements with the
+    reference: the adapter's per-head schedule where the folder is for ropekit's plugin,
+    else transformers (the meaning of rope_parameters)."""
+    folder = read_folder(path)
+    p = folder.rope_parameters
+    l0 = int(p.get("original_max_position_embeddings") or folder.config["max_position_embeddings"])
+    if folder.rope_type in ("linear", "dynamic"):
+        l0 = int(folder.config["max_position_embeddings"])
+    lengths = sorted({min(1024, l0), folder.target})
     views: dict[int, dict[str, EngineRoPE]] = {}
     disagreements: list[Disagreement] = []
     for n in lengths:
-        ref = transformers_rope(config, n)
-        vllm = vllm_rope(config, n, tokenizer_config=tokenizer_config, max_model_len=target)
-        if vllm.error is not None and vllm.max_length is not None:
-            # What vLLM does when the target is not asked for: serve its derived length.
+        row = {name: e.rope(folder, n) for name, e in ENGINES.items()}
+        views[n] = {name: v for name, v in row.items() if v is not None}
+        ref = next(
+            (v for v in views[n].values() if v.per_head is not None), views[n]["transformers"]
+        )
+        for name, view in views[n].items():
+            if view is not ref:
+                disagreements += _compare(ENGINES[name], ref, view, n, folder)
+    for name, view in views[folder.target].items():
+        limit = view.max_length
+        if limit is not None and limit < folder.target and view.error is None:
+            what = f"accepts {limit} tokens, below the target {folder.target}"
             disagreements.append(
-                Disagreement(
-                    "vllm",
-                    n,
-                    f"refuses {target} tokens: {vllm.error}",
-                    _fix_for_length("vllm", config, vllm.max_length, target),
-                )
-            )
-            vllm = vllm_rope(config, n, tokenizer_config=tokenizer_config)
-        llama = llamacpp_from_config(hf_config, n, target)
-        views[n] = {"transformers": ref, "vllm": vllm, "llama.cpp": llama}
-        for view in (vllm, llama):
-            disagreements += _compare(ref, view, n, config)
-    for name in ("vllm", "llama.cpp"):
-        limit = views[target][name].max_length
-        if limit is not None and limit < target and views[target][name].error is None:
-            disagreements.append(
-                Disagreement(
-                    name,
-                    target,
-                    f"accepts {limit} tokens, below the target {target}",
-                    _fix_for_length(name, config, limit, target),
-                )
+                Disagreement(name, folder.target, what, ENGINES[name].length_fix(folder))
             )
     return {
-        "folder": str(folder),
+        "folder": str(folder.path),
         "rope_parameters": p,
         "original_length": l0,
-        "target_length": target,
+        "target_length": folder.target,
         "lengths": lengths,
+        "reference": ref.engine,
+        "notes": list((folder.record or {}).get("notes", [])),
         "views": {n: {name: _view_json(v) for name, v in row.items()} for n, row in views.items()},
         "disagreements": [dataclasses.asdict(d) for d in disagreements],
     }
@@ -292,6 +246,8 @@ def format_report(report: dict[str, Any]) -> list[str]:
     lines = [
         f"{report['folder']}: rope_type={p.get('rope_type', 'default')} "
         f"L0={report['original_length']} target={report['target_length']}",
+        _reference_line(report),
+        *(f"  export record: {note}" for note in report["notes"]),
         f"{'length':>7}  {'engine':<13}{'longest':>9}  {'attn':>9}  "
         f"{'theta_0':>10} {'theta_mid':>10} {'theta_last':>10}  source",
     ]
@@ -309,8 +265,18 @@ def format_report(report: dict[str, Any]) -> list[str]:
             )
             lines += [f"{'':>9}{note}" for note in v["notes"]]
     if not report["disagreements"]:
-        lines.append("no disagreements: every engine computes what transformers computes")
+        lines.append(f"no disagreements: every engine computes what {report['reference']} computes")
     for d in report["disagreements"]:
         lines.append(f"DISAGREES {d['engine']} @{d['length']}: {d['what']}")
         lines.append(f"  fix: {d['fix']}")
     return lines
+
+
+def _reference_line(report: dict[str, Any]) -> str:
+    if report["reference"] == "transformers":
+        return "reference: transformers (the meaning of rope_parameters)"
+    return (
+        f"reference: {report['reference']} (the folder names ropekit's vLLM plugin, which "
+        "serves its adapter per head); without the plugin every engine computes "
+        "rope_parameters, the adapter's nearest shared schedule (approximate)"
+    )

@@ -14,7 +14,7 @@ target length by default), since no engine scales queries by position. The fit i
 approximation: ``export(..., nearest=True)`` records it, and its perplexity cost is measured
 against the per-head model in the serving tests (README, "Serve it").
 
-Holds: NearestFit, nearest_shared.
+Holds: NearestFit, nearest_shared, head_frequencies.
 """
 
 from __future__ import annotations
@@ -36,6 +36,18 @@ class NearestFit:
     max_log_freq_spread: float  # max over pairs of max |xi - xi*| (nats of frequency)
     temperature_range: tuple[float, float]  # min and max lambda_h(L*) over heads and layers
     notes: tuple[str, ...]
+
+
+def head_frequencies(encoding: PositionEncoding) -> tuple[torch.Tensor, list[float]]:
+    """Every (layer, kv head)'s per-pair frequencies, (L, K, F) float64 radians per token (a
+    shared schedule repeats one row), and each layer's cos/sin factor."""
+    rows, factors = [], []
+    with torch.no_grad():
+        for layer in range(encoding.n_layers):
+            theta, factor = encoding.inv_freq(layer)  # (K|1, F)
+            rows.append(theta.double().cpu().expand(encoding.n_kv_heads, -1))
+            factors.append(float(factor))
+    return torch.stack(rows), factors
 
 
 def nearest_shared(encoding: PositionEncoding, *, length: int) -> NearestFit:
