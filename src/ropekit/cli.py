@@ -665,7 +665,8 @@ def add_export(sub: argparse._SubParsersAction) -> None:
     from ropekit.serve.engines import ENGINES, FORMATS
 
     served = "; ".join(
-        f"{fmt}: {', '.join(ENGINES[name].label for name in names)}" for fmt, names in FORMATS.items()
+        f"{fmt}: {', '.join(ENGINES[name].label for name in names)}"
+        for fmt, names in FORMATS.items()
     )
     p.add_argument(
         "--format",
