@@ -42,8 +42,8 @@ DOCUMENTS = [p for p in DOCUMENTS if p.name != "cli.md"]
 TINY = "--layers 1 --d-model 32 --heads 2 --batch-size 2 --warmup 1 --steps 2"
 
 # documented command -> the stand-in run (placeholders: {hf} model, {ada} and {shared}
-# adapters, {yarn_hf} the model exported with yarn:factor=2, {ada_vllm} {ada} exported for
-# the vLLM plugin, {out} a fresh folder)
+# adapters, {yarn_hf} the model exported with yarn:factor=2, {yarn_gguf} the same as GGUF,
+# {ada_vllm} {ada} exported for the vLLM plugin, {out} a fresh folder)
 STAND_INS: dict[str, str] = {
     "ropekit analyze --model M --adapter A --lengths 512,2048 --out DIR":
         "analyze --model {hf} --adapter {ada} --lengths 16,64 --out {out}",
@@ -98,6 +98,7 @@ STAND_INS: dict[str, str] = {
     "ropekit inspect DIR": "inspect {yarn_hf}",
     "ropekit inspect runs/yarn-hf": "inspect {yarn_hf}",
     "ropekit inspect runs/ada-vllm": "inspect {ada_vllm}",
+    "ropekit inspect runs/yarn-gguf": "inspect {yarn_gguf}",
     "ropekit models install smollm2-135m": "models install --help",
     "ropekit pretrain --encoding alibi --context 512 --out DIR":
         f"pretrain --encoding alibi --context 32 {TINY} --out {{out}}",
@@ -179,6 +180,9 @@ def stand_ins(tmp_path_factory) -> dict[str, Path]:
         made["yarn_hf"] = root / "yarn-hf"
         assert main(["export", "--model", str(hf), "--spec", "yarn:factor=2", "--out",
                      str(made["yarn_hf"])]) == 0  # fmt: skip
+        made["yarn_gguf"] = root / "yarn-gguf"
+        assert main(["export", "--model", str(hf), "--spec", "yarn:factor=2", "--format", "gguf",
+                     "--out", str(made["yarn_gguf"])]) == 0  # fmt: skip
         made["ada_vllm"] = root / "ada-vllm"
         assert main(["export", "--model", str(hf), "--adapter", str(made["ada"] / "adapter"),
                      "--format", "vllm", "--out", str(made["ada_vllm"])]) == 0  # fmt: skip

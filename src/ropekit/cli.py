@@ -720,12 +720,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def add_inspect(sub: argparse._SubParsersAction) -> None:
+    from ropekit.serve.engines import ENGINES
+
     p = sub.add_parser(
         "inspect",
-        help="what transformers, vLLM and llama.cpp each do with a folder's rope config, and "
-        "the config change that removes every disagreement",
+        help=f"what each serving engine ({', '.join(ENGINES)}) does with an export's rope "
+        "config, and the config change that removes every disagreement",
     )
-    p.add_argument("model_dir", type=Path, help="a Hugging Face model folder (config.json)")
+    p.add_argument(
+        "model_dir",
+        type=Path,
+        help="an exported folder: Hugging Face (config.json) or GGUF (model.gguf), or a .gguf file",
+    )
     p.add_argument(
         "--json", type=Path, default=None, help="also write the full report (per-pair frequencies)"
     )
@@ -739,9 +745,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ropekit.results import check_replaceable, run_metadata, write_result
     from ropekit.serve.inspection import format_report, inspect_folder
 
-    report = inspect_folder(args.model_dir)  # reads the folder's config.json, writes nothing
-    config = Path(args.model_dir) / "config.json"
-    provenance = {"config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()}
+    report = inspect_folder(args.model_dir)  # reads config.json or the GGUF, writes nothing
+    provenance = {
+        "sha256": {f: hashlib.sha256(Path(f).read_bytes()).hexdigest() for f in report["files"]}
+    }
     if args.json is not None:  # refuse before printing: never replace another command's file
         check_replaceable(args.json, "inspect", provenance, overwrite=args.overwrite)
     for line in format_report(report):

@@ -200,3 +200,57 @@ def test_a_config_that_is_not_a_json_object_is_one_line_naming_the_file(tmp_path
     assert main(["inspect", str(folder)]) == 2
     err = capsys.readouterr().err.strip()
     assert str(folder / "config.json") in err and err.count("\n") == 0
+
+
+LEARNED = "adarope:init=yarn,factor=2,share_heads=true,share_layers=true,scale=false"
+
+
+@pytest.mark.parametrize(
+    "spec", ["rope", "linear:factor=2", "yarn:factor=2", "llama3:factor=4", LEARNED]
+)
+def test_inspect_reads_a_gguf_export_and_finds_llamacpp_exact(spec: str, tmp_path: Path) -> None:
+    from ropekit.serve.inspection import format_report
+
+    model = tiny_model("llama", {"rope_type": "default", "rope_theta": 5e5})  # not the default
+    perturb(patch(model, spec))  # the learned one: rope_freqs and an attention factor != 1
+    out = export(model, None, tmp_path / "g", format="gguf")
+    params = json.loads((out / "ropekit_export.json").read_text())["rope_parameters"]
+    for where in (out, out / "model.gguf"):  # the folder or the file itself
+        report = inspect_folder(where)
+        assert report["format"] == "gguf" and report["reference"] == "transformers"
+        assert report["disagreements"] == [], report["disagreements"]
+        for n, row in report["views"].items():
+            assert set(row) == {"transformers", "llama.cpp"}
+            want = transformers_rope({**model.config.to_dict(), "rope_parameters": params}, n)
+            torch.testing.assert_close(
+                torch.tensor(row["llama.cpp"]["inv_freq"], dtype=torch.float64), want.inv_freq,
+                rtol=1e-6, atol=0,
+            )  # fmt: skip
+        assert "GGUF was written from" in "\n".join(format_report(report))
+
+
+def test_inspect_reads_what_the_gguf_file_says(tmp_path: Path) -> None:
+    """llama.cpp's row comes from the file's keys: without the record nothing is compared; a
+    record that says another schedule than the file is a disagreement."""
+    model = tiny_model("llama")
+    patch(model, "yarn:factor=2")
+    out = export(model, None, tmp_path / "g", format="gguf")
+    record_file = out / "ropekit_export.json"
+    record = json.loads(record_file.read_text())
+    record["rope_parameters"]["factor"] = 4.0
+    record_file.write_text(json.dumps(record))
+    found = {d["what"].split(" by ")[0] for d in inspect_folder(out)["disagreements"]}
+    assert found == {"frequencies differ", "attention factor 1.069315 vs transformers' 1.138629"}
+    record_file.unlink()
+    alone = inspect_folder(out)
+    assert alone["reference"] is None and alone["disagreements"] == []
+    assert [set(row) for row in alone["views"].values()] == [{"llama.cpp"}] * 2
+
+
+def test_inspect_refuses_what_is_no_export(tmp_path: Path, capsys) -> None:
+    (tmp_path / "model.gguf").write_bytes(b"GGUF but not really")
+    (tmp_path / "empty").mkdir()
+    for where, message in ((tmp_path, "is not a GGUF file"), (tmp_path / "empty", "nor a GGUF")):
+        assert main(["inspect", str(where)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err

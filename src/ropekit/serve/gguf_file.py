@@ -38,7 +38,11 @@ numbers are the ones transformers computes with). The tokenizer is copied key fo
 the GGUF a model was installed from (``ropekit_model.json``'s source), else built from a
 byte-level BPE ``tokenizer.json``.
 
-Holds: write_gguf, gguf_rope, GgufRope, interleave_rows, GGUF_NAME.
+Reading (``read_gguf``) takes the same keys with llama.cpp's defaults where one is missing
+(``load_hparams``: base 10000, scaling type linear, factor 0 or missing = 1, attn_factor 1,
+original context = the context length, rope dimension = the key length).
+
+Holds: write_gguf, read_gguf, gguf_rope, GgufRope, GgufModel, interleave_rows, GGUF_NAME.
 """
 
 from __future__ import annotations
@@ -75,6 +79,62 @@ class GgufRope:
     attn_factor: float  # rope.scaling.attn_factor, as llama.cpp reads it
     rope_freqs: np.ndarray | None  # (F,) float32 divisors, or None
     context_length: int  # llama.context_length
+
+
+@dataclasses.dataclass(frozen=True)
+class GgufModel:
+    """What ``read_gguf`` finds in a GGUF file: its RoPE and the shapes the rope depends on."""
+
+    architecture: str
+    rope: GgufRope
+    rope_dim: int  # rotated channels of one head (llama.rope.dimension_count)
+    head_dim: int  # attention.key_length
+    n_heads: int
+    n_kv_heads: int
+    n_layers: int
+
+
+def read_gguf(path: str | os.PathLike[str]) -> GgufModel:
+    """The RoPE llama.cpp reads from the GGUF file at ``path``; a ValueError naming the file
+    when it is not a GGUF file or has no attention heads."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path} is not a GGUF file llama.cpp can read: {e}") from None
+
+    def value(key: str, default: Any = None) -> Any:
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    arch = str(value("general.architecture", ""))
+    n_heads = value(f"{arch}.attention.head_count")
+    if not arch or not isinstance(n_heads, int) or n_heads < 1:
+        raise ValueError(f"{path}: no general.architecture or attention.head_count in the GGUF")
+    context = int(value(f"{arch}.context_length", 0))
+    width = int(value(f"{arch}.embedding_length", 0))
+    head_dim = int(value(f"{arch}.attention.key_length", width // n_heads))
+    factor = float(value(f"{arch}.rope.scaling.factor", 0.0)) or 1.0
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    rope = GgufRope(
+        freq_base=float(value(f"{arch}.rope.freq_base", 10000.0)),
+        scaling_type=str(value(f"{arch}.rope.scaling.type", "linear")),
+        factor=factor,
+        original_length=int(value(f"{arch}.rope.scaling.original_context_length", context)),
+        attn_factor=float(value(f"{arch}.rope.scaling.attn_factor", 1.0)),
+        rope_freqs=None if freqs is None else np.array(freqs.data, dtype=np.float32).ravel(),
+        context_length=context,
+    )
+    return GgufModel(
+        architecture=arch,
+        rope=rope,
+        rope_dim=int(value(f"{arch}.rope.dimension_count", head_dim)),
+        head_dim=head_dim,
+        n_heads=n_heads,
+        n_kv_heads=int(value(f"{arch}.attention.head_count_kv", n_heads)),
+        n_layers=int(value(f"{arch}.block_count", 0)),
+    )
 
 
 def _yarn_attention(params: dict[str, Any], factor: float) -> float:

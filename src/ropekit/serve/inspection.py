@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .engines import ENGINES, EXPORT_RECORD, Engine, EngineRoPE, ServedFolder
+from .gguf_file import GGUF_NAME, read_gguf
 
 RTOL = 1e-6  # far above float64 schedule noise, far below any real schedule change
 
@@ -84,7 +85,7 @@ def _compare(
         out.append(Disagreement(engine.name, length, what, engine.frequencies_fix(folder)))
     if abs(view.attention_factor - ref.attention_factor) > RTOL * max(1.0, ref.attention_factor):
         what = (
-            f"attention factor {view.attention_factor:.6f} vs {ref.engine}'s "
+            f"attention factor {view.attention_factor:.6f} vs {_possessive(ref.engine)} "
             f"{ref.attention_factor:.6f}"
         )
         out.append(
@@ -93,6 +94,10 @@ def _compare(
             )
         )
     return out
+
+
+def _possessive(name: str) -> str:
+    return f"{name}'" if name.endswith("s") else f"{name}'s"
 
 
 def _json_object(path: Path) -> dict[str, Any]:
@@ -164,8 +169,13 @@ def read_folder(path: str | os.PathLike[str]) -> ServedFolder:
 
     folder = Path(path)
     config_file = folder / "config.json"
+    if folder.is_file() or (not config_file.is_file() and (folder / GGUF_NAME).is_file()):
+        return _read_gguf_folder(folder)
     if not config_file.is_file():
-        raise FileNotFoundError(f"{folder} is not a Hugging Face model folder (no config.json)")
+        raise FileNotFoundError(
+            f"{folder} is neither a Hugging Face model folder (no config.json) nor a GGUF "
+            f"export (no {GGUF_NAME})"
+        )
     config = _json_object(config_file)
     if "rope_parameters" not in config and "rope_scaling" in config:
         raise ValueError(
@@ -185,7 +195,37 @@ def read_folder(path: str | os.PathLike[str]) -> ServedFolder:
         target=_target(config, folder),
         tokenizer_config=_json_object(tokenizer_file) if tokenizer_file.is_file() else None,
         record=_json_object(record_file) if record_file.is_file() else None,
+        files=(config_file,),
     )
+
+
+def _read_gguf_folder(path: Path) -> ServedFolder:
+    """A GGUF file (``path``, or ``path/model.gguf``) as the engines read it: llama.cpp from
+    the file; transformers' meaning of the rope_parameters it was converted from, where
+    ropekit's record beside it says which."""
+    file = path if path.is_file() else path / GGUF_NAME
+    model = read_gguf(file)
+    record_file = file.parent / EXPORT_RECORD
+    record = _json_object(record_file) if record_file.is_file() else None
+    rope = model.rope
+    params = {"rope_type": "default", "rope_theta": rope.freq_base}  # no record: unused
+    max_pos = rope.context_length
+    if record is not None:
+        params = record.get("rope_parameters")
+        max_pos = (record.get("config_changes") or {}).get("max_position_embeddings", max_pos)
+    config = {
+        "hidden_size": model.n_heads * model.head_dim, "head_dim": model.head_dim,
+        "num_attention_heads": model.n_heads, "num_key_value_heads": model.n_kv_heads,
+        "num_hidden_layers": model.n_layers, "max_position_embeddings": max_pos,
+        "rope_parameters": params,
+    }  # fmt: skip
+    if record is not None:
+        check_rope_config(config, record_file)
+    target = rope.context_length if record is None else _target(config, file.parent)
+    return ServedFolder(
+        path=file, config=config, hf_config=None, target=target, record=record, gguf=model,
+        files=(file,) if record is None else (file, record_file),
+    )  # fmt: skip
 
 
 def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -197,17 +237,18 @@ def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
     l0 = int(p.get("original_max_position_embeddings") or folder.config["max_position_embeddings"])
     if folder.rope_type in ("linear", "dynamic"):
         l0 = int(folder.config["max_position_embeddings"])
+    if folder.gguf is not None and folder.record is None:
+        l0 = folder.gguf.rope.original_length
     lengths = sorted({min(1024, l0), folder.target})
     views: dict[int, dict[str, EngineRoPE]] = {}
     disagreements: list[Disagreement] = []
     for n in lengths:
         row = {name: e.rope(folder, n) for name, e in ENGINES.items()}
         views[n] = {name: v for name, v in row.items() if v is not None}
-        ref = next(
-            (v for v in views[n].values() if v.per_head is not None), views[n]["transformers"]
-        )
+        per_head = [v for v in views[n].values() if v.per_head is not None]
+        ref = per_head[0] if per_head else views[n].get("transformers")
         for name, view in views[n].items():
-            if view is not ref:
+            if ref is not None and view is not ref:
                 disagreements += _compare(ENGINES[name], ref, view, n, folder)
     for name, view in views[folder.target].items():
         limit = view.max_length
@@ -222,7 +263,9 @@ def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
         "original_length": l0,
         "target_length": folder.target,
         "lengths": lengths,
-        "reference": ref.engine,
+        "reference": None if ref is None else ref.engine,
+        "format": "gguf" if folder.gguf is not None else "hf",
+        "files": [str(f) for f in folder.files],
         "notes": list((folder.record or {}).get("notes", [])),
         "views": {n: {name: _view_json(v) for name, v in row.items()} for n, row in views.items()},
         "disagreements": [dataclasses.asdict(d) for d in disagreements],
@@ -264,7 +307,7 @@ def format_report(report: dict[str, Any]) -> list[str]:
                 f"{theta[0]:>10.4g} {mid:>10.4g} {theta[-1]:>10.4g}  {v['source']}"
             )
             lines += [f"{'':>9}{note}" for note in v["notes"]]
-    if not report["disagreements"]:
+    if not report["disagreements"] and report["reference"] is not None:
         lines.append(f"no disagreements: every engine computes what {report['reference']} computes")
     for d in report["disagreements"]:
         lines.append(f"DISAGREES {d['engine']} @{d['length']}: {d['what']}")
@@ -273,6 +316,16 @@ def format_report(report: dict[str, Any]) -> list[str]:
 
 
 def _reference_line(report: dict[str, Any]) -> str:
+    if report["reference"] is None:
+        return (
+            f"reference: none (a GGUF file without {EXPORT_RECORD}): what llama.cpp computes "
+            "from its rope keys, with nothing to compare it to"
+        )
+    if report["format"] == "gguf":
+        return (
+            f"reference: transformers' meaning of the rope_parameters this GGUF was written "
+            f"from ({EXPORT_RECORD}); llama.cpp reads the file's rope keys and rope_freqs"
+        )
     if report["reference"] == "transformers":
         return "reference: transformers (the meaning of rope_parameters)"
     return (

@@ -38,7 +38,8 @@ class EngineRoPE:
 @dataclasses.dataclass(frozen=True)
 class ServedFolder:
     """A folder as the engines read it: config.json (``rope_parameters`` defaulted), the
-    tokenizer's config, the transformers config, and the length the export was made for."""
+    tokenizer's config, the transformers config, and the length the export was made for; or
+    a GGUF file."""
 
     path: Path
     config: dict[str, Any]
@@ -46,6 +47,11 @@ class ServedFolder:
     target: int
     tokenizer_config: dict[str, Any] | None = None
     record: dict[str, Any] | None = None  # ropekit_export.json, when ropekit wrote the folder
+    # A GGUF file (``ropekit.serve.gguf_file.GgufModel``): then ``config`` is built from its
+    # shapes and the record's rope_parameters (what it was converted from), ``hf_config`` is
+    # None, and only llama.cpp reads the file itself.
+    gguf: Any = None
+    files: tuple[Path, ...] = ()  # what was read, for provenance
 
     @property
     def rope_parameters(self) -> dict[str, Any]:

@@ -36,6 +36,9 @@ class LlamaCpp(Engine):
     }
 
     def rope(self, folder: ServedFolder, length: int) -> EngineRoPE:
+        """From the GGUF file itself, else from ropekit's conversion of the HF folder."""
+        if folder.gguf is not None:
+            return llamacpp_rope(folder.gguf.rope, folder.gguf.rope_dim, length)
         return llamacpp_from_config(folder.hf_config, length, folder.target)
 
     def refusal_fix(self, folder: ServedFolder) -> str:

@@ -31,7 +31,10 @@ class Transformers(Engine):
         9216: {"max": 6.824548629451588e-03, "mean": 1.6846919475156655e-04},
     }
 
-    def rope(self, folder: ServedFolder, length: int) -> EngineRoPE:
+    def rope(self, folder: ServedFolder, length: int) -> EngineRoPE | None:
+        """None for a GGUF file without ropekit's record: no rope_parameters to mean."""
+        if folder.gguf is not None and folder.record is None:
+            return None
         return transformers_rope(folder.config, length)
 
 

@@ -45,7 +45,10 @@ class Vllm(Engine):
         9216: {"max": 6.824548629451588e-03, "mean": 1.6846919475156655e-04},
     }
 
-    def rope(self, folder: ServedFolder, length: int) -> EngineRoPE:
+    def rope(self, folder: ServedFolder, length: int) -> EngineRoPE | None:
+        """None for a GGUF file (ropekit exports HF folders for vLLM)."""
+        if folder.gguf is not None:
+            return None
         view = vllm_rope(
             folder.config, length, tokenizer_config=folder.tokenizer_config,
             max_model_len=folder.target,

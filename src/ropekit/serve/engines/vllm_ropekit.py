@@ -37,7 +37,7 @@ class VllmRopekit(Engine):
     def rope(self, folder: ServedFolder, length: int) -> EngineRoPE | None:
         """The adapter's frequencies, per (layer, kv head) in ``per_head``; None for a folder
         that does not name the plugin (stock vLLM serves it)."""
-        if not is_plugin_folder(folder):
+        if folder.gguf is not None or not is_plugin_folder(folder):
             return None
         from ropekit.serve.nearest import head_frequencies
         from ropekit.serve.vllm_plugin import ADAPTER_DIR, load_adapter_encoding
@@ -51,6 +51,7 @@ class VllmRopekit(Engine):
         if encoding.head_rows("scale") is not None:
             notes.append("AdaScale: each head's query temperature at each token's position")
         stock = Vllm().rope(folder, length)  # vLLM's accepted length holds with the plugin
+        assert stock is not None
         return dataclasses.replace(
             stock, engine=self.name, source=_SOURCE, inv_freq=theta[0, 0],
             attention_factor=factors[0], notes=(*notes, *stock.notes), per_head=theta,
