@@ -24,9 +24,9 @@ FLOORS: list[set[str]] = [
     {"encodings", "data", "results", "figures", "options"},  # the math; text; files; figures
     {"model", "hf"},  # the two kinds of model
     {"backbone"},  # the seam: everything above talks to models through it
-    {"train", "evals", "analysis"},  # what ropekit does to a model (never to each other)
+    {"train", "evals", "analysis", "serve"},  # what ropekit does to a model (never to each other)
     {"report"},  # assembles the results of the floor below
-    {"serve", "compare", "demo"},  # pipelines over everything below
+    {"compare", "demo"},  # pipelines over everything below
     {"cli", "cli_reference"},  # the command line
 ]
 FLOOR = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}

@@ -254,3 +254,11 @@ def test_inspect_refuses_what_is_no_export(tmp_path: Path, capsys) -> None:
         assert main(["inspect", str(where)]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_inspect_says_transformers_dynamic_ntk_is_not_exact_through_its_cache(tmp_path) -> None:
+    model = tiny_model("llama")
+    patch(model, "dynamic-ntk:factor=2")
+    report = inspect_folder(export(model, None, tmp_path / "d"))
+    (mine,) = [d for d in report["disagreements"] if d["engine"] == "transformers"]
+    assert "KV cache" in mine["what"] and "yarn" in mine["fix"]

@@ -333,12 +333,10 @@ def export(
         raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     model, tokenizer = _open(model_or_path, tokenizer, trust_remote_code)
     encoding = _encoding(model, adapter, spec)
-    if format == "vllm" and encoding.dynamic:
-        raise ExportRefused(
-            f"{encoding.spec!r} follows the sequence length; the vLLM plugin rotates by token "
-            "position only (vLLM gives the rotary no sequence lengths)"
-        )
-    config, record = _served_config(model, encoding, format, temperature_at, max_length, nearest)
+    config, record = served_config(
+        model.config, encoding, format, temperature_at=temperature_at, max_length=max_length,
+        nearest=nearest,
+    )  # fmt: skip
     base_model(model)  # fails early on models ropekit cannot patch
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
@@ -386,18 +384,25 @@ def _encoding(model: nn.Module, adapter: Any, spec: str | None) -> PositionEncod
     return found
 
 
-def _served_config(
-    model: nn.Module,
+def served_config(
+    model_config: Any,
     encoding: PositionEncoding,
     format: str,
-    temperature_at: int | None,
-    max_length: int | None,
-    nearest: bool,
+    *,
+    temperature_at: int | None = None,
+    max_length: int | None = None,
+    nearest: bool = False,
 ) -> tuple[Any, dict[str, Any]]:
-    """The config the engines read (rope_parameters and every length field) and the export
-    record (ropekit_export.json)."""
+    """The config the engines read from an export of ``encoding`` on a model of
+    ``model_config`` in ``format`` (rope_parameters and every length field) and the export
+    record (ropekit_export.json); nothing is written. ExportRefused says why there is none."""
+    if format == "vllm" and encoding.dynamic:
+        raise ExportRefused(
+            f"{encoding.spec!r} follows the sequence length; the vLLM plugin rotates by token "
+            "position only (vLLM gives the rotary no sequence lengths)"
+        )
     params, extra, notes = export_rope_parameters(
-        encoding, model.config, temperature_at=temperature_at, nearest=nearest or format == "vllm"
+        encoding, model_config, temperature_at=temperature_at, nearest=nearest or format == "vllm"
     )
     if format == "vllm":
         from .vllm_plugin import ARCHITECTURE
@@ -409,13 +414,13 @@ def _served_config(
             "compute):",
             *notes,
         ]
-    target = int(max_length or target_length(encoding, model.config))
-    fields, engine_keys = length_fields(params, model.config, target)
+    target = int(max_length or target_length(encoding, model_config))
+    fields, engine_keys = length_fields(params, model_config, target)
     params = {**params, **engine_keys}
     extra = {**extra, **fields}
     if "short_mscale" in engine_keys:
         notes = [*notes, _MSCALE_WARNING]
-    config = copy.deepcopy(model.config)
+    config = copy.deepcopy(model_config)
     config.rope_parameters = params
     for key, value in extra.items():
         setattr(config, key, value)

@@ -8,7 +8,8 @@ from the config). A disagreement is a per-pair frequency off by more than 1e-6 r
 attention factor off by more than 1e-6, a longest accepted length below the target, or a
 refusal. The rules are ``ropekit.serve.engines`` (each cites the engine file and function).
 
-Holds: inspect_folder, read_folder, check_rope_config, format_report, Disagreement.
+Holds: inspect_folder, read_folder, lengths_checked, engine_views, reference_view,
+rope_disagreements, check_rope_config, format_report, Disagreement.
 """
 
 from __future__ import annotations
@@ -228,39 +229,75 @@ def _read_gguf_folder(path: Path) -> ServedFolder:
     )  # fmt: skip
 
 
-def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Every engine's RoPE for the HF folder at ``path`` and their disagreements with the
-    reference: the adapter's per-head schedule where the folder is for ropekit's plugin,
-    else transformers (the meaning of rope_parameters)."""
-    folder = read_folder(path)
-    p = folder.rope_parameters
-    l0 = int(p.get("original_max_position_embeddings") or folder.config["max_position_embeddings"])
-    if folder.rope_type in ("linear", "dynamic"):
-        l0 = int(folder.config["max_position_embeddings"])
+def _original_length(folder: ServedFolder) -> int:
+    """L0 of the folder's schedule: the length its rope_parameters were trained at."""
     if folder.gguf is not None and folder.record is None:
-        l0 = folder.gguf.rope.original_length
-    lengths = sorted({min(1024, l0), folder.target})
-    views: dict[int, dict[str, EngineRoPE]] = {}
-    disagreements: list[Disagreement] = []
+        return int(folder.gguf.rope.original_length)
+    if folder.rope_type in ("linear", "dynamic"):
+        return int(folder.config["max_position_embeddings"])
+    p = folder.rope_parameters
+    return int(
+        p.get("original_max_position_embeddings") or folder.config["max_position_embeddings"]
+    )
+
+
+def lengths_checked(folder: ServedFolder) -> list[int]:
+    """Where inspect holds the engines to the reference: inside the original window (its
+    first 1024 tokens, or all of it) and at the target."""
+    return sorted({min(1024, _original_length(folder)), folder.target})
+
+
+def engine_views(folder: ServedFolder, lengths: list[int]) -> dict[int, dict[str, EngineRoPE]]:
+    """Every engine that applies to ``folder``, at each length: {length: {engine: view}}."""
+    views = {}
     for n in lengths:
         row = {name: e.rope(folder, n) for name, e in ENGINES.items()}
         views[n] = {name: v for name, v in row.items() if v is not None}
-        per_head = [v for v in views[n].values() if v.per_head is not None]
-        ref = per_head[0] if per_head else views[n].get("transformers")
+    return views
+
+
+def reference_view(row: dict[str, EngineRoPE]) -> EngineRoPE | None:
+    """What the engines are held to: the per-head schedule where one serves it (the plugin),
+    else transformers' meaning of rope_parameters; None for a GGUF file alone."""
+    per_head = [v for v in row.values() if v.per_head is not None]
+    return per_head[0] if per_head else row.get("transformers")
+
+
+def rope_disagreements(
+    folder: ServedFolder,
+    lengths: list[int],
+    views: dict[int, dict[str, EngineRoPE]] | None = None,
+) -> list[Disagreement]:
+    """Every way an engine departs from the reference at ``lengths``: frequencies, attention
+    factor, refusals, the accepted length, and each engine's caveats."""
+    views = engine_views(folder, lengths) if views is None else views
+    out: list[Disagreement] = []
+    for n in lengths:
+        ref = reference_view(views[n])
         for name, view in views[n].items():
             if ref is not None and view is not ref:
-                disagreements += _compare(ENGINES[name], ref, view, n, folder)
+                out += _compare(ENGINES[name], ref, view, n, folder)
     for name, view in views[folder.target].items():
+        out += [Disagreement(name, folder.target, w, f) for w, f in ENGINES[name].caveats(folder)]
         limit = view.max_length
         if limit is not None and limit < folder.target and view.error is None:
             what = f"accepts {limit} tokens, below the target {folder.target}"
-            disagreements.append(
-                Disagreement(name, folder.target, what, ENGINES[name].length_fix(folder))
-            )
+            out.append(Disagreement(name, folder.target, what, ENGINES[name].length_fix(folder)))
+    return out
+
+
+def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every engine's RoPE for the export at ``path`` and their disagreements with the
+    reference: the adapter's per-head schedule where the folder is for ropekit's plugin,
+    else transformers (the meaning of rope_parameters)."""
+    folder = read_folder(path)
+    lengths = lengths_checked(folder)
+    views = engine_views(folder, lengths)
+    ref = reference_view(views[folder.target])
     return {
         "folder": str(folder.path),
-        "rope_parameters": p,
-        "original_length": l0,
+        "rope_parameters": folder.rope_parameters,
+        "original_length": _original_length(folder),
         "target_length": folder.target,
         "lengths": lengths,
         "reference": None if ref is None else ref.engine,
@@ -268,7 +305,9 @@ def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
         "files": [str(f) for f in folder.files],
         "notes": list((folder.record or {}).get("notes", [])),
         "views": {n: {name: _view_json(v) for name, v in row.items()} for n, row in views.items()},
-        "disagreements": [dataclasses.asdict(d) for d in disagreements],
+        "disagreements": [
+            dataclasses.asdict(d) for d in rope_disagreements(folder, lengths, views)
+        ],
     }
 
 

@@ -52,6 +52,9 @@ class ServedFolder:
     # None, and only llama.cpp reads the file itself.
     gguf: Any = None
     files: tuple[Path, ...] = ()  # what was read, for provenance
+    # The encoding itself, for a folder not written yet (``ropekit.serve.serving``): the
+    # plugin serves it instead of reading ropekit_adapter/.
+    encoding: Any = None
 
     @property
     def rope_parameters(self) -> dict[str, Any]:
@@ -91,6 +94,11 @@ class Engine:
 
     def length_fix(self, folder: ServedFolder) -> str:
         return f"serve at most the accepted length, or raise it to {folder.target}"
+
+    def caveats(self, folder: ServedFolder) -> list[tuple[str, str]]:
+        """Where the engine departs from ropekit's patched model although its rope view
+        agrees (what it does and the fix), e.g. in its KV cache."""
+        return []
 
     def per_head_fix(self, folder: ServedFolder) -> str:
         """What serves a per-head adapter instead of this engine's one shared schedule."""

@@ -37,6 +37,22 @@ class Transformers(Engine):
             return None
         return transformers_rope(folder.config, length)
 
+    def caveats(self, folder: ServedFolder) -> list[tuple[str, str]]:
+        if folder.rope_type != "dynamic":
+            return []
+        # dynamic_rope_update recomputes inv_freq from the current forward's positions only,
+        # so keys cached by earlier forwards keep the angles of the length they were cached at.
+        return [
+            (
+                "dynamic NTK through the KV cache: keys cached before the sequence passed "
+                "max_position_embeddings keep the angles of their shorter length (measured: "
+                "SmolLM2's 9216-token prompt split at 8192 with the cache, 14 max / 1.8 mean "
+                "|d log p|, docs/serving); one uncached forward is exact",
+                "score prompts in one forward, or export a fixed schedule (yarn, or ntk at "
+                "the target) for cached generation",
+            )
+        ]
+
 
 def transformers_rope(config: dict[str, Any], length: int) -> EngineRoPE:
     """transformers' RoPE for ``config`` (a config.json dict) at ``length`` tokens."""

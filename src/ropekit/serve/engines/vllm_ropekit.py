@@ -42,7 +42,9 @@ class VllmRopekit(Engine):
         from ropekit.serve.nearest import head_frequencies
         from ropekit.serve.vllm_plugin import ADAPTER_DIR, load_adapter_encoding
 
-        encoding = load_adapter_encoding(folder.path, folder.hf_config)
+        encoding = folder.encoding
+        if encoding is None:
+            encoding = load_adapter_encoding(folder.path, folder.hf_config)
         theta, factors = head_frequencies(encoding)  # (L, K, F)
         notes = [
             f"{encoding.spec!r} from {ADAPTER_DIR}/: frequencies per layer and kv head "
