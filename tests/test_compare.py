@@ -14,7 +14,7 @@ import torch
 
 from ropekit.cli import build_parser, main
 from ropekit.compare import CompareConfig, parse_methods, recommend
-from ropekit.compare.verdict import accuracy_text, pooled_accuracy
+from ropekit.compare.verdict import accuracy_text, per_engine, pooled_accuracy
 from ropekit.evals import probes, wilson_interval
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--batch-size", "4", "--warmup", "2"]
@@ -261,6 +261,17 @@ def test_compare_trains_scores_and_judges_every_method(compared):
         curves = data["table"]["adarope"][domain]["128"]["position_nll"]
         assert len(curves) == 2 and all(len(c["nll"]) == len(c["start"]) for c in curves)
     assert data["single_documents"] is True and "inside single held-out documents" in report
+    # No engine serves ropekit's own decoder: each says so, and the report's table shows it
+    # (the served answers of a Hugging Face model: tests/test_documented_commands.py).
+    assert set(data["served"]) == {"rope (unmodified)", "yarn", "adarope"}
+    for engines in data["served"].values():
+        assert engines and all(not e["exact"] and "not a Hugging Face" in e["why"]
+                               for e in engines.values())  # fmt: skip
+    serving = verdict["serving"]
+    assert set(serving) == {"transformers", "vllm", "vllm+ropekit", "llama.cpp"}
+    assert all(e["method"] is None and "not a Hugging Face" in e["sentence"]
+               for e in serving.values())  # fmt: skip
+    assert "| engine | best it serves |" in report and "| llama.cpp | none |" in report
 
 
 def test_compare_probes_every_run_and_pools_seeds(compared):
@@ -590,3 +601,37 @@ def test_a_collapsed_method_does_not_flatten_the_perplexity_figures(tmp_path):
     assert all("stops at 3x the best method's value; above it: rope." in c for c in captions)
     alike = {**data, "summary": {"yarn": summary["yarn"], "ntk": summary["yarn"]}}
     assert not any("stops at" in f.caption for f in _figures(alike, tmp_path))
+
+
+def test_each_engine_gets_the_best_eligible_method_it_serves_exactly():
+    table = _table({
+        "rope": (10.0, [math.log(286.7)] * 4),
+        "a": (10.0, [3.40, 3.41, 3.42, 3.40]),
+        "b": (10.0, [3.43, 3.45, 3.44, 3.46]),
+        "c": (12.0, [3.00, 3.00, 3.00, 3.00]),  # best at N, but 20% worse at L0: ineligible
+    })  # fmt: skip
+    verdict = recommend(table, ["rope", "a", "b", "c"], "rope", 8, 32, margin=0.01)
+    assert verdict["winner"] == "a"
+    yes, per_head = {"exact": True, "why": None}, {"exact": False, "why": "per-head"}
+    served = {
+        "rope": {"hf": yes, "gguf": yes, "old": yes, "odd": per_head},
+        "a": {"hf": yes, "gguf": per_head, "old": per_head, "odd": per_head},
+        "b": {"hf": yes, "gguf": yes, "old": per_head, "odd": per_head},
+        "c": {"hf": yes, "gguf": yes, "old": yes, "odd": yes},
+    }
+    engines = per_engine(verdict, served)
+    assert list(engines) == ["hf", "gguf", "old", "odd"]
+    assert engines["hf"]["method"] == "a" and engines["hf"]["behind"] == 0.0
+    assert (
+        engines["hf"]["why_not_best"] is None
+        and "(the recommended method)" in engines["hf"]["sentence"]
+    )
+    gguf = engines["gguf"]
+    assert gguf["method"] == "b" and gguf["why_not_best"] == "per-head"
+    assert gguf["behind"] == pytest.approx(np.mean([3.43, 3.45, 3.44, 3.46]) - 3.4075)
+    assert gguf["cost"] == verdict["costs"]["b"] and "nats behind a" in gguf["sentence"]
+    # The only eligible method it serves has collapsed: named, and said so.
+    assert engines["old"]["method"] == "rope" and "(collapsed at 32)" in engines["old"]["sentence"]
+    # Serving only an ineligible method is serving none of the eligible ones.
+    assert engines["odd"]["method"] is None and engines["odd"]["score"] is None
+    assert "serves none of the eligible methods" in engines["odd"]["sentence"]

@@ -23,6 +23,7 @@ has_a_stand_in`, naming it.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -203,3 +204,30 @@ def test_the_documented_command_runs(command, stand_ins, tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert code == 0, f"{command!r} (run as {text!r}) exited {code}"
+    if command in CHECKS:
+        CHECKS[command](tmp_path / "out")
+
+
+def _compare_names_what_each_engine_serves(out: Path) -> None:
+    """The README's compare on a Hugging Face model: each engine's answer per method, and
+    per engine the best eligible method it serves exactly."""
+    data = json.loads((out / "compare.json").read_text())
+    served = data["served"]
+    assert all(e["exact"] for e in served["yarn"].values())
+    assert not any(e["exact"] for e in served["dynamic-ntk"].values())  # transformers' cache
+    assert served["adarope"]["vllm+ropekit"]["exact"]  # per-head: the plugin only
+    assert not served["adarope"]["llama.cpp"]["exact"] and served["adarope"]["llama.cpp"]["why"]
+    serving = data["verdict"]["serving"]
+    eligible = data["verdict"]["eligible"]
+    for engine, entry in serving.items():
+        assert entry["method"] is None or served[entry["method"]][engine]["exact"]
+        better = eligible[: eligible.index(entry["method"])] if entry["method"] else eligible
+        assert not any(served[m][engine]["exact"] for m in better), (engine, entry)
+    assert "| engine | best it serves |" in (out / "report.md").read_text()
+
+
+# documented command -> what its output must show beyond exiting 0
+CHECKS = {
+    "ropekit compare --model M --target-length N --methods rope,dynamic-ntk,yarn,string,adarope "
+    "--eval-data shakespeare,kjv --out DIR": _compare_names_what_each_engine_serves,
+}

@@ -570,6 +570,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(verdict["sentence"] if verdict else "no verdict: the unmodified model is not scored")
     if verdict and verdict.get("retrieval"):
         print(verdict["retrieval"])
+    for entry in (verdict or {}).get("serving", {}).values():
+        print("  serve with " + entry["sentence"])
     print(f"wrote {args.out / 'compare.json'}, {args.out / 'report.md'} and report.html")
     return 0
 

@@ -259,6 +259,34 @@ def _retrieval_table(data: dict[str, Any]) -> list[Block]:
     return blocks
 
 
+def _serving_table(verdict: dict[str, Any] | None) -> list[Block]:
+    """Per serving engine, the best eligible method it serves exactly, and why it does not
+    serve the recommended one (comparisons written before this have none)."""
+    serving = (verdict or {}).get("serving")
+    if not serving or verdict["winner"] is None:
+        return []
+    n, short = verdict["target_length"], verdict["short_length"]
+    rows = [
+        [
+            engine,
+            e["method"] or "none",
+            "-" if e["score"] is None else f"{e['score']:.4f}",
+            "-" if e["behind"] is None else f"{e['behind']:+.4f}",
+            "-" if e["cost"] is None else f"{e['cost']:+.1%}",
+            e["why_not_best"] or "-",
+        ]
+        for engine, e in serving.items()
+    ]
+    caption = (
+        f"What each engine serves exactly (within its measured noise floor, by ropekit "
+        f"inspect's rules): the best eligible method for it, its last-quarter NLL at {n} (mean "
+        f"over domains), nats behind the recommended {verdict['winner']}, its cost at {short} "
+        "tokens, and why the engine does not serve the recommended method."
+    )
+    header = ["engine", "best it serves", f"NLL @{n}", "behind", f"cost @{short}", "why not best"]
+    return [Table(header, rows, caption)]
+
+
 def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:
     c = data["config"]
     verdict = data["verdict"]
@@ -285,6 +313,7 @@ def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:
     ]
     if verdict and verdict.get("retrieval"):
         blocks.append(Text(verdict["retrieval"]))
+    blocks += _serving_table(verdict)
     if verdict:  # the rule's bullets, one paragraph each (plain text: no Markdown emphasis)
         blocks.append(Text("How it is decided:"))
         for item in re.split(r"(?:^|\n)- ", verdict["rule"]):

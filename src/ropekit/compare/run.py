@@ -73,11 +73,12 @@ from ropekit.results import (
     write_records,
     write_result,
 )
+from ropekit.serve.serving import served_by
 from ropekit.train.extend import extend, resolve_method
 
 from .config import CompareConfig
 from .report import write_report
-from .verdict import mean_std, pooled_accuracy, recommend, retrieval_note
+from .verdict import mean_std, per_engine, pooled_accuracy, recommend, retrieval_note
 
 COMPARE_JSON = "compare.json"
 BASELINE = "rope"  # the unmodified model: what a method's cost at L0 is measured against
@@ -131,6 +132,9 @@ class _Comparison:
         # The jobs of this comparison, run or reused: the time table lists only these (the
         # folder may keep records of a stopped run with other methods or domains).
         self.jobs: set[str] = set()
+        # Which engines serve each method exactly ({label: {engine: {"exact", "why"}}}), from
+        # the encoding it was scored with (a trained method's at its first seed).
+        self.served: dict[str, dict[str, dict[str, Any]]] = {}
         self.check_probes_fit(probe)
         probe.cast(COMPUTE_DTYPES[config.dtype])
         self.forward_seconds = forward_seconds(probe)  # for the plan's estimate
@@ -237,6 +241,11 @@ class _Comparison:
         backbone.cast(COMPUTE_DTYPES[c.dtype])  # trained in float32, scored in the config's dtype
         return backbone
 
+    def serving(self, backbone: Backbone) -> dict[str, dict[str, Any]]:
+        """Each engine's answer for the method ``backbone`` carries, at the target length."""
+        served = served_by(backbone, self.config.target_length)
+        return {name: {"exact": s.exact, "why": s.why} for name, s in served.items()}
+
     def selection_nll(self, backbone: Backbone, seed: int) -> float:
         """Mean NLL on the training-split samples right after the ones trained on (unseen)."""
         c = self.config
@@ -312,6 +321,7 @@ class _Comparison:
             lr = self.config.lrs[0]
             self.log(f"{method.label}: attached as {method.spec}, scoring")
             backbone = self.extension(method, 0, lr, self.run_folder(method, 0, lr))
+            self.served[method.label] = self.serving(backbone)
             results[method.label] = {0: self.evaluate(method, 0, backbone)}
         return results
 
@@ -333,6 +343,8 @@ class _Comparison:
         for seed in c.seeds:
             self.log(f"{method.label}: seed {seed} at lr {lr:g}, scoring")
             backbone = self.extension(method, seed, lr, self.run_folder(method, seed, lr))
+            if seed == first:
+                self.served[method.label] = self.serving(backbone)
             results[seed] = self.evaluate(method, seed, backbone)
         return results, search
 
@@ -448,6 +460,7 @@ class _Comparison:
         retrieval = _retrieval(probes)
         if verdict is not None:  # supporting numbers beside the rule, never part of it
             verdict["retrieval"] = retrieval_note(retrieval, verdict)
+            verdict["serving"] = per_engine(verdict, self.served)
         lengths = c.retrieval_lengths(self.trained_at)
         settings = {
             "lengths": list(lengths), "needles": c.probe_needles, "haystacks": c.probe_haystacks,
@@ -461,6 +474,7 @@ class _Comparison:
             "methods": [dataclasses.asdict(m) for m in self.methods], "baseline": self.baseline,
             "table": _jsonable(table), "summary": _summary(table), "lr_search": searches,
             "verdict": verdict, "retrieval": retrieval, "probes": settings,
+            "served": self.served,
             "times": [r for r in self.records.values() if r["job"] in self.jobs],
             "config": c.to_dict(),
         }  # fmt: skip

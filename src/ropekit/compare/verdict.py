@@ -31,12 +31,17 @@ The question: which method should serve N tokens, and what does it cost at L0? T
 - A domain with no held-out document long enough for a length (single-document windows) is
   not scored at that length by any method, and is left out of that length's means.
 
+Per serving engine (``per_engine``): the best eligible method that engine serves exactly
+(by ``ropekit inspect``'s rules, ``ropekit.serve.serving``), with its score and its distance
+from the recommended one, so a user who must serve with vLLM or llama.cpp reads what to
+deploy there and what it costs against the overall best.
+
 Retrieval accuracy is reported beside it with Wilson score intervals
 (``ropekit.evals.intervals``, the one implementation), not folded into the rule: a method that
 wins on perplexity and loses retrieval is shown as such.
 
 Holds: mean_std, pooled_accuracy, accuracy_text, retrieval_note, cost_at, score_at,
-paired_windows, paired_blocks, block_error, recommend.
+paired_windows, paired_blocks, block_error, recommend, per_engine.
 """
 
 from __future__ import annotations
@@ -332,4 +337,44 @@ def _paired_verdict(out: dict[str, Any], table: Table, winner: str, runner: str)
             f"lead (the rule needs at least 3, or {MIN_BLOCKS} blocks of {QUARTER_BLOCK} tokens "
             "in each window's last quarter): score more held-out spans (spans)."
         )
+    return out
+
+
+def per_engine(
+    verdict: Mapping[str, Any], served: Mapping[str, Mapping[str, Mapping[str, Any]]]
+) -> dict[str, dict[str, Any]]:
+    """For each engine in ``served`` ({method: {engine: {"exact", "why"}}}), the best eligible
+    method it serves exactly: {engine: {"method", "score", "cost", "behind", "why_not_best",
+    "sentence"}}; ``behind`` is its score at N minus the recommended method's (nats). A
+    method it does not serve exactly is passed over, with the reason kept for the recommended
+    one; an engine that serves no eligible method gets ``method`` None."""
+    best = verdict["winner"]
+    scores, costs, target = verdict["scores"], verdict["costs"], verdict["target_length"]
+    engines = list(dict.fromkeys(e for row in served.values() for e in row))
+    out = {}
+    for engine in engines:
+        pick = next(
+            (m for m in verdict["eligible"] if served.get(m, {}).get(engine, {}).get("exact")),
+            None,
+        )
+        why = None if best is None else served.get(best, {}).get(engine, {}).get("why")
+        entry: dict[str, Any] = {"method": pick, "score": None, "cost": None, "behind": None}
+        entry["why_not_best"] = why if why and pick != best else None
+        if pick is None:
+            entry["sentence"] = f"{engine}: serves none of the eligible methods exactly" + (
+                f" ({why})." if why else "."
+            )
+        else:
+            entry.update(score=scores[pick], cost=costs[pick])
+            entry["behind"] = scores[pick] - scores[best]
+            same = " (the recommended method)" if pick == best else (
+                f", {entry['behind']:+.4f} nats behind {best}"
+            )  # fmt: skip
+            if pick in verdict["collapsed"]:  # the only one it serves has left its range
+                same += f" (collapsed at {target})"
+            entry["sentence"] = (
+                f"{engine}: {pick}{same}; last-quarter NLL at {target} {scores[pick]:.4f}, "
+                f"costing {costs[pick]:+.1%} at {verdict['short_length']} tokens."
+            )
+        out[engine] = entry
     return out
