@@ -113,6 +113,10 @@ def _damaged(runs: dict[str, Path], tmp: Path, what: str) -> Path:
         assert meta["spec"]  # a run folder, positional adapter intact
         (folder / "lora.json").write_text(json.dumps({"format": "ropekit-lora"}))
         (folder / "lora.safetensors").write_bytes(b"\x08" + b"\x00" * 15)
+    elif what == "comparison":  # a compare folder whose compare.json was cut short
+        folder = tmp / "bad-compare"
+        folder.mkdir()
+        (folder / "compare.json").write_text('{"kind": "compare", "format_version": 2, "verd')
     else:  # pragma: no cover - a typo in the table
         raise AssertionError(what)
     return folder
@@ -416,6 +420,7 @@ CASES: list[tuple[str, str, tuple[str, ...]]] = [
     ("export-missing-adapter", "export --model {hf} --adapter {tmp}/none --out {tmp}/x", ("none",)),
     ("report-empty-folder", "report {tmp}/empty", ("no result",)),
     ("report-missing-folder", "report {tmp}/nowhere", ("nowhere",)),
+    ("report-cut-comparison", "report {bad:comparison}", ("compare.json", "not valid JSON")),
 ]
 
 

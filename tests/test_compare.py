@@ -635,3 +635,13 @@ def test_each_engine_gets_the_best_eligible_method_it_serves_exactly():
     # Serving only an ineligible method is serving none of the eligible ones.
     assert engines["odd"]["method"] is None and engines["odd"]["score"] is None
     assert "serves none of the eligible methods" in engines["odd"]["sentence"]
+    # c scores best at N but costs 20% at L0: each engine bound to a worse method is told.
+    for entry in engines.values():
+        assert entry["beyond_margin"] == {
+            "method": "c",
+            "score": 3.0,
+            "cost": verdict["costs"]["c"],
+        }
+        assert "over the cost margin it serves c" in entry["sentence"]
+    served["c"] = {"hf": per_head, "gguf": per_head, "old": per_head, "odd": per_head}
+    assert all(e["beyond_margin"] is None for e in per_engine(verdict, served).values())

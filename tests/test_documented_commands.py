@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,8 @@ TINY = "--layers 1 --d-model 32 --heads 2 --batch-size 2 --warmup 1 --steps 2"
 
 # documented command -> the stand-in run (placeholders: {hf} model, {ada} and {shared}
 # adapters, {yarn_hf} the model exported with yarn:factor=2, {yarn_gguf} the same as GGUF,
-# {ada_vllm} {ada} exported for the vLLM plugin, {out} a fresh folder)
+# {ada_vllm} {ada} exported for the vLLM plugin, {ood} a copy of experiment D's comparison,
+# {out} a fresh folder)
 STAND_INS: dict[str, str] = {
     "ropekit analyze --model M --adapter A --lengths 512,2048 --out DIR":
         "analyze --model {hf} --adapter {ada} --lengths 16,64 --out {out}",
@@ -113,6 +115,7 @@ STAND_INS: dict[str, str] = {
     "ropekit search --model M --target-length N --budget 24 --out DIR":
         "search --model {hf} --target-length 256 --budget 24 --samples 1 --out {out}",
     "ropekit compare": "compare --help",
+    "ropekit report DIR": "report {ood}",
     "ropekit eval probes": "eval probes --help",
 }  # fmt: skip
 ORDER = sorted(STAND_INS)
@@ -190,10 +193,12 @@ def stand_ins(tmp_path_factory) -> dict[str, Path]:
     finally:
         torch.set_num_threads(threads)
     made["ada"], made["shared"] = made["ada"] / "adapter", made["shared"] / "adapter"
+    made["ood"] = root / "ood"  # experiment D's committed comparison, re-rendered in a copy
+    shutil.copytree(ROOT / "experiments" / "smollm2_16k" / "ood", made["ood"])
     return made
 
 
-@pytest.mark.parametrize("command", ORDER)
+@pytest.mark.parametrize("command", ORDER, ids=lambda c: c if len(c) < 100 else c[:96] + "...")
 def test_the_documented_command_runs(command, stand_ins, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # documented paths (experiments/...) are relative to the repo
     text = STAND_INS[command].format(out=tmp_path / "out", **stand_ins)
@@ -224,6 +229,20 @@ def _compare_names_what_each_engine_serves(out: Path) -> None:
         better = eligible[: eligible.index(entry["method"])] if entry["method"] else eligible
         assert not any(served[m][engine]["exact"] for m in better), (engine, entry)
     assert "| engine | best it serves |" in (out / "report.md").read_text()
+    # A comparison written before the per-engine verdict gets the same answers from
+    # `ropekit report`, from its specs alone (a trained method off its initialization).
+    path = out / "compare.json"
+    old = json.loads(path.read_text())
+    del old["served"], old["verdict"]["serving"]
+    path.write_text(json.dumps(old))
+    (out / "report.md").unlink()
+    assert main(["report", str(out)]) == 0
+    again = json.loads(path.read_text())
+    assert {m: {e: s["exact"] for e, s in row.items()} for m, row in again["served"].items()} == {
+        m: {e: s["exact"] for e, s in row.items()} for m, row in served.items()
+    }
+    assert again["verdict"]["serving"] == serving and again["meta"]["amended"]
+    assert again["table"] == data["table"] and "| engine |" in (out / "report.md").read_text()
 
 
 # documented command -> what its output must show beyond exiting 0

@@ -834,7 +834,9 @@ def add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "report",
         help="build report.md and a self-contained report.html from the result JSON in a run "
-        "folder (extend, eval, analyze, pretrain, experiment, demo)",
+        "folder (extend, eval, analyze, pretrain, experiment, demo); on a compare folder, "
+        "bring its compare.json up to this version's verdict (per-engine serving) first, "
+        "recomputing no score",
     )
     p.add_argument("run_dir", type=Path, help="folder searched recursively for result JSON")
     p.add_argument("--title", default=None, help="report title (default: from the folder name)")
@@ -844,6 +846,12 @@ def add_report(sub: argparse._SubParsersAction) -> None:
 def cmd_report(args: argparse.Namespace) -> int:
     from ropekit.report.build import build_report
 
+    if (args.run_dir / "compare.json").is_file():
+        from ropekit.compare.refresh import refresh_comparison
+
+        md, html = refresh_comparison(args.run_dir)
+        print(f"wrote {md} and {html} from {args.run_dir / 'compare.json'}")
+        return 0
     paths = build_report(args.run_dir, title=args.title)
     print(f"wrote {paths.markdown} and {paths.html} from {paths.results} result files")
     return 0

@@ -9,6 +9,7 @@ and judged by one stated rule with its uncertainty.
 - ``run``: ``run_compare`` (the stages, resumable, provenance-checked).
 - ``verdict``: the statistics and the recommendation (pure functions).
 - ``report``: report.md and report.html from compare.json.
+- ``refresh``: an older compare.json brought up to this verdict (``ropekit report DIR``).
 """
 
 from .config import CompareConfig, from_file, parse_methods

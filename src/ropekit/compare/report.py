@@ -274,6 +274,7 @@ def _serving_table(verdict: dict[str, Any] | None) -> list[Block]:
             "-" if e["behind"] is None else f"{e['behind']:+.4f}",
             "-" if e["cost"] is None else f"{e['cost']:+.1%}",
             e["why_not_best"] or "-",
+            _beyond(e.get("beyond_margin")),
         ]
         for engine, e in serving.items()
     ]
@@ -281,10 +282,18 @@ def _serving_table(verdict: dict[str, Any] | None) -> list[Block]:
         f"What each engine serves exactly (within its measured noise floor, by ropekit "
         f"inspect's rules): the best eligible method for it, its last-quarter NLL at {n} (mean "
         f"over domains), nats behind the recommended {verdict['winner']}, its cost at {short} "
-        "tokens, and why the engine does not serve the recommended method."
+        "tokens, why the engine does not serve the recommended method, and the best method it "
+        "serves over the cost margin where that one scores better at N (NLL, cost)."
     )
-    header = ["engine", "best it serves", f"NLL @{n}", "behind", f"cost @{short}", "why not best"]
+    header = ["engine", "best it serves", f"NLL @{n}", "behind", f"cost @{short}", "why not best",
+              "over the margin"]  # fmt: skip
     return [Table(header, rows, caption)]
+
+
+def _beyond(entry: dict[str, Any] | None) -> str:
+    if entry is None:
+        return "-"
+    return f"{entry['method']} ({entry['score']:.4f}, {entry['cost']:+.1%})"
 
 
 def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:

@@ -345,36 +345,57 @@ def per_engine(
 ) -> dict[str, dict[str, Any]]:
     """For each engine in ``served`` ({method: {engine: {"exact", "why"}}}), the best eligible
     method it serves exactly: {engine: {"method", "score", "cost", "behind", "why_not_best",
-    "sentence"}}; ``behind`` is its score at N minus the recommended method's (nats). A
-    method it does not serve exactly is passed over, with the reason kept for the recommended
-    one; an engine that serves no eligible method gets ``method`` None."""
-    best = verdict["winner"]
-    scores, costs, target = verdict["scores"], verdict["costs"], verdict["target_length"]
+    "beyond_margin", "sentence"}}; ``behind`` is its score at N minus the recommended method's
+    (nats). A method it does not serve exactly is passed over, with the reason kept for the
+    recommended one; an engine that serves no eligible method gets ``method`` None. Where a
+    method over the cost margin scores better at N than the eligible one it serves (or it
+    serves none), ``beyond_margin`` names the best such method with its score and cost, so a
+    user bound to that engine sees the trade rather than only a collapsed baseline."""
     engines = list(dict.fromkeys(e for row in served.values() for e in row))
-    out = {}
-    for engine in engines:
-        pick = next(
-            (m for m in verdict["eligible"] if served.get(m, {}).get(engine, {}).get("exact")),
-            None,
+    return {engine: _engine_entry(verdict, served, engine) for engine in engines}
+
+
+def _engine_entry(
+    verdict: Mapping[str, Any], served: Mapping[str, Mapping[str, Mapping[str, Any]]], engine: str
+) -> dict[str, Any]:
+    best, scores, costs = verdict["winner"], verdict["scores"], verdict["costs"]
+    target, short = verdict["target_length"], verdict["short_length"]
+
+    def serves(m: str) -> bool:
+        return bool(served.get(m, {}).get(engine, {}).get("exact"))
+
+    pick = next((m for m in verdict["eligible"] if serves(m)), None)
+    why = None if best is None else served.get(best, {}).get(engine, {}).get("why")
+    entry: dict[str, Any] = {"method": pick, "score": None, "cost": None, "behind": None}
+    entry["why_not_best"] = why if why and pick != best else None
+    ceiling = math.inf if pick is None else scores[pick]
+    over = sorted(
+        (m for m in scores if m not in verdict["eligible"] and scores[m] is not None
+         and costs.get(m) is not None and serves(m) and scores[m] < ceiling),
+        key=lambda m: scores[m],
+    )  # fmt: skip
+    entry["beyond_margin"] = (
+        {"method": over[0], "score": scores[over[0]], "cost": costs[over[0]]} if over else None
+    )
+    if pick is None:
+        text = f"{engine}: serves none of the eligible methods exactly" + (
+            f" ({why})" if why else ""
         )
-        why = None if best is None else served.get(best, {}).get(engine, {}).get("why")
-        entry: dict[str, Any] = {"method": pick, "score": None, "cost": None, "behind": None}
-        entry["why_not_best"] = why if why and pick != best else None
-        if pick is None:
-            entry["sentence"] = f"{engine}: serves none of the eligible methods exactly" + (
-                f" ({why})." if why else "."
-            )
-        else:
-            entry.update(score=scores[pick], cost=costs[pick])
-            entry["behind"] = scores[pick] - scores[best]
-            same = " (the recommended method)" if pick == best else (
-                f", {entry['behind']:+.4f} nats behind {best}"
-            )  # fmt: skip
-            if pick in verdict["collapsed"]:  # the only one it serves has left its range
-                same += f" (collapsed at {target})"
-            entry["sentence"] = (
-                f"{engine}: {pick}{same}; last-quarter NLL at {target} {scores[pick]:.4f}, "
-                f"costing {costs[pick]:+.1%} at {verdict['short_length']} tokens."
-            )
-        out[engine] = entry
-    return out
+    else:
+        entry.update(score=scores[pick], cost=costs[pick], behind=scores[pick] - scores[best])
+        same = " (the recommended method)" if pick == best else (
+            f", {entry['behind']:+.4f} nats behind {best}"
+        )  # fmt: skip
+        if pick != best and pick in _collapsed([best, pick], scores):  # left its range at N
+            same += f" (collapsed at {target})"
+        text = (
+            f"{engine}: {pick}{same}; last-quarter NLL at {target} {scores[pick]:.4f}, "
+            f"costing {costs[pick]:+.1%} at {short} tokens"
+        )
+    if over:
+        text += (
+            f"; over the cost margin it serves {over[0]} (last-quarter NLL {scores[over[0]]:.4f}, "
+            f"costing {costs[over[0]]:+.1%})"
+        )
+    entry["sentence"] = text + "."
+    return entry

@@ -37,15 +37,18 @@ class Served:
     why: str  # "" when exact
 
 
-def served_by(backbone: Backbone, target: int | None = None) -> dict[str, Served]:
-    """For every registered engine, whether it serves ``backbone``'s encoding on its model
-    exactly at ``target`` tokens (default: the length the export would be made for)."""
+def served_by(
+    backbone: Backbone, target: int | None = None, encoding: PositionEncoding | None = None
+) -> dict[str, Served]:
+    """For every registered engine, whether it serves ``backbone``'s encoding (or
+    ``encoding``, not attached) on its model exactly at ``target`` tokens (default: the length
+    the export would be made for)."""
     model = getattr(backbone, "model", None)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "rope_parameters"):
         why = "not a Hugging Face model: no engine serves ropekit's own decoder"
         return {name: Served(name, False, why) for name in ENGINES}
-    return encoding_served_by(backbone.encoding, config, target)
+    return encoding_served_by(encoding or backbone.encoding, config, target)
 
 
 def encoding_served_by(

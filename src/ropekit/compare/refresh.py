@@ -1,0 +1,86 @@
+"""A finished comparison's compare.json brought up to this ropekit's verdict and report,
+computing no score: ``ropekit report DIR`` on a compare folder.
+
+Which engines serve each method exactly depends on its encoding's form, not on the values
+training reached: a shared schedule stays one schedule (exported as per-dimension factors),
+a per-head one stays per-head, a remap stays a remap. So a comparison written before the
+per-engine verdict (``verdict.per_engine``) gets it from its methods' specs at its first seed
+and rate, asked of ``ropekit.serve.serving`` (the rules of ``ropekit inspect``). A trained
+method is asked at a generic point of its parameters, not at its initialization: there, every
+head of a per-head AdaRoPE still holds the same YaRN schedule and its temperatures are 1, which
+any engine serves, while trained heads differ (measured: 7.9 max |d log p| at 9216 when served
+as their nearest shared schedule). Each trainable positional parameter is moved by 1% of its
+scale (seeded), which keeps shared parameters shared. The scores, the rule's numbers and the
+provenance stay as written; the record says it was amended and by what.
+
+Holds: refresh_comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ropekit.backbone import open_backbone
+from ropekit.encodings import PositionEncoding
+from ropekit.results import read_result, write_result
+from ropekit.serve.serving import served_by
+from ropekit.train.extend import resolve_method
+
+from .config import CompareConfig
+from .report import write_report
+from .run import COMPARE_JSON
+from .verdict import per_engine
+
+
+def refresh_comparison(
+    folder: str | Path, *, log: Callable[[str], None] = print
+) -> tuple[Path, Path]:
+    """Add what ``folder``'s compare.json lacks (which engines serve each method, the verdict
+    per engine), rewrite it atomically, and write report.md and report.html from it; returns
+    the report's paths. Raises ResultError for a file that is not a comparison."""
+    path = Path(folder) / COMPARE_JSON
+    data = read_result(path, kind="compare")
+    verdict = data.get("verdict")
+    if "served" not in data:
+        config = CompareConfig(**data["config"])
+        labels = [m["label"] for m in data["methods"]]
+        log(f"{path} predates the per-engine verdict: asking each engine about its "
+            f"{len(labels)} methods on {config.model} (no score is recomputed)")  # fmt: skip
+        data["served"] = _served(config, data["methods"])
+        if verdict is not None:
+            verdict["serving"] = per_engine(verdict, data["served"])
+        amended = {"command": f"ropekit report {folder}", "added": ["served", "verdict.serving"]}
+        data["meta"] = {**data["meta"], "amended": amended}
+        body = {k: v for k, v in data.items() if k not in ("kind", "meta", "provenance")}
+        write_result(path, "compare", body, meta=data["meta"], provenance=data["provenance"])
+    return write_report(data, folder)
+
+
+def _served(config: CompareConfig, methods: list[dict[str, Any]]) -> dict[str, Any]:
+    """{label: {engine: {"exact", "why"}}} for each method's encoding, untrained."""
+    probe = open_backbone(config.model)
+    out = {}
+    for method in methods:
+        extension = config.extension_config(method["spec"], config.seeds[0], config.lrs[0])
+        encoding = resolve_method(probe, extension)[0]
+        if method["trained"]:
+            _move_off_initialization(encoding)
+        served = served_by(probe, config.target_length, encoding=encoding)
+        out[method["label"]] = {n: {"exact": s.exact, "why": s.why} for n, s in served.items()}
+    return out
+
+
+@torch.no_grad()
+def _move_off_initialization(encoding: PositionEncoding, relative: float = 0.01) -> None:
+    """Move every trainable parameter of ``encoding`` by ``relative`` of its mean magnitude,
+    in a seeded random direction (module docstring: the form of a trained method, not its
+    initialization's coincidences)."""
+    generator = torch.Generator().manual_seed(0)
+    for p in encoding.parameters():
+        if p.requires_grad:
+            scale = p.abs().mean().clamp_min(1.0) * relative
+            p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * scale)
