@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.ropekit-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test test-slow test-serving serving-setup lint format bench clean
+.PHONY: setup demo test test-slow test-serving serving-setup lint format bench mutation clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,18 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
+
+# Mutation testing (not part of `make test`): mutmut mutates the modules named in
+# pyproject.toml's [tool.mutmut] and runs, per mutant, the selected tests that reach it; the
+# scores per module and the survivors go to docs/mutation.md (its runtime is written there).
+# ROPEKIT_COMPILE=never: rotary._kernel copies the fused function for torch.compile, which
+# cannot copy mutmut's trampoline; the eager path runs the same function. A stopped run
+# resumes where it left off; delete mutants/ after changing [tool.mutmut]'s module list
+# (mutmut keeps the files it mutated first).
+mutation: $(STAMP)
+	$(BIN)/python -m pip install -q mutmut==3.8.1
+	start=$$(date +%s) && ROPEKIT_COMPILE=never $(BIN)/mutmut run --max-children 2 && \
+		$(BIN)/python tests/mutation.py docs/mutation.md $$(( $$(date +%s) - start ))
 
 lint: $(STAMP)
 	$(BIN)/ruff check --fix src tests benchmarks experiments

@@ -148,40 +148,63 @@ def test_each_engine_gets_the_best_eligible_method_it_serves_exactly():
         "rope": (10.0, [math.log(286.7)] * 4),
         "a": (10.0, [3.40, 3.41, 3.42, 3.40]),
         "b": (10.0, [3.43, 3.45, 3.44, 3.46]),
-        "c": (12.0, [3.00, 3.00, 3.00, 3.00]),  # best at N, but 20% worse at L0: ineligible
+        "z": (12.0, [3.00, 3.00, 3.00, 3.00]),  # best at N, but 20% worse at L0: ineligible
+        "c": (13.0, [3.20, 3.20, 3.20, 3.20]),  # over the margin too, behind z
     })  # fmt: skip
-    verdict = recommend(table, ["rope", "a", "b", "c"], "rope", 8, 32, margin=0.01)
+    verdict = recommend(table, ["rope", "a", "b", "z", "c"], "rope", 8, 32, margin=0.01)
     assert verdict["winner"] == "a"
     yes, per_head = {"exact": True, "why": None}, {"exact": False, "why": "per-head"}
     served = {
         "rope": {"hf": yes, "gguf": yes, "old": yes, "odd": per_head},
         "a": {"hf": yes, "gguf": per_head, "old": per_head, "odd": per_head},
         "b": {"hf": yes, "gguf": yes, "old": per_head, "odd": per_head},
+        "z": {"hf": yes, "gguf": yes, "old": yes, "odd": yes},
         "c": {"hf": yes, "gguf": yes, "old": yes, "odd": yes},
     }
+    over = {"method": "z", "score": 3.0, "cost": pytest.approx(0.2)}
+    tail = "; over the cost margin it serves z (last-quarter NLL 3.0000, costing +20.0%)."
+    b, rope = np.mean([3.43, 3.45, 3.44, 3.46]), math.log(286.7)
+    assert per_engine(verdict, served) == {
+        "hf": {"method": "a", "score": 3.4075, "cost": 0.0, "behind": 0.0,
+               "why_not_best": None, "beyond_margin": over,
+               "sentence": "hf: a (the recommended method); last-quarter NLL at 32 3.4075, "
+                           "costing +0.0% at 8 tokens" + tail},
+        "gguf": {"method": "b", "score": pytest.approx(b), "cost": 0.0,
+                 "behind": pytest.approx(b - 3.4075), "why_not_best": "per-head",
+                 "beyond_margin": over,
+                 "sentence": "gguf: b, +0.0375 nats behind a; last-quarter NLL at 32 3.4450, "
+                             "costing +0.0% at 8 tokens" + tail},
+        # The only eligible method it serves has collapsed: named, and said so.
+        "old": {"method": "rope", "score": pytest.approx(rope), "cost": 0.0,
+                "behind": pytest.approx(rope - 3.4075), "why_not_best": "per-head",
+                "beyond_margin": over,
+                "sentence": "old: rope, +2.2509 nats behind a (collapsed at 32); last-quarter "
+                            "NLL at 32 5.6584, costing +0.0% at 8 tokens" + tail},
+        # Serving only methods over the margin is serving none of the eligible ones.
+        "odd": {"method": None, "score": None, "cost": None, "behind": None,
+                "why_not_best": "per-head", "beyond_margin": over,
+                "sentence": "odd: serves none of the eligible methods exactly (per-head)" + tail},
+    }  # fmt: skip
+    # An engine missing from a method's answers does not serve it; a method over the margin
+    # that scores no better than the one served is not offered.
+    served = {"a": {"hf": yes}, "b": {"hf": yes, "gguf": yes}, "z": {}, "c": {}}
     engines = per_engine(verdict, served)
-    assert list(engines) == ["hf", "gguf", "old", "odd"]
-    assert engines["hf"]["method"] == "a" and engines["hf"]["behind"] == 0.0
-    assert (
-        engines["hf"]["why_not_best"] is None
-        and "(the recommended method)" in engines["hf"]["sentence"]
+    assert engines["gguf"]["method"] == "b" and engines["gguf"]["why_not_best"] is None
+    assert engines["gguf"]["sentence"] == (
+        "gguf: b, +0.0375 nats behind a; last-quarter NLL at 32 3.4450, costing +0.0% at 8 tokens."
     )
-    gguf = engines["gguf"]
-    assert gguf["method"] == "b" and gguf["why_not_best"] == "per-head"
-    assert gguf["behind"] == pytest.approx(np.mean([3.43, 3.45, 3.44, 3.46]) - 3.4075)
-    assert gguf["cost"] == verdict["costs"]["b"] and "nats behind a" in gguf["sentence"]
-    # The only eligible method it serves has collapsed: named, and said so.
-    assert engines["old"]["method"] == "rope" and "(collapsed at 32)" in engines["old"]["sentence"]
-    # Serving only an ineligible method is serving none of the eligible ones.
-    assert engines["odd"]["method"] is None and engines["odd"]["score"] is None
-    assert "serves none of the eligible methods" in engines["odd"]["sentence"]
-    # c scores best at N but costs 20% at L0: each engine bound to a worse method is told.
-    for entry in engines.values():
-        assert entry["beyond_margin"] == {
-            "method": "c",
-            "score": 3.0,
-            "cost": verdict["costs"]["c"],
-        }
-        assert "over the cost margin it serves c" in entry["sentence"]
-    served["c"] = {"hf": per_head, "gguf": per_head, "old": per_head, "odd": per_head}
-    assert all(e["beyond_margin"] is None for e in per_engine(verdict, served).values())
+    tie = _table({"a": (10.0, [3.4] * 4), "t": (12.0, [3.4] * 4)})
+    tied = recommend(tie, ["a", "t"], "a", 8, 32, margin=0.01)
+    assert per_engine(tied, {"a": {"e": yes}, "t": {"e": yes}})["e"]["beyond_margin"] is None
+    # Without a verdict's collapsed list (older compare.json), collapse is judged here.
+    old = {k: v for k, v in verdict.items() if k != "collapsed"}
+    served = {"rope": {"e": yes}, "a": {"e": per_head}}
+    assert "(collapsed at 32)" in per_engine(old, served)["e"]["sentence"]
+
+
+def test_a_method_exactly_ln3_behind_has_not_collapsed():
+    """Collapse is strictly more than ln 3 nats (3x the perplexity) behind the best."""
+    from ropekit.compare.verdict import COLLAPSE_NATS, _collapsed
+
+    assert _collapsed(["a", "b"], {"a": 0.0, "b": COLLAPSE_NATS}) == []
+    assert _collapsed(["a", "b"], {"a": 0.0, "b": COLLAPSE_NATS * 1.001}) == ["b"]

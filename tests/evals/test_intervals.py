@@ -73,6 +73,9 @@ def test_accuracy_entry():
     assert entry["accuracy"] == 0.75 and entry["correct"] == 3 and entry["n"] == 4
     assert (entry["low"], entry["high"]) == wilson_interval(3, 4)
     assert entry["confidence"] == 0.95
+    wide = accuracy_entry(3, 4, 0.99)  # the interval is the one at the confidence recorded
+    assert (wide["low"], wide["high"]) == wilson_interval(3, 4, 0.99) and wide["confidence"] == 0.99
+    assert wide["low"] < entry["low"] and wide["high"] > entry["high"]
 
 
 @pytest.mark.parametrize(
