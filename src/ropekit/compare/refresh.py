@@ -27,12 +27,11 @@ import torch
 from ropekit.backbone import open_backbone
 from ropekit.encodings import PositionEncoding
 from ropekit.results import read_result, write_result
-from ropekit.serve.serving import served_by
 from ropekit.train.extend import resolve_method
 
 from .config import CompareConfig
 from .report import write_report
-from .run import COMPARE_JSON
+from .run import COMPARE_JSON, engine_answers
 from .verdict import per_engine
 
 
@@ -69,8 +68,7 @@ def _served(config: CompareConfig, methods: list[dict[str, Any]]) -> dict[str, A
         encoding = resolve_method(probe, extension)[0]
         if method["trained"]:
             _move_off_initialization(encoding)
-        served = served_by(probe, config.target_length, encoding=encoding)
-        out[method["label"]] = {n: {"exact": s.exact, "why": s.why} for n, s in served.items()}
+        out[method["label"]] = engine_answers(probe, config.target_length, encoding)
     return out
 
 

@@ -33,7 +33,7 @@ Layout of ``out_dir``:
     eval/<label>/s<seed>/probes/                      retrieval probes (summary.json, one
                                                       folder per length)
 
-Holds: run_compare, run_folder.
+Holds: run_compare, run_folder, engine_answers.
 """
 
 from __future__ import annotations
@@ -241,11 +241,6 @@ class _Comparison:
         backbone.cast(COMPUTE_DTYPES[c.dtype])  # trained in float32, scored in the config's dtype
         return backbone
 
-    def serving(self, backbone: Backbone) -> dict[str, dict[str, Any]]:
-        """Each engine's answer for the method ``backbone`` carries, at the target length."""
-        served = served_by(backbone, self.config.target_length)
-        return {name: {"exact": s.exact, "why": s.why} for name, s in served.items()}
-
     def selection_nll(self, backbone: Backbone, seed: int) -> float:
         """Mean NLL on the training-split samples right after the ones trained on (unseen)."""
         c = self.config
@@ -321,7 +316,7 @@ class _Comparison:
             lr = self.config.lrs[0]
             self.log(f"{method.label}: attached as {method.spec}, scoring")
             backbone = self.extension(method, 0, lr, self.run_folder(method, 0, lr))
-            self.served[method.label] = self.serving(backbone)
+            self.served[method.label] = engine_answers(backbone, self.config.target_length)
             results[method.label] = {0: self.evaluate(method, 0, backbone)}
         return results
 
@@ -344,7 +339,7 @@ class _Comparison:
             self.log(f"{method.label}: seed {seed} at lr {lr:g}, scoring")
             backbone = self.extension(method, seed, lr, self.run_folder(method, seed, lr))
             if seed == first:
-                self.served[method.label] = self.serving(backbone)
+                self.served[method.label] = engine_answers(backbone, c.target_length)
             results[seed] = self.evaluate(method, seed, backbone)
         return results, search
 
@@ -484,6 +479,15 @@ class _Comparison:
         record = make_record("compare", summary, meta=meta, provenance=provenance)
         write_report(record, self.out)
         return record
+
+
+def engine_answers(
+    backbone: Backbone, target: int, encoding: PositionEncoding | None = None
+) -> dict[str, dict[str, Any]]:
+    """compare.json's record of ``served_by``: {engine: {"exact", "why"}} for the method
+    ``backbone`` carries (or ``encoding``, not attached) at ``target`` tokens."""
+    served = served_by(backbone, target, encoding=encoding)
+    return {name: {"exact": s.exact, "why": s.why} for name, s in served.items()}
 
 
 def _jsonable(table: dict) -> dict:
