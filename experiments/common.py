@@ -166,7 +166,7 @@ def check_specs(config: Any, name: str, *, original_length: int, empty: bool = F
     """Check field ``name`` maps method names to encoding specs that parse and validate for a
     model trained at ``original_length`` (the context ``set_encoding`` gives them), so a bad
     spec fails here rather than hours into a run. Stored as a plain dict (its JSON form)."""
-    from ropekit.encodings import config_from_spec
+    from ropekit.encodings import Spec
 
     value = getattr(config, name)
     ok = isinstance(value, Mapping) and (empty or len(value) > 0)
@@ -180,7 +180,7 @@ def check_specs(config: Any, name: str, *, original_length: int, empty: bool = F
     )
     for method, spec in value.items():
         try:
-            config_from_spec(spec, original_length=original_length)
+            Spec.parse(spec).config(original_length=original_length)
         except ValueError as e:
             raise ValueError(f"{type(config).__name__}.{name}[{method!r}]: {e}") from None
     set_field(config, name, dict(value))

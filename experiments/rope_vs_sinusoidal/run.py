@@ -92,7 +92,7 @@ class RopeVsSinusoidalConfig:
     description: str = ""  # what the experiment asks (for the reader of config.json)
 
     def __post_init__(self) -> None:
-        from ropekit.encodings import config_from_spec
+        from ropekit.encodings import Spec
 
         check_ints(self, "context")
         value = self.encodings
@@ -106,7 +106,7 @@ class RopeVsSinusoidalConfig:
         )
         for spec in value:
             try:
-                config_from_spec(spec, original_length=self.context)
+                Spec.parse(spec).config(original_length=self.context)
             except ValueError as e:
                 raise ValueError(f"{type(self).__name__}.encodings: {e}") from None
         set_field(self, "encodings", tuple(value))

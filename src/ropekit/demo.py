@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ropekit.encodings import Spec
 from ropekit.train.recipe import BaseRecipe
 
 METHODS: tuple[str, ...] = ("rope", "linear", "ntk", "yarn", "tuned-yarn", "adarope")
@@ -107,13 +108,12 @@ class DemoConfig:
     def lengths(self) -> list[int]:
         return sorted({m * self.context for m in self.length_multiples} | {self.context})
 
-    def method_spec(self, method: str) -> str:
+    def method_spec(self, method: str) -> Spec:
         """The extension spec of a method; the model supplies original_length and base."""
         if method == "rope":
-            return "rope"
-        if method == "adarope":
-            return f"adarope:init=yarn,factor={self.factor}"
-        return f"{method}:factor={self.factor}"
+            return Spec("rope")
+        spec = Spec("adarope", (("init", "yarn"),)) if method == "adarope" else Spec(method)
+        return spec.with_options(factor=self.factor)
 
 
 PRESETS: dict[str, DemoConfig] = {

@@ -10,48 +10,79 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ropekit.encodings import build, config_from_spec, describe, names, parse_spec
+from ropekit.encodings import REGISTRY, Spec, build, describe, names
+from ropekit.encodings.adarope import AdaRoPEConfig
+from ropekit.encodings.mixed import MIXABLE
+from ropekit.encodings.remap import RemapConfig, ReRopeConfig
+from ropekit.encodings.rope import YarnConfig
 
 SHAPE = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "n_layers": 2}
 
 
-def test_parse_spec_splits_name_and_options_keeping_lists_whole():
-    assert parse_spec("rope") == ("rope", {})
-    assert parse_spec(" yarn:factor=8, original_length=512 ") == (
-        "yarn",
-        {"factor": "8", "original_length": "512"},
-    )
-    _, opts = parse_spec("longrope:long_factor=[1,1.5,2],factor=4,original_length=64")
-    assert opts["long_factor"] == "[1,1.5,2]"
+def test_parse_splits_name_and_options_keeping_lists_whole():
+    assert Spec.parse("rope") == Spec("rope")
+    spec = Spec.parse(" yarn:factor=8, original_length=512 ")
+    assert spec == Spec("yarn", (("factor", "8"), ("original_length", "512")))
+    assert str(spec) == "yarn:factor=8,original_length=512"
+    assert Spec.parse(str(spec)) == spec and Spec.parse(spec) is spec
+    long = Spec.parse("longrope:long_factor=[1,1.5,2],factor=4,original_length=64")
+    assert long.given["long_factor"] == "[1,1.5,2]"
 
 
 @pytest.mark.parametrize(
-    "spec",
+    ("text", "option", "takes"),
     [
-        "rope",
-        "rope:base=500000,pairing=interleaved,fraction=0.5",
-        "linear:factor=4",
-        "yarn:factor=8,original_length=512,beta_fast=16,attention_factor=1.2",
-        "llama3:factor=8,original_length=8192,high_freq_factor=8",
-        "longrope:short_factor=[1,1,1,1,1,1,1,1],long_factor=[2],original_length=64,factor=4",
-        "adarope:init=yarn,factor=8,original_length=512,l_ref=512,share_heads=true",
-        "adarope:scale=false,freq=true,base=1000",
-        "tuned-yarn:factor=4,original_length=128",
-        "alibi",
-        "learned:max_length=64",
+        ("yarn", "factor", True),
+        ("rope", "factor", False),
+        ("string", "factor", False),
+        ("adarope", "factor", False),  # init=rope: no stretch
+        ("adarope:init=yarn", "factor", True),  # the init schedule's option
+        ("rerope:init=linear", "factor", True),
+        ("rerope:init=linear", "beta_fast", False),
+        ("rerope", "window", True),
+        ("mixed:method=tuned-yarn", "factor", True),
+        ("mixed:method=rope", "factor", False),
+        ("mixed:method=adarope,init=ntk", "factor", True),
     ],
 )
-def test_spec_round_trips_through_build(spec):
-    enc = build(spec, **SHAPE)
-    again = build(enc.spec, **SHAPE)
-    assert again.spec == enc.spec
-    assert again.config == enc.config
+def test_takes_follows_init_and_method_to_the_inner_schedule(text, option, takes):
+    assert Spec.parse(text).takes(option) is takes
+
+
+def test_with_options_adds_or_replaces_as_a_spec_writes_them():
+    spec = Spec.parse("adarope:init=yarn,original_length=512")
+    grown = spec.with_options(factor=4.0, long=(1.0, 2.5))
+    assert str(grown) == "adarope:init=yarn,original_length=512,factor=4,long=[1,2.5]"
+    assert str(grown.with_options(original_length=1024)).startswith(
+        "adarope:init=yarn,original_length=1024,"
+    )
+    assert spec.gives("original_length") and not spec.gives("factor")
+
+
+def test_an_init_names_its_schedule_exactly():
+    """YarnConfig is a LinearConfig: init=linear with a YaRN schedule would write a spec that
+    builds another encoding (or nothing)."""
+    for config in (AdaRoPEConfig, ReRopeConfig):
+        with pytest.raises(ValueError, match="does not match init='linear'"):
+            config(init="linear", schedule=YarnConfig(factor=2, original_length=256))
+
+
+def test_the_mixed_window_wraps_every_rotary_entry_of_the_registry_but_the_remaps():
+    def rotates(name: str) -> bool:
+        spec = Spec.parse(name)
+        if spec.takes("factor"):
+            spec = spec.with_options(factor=2)
+        return build(spec, **SHAPE, original_length=64).rotary_dim > 0
+
+    remaps = {n for n, e in REGISTRY.items() if issubclass(e.config, RemapConfig)}
+    rotary = {n for n in REGISTRY if n != "mixed" and n not in remaps and rotates(n)}
+    assert set(MIXABLE) == rotary and len(rotary) == 9
 
 
 def test_context_fills_what_the_spec_leaves_out_and_the_spec_wins():
-    _, config = config_from_spec("yarn:factor=4", base=5e5, original_length=8192)
+    config = Spec.parse("yarn:factor=4").config(base=5e5, original_length=8192)
     assert (config.base, config.original_length) == (5e5, 8192)
-    _, config = config_from_spec("yarn:factor=4,base=1000", base=5e5, original_length=8192)
+    config = Spec.parse("yarn:factor=4,base=1000").config(base=5e5, original_length=8192)
     assert config.base == 1000
 
 
@@ -165,9 +196,9 @@ def test_fuzzed_specs_build_or_raise_value_error(name, options):
 
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=40))
-def test_parse_spec_never_raises_anything_but_value_error(text):
+def test_parse_never_raises_anything_but_value_error(text):
     with contextlib.suppress(ValueError):
-        parse_spec(text)
+        assert Spec.parse(str(Spec.parse(text))) == Spec.parse(text)
 
 
 # The encodings that build from their bare name. A new registry entry lands in neither set

@@ -13,9 +13,10 @@ import torch
 
 from ropekit.backbone import as_backbone, load_adapter
 from ropekit.data import heldout_stream
+from ropekit.encodings import Spec
 from ropekit.model import Decoder, DecoderConfig
 from ropekit.train import TrainConfig
-from ropekit.train.extend import ExtendConfig, extend, run_extension
+from ropekit.train.extend import ExtendConfig, extend, resolve_method, run_extension
 from ropekit.train.pretrain import pretrain
 
 CONTEXT, TARGET = 32, 128
@@ -199,6 +200,25 @@ def test_a_method_factor_is_derived_when_missing_and_refused_when_too_small(base
     # A larger factor than the target needs is the user's choice (YaRN often runs above it).
     assert "factor=8" in extend(_base(base_dir), ExtendConfig("yarn:factor=8", TARGET),
                                 tmp_path / "c").spec  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("method", "factor"),
+    [
+        ("adarope:init=yarn", 4.0),  # the init schedule's factor
+        ("mixed:method=adarope,init=ntk", 4.0),
+        ("rerope:init=linear,window=8", 4.0),
+        ("adarope:init=yarn,factor=6", 6.0),  # given: kept
+        ("string", None),  # plain RoPE under the remap: no factor to derive
+        ("adarope", None),
+    ],
+)
+def test_one_rule_fills_a_factor_wherever_the_spec_takes_one(base_dir, method, factor):
+    config = ExtendConfig(method, TARGET)
+    assert isinstance(config.method, Spec) and config.to_dict()["method"] == method
+    encoding, note = resolve_method(as_backbone(_base(base_dir)), config)
+    assert encoding.factor == factor
+    assert ("factor=4 derived from 128 / 32 tokens" in note) is (factor == 4.0)
 
 
 def test_extend_resume_continues_an_interrupted_run_and_returns_a_finished_one(base_dir, tmp_path):

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ropekit.data.tokenizers import Tokenizer, tokenizer_identity
-from ropekit.encodings import PositionEncoding
+from ropekit.encodings import PositionEncoding, Spec
 
 # The compute dtypes a model can be scored in (``Backbone.cast``; ``--dtype`` on the command line).
 # How many backbone weights an adapter records of its model (Backbone.weights_sample).
@@ -98,12 +98,12 @@ class Backbone(abc.ABC):
         """The ropekit encoding every attention layer calls (None: the model's own RoPE)."""
 
     @abc.abstractmethod
-    def build_encoding(self, spec: str) -> PositionEncoding:
+    def build_encoding(self, spec: Spec | str) -> PositionEncoding:
         """The encoding ``spec`` names, built for this model's shape (not attached); options
         the spec omits (base, original length, pairing, fraction) come from the model."""
 
     @abc.abstractmethod
-    def set_encoding(self, spec: str | PositionEncoding) -> PositionEncoding:
+    def set_encoding(self, spec: Spec | str | PositionEncoding) -> PositionEncoding:
         """Attach the encoding ``spec`` names (``build_encoding``) or one built already."""
 
     @abc.abstractmethod

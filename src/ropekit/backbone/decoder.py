@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from ropekit.data.tokenizers import ByteTokenizer, Tokenizer
-from ropekit.encodings import PositionEncoding, build
+from ropekit.encodings import PositionEncoding, Spec, build
 from ropekit.model import Decoder, DecoderConfig, KVCache
 
 from .base import Backbone
@@ -57,7 +57,7 @@ class DecoderBackbone(Backbone):
     def encoding(self) -> PositionEncoding | None:
         return self.model.encoding if isinstance(self.model, Decoder) else None
 
-    def build_encoding(self, spec: str) -> PositionEncoding:
+    def build_encoding(self, spec: Spec | str) -> PositionEncoding:
         c = self.config
         context = c.encoding_context()
         base = self.decoder.encoding.base
@@ -73,7 +73,7 @@ class DecoderBackbone(Backbone):
             **context,
         )
 
-    def set_encoding(self, spec: str | PositionEncoding) -> PositionEncoding:
+    def set_encoding(self, spec: Spec | str | PositionEncoding) -> PositionEncoding:
         decoder, c = self.decoder, self.config
         encoding = spec if isinstance(spec, PositionEncoding) else self.build_encoding(spec)
         decoder.encoding = encoding.to(next(decoder.parameters()).device)

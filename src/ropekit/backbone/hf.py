@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from transformers import Cache, DynamicCache
 
 from ropekit.data.tokenizers import HFTokenizer, Tokenizer
-from ropekit.encodings import PositionEncoding
+from ropekit.encodings import PositionEncoding, Spec
 from ropekit.hf import build_for_model, encoding_of, patch, spec_from_config, unpatch
 from ropekit.hf.archs import (
     arch_for,
@@ -70,10 +70,10 @@ class HFBackbone(Backbone):
     def encoding(self) -> PositionEncoding | None:
         return encoding_of(self.model)
 
-    def build_encoding(self, spec: str) -> PositionEncoding:
+    def build_encoding(self, spec: Spec | str) -> PositionEncoding:
         return build_for_model(self.config, spec)
 
-    def set_encoding(self, spec: str | PositionEncoding) -> PositionEncoding:
+    def set_encoding(self, spec: Spec | str | PositionEncoding) -> PositionEncoding:
         return patch(self.model, spec)
 
     @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """ropekit.encodings: every positional encoding behind one interface.
 
-``build(spec, n_heads=, n_kv_heads=, head_dim=, n_layers=)`` returns a ``PositionEncoding``;
+``Spec.parse(text)`` parses a spec once; ``build(spec, n_heads=, n_kv_heads=, head_dim=,
+n_layers=)`` returns a ``PositionEncoding``;
 ``names()`` lists the registered encodings; ``schedules`` holds the pure frequency functions;
 ``rotary`` the rotation itself; ``bands`` the attention of distance-remapping encodings
 (``banded_attention``). This package imports nothing from the rest of ropekit.
@@ -10,7 +11,7 @@ from . import bands, rotary, schedules
 from .adarope import AdaRoPE, TunedYarn
 from .bands import Band, banded_attention
 from .base import EncodingConfig, PositionEncoding
-from .registry import REGISTRY, build, config_from_spec, describe, names, parse_spec
+from .registry import REGISTRY, Spec, build, describe, names
 from .rope import RotaryEncoding
 
 __all__ = [
@@ -20,14 +21,13 @@ __all__ = [
     "EncodingConfig",
     "PositionEncoding",
     "RotaryEncoding",
+    "Spec",
     "TunedYarn",
     "banded_attention",
     "bands",
     "build",
-    "config_from_spec",
     "describe",
     "names",
-    "parse_spec",
     "rotary",
     "schedules",
 ]

@@ -85,11 +85,12 @@ class AdaRoPEConfig(EncodingConfig):
     schedule: RopeConfig = dataclasses.field(default_factory=RopeConfig)  # parsed init options
 
     CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = (*RopeConfig.CONTEXT_FIELDS, "l_ref")
+    mixable: ClassVar[bool] = True
     PAPER_PRETRAIN_L_REF: ClassVar[int] = 64
 
     def __post_init__(self) -> None:
         check_choice("init", self.init, tuple(INIT_SCHEDULES))
-        if not isinstance(self.schedule, INIT_SCHEDULES[self.init]):
+        if type(self.schedule) is not INIT_SCHEDULES[self.init]:  # YarnConfig is a LinearConfig
             raise ValueError(
                 f"schedule {type(self.schedule).__name__} does not match init={self.init!r}"
             )
@@ -106,6 +107,12 @@ class AdaRoPEConfig(EncodingConfig):
 
     def extension(self) -> Extension:
         return self.schedule.extension()
+
+    @classmethod
+    def option_types(cls, options: dict[str, str]) -> dict[str, Any]:
+        init = options.get("init", "rope")
+        check_choice("init", init, tuple(INIT_SCHEDULES))
+        return {**super().option_types(options), **INIT_SCHEDULES[init].option_types(options)}
 
     @classmethod
     def from_options(cls, options: dict[str, str], context: dict[str, Any] | None = None):

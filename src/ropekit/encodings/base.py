@@ -100,6 +100,9 @@ class EncodingConfig:
     # Fields with a None default that a spec must still give (listed as required)
     REQUIRED_OPTIONS: ClassVar[tuple[str, ...]] = ()
     name: ClassVar[str] = ""  # the registered encoding name
+    # Whether the mixed window (LongRoPE2) may switch to this encoding beyond L0: the rotary
+    # schedules and learned rotary encodings, not the distance remaps or absolute encodings.
+    mixable: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         pass
@@ -108,6 +111,13 @@ class EncodingConfig:
     def field_types(cls) -> dict[str, type]:
         hints = typing.get_type_hints(cls)
         return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def option_types(cls, options: dict[str, str]) -> dict[str, Any]:
+        """Every option a spec giving ``options`` may name, with its annotation (encodings
+        that pass options to an inner schedule, picked by ``init`` or ``method``, add that
+        schedule's)."""
+        return {k: v for k, v in cls.field_types().items() if k != "schedule"}
 
     @classmethod
     def from_options(cls, options: dict[str, str], context: dict[str, Any] | None = None):

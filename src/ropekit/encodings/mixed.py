@@ -35,7 +35,6 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
-from .adarope import AdaRoPE, AdaRoPEConfig, TunedYarn, TunedYarnConfig
 from .base import (
     EncodingConfig,
     Extension,
@@ -45,29 +44,12 @@ from .base import (
     check_positive,
     resolve_positions,
 )
-from .rope import (
-    DynamicNTKConfig,
-    LinearConfig,
-    Llama3Config,
-    LongRopeConfig,
-    NTKConfig,
-    RopeConfig,
-    RotaryEncoding,
-    YarnConfig,
-)
+from .catalog import ENTRIES, Entry
+from .rope import RopeConfig, RotaryEncoding
 
-# What the window may switch to: every rotary encoding that is not itself a distance remap.
-MIXABLE: dict[str, tuple[type[PositionEncoding], type[EncodingConfig]]] = {
-    "rope": (RotaryEncoding, RopeConfig),
-    "linear": (RotaryEncoding, LinearConfig),
-    "ntk": (RotaryEncoding, NTKConfig),
-    "dynamic-ntk": (RotaryEncoding, DynamicNTKConfig),
-    "yarn": (RotaryEncoding, YarnConfig),
-    "llama3": (RotaryEncoding, Llama3Config),
-    "longrope": (RotaryEncoding, LongRopeConfig),
-    "adarope": (AdaRoPE, AdaRoPEConfig),
-    "tuned-yarn": (TunedYarn, TunedYarnConfig),
-}
+# What the window may switch to: every registered encoding that declares itself ``mixable``
+# (the rotary schedules and the learned rotary encodings, not the distance remaps).
+MIXABLE: dict[str, Entry] = {e.name: e for e in ENTRIES if e.config.mixable}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +68,7 @@ class MixedConfig(EncodingConfig):
         if self.method is None:
             _method_required()
         check_choice("method", self.method, tuple(MIXABLE))
-        if not isinstance(self.schedule, MIXABLE[self.method][1]) or (
+        if not isinstance(self.schedule, MIXABLE[self.method].config) or (
             self.schedule.name != self.method
         ):
             raise ValueError(
@@ -108,6 +90,15 @@ class MixedConfig(EncodingConfig):
         return self.schedule.extension().original_length
 
     @classmethod
+    def option_types(cls, options: dict[str, str]) -> dict[str, Any]:
+        method = options.get("method")
+        if method is None:
+            _method_required()
+        check_choice("method", method, tuple(MIXABLE))
+        inner = MIXABLE[method].config.option_types(options)
+        return {**super().option_types(options), **inner}
+
+    @classmethod
     def from_options(cls, options: dict[str, str], context: dict[str, Any] | None = None):
         own = {k: v for k, v in options.items() if k in ("method", "window")}
         rest = {k: v for k, v in options.items() if k not in own}
@@ -115,7 +106,7 @@ class MixedConfig(EncodingConfig):
         if method is None:
             _method_required()
         check_choice("method", method, tuple(MIXABLE))
-        schedule_cls = MIXABLE[method][1]
+        schedule_cls = MIXABLE[method].config
         try:
             schedule = schedule_cls.from_options(rest, context)
         except ValueError as e:
@@ -159,7 +150,7 @@ class MixedWindow(PositionEncoding):
 
     def __init__(self, config: MixedConfig, **dims: int) -> None:
         super().__init__(config, **dims)
-        module_cls, _ = MIXABLE[config.method]
+        module_cls = MIXABLE[config.method].module
         self.schedule_encoding = module_cls(config.schedule, **dims)
         base = config.schedule.base_schedule
         original = RopeConfig(base=base.base, pairing=base.pairing, fraction=base.fraction)

@@ -5,7 +5,7 @@ A spec names an encoding and its options: ``rope:base=10000``,
 ``longrope:long_factor=[1,1.5,2],factor=4,original_length=512``. Bad specs raise ValueError
 naming the field, the value and what is allowed.
 
-Holds: Entry, REGISTRY, parse_spec, names, describe, build.
+Holds: Entry, REGISTRY, Spec (a spec parsed once), names, describe, build.
 """
 
 from __future__ import annotations
@@ -14,154 +14,98 @@ import dataclasses
 import re
 from typing import Any
 
-from .absolute import Learned, LearnedConfig, NoPE, NoPEConfig, Sinusoidal, SinusoidalConfig
-from .adarope import AdaRoPE, AdaRoPEConfig, TunedYarn, TunedYarnConfig
-from .alibi import ALiBi, ALiBiConfig
-from .base import EncodingConfig, PositionEncoding, parse_options
+from .base import EncodingConfig, PositionEncoding, format_value, parse_options
+from .catalog import ENTRIES, Entry
 from .mixed import MixedConfig, MixedWindow
-from .remap import (
-    DCA,
-    DCAConfig,
-    ReRope,
-    ReRopeConfig,
-    SelfExtend,
-    SelfExtendConfig,
-    String,
-    StringConfig,
-)
-from .rope import (
-    DynamicNTKConfig,
-    LinearConfig,
-    Llama3Config,
-    LongRopeConfig,
-    NTKConfig,
-    RopeConfig,
-    RotaryEncoding,
-    YarnConfig,
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """A registered encoding: its module class, config class, one-line summary and source."""
-
-    module: type[PositionEncoding]
-    config: type[EncodingConfig]
-    summary: str
-    source: str
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
 
 REGISTRY: dict[str, Entry] = {
     e.name: e
-    for e in [
-        Entry(NoPE, NoPEConfig, "no positional encoding", "Haviv et al. 2022"),
-        Entry(
-            Sinusoidal,
-            SinusoidalConfig,
-            "fixed sinusoids added to embeddings",
-            "Vaswani et al. 2017",
-        ),
-        Entry(Learned, LearnedConfig, "learned absolute position table", "GPT-2 (2019)"),
-        Entry(ALiBi, ALiBiConfig, "linear distance penalty per head", "Press et al. 2022"),
-        Entry(
-            RotaryEncoding,
-            RopeConfig,
-            "rotary embedding; fraction<1 = partial RoPE",
-            "Su et al. 2021",
-        ),
-        Entry(
-            RotaryEncoding,
-            LinearConfig,
-            "position interpolation (PI)",
-            "Chen et al. 2023",
-        ),
-        Entry(RotaryEncoding, NTKConfig, "NTK-aware base rescaling", "bloc97 2023"),
-        Entry(
-            RotaryEncoding,
-            DynamicNTKConfig,
-            "NTK base following the length",
-            "emozilla 2023",
-        ),
-        Entry(
-            RotaryEncoding,
-            YarnConfig,
-            "NTK-by-parts + attention temperature",
-            "Peng et al. 2023",
-        ),
-        Entry(RotaryEncoding, Llama3Config, "Llama 3.1 band-wise scaling", "Meta 2024"),
-        Entry(
-            RotaryEncoding,
-            LongRopeConfig,
-            "searched per-pair rescale factors",
-            "Ding et al. 2024",
-        ),
-        Entry(
-            AdaRoPE,
-            AdaRoPEConfig,
-            "per-head learnable frequencies (AdaFreq) and temperature (AdaScale)",
-            "Wang et al. 2026",
-        ),
-        Entry(
-            TunedYarn,
-            TunedYarnConfig,
-            "YaRN with learnable global knobs",
-            "ropekit (review's control)",
-        ),
+    for e in (
+        *ENTRIES,
         Entry(
             MixedWindow,
             MixedConfig,
             "original RoPE within the original window, any schedule or adapter beyond it",
             "Shang et al. 2025 (LongRoPE2)",
         ),
-        Entry(
-            ReRope,
-            ReRopeConfig,
-            "distances clipped at a window (leaky: slowed by 1/k beyond it)",
-            "Su 2023",
-        ),
-        Entry(
-            SelfExtend,
-            SelfExtendConfig,
-            "neighbour window with normal positions, grouped positions floor(p/G) beyond",
-            "Jin et al. 2024",
-        ),
-        Entry(
-            DCA,
-            DCAConfig,
-            "dual chunk attention: intra-, successive- and inter-chunk positions",
-            "An et al. 2024",
-        ),
-        Entry(
-            String,
-            StringConfig,
-            "large distances shifted onto well-trained small ones (shift S, window W)",
-            "An et al. 2025",
-        ),
-    ]
+    )
 }
+
 
 _NAME = re.compile(r"^[a-z][a-z0-9-]*$")
 
 
-def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """``"name:k=v,k=v"`` -> (name, {k: v}) with values still strings."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(
-            f"encoding spec {spec!r} is empty; e.g. 'rope' or 'yarn:factor=8,original_length=512'"
-        )
-    name, _, body = spec.strip().partition(":")
-    name = name.strip().lower()
-    if not _NAME.match(name):
-        raise ValueError(
-            f"encoding name {name!r} in spec {spec!r} is malformed; known: {', '.join(names())}"
-        )
-    if name not in REGISTRY:
-        raise ValueError(f"unknown encoding {name!r}; known: {', '.join(names())}")
-    return name, parse_options(body, spec)
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """An encoding spec parsed once: the registered name and the options its text gives, in
+    order, values still text (the encoding's config types them when it is built for a model,
+    which supplies the context fields the spec leaves out: ``config``).
+
+    Parse at the edge (``Spec.parse``: the CLI, a config file, compare) and pass this object
+    down; a rule that completes a spec (the factor ``extend`` and ``compare`` derive as N / L0)
+    asks ``takes``/``gives`` and adds with ``with_options``, never by editing the text.
+    ``str(spec)`` is the text again, and ``Spec.parse(str(spec)) == spec``.
+    """
+
+    name: str
+    options: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, spec: str | Spec) -> Spec:
+        """``"name:k=v,k=v"`` -> Spec (a Spec is returned as it is). ValueError names what is
+        malformed and what is allowed."""
+        if isinstance(spec, Spec):
+            return spec
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(
+                f"encoding spec {spec!r} is empty; e.g. 'rope' or "
+                "'yarn:factor=8,original_length=512'"
+            )
+        name, _, body = spec.strip().partition(":")
+        name = name.strip().lower()
+        if not _NAME.match(name):
+            raise ValueError(
+                f"encoding name {name!r} in spec {spec!r} is malformed; known: {', '.join(names())}"
+            )
+        if name not in REGISTRY:
+            raise ValueError(f"unknown encoding {name!r}; known: {', '.join(names())}")
+        return cls(name, tuple(parse_options(body, spec).items()))
+
+    def __str__(self) -> str:
+        if not self.options:
+            return self.name
+        return self.name + ":" + ",".join(f"{k}={v}" for k, v in self.options)
+
+    @property
+    def entry(self) -> Entry:
+        return REGISTRY[self.name]
+
+    @property
+    def given(self) -> dict[str, str]:
+        """The options the spec gives: {name: text}."""
+        return dict(self.options)
+
+    def gives(self, option: str) -> bool:
+        return option in self.given
+
+    def takes(self, option: str) -> bool:
+        """Whether ``option`` is one this encoding accepts, given the spec's ``init`` or
+        ``method`` (AdaRoPE and the remaps pass options to their init schedule)."""
+        return option in self.entry.config.option_types(self.given)
+
+    def with_options(self, **values: Any) -> Spec:
+        """This spec with ``values`` added (or replacing the ones it gives), each written as a
+        spec writes it (``format_value``)."""
+        merged = {**self.given, **{k: format_value(v) for k, v in values.items()}}
+        return Spec(self.name, tuple(merged.items()))
+
+    def config(self, **context: Any) -> EncodingConfig:
+        """The validated config, context fields (base, original_length...) filled from
+        ``context`` where the spec leaves them out."""
+        try:
+            return self.entry.config.from_options(self.given, context)
+        except (TypeError, ValueError) as e:  # TypeError: a required dataclass field missing
+            raise ValueError(f"spec {str(self)!r}: {e}") from None
 
 
 def names() -> list[str]:
@@ -198,22 +142,8 @@ def describe(name: str) -> list[tuple[str, str, Any]]:
     return out
 
 
-def config_from_spec(spec: str, **context: Any) -> tuple[Entry, EncodingConfig]:
-    """Parse and validate a spec, filling context fields (base, original_length...) the spec
-    leaves out."""
-    name, options = parse_spec(spec)
-    entry = REGISTRY[name]
-    try:
-        config = entry.config.from_options(options, context)
-    except TypeError as e:  # a required dataclass field missing
-        raise ValueError(f"spec {spec!r}: {e}") from None
-    except ValueError as e:
-        raise ValueError(f"spec {spec!r}: {e}") from None
-    return entry, config
-
-
 def build(
-    spec: str,
+    spec: Spec | str,
     *,
     n_heads: int,
     head_dim: int,
@@ -238,9 +168,10 @@ def build(
             raise ValueError(f"{field}={value!r} is not allowed; it must be an integer >= 1")
     if n_heads % n_kv_heads:
         raise ValueError(f"n_heads={n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
-    entry, config = config_from_spec(spec, **context)
+    spec = Spec.parse(spec)
+    config = spec.config(**context)
     try:
-        return entry.module(
+        return spec.entry.module(
             config,
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
@@ -249,4 +180,4 @@ def build(
             d_model=d_model or n_heads * head_dim,
         )
     except ValueError as e:
-        raise ValueError(f"spec {spec!r}: {e}") from None
+        raise ValueError(f"spec {str(spec)!r}: {e}") from None

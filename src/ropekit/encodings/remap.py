@@ -98,7 +98,7 @@ class RemapConfig(EncodingConfig):
 
     def __post_init__(self) -> None:
         check_choice("init", self.init, tuple(INIT_SCHEDULES))
-        if not isinstance(self.schedule, INIT_SCHEDULES[self.init]):
+        if type(self.schedule) is not INIT_SCHEDULES[self.init]:  # YarnConfig is a LinearConfig
             raise ValueError(
                 f"schedule {type(self.schedule).__name__} does not match init={self.init!r}"
             )
@@ -132,6 +132,12 @@ class RemapConfig(EncodingConfig):
     @classmethod
     def own_fields(cls) -> dict[str, Any]:
         return {k: v for k, v in cls.field_types().items() if k != "schedule"}
+
+    @classmethod
+    def option_types(cls, options: dict[str, str]) -> dict[str, Any]:
+        init = options.get("init", "rope")
+        check_choice("init", init, tuple(INIT_SCHEDULES))
+        return {**cls.own_fields(), **INIT_SCHEDULES[init].option_types(options)}
 
     @classmethod
     def from_options(cls, options: dict[str, str], context: dict[str, Any] | None = None):

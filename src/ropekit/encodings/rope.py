@@ -44,6 +44,7 @@ class RopeConfig(EncodingConfig):
 
     CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = ("base", "pairing", "fraction", "original_length")
     dynamic: ClassVar[bool] = False
+    mixable: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         check_positive("base", self.base, minimum=1.0)

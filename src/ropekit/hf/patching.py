@@ -65,7 +65,7 @@ import torch
 from torch import Tensor, nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ropekit.encodings import PositionEncoding, banded_attention, config_from_spec
+from ropekit.encodings import PositionEncoding, Spec, banded_attention, build
 from ropekit.encodings.bands import RotatedKeys
 
 from .archs import ArchSpec, arch_for, base_model, model_dims, rope_context, unwrap
@@ -103,7 +103,7 @@ class _PatchState:
         return positions
 
 
-def build_for_model(config: Any, spec: str, **context: Any) -> PositionEncoding:
+def build_for_model(config: Any, spec: Spec | str, **context: Any) -> PositionEncoding:
     """The encoding named by ``spec`` for a model with this config.
 
     Options the spec omits come from ``context``, then from the model (``rope_context``:
@@ -115,11 +115,7 @@ def build_for_model(config: Any, spec: str, **context: Any) -> PositionEncoding:
     """
     merged = {**rope_context(config), **context}
     merged.setdefault("l_ref", merged["original_length"])
-    entry, cfg = config_from_spec(spec, **merged)
-    try:
-        return entry.module(cfg, **model_dims(config).as_kwargs())
-    except ValueError as e:
-        raise ValueError(f"spec {spec!r}: {e}") from None
+    return build(spec, **model_dims(config).as_kwargs(), **merged)
 
 
 def _check_wirable(encoding: PositionEncoding) -> None:
@@ -384,7 +380,9 @@ def encoding_of(model: nn.Module) -> PositionEncoding | None:
     return None if state is None else state.encoding
 
 
-def patch(model: nn.Module, spec: str | PositionEncoding, **context: Any) -> PositionEncoding:
+def patch(
+    model: nn.Module, spec: Spec | str | PositionEncoding, **context: Any
+) -> PositionEncoding:
     """Make every attention layer of ``model`` use a ropekit encoding; returns the encoding.
 
     ``spec`` is a spec string (``"yarn:factor=4"``, ``"adarope:init=yarn,factor=2"``) or an

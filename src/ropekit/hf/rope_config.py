@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ropekit.encodings import PositionEncoding, RotaryEncoding, schedules
-from ropekit.encodings.base import format_value
+from ropekit.encodings import PositionEncoding, RotaryEncoding, Spec, schedules
 
 from .archs import rope_parameters
 
@@ -28,16 +27,10 @@ class ExportRefused(ValueError):
     serving it would need."""
 
 
-def format_spec(name: str, options: dict[str, Any]) -> str:
-    """``name:k=v,...`` with None options left out (the spec grammar of ropekit.encodings)."""
-    parts = []
-    for key, value in options.items():
-        if value is None:
-            continue
-        if isinstance(value, list):
-            value = tuple(value)
-        parts.append(f"{key}={format_value(value)}")
-    return name + (":" + ",".join(parts) if parts else "")
+def format_spec(name: str, options: dict[str, Any]) -> Spec:
+    """The spec ``name`` with ``options``, None ones left out (lists written as spec lists)."""
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    return Spec(name).with_options(**{k: v for k, v in given.items() if v is not None})
 
 
 def _factor_or_ratio(params: dict[str, Any], config: Any) -> float:
@@ -48,7 +41,7 @@ def _factor_or_ratio(params: dict[str, Any], config: Any) -> float:
     return float(factor)
 
 
-def spec_from_config(config: Any) -> str:
+def spec_from_config(config: Any) -> Spec:
     """The ropekit spec equal to the model's own RoPE (``config.rope_parameters``)."""
     p = rope_parameters(config)
     kind = p.get("rope_type", "default")

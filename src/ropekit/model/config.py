@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Any
 
-from ropekit.encodings import config_from_spec
+from ropekit.encodings import Spec
 
 
 def default_ffn_hidden(d_model: int) -> int:
@@ -96,7 +96,7 @@ class DecoderConfig:
         # checks (an odd head_dim for RoPE) happen when the decoder builds the encoding.
         _require(isinstance(self.encoding, str), "encoding", self.encoding, "a spec string")
         try:
-            config_from_spec(self.encoding, **self.encoding_context())
+            Spec.parse(self.encoding).config(**self.encoding_context())
         except ValueError as e:
             raise ValueError(f"DecoderConfig.encoding: {e}") from None
 

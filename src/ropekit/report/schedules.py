@@ -10,23 +10,22 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ropekit.encodings import config_from_spec
+from ropekit.encodings import Spec
 from ropekit.results import check_replaceable, run_metadata, write_result
 
 DEFAULT_METHODS = ("rope", "linear", "ntk", "yarn", "llama3")
 
 
-def method_spec(method: str, factor: float, original_length: int) -> str:
-    """A bare method name gets the comparison's factor and original length."""
-    if ":" in method or method == "rope":
-        return method
-    if method == "longrope":
-        return (
-            f"longrope:factor={factor:g},original_length={original_length},long_factor=[{factor:g}]"
-        )
-    if method in ("linear", "ntk"):
-        return f"{method}:factor={factor:g}"
-    return f"{method}:factor={factor:g},original_length={original_length}"
+def method_spec(method: str, factor: float) -> Spec:
+    """The spec a method is compared as: one that takes a factor and gives none gets the
+    comparison's (LongRoPE, given no long factors, that factor on every pair); the original
+    length and base come from the comparison as context."""
+    spec = Spec.parse(method)
+    if spec.takes("factor") and not spec.gives("factor"):
+        spec = spec.with_options(factor=factor)
+        if spec.name == "longrope" and not spec.gives("long_factor"):
+            spec = spec.with_options(long_factor=(factor,))
+    return spec
 
 
 def compare_schedules(
@@ -56,19 +55,17 @@ def compare_schedules(
     target = int(factor * original_length)
     rows = []
     for method in methods:
-        spec = method_spec(method, factor, original_length)
-        entry, config = config_from_spec(spec, base=base, original_length=original_length)
+        spec = method_spec(method, factor)
+        config = spec.config(base=base, original_length=original_length)
         schedule = config.base_schedule  # learned schedules equal theirs at init
         if schedule is None:
-            raise ValueError(
-                f"{entry.name!r} is not a rotary schedule; compare rotary methods only"
-            )
+            raise ValueError(f"{spec.name!r} is not a rotary schedule; compare rotary methods only")
         dim = schedule.rotary_dim(head_dim)
         inv_freq, attention_factor = schedule.schedule(dim, target if schedule.dynamic else None)
         rows.append(
             {
                 "method": method,
-                "spec": spec,
+                "spec": str(spec),
                 "inv_freq": [float(v) for v in inv_freq],
                 "wavelength": [2 * math.pi / float(v) for v in inv_freq],
                 "attention_factor": float(attention_factor),

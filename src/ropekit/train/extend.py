@@ -68,7 +68,7 @@ from ropekit.backbone import (
 )
 from ropekit.data import PoseDataset, RetrievalConfig, make_train_dataset
 from ropekit.distributed import processes
-from ropekit.encodings import PositionEncoding, parse_spec
+from ropekit.encodings import PositionEncoding, Spec
 from ropekit.results import check_replaceable, read_result, run_metadata, write_result
 
 from .config import TrainConfig
@@ -91,7 +91,7 @@ EXTEND_JSON = "extend.json"
 class ExtendConfig:
     """One extension run. Lengths in the model's tokens."""
 
-    method: str  # encoding spec of the extended model, e.g. "adarope:init=yarn,factor=8"
+    method: Spec  # encoding spec of the extended model, e.g. "adarope:init=yarn,factor=8"
     target_length: int  # context to extend to (tokens)
     mode: str = "positional"  # positional | lora | joint
     samples: int = 100  # training samples of target_length (the paper: first 100 of PG19)
@@ -114,6 +114,7 @@ class ExtendConfig:
     grad_checkpointing: bool = False  # recompute each layer in the backward (less memory)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "method", Spec.parse(self.method))  # the one parse
         if self.lora_targets is not None:
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         if not isinstance(self.data, str):
@@ -163,9 +164,9 @@ class ExtendConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form; ``ExtendConfig(**that)`` rebuilds this config."""
-        return {
-            k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()
-        }
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["method"] = str(self.method)
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,32 +231,20 @@ class _Samples(Dataset):
 
 
 # ----------------------------------------------------------------------------- stages
-def _with_factor(spec: str, factor: float) -> str:
-    return f"{spec}{',' if ':' in spec else ':'}factor={factor:g}"
-
-
 def resolve_method(backbone: Backbone, config: ExtendConfig) -> tuple[PositionEncoding, str]:
     """The encoding ``config.method`` names for this model (not attached) and a note on its
     factor (module docstring: derived when missing, refused when too small)."""
     trained_at = backbone.training_length
     ratio = config.target_length / trained_at
-    spec = config.method
-    _, options = parse_spec(spec)
-    try:
-        encoding, note = backbone.build_encoding(spec), ""
-    except ValueError as first:
-        if "factor" in options:
-            raise
-        try:
-            encoding = backbone.build_encoding(_with_factor(spec, ratio))
-        except ValueError:
-            raise first from None
+    spec, note = config.method, ""
+    if spec.takes("factor") and not spec.gives("factor"):  # the one rule: s = N / L0
+        spec = spec.with_options(factor=ratio)
         note = f"factor={ratio:g} derived from {config.target_length} / {trained_at} tokens"
-    _, built = parse_spec(encoding.spec)
-    factor = float(built["factor"]) if "factor" in built else None
+    encoding = backbone.build_encoding(spec)
+    factor = encoding.factor
     if factor is not None and factor * trained_at < config.target_length * (1 - 1e-9):
         raise ValueError(
-            f"--method {spec!r} has factor={factor:g}, which reaches {factor * trained_at:g} "
+            f"--method {str(spec)!r} has factor={factor:g}, which reaches {factor * trained_at:g} "
             f"tokens; target_length={config.target_length} needs factor >= {ratio:g} "
             f"({config.target_length} / the model's training length {trained_at}), or omit "
             "factor to derive it"
@@ -274,7 +263,7 @@ def _attach(backbone: Backbone, config: ExtendConfig, keep: bool, log: Any) -> P
         if encoding.spec != current.spec:
             raise ValueError(
                 f"the model carries an adapter with {current.spec!r}; --method "
-                f"{config.method!r} would replace it and start from its init: pass --method "
+                f"{str(config.method)!r} would replace it and start from its init: pass --method "
                 f"{current.spec!r} to continue training the adapter, or leave out --adapter"
             )
         return current  # continue from the adapter's parameters
@@ -418,7 +407,7 @@ def extend(
         final_loss, tokens = _train(backbone, samples, config, train_config, train_provenance)
     select_trainable(backbone, "none")  # leave the model frozen, as evaluation expects
     summary = {
-        "method": config.method, "spec": encoding.spec, "config": config.to_dict(),
+        "method": str(config.method), "spec": encoding.spec, "config": config.to_dict(),
         "trained_at": trained_at, "trainable": counts, "final_loss": final_loss,
         "tokens": tokens, "pose_window": pose_window,
         "elapsed_s": time.perf_counter() - start, "adapter": str(out_dir / "adapter"),
@@ -492,11 +481,10 @@ def run_extension(
     if recipe not in RECIPES:
         raise ValueError(f"recipe={recipe!r} is not allowed; use one of {', '.join(RECIPES)}")
     family, second = RECIPES[recipe]
-    method_family = config.method.split(":", 1)[0]
-    if method_family != family:
+    if config.method.name != family:
         raise ValueError(
-            f"recipe {recipe!r} starts with {family}; --method {config.method!r} is a "
-            f"{method_family} spec"
+            f"recipe {recipe!r} starts with {family}; --method {str(config.method)!r} is a "
+            f"{config.method.name} spec"
         )
     first_config = dataclasses.replace(config, mode="positional")
     first = extend(model, first_config, out_dir / "stage1", **options)

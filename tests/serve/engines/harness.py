@@ -28,8 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ropekit.encodings.registry import parse_spec
-from ropekit.hf.rope_config import format_spec
+from ropekit.encodings import Spec
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[2]
@@ -46,8 +45,8 @@ SEARCHED = json.loads((ROOT / "experiments/smollm2_16k/search/search.json").read
 # rule, ropekit.serve.engines); transformers the short ones while the sequence fits in L0. What
 # vLLM serves inside the window is therefore the same schedule with short := long.
 def _long_factors_only(spec: str) -> str:
-    name, options = parse_spec(spec)
-    return format_spec(name, {**options, "short_factor": options["long_factor"]})
+    parsed = Spec.parse(spec)
+    return str(parsed.with_options(short_factor=parsed.given["long_factor"]))
 
 
 SEARCHED_LONG_ONLY = _long_factors_only(SEARCHED)
