@@ -208,3 +208,258 @@ def test_a_method_exactly_ln3_behind_has_not_collapsed():
 
     assert _collapsed(["a", "b"], {"a": 0.0, "b": COLLAPSE_NATS}) == []
     assert _collapsed(["a", "b"], {"a": 0.0, "b": COLLAPSE_NATS * 1.001}) == ["b"]
+
+
+def test_mean_std_of_no_one_two_and_three_values():
+    from ropekit.compare.verdict import mean_std
+
+    assert mean_std([]) == {"mean": None, "std": None, "n": 0}
+    assert mean_std([5]) == {"mean": 5.0, "std": 0.0, "n": 1}
+    assert mean_std([1, 3]) == {"mean": 2.0, "std": math.sqrt(2.0), "n": 2}
+    assert mean_std([1, 2, 6]) == {"mean": 3.0, "std": math.sqrt(7.0), "n": 3}  # (4+1+9)/2
+
+
+def test_pooled_retrieval_keeps_the_confidence_level_asked_for():
+    pooled = pooled_accuracy([{"correct": 3, "n": 10}, {"correct": 7, "n": 10}], confidence=0.9)
+    assert (pooled["low"], pooled["high"]) == wilson_interval(10, 20, 0.9)
+    assert pooled["confidence"] == 0.9
+
+
+def _entry(ppl=None, windows=None, blocks=None) -> dict:
+    """One length's entry: ppl per seed, last-quarter window NLLs and blocks per seed."""
+    entry = {}
+    if ppl is not None:
+        entry["ppl"] = ppl
+    if windows is not None:
+        entry["last_quarter_windows"] = windows
+        entry["last_quarter_blocks"] = blocks or [None] * len(windows)
+    return entry
+
+
+def test_cost_and_score_average_only_the_domains_scored_at_that_length():
+    from ropekit.compare.verdict import cost_at, score_at
+
+    table = {
+        "m": {
+            "b": {32: _entry(windows=[[6.0]])},  # no document of b holds 8 tokens: no cost there
+            "a": {8: _entry(ppl=[12.0, 14.0]), 32: _entry(windows=[[1.0, 3.0], [3.0, 5.0]])},
+            "c": {8: _entry(ppl=[20.0])},  # nor one of c 32 tokens: no score there
+            "z": {8: _entry(ppl=[5.0]), 32: _entry(windows=[[9.0]])},  # the baseline lacks z
+        },
+        "base": {"a": {8: _entry(ppl=[10.0])}, "b": {8: _entry(ppl=[10.0])},
+                 "c": {8: _entry(ppl=[10.0])}},
+    }  # fmt: skip
+    # Cost: a's seeds average 13 against 10 (+30%), c's 20 against 10 (+100%); b and z unpaired.
+    assert cost_at(table, "m", "base", 8) == pytest.approx(0.65)
+    # Score: b 6, a's windows averaged over its two seeds (2 and 4, so 3), z 9; c has none.
+    assert score_at(table, "m", 32) == pytest.approx(6.0)
+    assert cost_at(table, "m", "base", 99) is None and score_at(table, "m", 99) is None
+    # Seeds scored on different windows are refused, not silently truncated.
+    ragged = {"m": {"a": {32: _entry(windows=[[1.0, 2.0], [3.0]])}}}
+    with pytest.raises(ValueError):
+        score_at(ragged, "m", 32)
+
+
+def test_pairing_uses_the_domains_both_methods_scored_and_every_window_of_them():
+    from ropekit.compare.verdict import paired_blocks, paired_windows
+
+    table = {
+        "a": {"only": {32: _entry(windows=[[5.0]])},
+              "x": {32: _entry(windows=[[1.5]], blocks=[[[1.0, 2.0]]])},
+              "y": {32: _entry(windows=[[1.0, 2.0]], blocks=[[[1.0, 1.0], [2.0, 2.0]]])}},
+        "b": {"only": {},
+              "x": {32: _entry(windows=[[1.0]], blocks=[[[0.5, 1.5]]])},
+              "y": {32: _entry(windows=[[2.0, 2.5]], blocks=[[[2.0, 2.0], [3.0, 2.0]]])}},
+    }  # fmt: skip
+    assert paired_windows(table, "a", "b", 32) == [0.5, -1.0, -0.5]
+    diffs = paired_blocks(table, "a", "b", 32)
+    assert [d.tolist() for d in diffs] == [[0.5, 0.5], [-1.0, -1.0], [-1.0, 0.0]]
+    # One side without blocks somewhere: no block pairing at all.
+    table["b"]["y"][32]["last_quarter_blocks"] = [None]
+    assert paired_blocks(table, "a", "b", 32) is None
+    # Methods, or seeds, scored on different numbers of windows are refused.
+    table["b"]["y"][32] = _entry(windows=[[2.0]], blocks=[[[2.0, 2.0]]])
+    with pytest.raises(ValueError):
+        paired_windows(table, "a", "b", 32)
+    with pytest.raises(ValueError):
+        paired_blocks(table, "a", "b", 32)
+    seeds = {"a": {"d": {32: _entry(windows=[[1.0], [1.0, 2.0]],
+                                    blocks=[[[1.0, 1.0]], [[1.0, 1.0], [2.0, 2.0]]])}},
+             "b": {"d": {32: _entry(windows=[[1.0]], blocks=[[[1.0, 1.0]]])}}}  # fmt: skip
+    with pytest.raises(ValueError):
+        paired_blocks(seeds, "a", "b", 32)
+
+
+def test_the_block_error_needs_eight_blocks_averages_windows_and_keeps_the_first_of_ties():
+    from ropekit.compare.verdict import block_error
+
+    w = np.array([0.0, 1.0] * 4)  # 8 blocks: sample variance 2/7, so Var(mean) = 2/7 / 8
+    assert block_error([w]) == {"se_blocks": math.sqrt(1 / 28), "block_tokens": 64, "blocks": 8}
+    # Two windows: the variance of their mean is the sum over windows over 2^2.
+    assert block_error([w, w]) == {
+        "se_blocks": pytest.approx(math.sqrt(1 / 56)), "block_tokens": 64, "blocks": 16,
+    }  # fmt: skip
+    assert block_error([w[:7]]) is None  # 7 blocks are too few
+    # Equal errors at every block length (none at all): the shortest blocks are reported.
+    assert block_error([np.zeros(16)]) == {"se_blocks": 0.0, "block_tokens": 64, "blocks": 16}
+    # 16 blocks merged into 8 pairs when the pairs' error is larger.
+    trend = np.array([0.0, 0.0, 1.0, 1.0] * 4)
+    got = block_error([trend])
+    assert (got["block_tokens"], got["blocks"]) == (128, 8)
+    assert got["se_blocks"] == pytest.approx(math.sqrt(8 / 7 / 4 / 8))
+
+
+def _blocks_table(windows: dict[str, list[list[float]]]) -> dict:
+    """One domain, cost 0 at 8; at 32 each method's windows given by their block means (one
+    seed), each window's NLL the mean of its blocks."""
+    return {
+        m: {"d": {8: {"ppl": [10.0], "last_quarter_windows": [[1.0]],
+                      "last_quarter_blocks": [None]},
+                  32: {"ppl": [1.0], "last_quarter_windows": [[float(np.mean(w)) for w in ws]],
+                       "last_quarter_blocks": [ws]}}}
+        for m, ws in windows.items()
+    }  # fmt: skip
+
+
+def test_the_recommendation_record_without_an_eligible_method_and_with_only_one():
+    table = _table({"rope": (10.0, [3.0]), "x": (12.0, [2.0])})
+    none = recommend(table, ["x"], "rope", 8, 32, margin=0.01)
+    rule = none.pop("rule")
+    assert rule.startswith("- **Cost at L0** of a method: the relative change")
+    assert rule.endswith("deploy there and what it costs against the overall best.")
+    assert "Retrieval accuracy" not in rule and "The rule:" not in rule
+    assert none == {
+        "margin": 0.01, "min_difference": 0.005, "short_length": 8, "target_length": 32,
+        "baseline": "rope", "costs": {"x": pytest.approx(0.2)}, "scores": {"x": 2.0},
+        "eligible": [], "winner": None, "runner_up": None, "difference": None,
+        "resolved": False, "collapsed": [],
+        "sentence": "No method costs at most 1.0% at 8 tokens; none is recommended.",
+    }  # fmt: skip
+    only = recommend(table, ["rope", "x"], "rope", 8, 32, margin=0.01)
+    assert only["rule"] == rule
+    assert {k: v for k, v in only.items() if k != "rule"} == {
+        **none, "costs": {"rope": 0.0, "x": pytest.approx(0.2)},
+        "scores": {"rope": 3.0, "x": 2.0}, "eligible": ["rope"], "winner": "rope",
+        "resolved": True,
+        "sentence": "rope is the only method within 1.0% of the unmodified model at 8 tokens "
+                    "(last-quarter NLL at 32: 3.0000).",
+    }  # fmt: skip
+
+
+def test_eligible_methods_are_ranked_by_score_and_a_cost_equal_to_the_margin_is_eligible():
+    table = _table({
+        "base": (10.0, [2.0]),
+        "zeta": (12.5, [1.0]),  # +25% at L0 exactly: the margin itself
+        "mid": (10.0, [1.5]),
+        "alpha": (10.0, [1.8]),
+    })  # fmt: skip
+    verdict = recommend(table, list(table), "base", 8, 32, margin=0.25)
+    assert verdict["costs"]["zeta"] == 0.25
+    assert verdict["eligible"] == ["zeta", "mid", "alpha", "base"]
+    assert verdict["winner"] == "zeta" and verdict["runner_up"] == "mid"
+    assert verdict["collapsed"] == []
+
+
+def test_a_lead_of_exactly_min_difference_with_no_spread_resolves_over_three_windows():
+    table = _table({"a": (10.0, [1.5, 1.5, 1.5]), "b": (10.0, [2.0, 2.0, 2.0])})
+    verdict = recommend(table, ["a", "b"], "a", 8, 32, margin=0.01, min_difference=0.5)
+    assert verdict["resolved"] and verdict["runner_up"] == "b"
+    assert verdict["difference"] == {
+        "mean": -0.5, "std": 0.0, "n": 3, "se": 0.0, "se_windows": 0.0,
+        "se_blocks": None, "block_tokens": None, "blocks": None,
+    }  # fmt: skip
+    assert verdict["sentence"] == (
+        "Use a at 32 tokens: last-quarter NLL at 32 1.5000 against b's 2.0000 (paired over 3 "
+        "windows: -0.5000 ± 0.0000 s.e. over windows), costing +0.0% at 8 tokens."
+    )
+    above = recommend(table, ["a", "b"], "a", 8, 32, margin=0.01, min_difference=0.5000001)
+    assert not above["resolved"]
+
+
+def test_two_windows_without_blocks_have_a_window_error_but_cannot_resolve():
+    table = _table({"a": (10.0, [1.0, 2.0]), "b": (10.0, [2.0, 2.0])})
+    verdict = recommend(table, ["a", "b"], "a", 8, 32, margin=0.01)
+    assert not verdict["resolved"]
+    assert verdict["difference"] == {
+        "mean": -0.5, "std": pytest.approx(math.sqrt(0.5)), "n": 2, "se": None,
+        "se_windows": pytest.approx(0.5), "se_blocks": None, "block_tokens": None,
+        "blocks": None,
+    }  # fmt: skip
+    assert verdict["sentence"] == (
+        "No difference is resolved at this sample size between a and b at 32 tokens: "
+        "last-quarter NLL at 32 1.5000 against b's 2.0000 (paired over 2 windows: -0.5000); a "
+        "is ahead, costing +0.0% at 8 tokens. 2 windows at 32 cannot resolve a lead (the rule "
+        "needs at least 3, or 8 blocks of 64 tokens in each window's last quarter): score more "
+        "held-out spans (spans)."
+    )
+    one = recommend(_table({"a": (10.0, [2.0]), "b": (10.0, [2.5])}), ["a", "b"], "a", 8, 32, 0.01)
+    assert "(paired over 1 window: -0.5000); a is ahead" in one["sentence"]
+
+
+def test_the_lead_must_exceed_twice_its_standard_error_strictly():
+    # Nine windows, differences 2, -4 and seven -1: mean -1, sd 1.5, s.e. 0.5 exactly, so the
+    # lead is exactly two standard errors: not resolved.
+    edge = _table({"a": (10.0, [12.0, 6.0] + [9.0] * 7), "b": (10.0, [10.0] * 9)})
+    verdict = recommend(edge, ["a", "b"], "a", 8, 32, margin=0.01)
+    d = verdict["difference"]
+    assert (d["mean"], d["std"], d["se"]) == (-1.0, 1.5, 0.5) and not verdict["resolved"]
+    # Differences 1.4, -3.4 and seven -1: s.e. 0.4, a lead of 2.5 standard errors: resolved.
+    clear = _table({"a": (10.0, [11.4, 6.6] + [9.0] * 7), "b": (10.0, [10.0] * 9)})
+    verdict = recommend(clear, ["a", "b"], "a", 8, 32, margin=0.01)
+    assert verdict["difference"]["se"] == pytest.approx(0.4) and verdict["resolved"]
+
+
+def test_the_error_text_names_where_the_error_came_from():
+    # One window, 8 blocks, a constant lead: resolved within that window's text only.
+    one = _blocks_table({"a": [[1.0, 1.5] * 4], "b": [[2.0, 2.5] * 4]})
+    verdict = recommend(one, ["a", "b"], "a", 8, 32, margin=0.01)
+    assert verdict["resolved"] and verdict["sentence"] == (
+        "Use a at 32 tokens: last-quarter NLL at 32 1.2500 against b's 2.2500 (paired over 1 "
+        "window: -1.0000 ± 0.0000 s.e. from 8 blocks of 64 tokens within the windows), costing "
+        "+0.0% at 8 tokens. The error is from within 1 window: more held-out spans (spans) "
+        "would say whether the lead holds across documents."
+    )
+    # Three windows, each constant within but differing across: the window error is larger.
+    three = _blocks_table({"a": [[1.0] * 8, [1.5] * 8, [2.0] * 8], "b": [[2.0] * 8] * 3})
+    verdict = recommend(three, ["a", "b"], "a", 8, 32, margin=0.01)
+    d = verdict["difference"]
+    assert d["se_blocks"] == 0.0 and d["se"] == d["se_windows"] == pytest.approx(0.5 / 3**0.5)
+    assert verdict["sentence"] == (
+        "No difference is resolved at this sample size between a and b at 32 tokens: "
+        "last-quarter NLL at 32 1.5000 against b's 2.0000 (paired over 3 windows: -0.5000 ± "
+        "0.2887 s.e. over windows); a is ahead, costing +0.0% at 8 tokens."
+    )
+
+
+def test_every_collapsed_method_is_named_in_the_sentence():
+    four = _table({
+        "rope": (10.0, [5.0] * 3), "alibi": (10.0, [6.0] * 3),
+        "a": (10.0, [1.0] * 3), "b": (10.0, [1.5] * 3),
+    })  # fmt: skip
+    verdict = recommend(four, list(four), "rope", 8, 32, margin=0.01)
+    assert verdict["collapsed"] == ["rope", "alibi"] and verdict["resolved"]
+    assert verdict["sentence"] == (
+        "Use a at 32 tokens: last-quarter NLL at 32 1.0000 against b's 1.5000 (paired over 3 "
+        "windows: -0.5000 ± 0.0000 s.e. over windows); collapsed at 32: rope, alibi, costing "
+        "+0.0% at 8 tokens."
+    )
+    alone = _table({"rope": (10.0, [5.0]), "alibi": (10.0, [6.0]), "a": (10.0, [1.0])})
+    verdict = recommend(alone, list(alone), "rope", 8, 32, margin=0.01)
+    assert verdict["resolved"] and verdict["sentence"] == (
+        "Use a at 32 tokens: last-quarter perplexity at 32 2.7 (NLL 1.0000), costing +0.0% at 8 "
+        "tokens; every other method within 1.0% collapses there: rope (last-quarter perplexity "
+        "148.4), alibi (last-quarter perplexity 403.4)."
+    )
+
+
+def test_an_engine_with_no_answer_for_the_recommended_method_gives_no_reason():
+    table = _table({"a": (10.0, [1.0] * 3), "b": (10.0, [1.5] * 3)})
+    verdict = recommend(table, ["a", "b"], "a", 8, 32, margin=0.01)
+    engines = per_engine(verdict, {"b": {"e": {"exact": False, "why": "per-head"}}})
+    assert engines["e"] == {
+        "method": None, "score": None, "cost": None, "behind": None, "why_not_best": None,
+        "beyond_margin": None, "sentence": "e: serves none of the eligible methods exactly.",
+    }  # fmt: skip
+    # An exact answer's reason is "" (ropekit.serve.serving.Served): no reason to report.
+    exact = per_engine(verdict, {"a": {"e": {"exact": True, "why": ""}}})
+    assert exact["e"]["method"] == "a" and exact["e"]["why_not_best"] is None

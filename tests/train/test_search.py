@@ -4,7 +4,11 @@ longrope adapter that scores what the search recorded, and a rerun makes no forw
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -153,3 +157,256 @@ def test_the_evolution_breeds_from_its_best_and_crosses_them():
     assert best["nll"] < 0.05 * start, (best["nll"], start)
     crossed = [o for o in evolved.records if o.endswith("crossover")]
     assert len(crossed) >= len(evolved.records) // 4, evolved.records
+
+
+def test_the_config_written_lists_its_data_and_every_setting_and_reads_back():
+    config = SearchConfig(TARGET, data=["shakespeare", "kjv"], seed=3)
+    assert config.data == ("shakespeare", "kjv")
+    assert config.to_dict() == {
+        "target_length": TARGET, "samples": 2, "budget": 48, "population": 8, "parents": 4,
+        "mutation": 0.1, "data": ["shakespeare", "kjv"], "seed": 3, "chunk": 2048,
+    }  # fmt: skip
+    assert SearchConfig(**json.loads(json.dumps(config.to_dict()))) == config
+    assert SearchConfig(TARGET).to_dict()["data"] == "shakespeare"
+
+
+def test_the_yarn_seed_is_yarns_frequencies_as_factors():
+    seeds = initial_factors(16, 10000.0, 4.0, 32)
+    assert list(seeds) == ["pi", "ntk", "yarn"]
+    rope = schedules.rope(16, 10000.0)[0].numpy()
+    yarn = schedules.yarn(16, 10000.0, 4.0, 32)[0].numpy()
+    expected = np.maximum.accumulate(np.maximum(rope / yarn, 1.0))
+    assert np.allclose(seeds["yarn"], expected) and not np.allclose(seeds["yarn"], seeds["ntk"])
+
+
+def test_a_mutation_changes_about_half_the_factors_and_stays_within_bounds():
+    from ropekit.train.search import _mutate
+
+    parent = 2.0 ** np.arange(1, 65)  # far apart: the running maximum moves nothing
+    child = _mutate(parent, np.random.default_rng(0), 0.1, cap=2.0**70)
+    changed = child != parent
+    assert 16 < changed.sum() < 48, changed.sum()
+    assert (np.abs(np.log(child / parent)) < 0.6).all()  # exp(N(0, 0.1)): within 6 sd
+    rng = np.random.default_rng(1)
+    for start in (np.ones(16), np.full(16, 16.0), np.linspace(1.0, 16.0, 16)):
+        for _ in range(20):
+            f = _mutate(start, rng, 1.0, cap=16.0)
+            assert (f >= 1).all() and (f <= 16).all() and (np.diff(f) >= 0).all()
+
+
+def test_a_crossover_child_takes_each_pair_from_one_parent_and_some_from_each():
+    from ropekit.train.search import _crossover
+
+    a = 2.0 ** np.arange(1, 65)
+    b = 1.5 * a  # every mix of the two is still non-decreasing
+    child = _crossover(a, b, np.random.default_rng(0), cap=2.0**70)
+    from_a, from_b = child == a, child == b
+    assert (from_a | from_b).all()
+    assert 16 < from_a.sum() < 48, from_a.sum()
+    capped = _crossover(a, b, np.random.default_rng(0), cap=100.0)
+    assert capped.max() == 100.0 and (np.diff(capped) >= 0).all()
+
+
+def test_the_spec_holds_the_factors_beyond_the_window_or_at_every_length():
+    from ropekit.train.search import _spec
+
+    factors = np.array([1.0, 1.5, 2.25, 4.0000001])
+    assert _spec(factors, 4.0, 32, short=True) == (
+        "longrope:short_factor=[1],long_factor=[1,1.5,2.25,4],factor=4,original_length=32"
+    )
+    assert _spec(factors, 2.5, 64, short=False) == (
+        "longrope:short_factor=[1,1.5,2.25,4],long_factor=[1,1.5,2.25,4],factor=2.5,"
+        "original_length=64"
+    )
+
+
+class _Recorder:
+    """A scorer with a given fitness that keeps every candidate it scored."""
+
+    def __init__(self, fitness) -> None:
+        self.fitness, self.forwards, self.scored = fitness, 0, []
+
+    def known(self, factors: np.ndarray) -> float | None:
+        return None
+
+    def __call__(self, factors: np.ndarray, origin: str) -> float:
+        self.forwards += 1
+        self.scored.append((origin, factors.copy()))
+        return float(self.fitness(factors))
+
+
+def _run_evolve(scorer, config, seeds, cap=None):
+    from tqdm.auto import tqdm
+
+    from ropekit.train.search import MAX_FACTOR_TIMES_S, _evolve
+
+    bar = tqdm(total=config.budget, file=io.StringIO())
+    cap = MAX_FACTOR_TIMES_S * TARGET / CONTEXT if cap is None else cap
+    best = _evolve(scorer, config, seeds, cap, bar)
+    return best, bar
+
+
+def test_the_generations_alternate_mutation_and_crossover_and_are_numbered():
+    seeds = initial_factors(16, 10000.0, TARGET / CONTEXT, CONTEXT)
+    target = seeds["ntk"] * 1.1
+    scorer = _Recorder(lambda f: np.sum((np.log(f) - np.log(target)) ** 2))
+    config = SearchConfig(TARGET, samples=1, budget=16, population=4, parents=2)
+    best, bar = _run_evolve(scorer, config, seeds)
+    origins = [o for o, _ in scorer.scored]
+    assert origins == ["pi", "ntk", "yarn", "mutation of pi"] + [
+        o for g in (1, 2, 3) for o in (f"generation {g}", f"generation {g} crossover") * 2
+    ]
+    assert bar.n == scorer.forwards == 16  # the progress counts every forward
+    nll, factors = min((scorer.fitness(f), f) for _, f in scorer.scored)
+    assert best["nll"] == nll and (best["factors"] == factors).all()
+    # One parent: nothing to cross, every child is a mutation.
+    scorer = _Recorder(lambda f: np.sum((np.log(f) - np.log(target)) ** 2))
+    one = SearchConfig(TARGET, samples=1, budget=12, population=4, parents=1)
+    _run_evolve(scorer, one, seeds)
+    assert [o for o, _ in scorer.scored][4:] == [
+        f"generation {g}" for g in (1, 2) for _ in range(4)
+    ]
+
+
+def test_a_flat_fitness_ends_with_the_first_seed_and_no_error():
+    seeds = initial_factors(16, 10000.0, TARGET / CONTEXT, CONTEXT)
+    scorer = _Recorder(lambda f: 1.0)  # every candidate ties, identical factors included
+    config = SearchConfig(TARGET, samples=1, budget=12, population=4, parents=4)
+    best, _ = _run_evolve(scorer, config, {**seeds, "again": seeds["pi"]})
+    assert best["origin"] == "pi" and best["nll"] == 1.0 and len(scorer.scored) == 12
+
+
+def test_crossovers_pair_each_parent_with_the_next_best():
+    """Four seeds ranked s0 < s1 < s2 < s3, mutation negligible: the first generation is
+    s0, cross(s1, s2), s2, cross(s3, s0)."""
+    base = 2.0 ** np.arange(1, 9)
+    seeds = {f"s{k}": base * (1 + 0.1 * k) for k in range(4)}
+    scorer = _Recorder(np.sum)
+    config = SearchConfig(TARGET, samples=1, budget=8, population=4, parents=4, mutation=1e-9)
+    _run_evolve(scorer, config, seeds, cap=1e9)
+    children = [np.round(f / base, 6) for _, f in scorer.scored[4:]]
+    assert set(children[1]) == {1.1, 1.2} and set(children[3]) == {1.3, 1.0}
+    assert set(children[0]) == {1.0} and set(children[2]) == {1.2}
+
+
+def test_a_crossover_child_is_mutated_at_half_the_step():
+    """Two identical parents cross into themselves, so what the child differs by is its
+    mutation alone: exp(N(0, mutation / 2)) on about half the pairs."""
+    f = np.exp(np.arange(1.0, 401.0))  # far apart: the running maximum moves nothing
+    scorer = _Recorder(lambda _: 1.0)
+    config = SearchConfig(TARGET, samples=1, budget=4, population=2, parents=2, mutation=0.2)
+    _run_evolve(scorer, config, {"a": f, "b": f.copy()}, cap=1e300)
+    (o1, mutated), (o2, crossed) = scorer.scored[2:]
+    assert (o1, o2) == ("generation 1", "generation 1 crossover")
+    for child, step in ((mutated, 0.2), (crossed, 0.1)):
+        change = np.log(child / f)
+        change = change[change != 0]
+        assert 150 < len(change) < 250
+        assert 0.8 * step < np.sqrt(np.mean(change**2)) < 1.2 * step
+
+
+def test_search_logs_its_plan_shows_progress_and_records_its_provenance(base_dir, tmp_path, capsys):
+    from ropekit.data.tokenizers import ByteTokenizer
+    from ropekit.results import digest
+
+    model, tokenizer, logs = Decoder.load(base_dir).eval(), ByteTokenizer(), []
+    config = SearchConfig(TARGET, samples=2, budget=24, population=4, parents=2, chunk=64)
+    result = search(model, config, tmp_path / "s", tokenizer=tokenizer, log=logs.append)
+    backbone = as_backbone(model)
+    assert backbone.tokenizer is tokenizer
+    assert logs == ["searching 8 per-pair factors for 128 tokens (4x), budget 24 forwards"]
+    err = capsys.readouterr().err
+    assert re.search(r"search: 100%\|.*\| 24/24 \[.*(forward/s|s/forward)\]", err), err
+    data = json.loads((tmp_path / "s" / "search.json").read_text())
+    assert data["meta"]["command"] == " ".join(sys.argv)
+    assert set(data["provenance"]) == {"model", "config"}
+    assert data["provenance"]["config"] == config.to_dict()
+    lines = (tmp_path / "s" / "candidates.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines]
+    assert all(set(r) == {"stage", "origin", "factors", "nll"} for r in records)
+    assert {r["stage"] for r in records} == {digest(data["provenance"])}
+    assert [r["origin"] for r in records[:3]] == ["pi", "ntk", "yarn"]
+    # Each candidate is scored with its own factors: the seeds score differently.
+    assert len(set(result.baselines.values())) == 3
+    assert result.baselines == {r["origin"]: r["nll"] for r in records[:3]}
+    best = min(records, key=lambda r: r["nll"])
+    assert result.nll == best["nll"] and backbone.encoding.spec == result.spec
+    found = re.fullmatch(r"longrope:short_factor=\[1\],long_factor=\[(.*)\],original_length=32,"
+                         r"factor=4", result.spec)  # fmt: skip
+    assert found, result.spec
+    assert [float(v) for v in found[1].split(",")] == pytest.approx(best["factors"], rel=1e-5)
+    meta, _ = read_adapter(tmp_path / "s" / "adapter")
+    assert meta["weights_sample"] == pytest.approx(backbone.weights_sample())
+    # A rerun of the finished search returns what the first returned, and says so.
+    again, logs = Decoder.load(base_dir).eval(), []
+    same = search(again, config, tmp_path / "s", progress=False, log=logs.append)
+    assert same == result and logs == [f"{tmp_path / 's'} holds this search, finished: {same.spec}"]
+    assert capsys.readouterr().err == ""  # progress=False: no bar
+    # Another config in a finished search's folder is refused; overwrite starts afresh.
+    other = SearchConfig(TARGET, samples=1, budget=6, population=4, parents=2, chunk=64)
+    with pytest.raises(ValueError, match="config"):
+        search(Decoder.load(base_dir).eval(), other, tmp_path / "s", progress=False)
+    fresh = Decoder.load(base_dir).eval()
+    counter = ForwardCounter(fresh)
+    replaced = search(fresh, config, tmp_path / "s", overwrite=True, progress=False, log=print)
+    assert counter.calls > 0 and replaced.spec == result.spec and replaced.nll == result.nll
+
+
+def test_a_scorer_scores_the_mean_nll_of_its_samples_and_counts_earlier_forwards(
+    base_dir, tmp_path
+):
+    from ropekit.data import make_train_dataset
+    from ropekit.train.search import _Scorer
+
+    backbone = as_backbone(Decoder.load(base_dir).eval())
+    config = SearchConfig(TARGET, samples=3, budget=24, seed=3, chunk=64)
+    context = {"factor": TARGET / CONTEXT, "original_length": CONTEXT}
+    scorer = _Scorer(backbone, config, tmp_path / "c.jsonl", "stage", context)
+    packed = make_train_dataset("shakespeare", backbone.require_tokenizer(), TARGET, seed=3)
+    for k, ids in enumerate(scorer.samples):
+        assert ids.tolist() == [packed.sample(k)[0].tolist()]
+    listed = dataclasses.replace(config, data=["shakespeare"])  # a list of corpora: the same
+    same = _Scorer(backbone, listed, tmp_path / "l.jsonl", "stage", context).samples
+    assert [x.tolist() for x in same] == [x.tolist() for x in scorer.samples]
+    factors = initial_factors(16, 10000.0, TARGET / CONTEXT, CONTEXT)["ntk"]
+    nll = scorer(factors, "ntk")
+    per_sample = [float(backbone.token_nll(ids, 64).double().mean()) for ids in scorer.samples]
+    assert nll == pytest.approx(np.mean(per_sample), rel=1e-12)
+    scorer(factors * 1.01, "other")
+    resumed = _Scorer(backbone, config, tmp_path / "c.jsonl", "stage", context)
+    assert resumed.forwards == 6 and resumed.known(factors) == nll
+    elsewhere = _Scorer(backbone, config, tmp_path / "c.jsonl", "another", context)
+    assert elsewhere.forwards == 0 and elsewhere.known(factors) is None
+    # As many samples as the text holds are allowed; one more is refused.
+    n = len(packed)
+    assert len(_Scorer(backbone, SearchConfig(TARGET, samples=n, budget=3 * n), tmp_path / "n",
+                       "s", context).samples) == n  # fmt: skip
+    with pytest.raises(ValueError, match=f"the training text holds only {n} samples of 128"):
+        _Scorer(backbone, SearchConfig(TARGET, samples=n + 1, budget=3 * n + 3), tmp_path / "m",
+                "s", context)  # fmt: skip
+
+
+def test_a_resumed_search_counts_earlier_forwards_and_ignores_another_configs(
+    base_dir, tmp_path, capsys
+):
+    config = SearchConfig(TARGET, samples=1, budget=10, population=4, parents=2, chunk=64)
+    out = tmp_path / "cut"
+    search(Decoder.load(base_dir).eval(), config, out, progress=False, log=lambda _: None)
+    lines = (out / "candidates.jsonl").read_text().splitlines()
+    (out / "candidates.jsonl").write_text("\n".join(lines[:5]) + "\n")
+    (out / "search.json").unlink()
+    capsys.readouterr()
+    search(Decoder.load(base_dir).eval(), config, out, log=lambda _: None)
+    assert re.search(r"search: 100%\|.*\| 10/10 \[", capsys.readouterr().err)
+    # Interrupted again, then resumed with another seed: the first seed's scores are not reused.
+    (out / "search.json").unlink()
+    other = dataclasses.replace(config, seed=1)
+    resumed = search(Decoder.load(base_dir).eval(), other, out, progress=False)
+    whole = search(Decoder.load(base_dir).eval(), other, tmp_path / "whole", progress=False)
+    assert resumed.baselines == whole.baselines and resumed.nll == whole.nll
+
+
+def test_a_target_under_twice_the_trained_length_is_searched(base_dir, tmp_path):
+    config = SearchConfig(48, samples=1, budget=3, population=3, parents=1, chunk=64)
+    result = search(Decoder.load(base_dir).eval(), config, tmp_path / "s", progress=False)
+    assert result.forwards == 3 and "factor=1.5" in result.spec
