@@ -66,6 +66,20 @@ INIT_SCHEDULES: dict[str, type[RopeConfig]] = {
 }
 
 
+def init_schedule(init: str) -> type[RopeConfig]:
+    """The schedule config an ``init`` option names (AdaRoPE and the remaps start from it)."""
+    check_choice("init", init, tuple(INIT_SCHEDULES))
+    return INIT_SCHEDULES[init]
+
+
+def check_init(init: str, schedule: RopeConfig) -> None:
+    """Refuse a schedule that is not exactly the one ``init`` names: YarnConfig is a
+    LinearConfig, and init=linear over a YaRN schedule would write a spec that builds another
+    encoding."""
+    if type(schedule) is not init_schedule(init):
+        raise ValueError(f"schedule {type(schedule).__name__} does not match init={init!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class AdaRoPEConfig(EncodingConfig):
     """AdaRoPE options; every option it does not own goes to the ``init`` schedule.
@@ -89,11 +103,7 @@ class AdaRoPEConfig(EncodingConfig):
     PAPER_PRETRAIN_L_REF: ClassVar[int] = 64
 
     def __post_init__(self) -> None:
-        check_choice("init", self.init, tuple(INIT_SCHEDULES))
-        if type(self.schedule) is not INIT_SCHEDULES[self.init]:  # YarnConfig is a LinearConfig
-            raise ValueError(
-                f"schedule {type(self.schedule).__name__} does not match init={self.init!r}"
-            )
+        check_init(self.init, self.schedule)
         if self.l_ref is None:
             object.__setattr__(self, "l_ref", self._default_l_ref())
         check_positive("l_ref", self.l_ref, minimum=1, strict=False)
@@ -110,9 +120,8 @@ class AdaRoPEConfig(EncodingConfig):
 
     @classmethod
     def option_types(cls, options: dict[str, str]) -> dict[str, Any]:
-        init = options.get("init", "rope")
-        check_choice("init", init, tuple(INIT_SCHEDULES))
-        return {**super().option_types(options), **INIT_SCHEDULES[init].option_types(options)}
+        schedule = init_schedule(options.get("init", "rope"))
+        return {**super().option_types(options), **schedule.option_types(options)}
 
     @classmethod
     def from_options(cls, options: dict[str, str], context: dict[str, Any] | None = None):
@@ -120,11 +129,11 @@ class AdaRoPEConfig(EncodingConfig):
         own = {k: v for k, v in options.items() if k in own_types}
         rest = {k: v for k, v in options.items() if k not in own_types}
         init = own.get("init", "rope")
-        check_choice("init", init, tuple(INIT_SCHEDULES))
+        schedule_cls = init_schedule(init)
         try:
-            schedule = INIT_SCHEDULES[init].from_options(rest, context)
+            schedule = schedule_cls.from_options(rest, context)
         except ValueError as e:
-            allowed = ", ".join([*own_types, *INIT_SCHEDULES[init].field_types()])
+            allowed = ", ".join([*own_types, *schedule_cls.field_types()])
             raise ValueError(f"{e} (adarope with init={init} allows: {allowed})") from None
         kwargs = {k: cls.parse_value(k, v, own_types[k]) for k, v in own.items()}
         context_l_ref = (context or {}).get("l_ref")

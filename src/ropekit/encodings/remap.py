@@ -70,7 +70,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from .adarope import INIT_SCHEDULES
+from .adarope import check_init, init_schedule
 from .bands import Band
 from .base import (
     EncodingConfig,
@@ -97,11 +97,7 @@ class RemapConfig(EncodingConfig):
     CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = RopeConfig.CONTEXT_FIELDS
 
     def __post_init__(self) -> None:
-        check_choice("init", self.init, tuple(INIT_SCHEDULES))
-        if type(self.schedule) is not INIT_SCHEDULES[self.init]:  # YarnConfig is a LinearConfig
-            raise ValueError(
-                f"schedule {type(self.schedule).__name__} does not match init={self.init!r}"
-            )
+        check_init(self.init, self.schedule)
         inner = self.schedule.extension().original_length
         if self.original_length is None and inner is not None:
             object.__setattr__(self, "original_length", inner)
@@ -135,16 +131,14 @@ class RemapConfig(EncodingConfig):
 
     @classmethod
     def option_types(cls, options: dict[str, str]) -> dict[str, Any]:
-        init = options.get("init", "rope")
-        check_choice("init", init, tuple(INIT_SCHEDULES))
-        return {**cls.own_fields(), **INIT_SCHEDULES[init].option_types(options)}
+        schedule = init_schedule(options.get("init", "rope"))
+        return {**cls.own_fields(), **schedule.option_types(options)}
 
     @classmethod
     def from_options(cls, options: dict[str, str], context: dict[str, Any] | None = None):
         own_types = cls.own_fields()
         init = options.get("init", "rope")
-        check_choice("init", init, tuple(INIT_SCHEDULES))
-        schedule_cls = INIT_SCHEDULES[init]
+        schedule_cls = init_schedule(init)
         schedule_types = schedule_cls.field_types()
         shared = {"original_length"} & set(schedule_types)
         own = {k: v for k, v in options.items() if k in own_types}
