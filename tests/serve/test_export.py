@@ -167,6 +167,8 @@ def test_tuned_yarn_exports_exactly(tmp_path: Path) -> None:
         ("nope", "only rotary encodings export"),
         ("mixed:method=yarn,factor=2", "no rope_type does both"),  # was an AttributeError
         ("rerope", "remaps query-key distances"),
+        # Self-Extend has one route, llama.cpp through the recipe: the HF export names it
+        ("self-extend:mode=llama.cpp,group=4,window=8", "--format gguf"),
     ],
 )
 def test_what_llama_attention_cannot_compute_is_refused(
@@ -328,3 +330,18 @@ def test_vllm_plugin_rotary_on_flat_rows_is_ropekit_on_heads(tmp_path: Path) -> 
     with pytest.raises(ExportRefused, match="sequence length"):
         patch(model, "dynamic-ntk:factor=2")
         export(model, None, tmp_path / "dyn", format="vllm")
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ("self-extend:group=4,window=8", "mode=llama.cpp"),  # the paper's sliding window
+        ("self-extend:mode=llama.cpp,group=4,window=8,init=yarn,factor=2", "build_rope_shift"),
+        ("string", "only Self-Extend"),
+    ],
+)
+def test_gguf_refuses_remaps_llamacpp_cannot_serve(spec: str, why: str, tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    patch(model, spec)
+    with pytest.raises(ExportRefused, match=why):
+        export(model, None, tmp_path / "out", format="gguf")

@@ -262,3 +262,28 @@ def test_inspect_says_transformers_dynamic_ntk_is_not_exact_through_its_cache(tm
     report = inspect_folder(export(model, None, tmp_path / "d"))
     (mine,) = [d for d in report["disagreements"] if d["engine"] == "transformers"]
     assert "KV cache" in mine["what"] and "yarn" in mine["fix"]
+
+
+def test_inspect_says_llamacpp_serves_a_self_extend_export_through_the_recipe(tmp_path) -> None:
+    """A self-extend:mode=llama.cpp GGUF holds its base schedule; the record and inspect name
+    the recipe (ropekit.serve.llamacpp_self_extend) with the group and window, and the target
+    is Self-Extend's reach: the longest prompt whose distances stay below L0."""
+    from ropekit.serve.inspection import format_report
+
+    model = tiny_model("llama")
+    patch(model, "self-extend:group=4,window=8,mode=llama.cpp")
+    out = export(model, None, tmp_path / "g", format="gguf")
+    record = json.loads((out / "ropekit_export.json").read_text())
+    assert record["rope_parameters"]["rope_type"] == "default"
+    recipe = record["serve_with"]
+    assert recipe["recipe"] == "ropekit.serve.llamacpp_self_extend"
+    assert (recipe["group"], recipe["window"], recipe["original_length"]) == (4, 8, L0)
+    # blocks b with b W / G + W - 1 < L0 = 32: b <= 12, so 13 blocks of 8 tokens
+    assert record["target_length"] == 13 * 8
+    report = inspect_folder(out)
+    assert report["disagreements"] == [] and report["original_length"] == L0
+    text = "\n".join(format_report(report))
+    assert "--group 4 --window 8" in text and "pos_div" in text
+    assert "llama.cpp serves self-extend:" in text
+    assert "README.md" in {p.name for p in out.iterdir()}
+    assert "llamacpp_self_extend" in (out / "README.md").read_text()

@@ -27,7 +27,11 @@ ALL = set(ENGINES)
         (PER_HEAD, {"vllm+ropekit"}),  # per (layer, kv head): only the plugin
         ("dynamic-ntk:factor=2", set()),  # transformers' cache, vLLM's static base, refusals
         ("rerope:window=8,leaky=4", set()),  # a distance remap: no engine's attention has it
-        ("self-extend:group=4,window=8", set()),
+        ("self-extend:group=4,window=8", set()),  # the paper's sliding window: none
+        # llama.cpp's own blocks: llama.cpp through ropekit.serve.llamacpp_self_extend
+        ("self-extend:group=4,window=8,mode=llama.cpp", {"llama.cpp"}),
+        # ... but not on a YaRN base: llama.cpp's K-shift scales moved keys again
+        ("self-extend:group=4,window=8,mode=llama.cpp,init=yarn,factor=2", set()),
     ],
 )
 def test_the_engines_that_serve_each_method_exactly(spec: str, exact: set[str]) -> None:
@@ -56,3 +60,13 @@ def test_ropekits_own_decoder_is_served_by_no_engine() -> None:
     served = served_by(as_backbone(decoder))
     assert not any(s.exact for s in served.values())
     assert all("ropekit's own decoder" in s.why for s in served.values())
+
+
+def test_what_the_engines_say_about_self_extend() -> None:
+    model = tiny_model("llama")
+    patch(model, "self-extend:group=4,window=8,mode=llama.cpp")
+    served = served_by(as_backbone(model))
+    assert "--format gguf" in served["transformers"].why
+    assert "ropekit.serve.llamacpp_self_extend" in served["vllm"].why
+    patch(model, "self-extend:group=4,window=8")
+    assert "mode=llama.cpp" in served_by(as_backbone(model))["llama.cpp"].why

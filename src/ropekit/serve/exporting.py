@@ -26,6 +26,11 @@ Rules, by encoding:
   temperature grows with the query's position, and no rope type has a position-dependent query
   scale: export refuses, or with ``temperature_at=L`` freezes lambda at length L (exact for
   queries at L, and for all queries whose L <= L_ref when L <= L_ref; recorded as approximate).
+- Distance remaps rotate q and k per pair, which no rope config expresses: refused, except
+  Self-Extend in llama.cpp's blocks (``self-extend:mode=llama.cpp``) with ``format="gguf"``:
+  the file holds the base schedule, the record's ``serve_with`` names the recipe that drives
+  llama.cpp's group attention (``ropekit.serve.llamacpp_self_extend``), and the target is
+  Self-Extend's reach (``engines.llamacpp.self_extend_reach``).
 - Frequencies or temperatures that differ across heads or layers are refused: rope_parameters
   holds one frequency per rotary pair for the whole model. ``nearest=True`` exports the
   closest shared schedule instead (``ropekit.serve.nearest``), recorded as approximate.
@@ -75,6 +80,7 @@ from ropekit.hf.patching import ENCODING_ATTR, encoding_of, patch
 from ropekit.hf.rope_config import ExportRefused, rope_parameters_for
 
 from .engines import EXPORT_RECORD, FORMATS
+from .engines.llamacpp import llamacpp_recipe, recipe_notes, self_extend_reach
 from .nearest import head_frequencies, nearest_shared
 
 # Learned frequencies count as shared when every row equals the first to this relative
@@ -401,9 +407,18 @@ def served_config(
             f"{encoding.spec!r} follows the sequence length; the vLLM plugin rotates by token "
             "position only (vLLM gives the rotary no sequence lengths)"
         )
+    recipe = None
+    rope_encoding = encoding
+    if encoding.remaps_distance:
+        # Self-Extend in llama.cpp's blocks: the GGUF holds the base schedule and the record
+        # names the recipe that makes llama.cpp group its KV cache (engines.llamacpp); every
+        # other remap, format or base is refused there, saying why.
+        recipe = llamacpp_recipe(encoding, format)
+        rope_encoding = encoding.inner
     params, extra, notes = export_rope_parameters(
-        encoding, model_config, temperature_at=temperature_at, nearest=nearest or format == "vllm"
-    )
+        rope_encoding, model_config, temperature_at=temperature_at,
+        nearest=nearest or format == "vllm",
+    )  # fmt: skip
     if format == "vllm":
         from .vllm_plugin import ARCHITECTURE
 
@@ -415,6 +430,12 @@ def served_config(
             *notes,
         ]
     target = int(max_length or target_length(encoding, model_config))
+    if recipe is not None:
+        notes = [*notes, *recipe_notes(recipe)]
+        l0 = int(encoding.original_length or original_length(model_config))
+        recipe = {**recipe, "original_length": l0}  # inspect's L0: the base params lack it
+        if max_length is None:  # Self-Extend's reach, not the base schedule's factor x L0
+            target = self_extend_reach(recipe["group"], recipe["window"], l0)
     fields, engine_keys = length_fields(params, model_config, target)
     params = {**params, **engine_keys}
     extra = {**extra, **fields}
@@ -429,6 +450,8 @@ def served_config(
         "rope_parameters": params, "config_changes": extra, "notes": notes,
         "ropekit": __version__,
     }  # fmt: skip
+    if recipe is not None:
+        record["serve_with"] = recipe
     return config, record
 
 

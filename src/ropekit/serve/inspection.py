@@ -233,6 +233,9 @@ def _original_length(folder: ServedFolder) -> int:
     """L0 of the folder's schedule: the length its rope_parameters were trained at."""
     if folder.gguf is not None and folder.record is None:
         return int(folder.gguf.rope.original_length)
+    recipe = (folder.record or {}).get("serve_with")
+    if recipe is not None:  # a remap's L0: its base rope_parameters may not hold it
+        return int(recipe["original_length"])
     if folder.rope_type in ("linear", "dynamic"):
         return int(folder.config["max_position_embeddings"])
     p = folder.rope_parameters
@@ -304,6 +307,8 @@ def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
         "format": "gguf" if folder.gguf is not None else "hf",
         "files": [str(f) for f in folder.files],
         "notes": list((folder.record or {}).get("notes", [])),
+        "serve_with": (folder.record or {}).get("serve_with"),
+        "spec": (folder.record or {}).get("spec"),
         "views": {n: {name: _view_json(v) for name, v in row.items()} for n, row in views.items()},
         "disagreements": [
             dataclasses.asdict(d) for d in rope_disagreements(folder, lengths, views)
@@ -346,7 +351,13 @@ def format_report(report: dict[str, Any]) -> list[str]:
                 f"{theta[0]:>10.4g} {mid:>10.4g} {theta[-1]:>10.4g}  {v['source']}"
             )
             lines += [f"{'':>9}{note}" for note in v["notes"]]
-    if not report["disagreements"] and report["reference"] is not None:
+    recipe = report.get("serve_with")
+    if not report["disagreements"] and recipe is not None:
+        lines.append(
+            f"no disagreements on the base schedule; {recipe['engine']} serves "
+            f"{report['spec']} through {recipe['recipe']}: {recipe['command']}"
+        )
+    elif not report["disagreements"] and report["reference"] is not None:
         lines.append(f"no disagreements: every engine computes what {report['reference']} computes")
     for d in report["disagreements"]:
         lines.append(f"DISAGREES {d['engine']} @{d['length']}: {d['what']}")
@@ -359,6 +370,13 @@ def _reference_line(report: dict[str, Any]) -> str:
         return (
             f"reference: none (a GGUF file without {EXPORT_RECORD}): what llama.cpp computes "
             "from its rope keys, with nothing to compare it to"
+        )
+    if report.get("serve_with") is not None:
+        return (
+            f"reference: ropekit's {report['spec']} ({EXPORT_RECORD}): a distance remap whose "
+            "rope keys are its base schedule (transformers' meaning of the rope_parameters "
+            "below); no engine's config holds the remap, llama.cpp computes it driven by the "
+            "recipe named below"
         )
     if report["format"] == "gguf":
         return (
