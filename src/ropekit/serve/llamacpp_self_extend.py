@@ -194,12 +194,17 @@ def _floats(ptr: Any) -> Any:
     return ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float))
 
 
-def prompt_logprobs(session: SelfExtendSession, tokens: list[int], chunk: int = 512) -> np.ndarray:
+def prompt_logprobs(
+    session: SelfExtendSession, tokens: list[int], chunk: int = 512, tail: int = 0
+) -> np.ndarray:
     """log p(tokens[t + 1] | tokens[:t + 1]) for t < T - 1, float64 (T - 1,), the prompt fed
-    in chunks of ``chunk`` tokens (the (T, V) logits are never held at once)."""
+    in chunks of ``chunk`` tokens (the (T, V) logits are never held at once) and its last
+    ``tail`` tokens one per decode, as generation feeds them."""
     got = np.empty(len(tokens) - 1, np.float64)
-    for start in range(0, len(tokens), chunk):
-        rows = session.feed(tokens[start : start + chunk]).astype(np.float64)
+    head = len(tokens) - tail
+    starts = [*range(0, head, chunk), *range(head, len(tokens))]
+    for start, stop in zip(starts, [*starts[1:], len(tokens)], strict=True):
+        rows = session.feed(tokens[start:stop]).astype(np.float64)
         nxt = tokens[start + 1 : start + 1 + len(rows)]
         rows = rows[: len(nxt)]
         peak = rows.max(axis=-1, keepdims=True)
@@ -246,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-file", help="continue this text greedily")
     parser.add_argument("--n-predict", type=int, default=64)
     parser.add_argument("--score", nargs="*", default=[], help="IDS.npy:OUT.npy log-probs")
+    parser.add_argument("--tail", type=int, default=0, help="score: last N tokens one by one")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     llm = open_model(args.model, args.n_ctx, threads=args.threads)
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = [int(t) for t in np.load(ids_path)]
         t0 = time.perf_counter()
         with SelfExtendSession(llm, args.group, args.window, args.seq_div) as session:
-            np.save(out_path, prompt_logprobs(session, tokens))
+            np.save(out_path, prompt_logprobs(session, tokens, tail=args.tail))
             calls = len(session.calls)
         info["runs"].append(
             {"ids": ids_path, "eval_s": round(time.perf_counter() - t0, 1), "memory_calls": calls}

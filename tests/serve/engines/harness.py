@@ -10,7 +10,9 @@ Holds:
                       and trained (experiment D's seed-0 adapter; nearest shared schedule).
     prompt_ids        the first n tokens of the held-out Shakespeare plays (SmolLM2 tokenizer).
     token_logprobs    log p(ids[t+1] | ids[:t+1]) of a model, float64 (T-1,).
-    run_engine        one engine subprocess; returns its RESULT record.
+    SELF_EXTEND       Self-Extend in llama.cpp's blocks, served by the recipe (RECIPE_FILE).
+    run_engine        one engine subprocess; returns its RESULT record (run_recipe: the
+                      Self-Extend recipe's; run_script: any file in an engine's Python).
     Diff, diff        max and mean |a - b| of two log-probability rows.
 """
 
@@ -57,6 +59,10 @@ PER_HEAD = "adarope:init=yarn,factor=2"
 # the nearest shared schedule's perplexity cost is measured on a trained adapter, not only on
 # hand-set parameters.
 TRAINED = ROOT / "experiments/smollm2_16k/ood/adapters/adarope-s0"
+# Self-Extend as llama.cpp groups its KV cache (G 4, W 512: 18 blocks at 9216 tokens, every
+# distance below 2700), served by the recipe a user copies; it needs no ropekit at run time.
+SELF_EXTEND = "self-extend:mode=llama.cpp,group=4,window=512"
+RECIPE_FILE = ROOT / "src/ropekit/serve/llamacpp_self_extend.py"
 
 
 def engine_python(engine: str) -> str:
@@ -174,10 +180,24 @@ def run_engine(engine: str, folder: Path, pairs: list[tuple[Path, Path]], *extra
     record keeps the exit code and the numbers are still checked."""
     script = HERE / f"run_{engine}.py"
     log = folder.parent / f"{folder.name}.{engine}.log"
-    args = [engine_python(engine), str(script), str(folder), *(f"{i}:{o}" for i, o in pairs)]
+    args = [str(script), str(folder), *(f"{i}:{o}" for i, o in pairs), *extra]
+    return run_script(engine, args, log)
+
+
+def run_recipe(gguf: Path, pairs: list[tuple[Path, Path]], *extra: str, log: Path) -> dict:
+    """Score prompts with the llama.cpp Self-Extend recipe, run as a user runs it: the file
+    itself in llama-cpp-python's environment, where ropekit is not installed."""
+    args = [str(RECIPE_FILE), str(gguf), *extra, "--score", *(f"{i}:{o}" for i, o in pairs)]
+    return run_script("llamacpp", args, log)
+
+
+def run_script(engine: str, args: list[str], log: Path) -> dict:
+    """``args`` run by that engine's Python, output to ``log``; its RESULT record."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("w") as out:
-        proc = subprocess.run([*args, *extra], stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.run(
+            [engine_python(engine), *args], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
     lines = [line for line in log.read_text().splitlines() if line.startswith("RESULT ")]
     if not lines:
         tail = "\n".join(log.read_text().splitlines()[-15:])

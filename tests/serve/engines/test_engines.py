@@ -47,6 +47,7 @@ from .harness import (
     METHODS,
     MODEL,
     ROOT,
+    SELF_EXTEND,
     Method,
     diff,
     driver_versions,
@@ -54,6 +55,7 @@ from .harness import (
     prompt_ids,
     python_version_of,
     run_engine,
+    run_recipe,
     token_logprobs,
 )
 
@@ -508,6 +510,78 @@ def test_llamacpp_serves_the_gguf_export(method: Method, ids, references, tolera
     RESULTS.setdefault(method.name, {}).setdefault("_llamacpp_run", record)
     verdict = _compare(method, "llamacpp", got, references, tolerance)
     assert set(verdict) == set(LENGTHS) and all(verdict.values()), RESULTS[method.name]
+
+
+# --------------------------------------------------------------------------- llama.cpp Self-Extend
+def test_llamacpp_serves_self_extend_through_the_recipe(model, ids, tokenizer, work) -> None:
+    """self-extend:mode=llama.cpp exported as a GGUF (its base schedule, plain RoPE) and run
+    by ropekit.serve.llamacpp_self_extend in llama-cpp-python's environment (no ropekit there):
+    prompt log-probabilities equal the patched model's within llama.cpp's tolerance (its
+    ``Engine.floor``: 5 x the floors ``make test-serving`` measured, docs/serving/serving.json,
+    held to this run's ``tolerance`` by test_registry, so this test runs without vLLM). The
+    last W + 8 tokens are fed one per decode, as generation feeds them, across a block
+    boundary (a grouping between single-token decodes). llama.cpp's own calls
+    (llama_memory_seq_div, as --grp-attn-n does) are run too and recorded: they are not
+    exact in this llama.cpp (the recipe's docstring says why)."""
+    from ropekit.serve.engines import ENGINES
+
+    patch(model, SELF_EXTEND)
+    try:
+        folder = export(
+            model, None, work / "self-extend.gguf", tokenizer=tokenizer, format="gguf",
+            max_length=2 * L0, overwrite=True,
+        )  # fmt: skip
+        record = json.loads((folder / "ropekit_export.json").read_text())
+        assert record["serve_with"]["recipe"] == "ropekit.serve.llamacpp_self_extend", record
+        refs, ref_s = {}, {}
+        for n, path in ids.items():
+            started = time.perf_counter()
+            refs[n] = token_logprobs(model, _ids(path))
+            ref_s[n] = round(time.perf_counter() - started, 1)
+    finally:
+        unpatch(model)
+    group, window = record["serve_with"]["group"], record["serve_with"]["window"]
+    args = ("--group", str(group), "--window", str(window))
+    # Both lengths end W tokens after a block boundary (1024 = 2 W, 9216 = 18 W): the last
+    # W + 8 tokens go one per decode, so a grouping falls between single-token decodes.
+    tail = ("--tail", str(window + 8))
+    rows: dict[str, dict] = {}
+    for name, extra in (
+        ("llamacpp (recipe)", (*args, *tail)),
+        ("llamacpp, llama_memory_seq_div (llama.cpp's own calls)", (*args, "--seq-div")),
+    ):
+        tag = "seqdiv" if "--seq-div" in extra else "recipe"
+        got = {n: folder / f"{tag}{n}.npy" for n in LENGTHS}
+        log = folder.parent / f"self-extend.{tag}.log"
+        run = run_recipe(
+            folder / "model.gguf", [(ids[n], got[n]) for n in LENGTHS], *extra, log=log
+        )
+        assert "error" not in run and run["n_ctx"] >= max(LENGTHS), run
+        rows[name] = {"run": run}
+        for n in LENGTHS:
+            d = diff(np.load(got[n]), refs[n])
+            tol = ENGINES["llama.cpp"].floor[n]
+            exact = _within(d, tol)
+            rows[name][str(n)] = {**d.row(), "within_tolerance": exact, "tolerance": dict(tol)}
+            _record(f"self-extend (mode=llama.cpp, G {group}, W {window})", name, n,
+                    {**d.row(), "within_tolerance": exact})  # fmt: skip
+    out = ROOT / "runs" / "serving"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "self_extend.json").write_text(
+        json.dumps(
+            {"spec": record["spec"], "lengths": list(LENGTHS), "reference_seconds": ref_s,
+             "rows": rows, "versions": {**driver_versions(),
+             "llama-cpp-python": python_version_of("llamacpp", "llama-cpp-python")}},
+            indent=2,
+        ) + "\n"
+    )  # fmt: skip
+    print(f"\n{json.dumps(rows, indent=1)}")
+    recipe = rows["llamacpp (recipe)"]
+    assert all(recipe[str(n)]["within_tolerance"] for n in LENGTHS), recipe
+    # Should llama.cpp's pos_div get its sign right, this fails: then its own calls serve
+    # Self-Extend too, and the recipe's docstring, inspect's note and the docs must say so.
+    seq_div = rows["llamacpp, llama_memory_seq_div (llama.cpp's own calls)"]
+    assert not any(seq_div[str(n)]["within_tolerance"] for n in LENGTHS), seq_div
 
 
 # --------------------------------------------------------------------------- the table
