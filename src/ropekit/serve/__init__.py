@@ -14,6 +14,9 @@ Modules:
 - ``vllm_plugin``: vLLM's out-of-tree model that serves per-head AdaRoPE adapters (entry point
   ``vllm.general_plugins``); imports vLLM, so only the vLLM environment loads it.
 - ``lm_eval_model``: the ``ropekit`` model of lm-evaluation-harness (imports lm_eval).
+- ``llamacpp_self_extend``: Self-Extend (``mode=llama.cpp``) served by llama.cpp's group
+  attention through llama-cpp-python; imports only llama_cpp and numpy, so a user copies the
+  file (``export --format gguf`` names it in the record, ``inspect`` prints the command).
 
 Attributes load on first use, so ``import ropekit.serve`` imports neither transformers nor
 the engines (the vLLM environment pins another transformers and imports only the plugin).
