@@ -45,8 +45,8 @@ TINY = "--layers 1 --d-model 32 --heads 2 --batch-size 2 --warmup 1 --steps 2"
 
 # documented command -> the stand-in run (placeholders: {hf} model, {ada} and {shared}
 # adapters, {yarn_hf} the model exported with yarn:factor=2, {yarn_gguf} the same as GGUF,
-# {ada_vllm} {ada} exported for the vLLM plugin, {ood} a copy of experiment D's comparison,
-# {out} a fresh folder)
+# {ada_vllm} {ada} exported for the vLLM plugin, {se_gguf} Self-Extend (llama.cpp's mode) as
+# GGUF, {ood} a copy of experiment D's comparison, {out} a fresh folder)
 STAND_INS: dict[str, str] = {
     "ropekit analyze --model M --adapter A --lengths 512,2048 --out DIR":
         "analyze --model {hf} --adapter {ada} --lengths 16,64 --out {out}",
@@ -76,6 +76,8 @@ STAND_INS: dict[str, str] = {
         "export --model {hf} --adapter {shared} --format hf --out {out}",
     "ropekit export --model M --adapter A --format gguf --out DIR":
         "export --model {hf} --adapter {shared} --format gguf --out {out}",
+    "ropekit export --format gguf":
+        "export --model {hf} --spec yarn:factor=2 --format gguf --out {out}",
     "ropekit export --model M --adapter A --format vllm --out DIR":
         "export --model {hf} --adapter {ada} --format vllm --out {out}",
     "ropekit export --model smollm2-135m --adapter runs/ada-shared/adapter --format gguf "
@@ -87,6 +89,10 @@ STAND_INS: dict[str, str] = {
     "ropekit export --model smollm2-135m --adapter runs/ada/adapter --nearest "
     "--out runs/ada-near":
         "export --model {hf} --adapter {ada} --nearest --out {out}da-near",
+    "ropekit export --model smollm2-135m --spec self-extend:mode=llama.cpp,group=4,window=512 "
+    "--format gguf --out runs/se-gguf":
+        "export --model {hf1k} --spec self-extend:mode=llama.cpp,group=4,window=512 --format gguf "
+        "--out {out}",
     "ropekit export --model smollm2-135m --spec yarn:factor=2 --format gguf --out runs/yarn-gguf":
         "export --model {hf} --spec yarn:factor=2 --format gguf --out {out}",
     "ropekit export --model smollm2-135m --spec yarn:factor=2 --out runs/yarn-hf":
@@ -102,6 +108,7 @@ STAND_INS: dict[str, str] = {
     "ropekit inspect runs/yarn-hf": "inspect {yarn_hf}",
     "ropekit inspect runs/ada-vllm": "inspect {ada_vllm}",
     "ropekit inspect runs/yarn-gguf": "inspect {yarn_gguf}",
+    "ropekit inspect runs/se-gguf": "inspect {se_gguf}",
     "ropekit models install smollm2-135m": "models install --help",
     "ropekit pretrain --encoding alibi --context 512 --out DIR":
         f"pretrain --encoding alibi --context 32 {TINY} --out {{out}}",
@@ -187,6 +194,10 @@ def stand_ins(tmp_path_factory) -> dict[str, Path]:
         made["yarn_gguf"] = root / "yarn-gguf"
         assert main(["export", "--model", str(hf), "--spec", "yarn:factor=2", "--format", "gguf",
                      "--out", str(made["yarn_gguf"])]) == 0  # fmt: skip
+        made["se_gguf"] = root / "se-gguf"
+        assert main(["export", "--model", str(made["hf1k"]), "--spec",
+                     "self-extend:mode=llama.cpp,group=4,window=512", "--format", "gguf",
+                     "--out", str(made["se_gguf"])]) == 0  # fmt: skip
         made["ada_vllm"] = root / "ada-vllm"
         assert main(["export", "--model", str(hf), "--adapter", str(made["ada"] / "adapter"),
                      "--format", "vllm", "--out", str(made["ada_vllm"])]) == 0  # fmt: skip
@@ -234,6 +245,7 @@ def _compare_names_what_each_engine_serves(out: Path) -> None:
     path = out / "compare.json"
     old = json.loads(path.read_text())
     del old["served"], old["verdict"]["serving"]
+    old["format_version"] = 2  # the untyped layout, which left out what was not yet asked
     path.write_text(json.dumps(old))
     (out / "report.md").unlink()
     assert main(["report", str(out)]) == 0
