@@ -115,6 +115,9 @@ def test_context_fills_what_the_spec_leaves_out_and_the_spec_wins():
         ("adarope:init=yarn,factor=8", ["original_length is required"]),
         ("tuned-yarn:factor=4,original_length=64,truncate=true", ["truncate", "tuned-yarn"]),
         ("learned:max_length=0", ["max_length", ">= 1"]),
+        # Found by the fuzz below: a 112M-row table failed to allocate (28 GB) with a
+        # RuntimeError instead of a ValueError.
+        ("learned:max_length=112317290", ["max_length", "at most 1048576 rows"]),
     ],
 )
 def test_bad_specs_raise_value_errors_that_name_the_problem(spec, words):

@@ -66,9 +66,17 @@ class LearnedConfig(EncodingConfig):
 
     name: ClassVar[str] = "learned"
     max_length: int = 2048  # rows in the table: the longest sequence it can encode (tokens)
+    # Rows are parameters (max_length x d_model floats, 2 GiB at 2^20 rows and d = 512): a
+    # longer table would fail to allocate, or page the machine out, before it could train.
+    MAX_ROWS: ClassVar[int] = 1 << 20
 
     def __post_init__(self) -> None:
         check_positive("max_length", self.max_length, minimum=1, strict=False)
+        if self.max_length > self.MAX_ROWS:
+            raise ValueError(
+                f"max_length={self.max_length} is not allowed; a learned table holds at most "
+                f"{self.MAX_ROWS} rows (use a relative encoding for longer sequences)"
+            )
 
 
 class Learned(PositionEncoding):
