@@ -3,6 +3,7 @@ method parser, its statistics and its recommendation rule."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -13,8 +14,20 @@ import torch
 
 from ropekit.cli import build_parser, main
 from ropekit.compare import CompareConfig, parse_methods
-from ropekit.compare.verdict import accuracy_text, pooled_accuracy
+from ropekit.compare.record import (
+    CompareResult,
+    Method,
+    ProbeSettings,
+    SeedAccuracy,
+    Stat,
+    SummaryEntry,
+)
+from ropekit.compare.verdict import accuracy_text, pooled_retrieval
 from ropekit.evals import probes, wilson_interval
+from ropekit.results import read_record
+
+# A committed comparison: the base the report's unit tests change a few fields of.
+COMMITTED = Path(__file__).resolve().parents[1] / "experiments/smollm2_16k/ood/compare.json"
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--batch-size", "4", "--warmup", "2"]
 
@@ -30,18 +43,18 @@ def test_methods_split_where_an_encoding_name_starts():
 def test_the_report_counts_answers_that_name_another_needle_when_a_haystack_holds_several():
     from ropekit.compare.report import _retrieval_table
 
-    entry = {**pooled_accuracy([{"correct": 1, "n": 10}]), "other_needle": 8, "nearest_needle": 7}
-    data = {
-        "methods": [{"label": "rope"}],
-        "probes": {"lengths": [64], "needles": 5, "haystacks": 2, "task": "t",
-                   "probes_per_run": 10},
-        "retrieval": {"rope": {"64": entry}},
-    }  # fmt: skip
+    seed = SeedAccuracy(64, 1, 10, 0.1, 0.0, 0.4, 0.95, other_needle=8, nearest_needle=7, seed=0)
+    data = dataclasses.replace(
+        read_record(COMMITTED, CompareResult),
+        methods=(Method("rope", "rope", False),),
+        probes=ProbeSettings(lengths=(64,), needles=5, haystacks=2, task="t", probes_per_run=10),
+        retrieval={"rope": {64: pooled_retrieval([seed])}},
+    )
     blocks = _retrieval_table(data)
     assert blocks[-1].rows == [["rope", "8 of 9 (7)"]]
     assert "probe_needles=1" in blocks[-1].caption
-    data["probes"]["needles"] = 1
-    assert len(_retrieval_table(data)) == 2  # the heading and the accuracies only
+    one = dataclasses.replace(data, probes=dataclasses.replace(data.probes, needles=1))
+    assert len(_retrieval_table(one)) == 2  # the heading and the accuracies only
 
 
 def test_bad_configs_are_refused():
@@ -169,7 +182,9 @@ def test_compare_probes_every_run_and_pools_seeds(compared):
     report = (root / "out" / "report.md").read_text()
     assert "## Retrieval" in report and "3 probes per cell per seed" in report
     assert "another needle's value" not in report  # one needle per haystack: no distractor
-    cell = accuracy_text(retrieval["adarope"]["128"])
+    cell = accuracy_text(
+        read_record(root / "out/compare.json", CompareResult).retrieval["adarope"][128]
+    )
     assert cell.endswith(f"({retrieval['adarope']['128']['correct']}/6)") and cell in report
     assert "beside the rule, not part of it" in data["verdict"]["retrieval"]
     assert data["verdict"]["retrieval"] in report
@@ -457,18 +472,20 @@ def test_a_collapsed_method_does_not_flatten_the_perplexity_figures(tmp_path):
     the caption names the method above it."""
     from ropekit.compare.report import _figures
 
-    def entry(ppl: float) -> dict:
-        return {"ppl": {"mean": ppl, "std": 0.0}, "last_quarter_ppl": {"mean": ppl, "std": 0.0}}
+    def entry(ppl: float) -> SummaryEntry:
+        return SummaryEntry(Stat(ppl, 0.0, 1), Stat(ppl, 0.0, 1))
 
     summary = {
-        "rope": {"d": {"8": entry(30.0), "32": entry(286.7)}},
-        "yarn": {"d": {"8": entry(30.5), "32": entry(31.0)}},
+        "rope": {"d": {8: entry(30.0), 32: entry(286.7)}},
+        "yarn": {"d": {8: entry(30.5), 32: entry(31.0)}},
     }
-    data = {"summary": summary, "domains": ["d"], "table": {}, "trained_at": 8,
-            "target_length": 32, "verdict": None}  # fmt: skip
+    data = dataclasses.replace(
+        read_record(COMMITTED, CompareResult), summary=summary, domains=("d",), table={},
+        trained_at=8, target_length=32, verdict=None,
+    )  # fmt: skip
     figures = _figures(data, tmp_path)
     captions = [f.caption for f in figures if f.path.startswith("ppl_")]
     assert len(captions) == 2
     assert all("stops at 3x the best method's value; above it: rope." in c for c in captions)
-    alike = {**data, "summary": {"yarn": summary["yarn"], "ntk": summary["yarn"]}}
+    alike = dataclasses.replace(data, summary={"yarn": summary["yarn"], "ntk": summary["yarn"]})
     assert not any("stops at" in f.caption for f in _figures(alike, tmp_path))

@@ -566,12 +566,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise ValueError(f"{flags} required (or --config FILE holding them)")
         config = CompareConfig(**{k: v for k, v in given.items() if v is not None})
     result = run_compare(config, args.out, command=_command(), progress=True)
-    verdict = result["verdict"]
-    print(verdict["sentence"] if verdict else "no verdict: the unmodified model is not scored")
-    if verdict and verdict.get("retrieval"):
-        print(verdict["retrieval"])
-    for entry in (verdict or {}).get("serving", {}).values():
-        print("  serve with " + entry["sentence"])
+    verdict = result.verdict
+    print(verdict.sentence if verdict else "no verdict: the unmodified model is not scored")
+    if verdict and verdict.retrieval:
+        print(verdict.retrieval)
+    for entry in (verdict.serving or {}).values() if verdict else ():
+        print("  serve with " + entry.sentence)
     print(f"wrote {args.out / 'compare.json'}, {args.out / 'report.md'} and report.html")
     return 0
 

@@ -19,27 +19,45 @@ Provenance is a flat mapping of named fields (``model``, ``adapter``, ``spec``, 
 result is reused only when its recorded provenance equals the current one; otherwise
 ``ProvenanceMismatch`` names the first field that differs (``check_provenance``).
 
+Typed records: a kind whose writer owns a frozen dataclass registers it here (``register``,
+with the kind's schema version and a migration from every older version that files were
+written in). ``read_record`` returns that class; readers read attributes, never nested dicts.
+The (de)serialization is generic, driven by the dataclass's type hints (``encode``,
+``decode``): JSON object keys are strings, so a ``dict[int, ...]`` (lengths) or
+``dict[float, ...]`` (learning rates) field has its keys converted here, at the boundary, and
+nowhere else; JSON has no NaN, so a ``float`` written as null reads back as NaN. A file with a
+field the class does not have, or without one it needs, is refused by a one-line ResultError
+naming the field (a renamed field fails loudly, never reads as a default). A file of an older
+version is migrated on reading, in memory (the file is rewritten only by its writer), so
+committed results and a comparison stopped mid-run read as the current class.
+
 Stage files are JSONL (``write_records`` / ``read_records``): one record per line, written
 whole by an atomic rename; a torn last line (a kill mid-write of an appended log) is dropped.
 
-Holds: KINDS, FORMAT_VERSION, ResultError, ProvenanceMismatch, run_metadata, digest, plain,
-to_json, write_result, make_record, read_result, result_kind, check_replaceable,
-check_provenance, write_records, read_records.
+Holds: KINDS, FORMAT_VERSION, ResultError, ProvenanceMismatch, Schema, register, schema_of,
+record_kind, encode, decode, run_metadata, digest, plain, to_json, write_result, make_record,
+read_result, read_record, result_kind, check_replaceable, check_provenance, write_records,
+read_records.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import math
 import os
 import platform
 import sys
-from collections.abc import Iterable, Mapping
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ropekit.utils import atomic_write_text
 
@@ -65,6 +83,161 @@ KINDS: dict[str, str] = {
 
 
 _HEADER = ("kind", "format_version", "meta", "provenance")
+
+R = TypeVar("R")
+# A migration takes a file's content at version v (header included) to version v + 1.
+Migration = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    """A typed kind: its record class, the version its writer writes, and the migrations
+    from each older version (v -> v + 1) that files of the kind were written in."""
+
+    kind: str
+    cls: type
+    version: int
+    migrations: Mapping[int, Migration]
+
+
+_SCHEMAS: dict[str, Schema] = {}
+# kind -> the module that owns (defines and registers) its record class. A reader that
+# dispatches on a file's kind, or checks a folder before the writer's module is imported,
+# imports the owner by name here: the registry is complete whatever was imported first, and
+# results.py itself imports nothing above it.
+_OWNERS: dict[str, str] = {"compare": "ropekit.compare.record"}
+
+
+def register(
+    kind: str, version: int, migrations: Mapping[int, Migration] | None = None
+) -> Callable[[type[R]], type[R]]:
+    """Class decorator: the frozen dataclass of ``kind`` results, written at ``version``.
+    ``migrations[v]`` brings a file of version v to v + 1; every version from FORMAT_VERSION
+    (the untyped layout all files had) up to ``version`` needs one."""
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not allowed; use one of {', '.join(KINDS)}")
+    steps = dict(migrations or {})
+    missing = [v for v in range(FORMAT_VERSION, version) if v not in steps]
+    if missing:
+        raise ValueError(f"{kind}: no migration from format_version {missing[0]} to {version}")
+
+    def add(cls: type[R]) -> type[R]:
+        params = getattr(cls, "__dataclass_params__", None)
+        if params is None or not params.frozen:
+            raise TypeError(f"{cls.__name__} must be a frozen dataclass to record {kind!r}")
+        _SCHEMAS[kind] = Schema(kind, cls, version, steps)
+        return cls
+
+    return add
+
+
+def schema_of(kind: str) -> Schema | None:
+    """The registered schema of ``kind`` (importing its owner if needed); None if untyped."""
+    if kind not in _SCHEMAS and kind in _OWNERS:
+        importlib.import_module(_OWNERS[kind])
+    return _SCHEMAS.get(kind)
+
+
+def record_kind(cls: type) -> str:
+    """The kind whose records ``cls`` holds."""
+    for schema in _SCHEMAS.values():
+        if schema.cls is cls:
+            return schema.kind
+    raise ValueError(f"{cls.__name__} is not a registered result record")
+
+
+def _version(kind: str) -> int:
+    schema = schema_of(kind)
+    return FORMAT_VERSION if schema is None else schema.version
+
+
+def encode(value: Any) -> Any:
+    """A record (or any value of one) as JSON values: a dataclass as an object in field
+    order, mapping keys as strings, tuples as lists (``plain`` then writes NaN as null)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): encode(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [encode(v) for v in value]
+    return value
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _key(kind: Any, key: str, where: str) -> Any:
+    """A JSON object key as the mapping's key type (lengths are ints, rates floats)."""
+    if kind in (int, float):
+        try:
+            return kind(key)
+        except ValueError:
+            raise ResultError(f"{where}: key {key!r}, expected {kind.__name__}") from None
+    return key
+
+
+def _scalar(kind: type, value: Any, where: str) -> Any:
+    if kind is float and value is None:
+        return math.nan  # plain() writes a non-finite float as null
+    if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+        return value
+    raise ResultError(f"{where} is {json.dumps(value)[:40]}, expected {kind.__name__}")
+
+
+def decode(kind: Any, value: Any, where: str) -> Any:
+    """``value`` (JSON) as a value of type ``kind``: a dataclass from an object whose keys are
+    exactly its fields (those with defaults may be absent), containers element by element.
+    Raises ResultError naming the field (``where``, dotted) that is missing, unknown or of
+    another type."""
+    if kind is Any:
+        return value
+    if dataclasses.is_dataclass(kind):
+        return _decode_class(kind, value, where)
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        for option in options[:-1]:  # the first that reads it (e.g. str | list[str])
+            with contextlib.suppress(ResultError):
+                return decode(option, value, where)
+        return decode(options[-1], value, where)
+    if origin in (tuple, list):
+        if not isinstance(value, list):
+            raise ResultError(f"{where} is {json.dumps(value)[:40]}, not a list")
+        item = args[0] if args else Any
+        items = [decode(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Mapping) or kind is dict:
+        if not isinstance(value, dict):
+            raise ResultError(f"{where} is {json.dumps(value)[:40]}, not an object")
+        keys, values = args if args else (str, Any)
+        return {_key(keys, k, where): decode(values, v, f"{where}.{k}") for k, v in value.items()}
+    return _scalar(kind, value, where)
+
+
+def _decode_class(cls: type, value: Any, where: str) -> Any:
+    if not isinstance(value, dict):
+        raise ResultError(f"{where} is {json.dumps(value)[:40]}, not a {cls.__name__} object")
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    names = {f.name for f in fields}
+    unknown = [k for k in value if k not in names]
+    if unknown:
+        raise ResultError(
+            f"{where}.{unknown[0]} is not a field of {cls.__name__} (renamed? it has "
+            f"{', '.join(sorted(names))})"
+        )
+    hints, kwargs = _hints(cls), {}
+    for f in fields:
+        if f.name in value:
+            kwargs[f.name] = decode(hints[f.name], value[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ResultError(f"{where}.{f.name} is missing ({cls.__name__} needs it)")
+    return cls(**kwargs)
 
 
 class ResultError(ValueError):
@@ -172,7 +345,7 @@ def check_replaceable(
     """May a ``kind`` result with ``provenance`` be written at ``path``? Returns True when a
     result of the same kind and provenance is already there (reusable), False when the path
     is free or ``overwrite`` is set; raises ResultError for a file of another command, another
-    format or another provenance."""
+    format or another provenance, or one its kind's record class cannot read."""
     path = Path(path)
     if overwrite or not (path.exists() or path.is_symlink()):
         return False
@@ -186,6 +359,9 @@ def check_replaceable(
             "--overwrite to replace it"
         )
     data = read_result(path, kind)
+    schema = schema_of(kind)
+    if schema is not None:  # a file its own record class cannot read is not reused either
+        read_record(path, schema.cls)
     if provenance is not None:
         check_provenance(data.get("provenance") or {}, provenance, str(path))
     return True
@@ -194,7 +370,7 @@ def check_replaceable(
 def write_result(
     path: str | Path,
     kind: str,
-    payload: Mapping[str, Any],
+    payload: Mapping[str, Any] | Any,
     *,
     meta: Mapping[str, Any] | None = None,
     provenance: Mapping[str, Any] | None = None,
@@ -203,7 +379,8 @@ def write_result(
 ) -> Path:
     """Write a ``kind`` result atomically; returns the path.
 
-    ``meta`` is ``run_metadata(...)``; ``provenance`` what produced the numbers. With
+    ``payload`` is a dict, or a typed kind's record. ``meta`` is ``run_metadata(...)``;
+    ``provenance`` what produced the numbers. With
     ``overwrite=False`` a file of another kind or provenance is never replaced
     (``check_replaceable``); the default replaces only after the command checked its folder
     at start, which every command does.
@@ -224,13 +401,21 @@ def make_record(
     provenance: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The content ``write_result`` writes (what a command returns, so its caller holds what
-    the file holds): the header keys first, then the payload's own."""
+    the file holds): the header keys first, then the payload's own. A typed kind's payload
+    is its record (``encode``d here), whose ``meta`` and ``provenance`` fields are the
+    header's unless given."""
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r} is not allowed; use one of {', '.join(KINDS)}")
+    if dataclasses.is_dataclass(payload) and not isinstance(payload, type):
+        if type(payload) is not getattr(schema_of(kind), "cls", None):
+            raise ValueError(f"a {type(payload).__name__} is not a {kind!r} record")
+        payload = encode(payload)
+        meta = payload["meta"] if meta is None else meta
+        provenance = payload["provenance"] if provenance is None else provenance
     body = {k: v for k, v in payload.items() if k not in _HEADER}
     return {
         "kind": kind,
-        "format_version": FORMAT_VERSION,
+        "format_version": _version(kind),
         "meta": dict(meta) if meta is not None else run_metadata(),
         "provenance": dict(provenance or {}),
         **body,
@@ -239,7 +424,8 @@ def make_record(
 
 def read_result(path: str | Path, kind: str | None = None) -> dict[str, Any]:
     """A result file's content, checked: valid JSON, a known kind (``kind`` when given) and
-    this format version. Raises ResultError naming the file and what is wrong."""
+    this format version (a typed kind's older version migrated to it, in memory). Raises
+    ResultError naming the file and what is wrong."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -251,12 +437,35 @@ def read_result(path: str | Path, kind: str | None = None) -> dict[str, Any]:
         raise ResultError(f"{path} is not a ropekit result (no known 'kind')")
     if kind is not None and data["kind"] != kind:
         raise ResultError(f"{path} is a {data['kind']!r} result, not a {kind!r} one")
-    if data.get("format_version") != FORMAT_VERSION:
+    return _migrated(data, path)
+
+
+def _migrated(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``data`` at its kind's current version: migrated step by step from an older one."""
+    schema, version = schema_of(data["kind"]), data.get("format_version")
+    current = _version(data["kind"])
+    while schema is not None and version in schema.migrations and version != current:
+        data = {**schema.migrations[version](data), "format_version": version + 1}
+        version = data["format_version"]
+    if version != current:
         raise ResultError(
-            f"{path} has format_version={data.get('format_version')!r}; this ropekit reads "
-            f"{FORMAT_VERSION}: recompute it (--overwrite)"
+            f"{path} has format_version={version!r}; this ropekit reads {current}: recompute "
+            "it (--overwrite)"
         )
     return data
+
+
+def read_record(path: str | Path, cls: type[R]) -> R:
+    """A result file of the kind ``cls`` records, as ``cls`` (migrated from an older version;
+    ``read_result``'s checks, then ``decode``'s: a missing, unknown or mistyped field raises
+    ResultError naming the file and the field)."""
+    kind = record_kind(cls)
+    data = read_result(path, kind)
+    body = {k: v for k, v in data.items() if k not in ("kind", "format_version")}
+    try:
+        return decode(cls, body, kind)
+    except ResultError as e:
+        raise ResultError(f"{path}: {e}") from None
 
 
 def write_records(path: str | Path, records: Iterable[Mapping[str, Any]]) -> Path:

@@ -4,6 +4,7 @@ can afford to run them per mutant)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 from ropekit.compare import recommend
+from ropekit.compare.record import EngineAnswer, TableEntry
 from ropekit.compare.verdict import per_engine, pooled_accuracy
 from ropekit.evals import wilson_interval
+from ropekit.results import encode
 
 
 def test_retrieval_pools_seeds_before_taking_the_interval():
@@ -29,12 +32,9 @@ def test_retrieval_pools_seeds_before_taking_the_interval():
 def _table(values: dict[str, tuple[float, list[float]]]) -> dict:
     """Two lengths (8 = L0, 32 = N) of one domain: ppl at 8, last-quarter NLL windows at 32."""
     return {
-        m: {"d": {8: {"ppl": [ppl], "last_quarter_windows": [[1.0]],
-                      "last_quarter_blocks": [None]},
-                  32: {"ppl": [1.0], "last_quarter_windows": [windows],
-                       "last_quarter_blocks": [None]}}}
+        m: {"d": {8: _entry(ppl=[ppl], windows=[[1.0]]), 32: _entry(ppl=[1.0], windows=[windows])}}
         for m, (ppl, windows) in values.items()
-    }  # fmt: skip
+    }
 
 
 def test_the_recommendation_obeys_the_margin_and_says_when_it_is_not_resolved():
@@ -45,25 +45,25 @@ def test_the_recommendation_obeys_the_margin_and_says_when_it_is_not_resolved():
         "close": (10.0, [2.01, 2.12, 2.18, 2.02]),  # within noise of "cheap"
     })  # fmt: skip
     verdict = recommend(table, list(table), "rope", 8, 32, margin=0.01)
-    assert verdict["winner"] == "cheap" and "costly" not in verdict["eligible"]
-    assert verdict["runner_up"] == "close" and not verdict["resolved"]
-    assert "No difference is resolved" in verdict["sentence"]
+    assert verdict.winner == "cheap" and "costly" not in verdict.eligible
+    assert verdict.runner_up == "close" and not verdict.resolved
+    assert "No difference is resolved" in verdict.sentence
     clear = recommend({k: v for k, v in table.items() if k != "close"}, ["rope", "cheap"],
                       "rope", 8, 32, margin=0.01)  # fmt: skip
-    assert clear["winner"] == "cheap" and clear["resolved"]
-    assert clear["sentence"].startswith("Use cheap")
+    assert clear.winner == "cheap" and clear.resolved
+    assert clear.sentence.startswith("Use cheap")
     tiny = {
         "a": (10.0, [2.0, 2.1, 2.2, 2.0]),
         "b": (10.0, [2.000001, 2.100001, 2.200001, 2.000001]),
     }
     twins = recommend(_table(tiny), ["a", "b"], "a", 8, 32, margin=0.01)
-    assert twins["winner"] == "a" and not twins["resolved"]  # a lead of 1e-6 nats is no lead
+    assert twins.winner == "a" and not twins.resolved  # a lead of 1e-6 nats is no lead
     none = recommend(table, ["costly"], "rope", 8, 32, margin=0.01)
-    assert none["winner"] is None and "none is recommended" in none["sentence"]
-    assert "cannot resolve" not in verdict["sentence"]  # 4 windows: the sample could
+    assert none.winner is None and "none is recommended" in none.sentence
+    assert "cannot resolve" not in verdict.sentence  # 4 windows: the sample could
     one = recommend(_table({"a": (10.0, [2.0]), "b": (10.0, [2.5])}), ["a", "b"], "a", 8, 32, 0.01)
-    assert not one["resolved"] and "paired over 1 window:" in one["sentence"]
-    assert "1 window at 32 cannot resolve a lead (the rule needs at least 3" in one["sentence"]
+    assert not one.resolved and "paired over 1 window:" in one.sentence
+    assert "1 window at 32 cannot resolve a lead (the rule needs at least 3" in one.sentence
 
 
 def _token_table(nll: dict[str, list[np.ndarray]], length: int = 4096) -> dict:
@@ -77,10 +77,9 @@ def _token_table(nll: dict[str, list[np.ndarray]], length: int = 4096) -> dict:
     for m, windows in nll.items():
         rows = [torch.from_numpy(w) for w in windows]
         table[m] = {"d": {
-            8: {"ppl": [10.0], "last_quarter_windows": [[1.0]], "last_quarter_blocks": [None]},
-            length: {"ppl": [1.0],
-                     "last_quarter_windows": [[float(r[quarter:].mean()) for r in rows]],
-                     "last_quarter_blocks": [[_block_means(r[quarter:]) for r in rows]]},
+            8: _entry(ppl=[10.0], windows=[[1.0]]),
+            length: _entry(ppl=[1.0], windows=[[float(r[quarter:].mean()) for r in rows]],
+                           blocks=[[_block_means(r[quarter:]) for r in rows]]),
         }}  # fmt: skip
     return table
 
@@ -92,15 +91,15 @@ def test_one_window_resolves_a_large_lead_from_blocks_within_it_and_refuses_nois
     a = 3.0 + rng.standard_normal(4096)  # per-token NLL, sd 1 nat
     large = _token_table({"a": [a], "b": [a + 0.5 + 0.5 * rng.standard_normal(4096)]})
     verdict = recommend(large, ["a", "b"], "a", 8, 4096, margin=0.01)
-    d = verdict["difference"]
-    assert verdict["winner"] == "a" and verdict["resolved"], verdict["sentence"]
-    assert d["n"] == 1 and d["se_windows"] is None and d["block_tokens"] >= 64
-    assert d["se"] == pytest.approx(0.5 / np.sqrt(1024), rel=0.5)  # iid: sd / sqrt(tokens)
-    assert "blocks of" in verdict["sentence"] and "within 1 window" in verdict["sentence"]
+    d = verdict.difference
+    assert verdict.winner == "a" and verdict.resolved, verdict.sentence
+    assert d.n == 1 and d.se_windows is None and d.block_tokens >= 64
+    assert d.se == pytest.approx(0.5 / np.sqrt(1024), rel=0.5)  # iid: sd / sqrt(tokens)
+    assert "blocks of" in verdict.sentence and "within 1 window" in verdict.sentence
     # No true difference, only noise of sd 0.5 per token: whichever leads is refused.
     noise = _token_table({"a": [a], "b": [a + 0.5 * rng.standard_normal(4096)]})
     refused = recommend(noise, ["a", "b"], "a", 8, 4096, margin=0.01, min_difference=0.0)
-    assert not refused["resolved"] and refused["difference"]["se"] > 0.01
+    assert not refused.resolved and refused.difference.se > 0.01
 
 
 def test_the_block_error_grows_with_correlated_positions_rather_than_trusting_64_tokens():
@@ -110,11 +109,11 @@ def test_the_block_error_grows_with_correlated_positions_rather_than_trusting_64
     drift = np.repeat(rng.standard_normal(16384 // 256), 256) * 0.3  # 256-token plateaus
     a = 3.0 + 0.05 * rng.standard_normal(16384)
     table = _token_table({"a": [a], "b": [a + 0.1 + drift]}, length=16384)
-    d = recommend(table, ["a", "b"], "a", 8, 16384, margin=0.01)["difference"]
-    blocks = [np.subtract(*(table[m]["d"][16384]["last_quarter_blocks"][0][0] for m in "ba"))]
+    d = recommend(table, ["a", "b"], "a", 8, 16384, margin=0.01).difference
+    blocks = [np.subtract(*(table[m]["d"][16384].last_quarter_blocks[0][0] for m in "ba"))]
     one_scale = np.std(blocks[0], ddof=1) / np.sqrt(len(blocks[0]))
-    assert d["block_tokens"] >= 256
-    assert d["se_blocks"] > 1.5 * one_scale  # one_scale: 64-token blocks taken as independent
+    assert d.block_tokens >= 256
+    assert d.se_blocks > 1.5 * one_scale  # one_scale: 64-token blocks taken as independent
 
 
 def test_a_collapsed_method_is_named_as_such_not_as_an_unresolved_runner_up():
@@ -125,10 +124,10 @@ def test_a_collapsed_method_is_named_as_such_not_as_an_unresolved_runner_up():
         "dynamic-ntk": (10.0, [math.log(30.7)]),
     })  # fmt: skip
     verdict = recommend(collapse, ["rope", "dynamic-ntk"], "rope", 8, 32, margin=0.01)
-    assert verdict["winner"] == "dynamic-ntk" and verdict["resolved"]
-    assert verdict["collapsed"] == ["rope"] and verdict["runner_up"] is None
-    assert verdict["sentence"].startswith("Use dynamic-ntk at 32 tokens: last-quarter perplexity")
-    assert "collapses there: rope (last-quarter perplexity 286.7)" in verdict["sentence"]
+    assert verdict.winner == "dynamic-ntk" and verdict.resolved
+    assert list(verdict.collapsed) == ["rope"] and verdict.runner_up is None
+    assert verdict.sentence.startswith("Use dynamic-ntk at 32 tokens: last-quarter perplexity")
+    assert "collapses there: rope (last-quarter perplexity 286.7)" in verdict.sentence
     # The closest method that has not collapsed is the runner-up; the collapsed one is named.
     three = _table({
         "rope": (10.0, [math.log(286.7)] * 4),
@@ -136,11 +135,11 @@ def test_a_collapsed_method_is_named_as_such_not_as_an_unresolved_runner_up():
         "b": (10.0, [3.43, 3.45, 3.44, 3.46]),
     })  # fmt: skip
     verdict = recommend(three, ["rope", "a", "b"], "rope", 8, 32, margin=0.01)
-    assert verdict["winner"] == "a" and verdict["runner_up"] == "b"
-    assert verdict["collapsed"] == ["rope"] and "collapsed at 32: rope" in verdict["sentence"]
+    assert verdict.winner == "a" and verdict.runner_up == "b"
+    assert list(verdict.collapsed) == ["rope"] and "collapsed at 32: rope" in verdict.sentence
     # A lead inside the noise is still refused, collapse or not.
     assert not recommend(_table({"a": (10.0, [3.40]), "b": (10.0, [3.41])}), ["a", "b"], "a",
-                         8, 32, 0.01)["resolved"]  # fmt: skip
+                         8, 32, 0.01).resolved  # fmt: skip
 
 
 def test_each_engine_gets_the_best_eligible_method_it_serves_exactly():
@@ -152,8 +151,8 @@ def test_each_engine_gets_the_best_eligible_method_it_serves_exactly():
         "c": (13.0, [3.20, 3.20, 3.20, 3.20]),  # over the margin too, behind z
     })  # fmt: skip
     verdict = recommend(table, ["rope", "a", "b", "z", "c"], "rope", 8, 32, margin=0.01)
-    assert verdict["winner"] == "a"
-    yes, per_head = {"exact": True, "why": None}, {"exact": False, "why": "per-head"}
+    assert verdict.winner == "a"
+    yes, per_head = EngineAnswer(True, ""), EngineAnswer(False, "per-head")
     served = {
         "rope": {"hf": yes, "gguf": yes, "old": yes, "odd": per_head},
         "a": {"hf": yes, "gguf": per_head, "old": per_head, "odd": per_head},
@@ -164,7 +163,7 @@ def test_each_engine_gets_the_best_eligible_method_it_serves_exactly():
     over = {"method": "z", "score": 3.0, "cost": pytest.approx(0.2)}
     tail = "; over the cost margin it serves z (last-quarter NLL 3.0000, costing +20.0%)."
     b, rope = np.mean([3.43, 3.45, 3.44, 3.46]), math.log(286.7)
-    assert per_engine(verdict, served) == {
+    assert {e: encode(c) for e, c in per_engine(verdict, served).items()} == {
         "hf": {"method": "a", "score": 3.4075, "cost": 0.0, "behind": 0.0,
                "why_not_best": None, "beyond_margin": over,
                "sentence": "hf: a (the recommended method); last-quarter NLL at 32 3.4075, "
@@ -189,17 +188,17 @@ def test_each_engine_gets_the_best_eligible_method_it_serves_exactly():
     # that scores no better than the one served is not offered.
     served = {"a": {"hf": yes}, "b": {"hf": yes, "gguf": yes}, "z": {}, "c": {}}
     engines = per_engine(verdict, served)
-    assert engines["gguf"]["method"] == "b" and engines["gguf"]["why_not_best"] is None
-    assert engines["gguf"]["sentence"] == (
+    assert engines["gguf"].method == "b" and engines["gguf"].why_not_best is None
+    assert engines["gguf"].sentence == (
         "gguf: b, +0.0375 nats behind a; last-quarter NLL at 32 3.4450, costing +0.0% at 8 tokens."
     )
     tie = _table({"a": (10.0, [3.4] * 4), "t": (12.0, [3.4] * 4)})
     tied = recommend(tie, ["a", "t"], "a", 8, 32, margin=0.01)
-    assert per_engine(tied, {"a": {"e": yes}, "t": {"e": yes}})["e"]["beyond_margin"] is None
+    assert per_engine(tied, {"a": {"e": yes}, "t": {"e": yes}})["e"].beyond_margin is None
     # Without a verdict's collapsed list (older compare.json), collapse is judged here.
-    old = {k: v for k, v in verdict.items() if k != "collapsed"}
+    old = dataclasses.replace(verdict, collapsed=())
     served = {"rope": {"e": yes}, "a": {"e": per_head}}
-    assert "(collapsed at 32)" in per_engine(old, served)["e"]["sentence"]
+    assert "(collapsed at 32)" in per_engine(old, served)["e"].sentence
 
 
 def test_a_method_exactly_ln3_behind_has_not_collapsed():
@@ -225,15 +224,13 @@ def test_pooled_retrieval_keeps_the_confidence_level_asked_for():
     assert pooled["confidence"] == 0.9
 
 
-def _entry(ppl=None, windows=None, blocks=None) -> dict:
+def _entry(ppl=None, windows=None, blocks=None) -> TableEntry:
     """One length's entry: ppl per seed, last-quarter window NLLs and blocks per seed."""
-    entry = {}
-    if ppl is not None:
-        entry["ppl"] = ppl
-    if windows is not None:
-        entry["last_quarter_windows"] = windows
-        entry["last_quarter_blocks"] = blocks or [None] * len(windows)
-    return entry
+    windows = windows or []
+    return TableEntry(
+        ppl=tuple(ppl or ()), nll=(), last_quarter_windows=tuple(tuple(w) for w in windows),
+        last_quarter_blocks=tuple(blocks or [None] * len(windows)), position_nll=(),
+    )  # fmt: skip
 
 
 def test_cost_and_score_average_only_the_domains_scored_at_that_length():
@@ -275,7 +272,7 @@ def test_pairing_uses_the_domains_both_methods_scored_and_every_window_of_them()
     diffs = paired_blocks(table, "a", "b", 32)
     assert [d.tolist() for d in diffs] == [[0.5, 0.5], [-1.0, -1.0], [-1.0, 0.0]]
     # One side without blocks somewhere: no block pairing at all.
-    table["b"]["y"][32]["last_quarter_blocks"] = [None]
+    table["b"]["y"][32] = dataclasses.replace(table["b"]["y"][32], last_quarter_blocks=(None,))
     assert paired_blocks(table, "a", "b", 32) is None
     # Methods, or seeds, scored on different numbers of windows are refused.
     table["b"]["y"][32] = _entry(windows=[[2.0]], blocks=[[[2.0, 2.0]]])
@@ -313,17 +310,16 @@ def _blocks_table(windows: dict[str, list[list[float]]]) -> dict:
     """One domain, cost 0 at 8; at 32 each method's windows given by their block means (one
     seed), each window's NLL the mean of its blocks."""
     return {
-        m: {"d": {8: {"ppl": [10.0], "last_quarter_windows": [[1.0]],
-                      "last_quarter_blocks": [None]},
-                  32: {"ppl": [1.0], "last_quarter_windows": [[float(np.mean(w)) for w in ws]],
-                       "last_quarter_blocks": [ws]}}}
+        m: {"d": {8: _entry(ppl=[10.0], windows=[[1.0]]),
+                  32: _entry(ppl=[1.0], windows=[[float(np.mean(w)) for w in ws]],
+                             blocks=[ws])}}
         for m, ws in windows.items()
     }  # fmt: skip
 
 
 def test_the_recommendation_record_without_an_eligible_method_and_with_only_one():
     table = _table({"rope": (10.0, [3.0]), "x": (12.0, [2.0])})
-    none = recommend(table, ["x"], "rope", 8, 32, margin=0.01)
+    none = encode(recommend(table, ["x"], "rope", 8, 32, margin=0.01))
     rule = none.pop("rule")
     assert rule.startswith("- **Cost at L0** of a method: the relative change")
     assert rule.endswith("deploy there and what it costs against the overall best.")
@@ -334,8 +330,9 @@ def test_the_recommendation_record_without_an_eligible_method_and_with_only_one(
         "eligible": [], "winner": None, "runner_up": None, "difference": None,
         "resolved": False, "collapsed": [],
         "sentence": "No method costs at most 1.0% at 8 tokens; none is recommended.",
+        "retrieval": None, "serving": None,
     }  # fmt: skip
-    only = recommend(table, ["rope", "x"], "rope", 8, 32, margin=0.01)
+    only = encode(recommend(table, ["rope", "x"], "rope", 8, 32, margin=0.01))
     assert only["rule"] == rule
     assert {k: v for k, v in only.items() if k != "rule"} == {
         **none, "costs": {"rope": 0.0, "x": pytest.approx(0.2)},
@@ -354,38 +351,38 @@ def test_eligible_methods_are_ranked_by_score_and_a_cost_equal_to_the_margin_is_
         "alpha": (10.0, [1.8]),
     })  # fmt: skip
     verdict = recommend(table, list(table), "base", 8, 32, margin=0.25)
-    assert verdict["costs"]["zeta"] == 0.25
-    assert verdict["eligible"] == ["zeta", "mid", "alpha", "base"]
-    assert verdict["winner"] == "zeta" and verdict["runner_up"] == "mid"
-    assert verdict["collapsed"] == []
+    assert verdict.costs["zeta"] == 0.25
+    assert list(verdict.eligible) == ["zeta", "mid", "alpha", "base"]
+    assert verdict.winner == "zeta" and verdict.runner_up == "mid"
+    assert list(verdict.collapsed) == []
 
 
 def test_a_lead_of_exactly_min_difference_with_no_spread_resolves_over_three_windows():
     table = _table({"a": (10.0, [1.5, 1.5, 1.5]), "b": (10.0, [2.0, 2.0, 2.0])})
     verdict = recommend(table, ["a", "b"], "a", 8, 32, margin=0.01, min_difference=0.5)
-    assert verdict["resolved"] and verdict["runner_up"] == "b"
-    assert verdict["difference"] == {
+    assert verdict.resolved and verdict.runner_up == "b"
+    assert encode(verdict.difference) == {
         "mean": -0.5, "std": 0.0, "n": 3, "se": 0.0, "se_windows": 0.0,
         "se_blocks": None, "block_tokens": None, "blocks": None,
     }  # fmt: skip
-    assert verdict["sentence"] == (
+    assert verdict.sentence == (
         "Use a at 32 tokens: last-quarter NLL at 32 1.5000 against b's 2.0000 (paired over 3 "
         "windows: -0.5000 ± 0.0000 s.e. over windows), costing +0.0% at 8 tokens."
     )
     above = recommend(table, ["a", "b"], "a", 8, 32, margin=0.01, min_difference=0.5000001)
-    assert not above["resolved"]
+    assert not above.resolved
 
 
 def test_two_windows_without_blocks_have_a_window_error_but_cannot_resolve():
     table = _table({"a": (10.0, [1.0, 2.0]), "b": (10.0, [2.0, 2.0])})
     verdict = recommend(table, ["a", "b"], "a", 8, 32, margin=0.01)
-    assert not verdict["resolved"]
-    assert verdict["difference"] == {
+    assert not verdict.resolved
+    assert encode(verdict.difference) == {
         "mean": -0.5, "std": pytest.approx(math.sqrt(0.5)), "n": 2, "se": None,
         "se_windows": pytest.approx(0.5), "se_blocks": None, "block_tokens": None,
         "blocks": None,
     }  # fmt: skip
-    assert verdict["sentence"] == (
+    assert verdict.sentence == (
         "No difference is resolved at this sample size between a and b at 32 tokens: "
         "last-quarter NLL at 32 1.5000 against b's 2.0000 (paired over 2 windows: -0.5000); a "
         "is ahead, costing +0.0% at 8 tokens. 2 windows at 32 cannot resolve a lead (the rule "
@@ -393,7 +390,7 @@ def test_two_windows_without_blocks_have_a_window_error_but_cannot_resolve():
         "held-out spans (spans)."
     )
     one = recommend(_table({"a": (10.0, [2.0]), "b": (10.0, [2.5])}), ["a", "b"], "a", 8, 32, 0.01)
-    assert "(paired over 1 window: -0.5000); a is ahead" in one["sentence"]
+    assert "(paired over 1 window: -0.5000); a is ahead" in one.sentence
 
 
 def test_the_lead_must_exceed_twice_its_standard_error_strictly():
@@ -401,19 +398,19 @@ def test_the_lead_must_exceed_twice_its_standard_error_strictly():
     # lead is exactly two standard errors: not resolved.
     edge = _table({"a": (10.0, [12.0, 6.0] + [9.0] * 7), "b": (10.0, [10.0] * 9)})
     verdict = recommend(edge, ["a", "b"], "a", 8, 32, margin=0.01)
-    d = verdict["difference"]
-    assert (d["mean"], d["std"], d["se"]) == (-1.0, 1.5, 0.5) and not verdict["resolved"]
+    d = verdict.difference
+    assert (d.mean, d.std, d.se) == (-1.0, 1.5, 0.5) and not verdict.resolved
     # Differences 1.4, -3.4 and seven -1: s.e. 0.4, a lead of 2.5 standard errors: resolved.
     clear = _table({"a": (10.0, [11.4, 6.6] + [9.0] * 7), "b": (10.0, [10.0] * 9)})
     verdict = recommend(clear, ["a", "b"], "a", 8, 32, margin=0.01)
-    assert verdict["difference"]["se"] == pytest.approx(0.4) and verdict["resolved"]
+    assert verdict.difference.se == pytest.approx(0.4) and verdict.resolved
 
 
 def test_the_error_text_names_where_the_error_came_from():
     # One window, 8 blocks, a constant lead: resolved within that window's text only.
     one = _blocks_table({"a": [[1.0, 1.5] * 4], "b": [[2.0, 2.5] * 4]})
     verdict = recommend(one, ["a", "b"], "a", 8, 32, margin=0.01)
-    assert verdict["resolved"] and verdict["sentence"] == (
+    assert verdict.resolved and verdict.sentence == (
         "Use a at 32 tokens: last-quarter NLL at 32 1.2500 against b's 2.2500 (paired over 1 "
         "window: -1.0000 ± 0.0000 s.e. from 8 blocks of 64 tokens within the windows), costing "
         "+0.0% at 8 tokens. The error is from within 1 window: more held-out spans (spans) "
@@ -422,9 +419,9 @@ def test_the_error_text_names_where_the_error_came_from():
     # Three windows, each constant within but differing across: the window error is larger.
     three = _blocks_table({"a": [[1.0] * 8, [1.5] * 8, [2.0] * 8], "b": [[2.0] * 8] * 3})
     verdict = recommend(three, ["a", "b"], "a", 8, 32, margin=0.01)
-    d = verdict["difference"]
-    assert d["se_blocks"] == 0.0 and d["se"] == d["se_windows"] == pytest.approx(0.5 / 3**0.5)
-    assert verdict["sentence"] == (
+    d = verdict.difference
+    assert d.se_blocks == 0.0 and d.se == d.se_windows == pytest.approx(0.5 / 3**0.5)
+    assert verdict.sentence == (
         "No difference is resolved at this sample size between a and b at 32 tokens: "
         "last-quarter NLL at 32 1.5000 against b's 2.0000 (paired over 3 windows: -0.5000 ± "
         "0.2887 s.e. over windows); a is ahead, costing +0.0% at 8 tokens."
@@ -437,15 +434,15 @@ def test_every_collapsed_method_is_named_in_the_sentence():
         "a": (10.0, [1.0] * 3), "b": (10.0, [1.5] * 3),
     })  # fmt: skip
     verdict = recommend(four, list(four), "rope", 8, 32, margin=0.01)
-    assert verdict["collapsed"] == ["rope", "alibi"] and verdict["resolved"]
-    assert verdict["sentence"] == (
+    assert list(verdict.collapsed) == ["rope", "alibi"] and verdict.resolved
+    assert verdict.sentence == (
         "Use a at 32 tokens: last-quarter NLL at 32 1.0000 against b's 1.5000 (paired over 3 "
         "windows: -0.5000 ± 0.0000 s.e. over windows); collapsed at 32: rope, alibi, costing "
         "+0.0% at 8 tokens."
     )
     alone = _table({"rope": (10.0, [5.0]), "alibi": (10.0, [6.0]), "a": (10.0, [1.0])})
     verdict = recommend(alone, list(alone), "rope", 8, 32, margin=0.01)
-    assert verdict["resolved"] and verdict["sentence"] == (
+    assert verdict.resolved and verdict.sentence == (
         "Use a at 32 tokens: last-quarter perplexity at 32 2.7 (NLL 1.0000), costing +0.0% at 8 "
         "tokens; every other method within 1.0% collapses there: rope (last-quarter perplexity "
         "148.4), alibi (last-quarter perplexity 403.4)."
@@ -455,11 +452,11 @@ def test_every_collapsed_method_is_named_in_the_sentence():
 def test_an_engine_with_no_answer_for_the_recommended_method_gives_no_reason():
     table = _table({"a": (10.0, [1.0] * 3), "b": (10.0, [1.5] * 3)})
     verdict = recommend(table, ["a", "b"], "a", 8, 32, margin=0.01)
-    engines = per_engine(verdict, {"b": {"e": {"exact": False, "why": "per-head"}}})
-    assert engines["e"] == {
+    engines = per_engine(verdict, {"b": {"e": EngineAnswer(False, "per-head")}})
+    assert encode(engines["e"]) == {
         "method": None, "score": None, "cost": None, "behind": None, "why_not_best": None,
         "beyond_margin": None, "sentence": "e: serves none of the eligible methods exactly.",
     }  # fmt: skip
     # An exact answer's reason is "" (ropekit.serve.serving.Served): no reason to report.
-    exact = per_engine(verdict, {"a": {"e": {"exact": True, "why": ""}}})
-    assert exact["e"]["method"] == "a" and exact["e"]["why_not_best"] is None
+    exact = per_engine(verdict, {"a": {"e": EngineAnswer(True, "")}})
+    assert exact["e"].method == "a" and exact["e"].why_not_best is None

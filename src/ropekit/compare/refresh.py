@@ -18,18 +18,19 @@ Holds: refresh_comparison.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ropekit.backbone import open_backbone
 from ropekit.encodings import PositionEncoding
-from ropekit.results import read_result, write_result
+from ropekit.results import read_record, write_result
 from ropekit.train.extend import resolve_method
 
 from .config import CompareConfig
+from .record import CompareResult, EngineAnswer, Method
 from .report import write_report
 from .run import COMPARE_JSON, engine_answers
 from .verdict import per_engine
@@ -42,33 +43,33 @@ def refresh_comparison(
     per engine), rewrite it atomically, and write report.md and report.html from it; returns
     the report's paths. Raises ResultError for a file that is not a comparison."""
     path = Path(folder) / COMPARE_JSON
-    data = read_result(path, kind="compare")
-    verdict = data.get("verdict")
-    if "served" not in data:
-        config = CompareConfig(**data["config"])
-        labels = [m["label"] for m in data["methods"]]
+    data = read_record(path, CompareResult)  # migrated from an older layout in memory
+    if data.served is None:
+        config = data.compare_config
         log(f"{path} predates the per-engine verdict: asking each engine about its "
-            f"{len(labels)} methods on {config.model} (no score is recomputed)")  # fmt: skip
-        data["served"] = _served(config, data["methods"])
+            f"{len(data.methods)} methods on {config.model} (no score is recomputed)")  # fmt: skip
+        served = _served(config, data.methods)
+        verdict = data.verdict
         if verdict is not None:
-            verdict["serving"] = per_engine(verdict, data["served"])
+            verdict = dataclasses.replace(verdict, serving=per_engine(verdict, served))
         amended = {"command": f"ropekit report {folder}", "added": ["served", "verdict.serving"]}
-        data["meta"] = {**data["meta"], "amended": amended}
-        body = {k: v for k, v in data.items() if k not in ("kind", "meta", "provenance")}
-        write_result(path, "compare", body, meta=data["meta"], provenance=data["provenance"])
+        data = dataclasses.replace(
+            data, served=served, verdict=verdict, meta={**data.meta, "amended": amended}
+        )
+        write_result(path, "compare", data)
     return write_report(data, folder)
 
 
-def _served(config: CompareConfig, methods: list[dict[str, Any]]) -> dict[str, Any]:
-    """{label: {engine: {"exact", "why"}}} for each method's encoding, untrained."""
+def _served(config: CompareConfig, methods: Sequence[Method]) -> dict[str, dict[str, EngineAnswer]]:
+    """{label: {engine: answer}} for each method's encoding, untrained."""
     probe = open_backbone(config.model)
     out = {}
     for method in methods:
-        extension = config.extension_config(method["spec"], config.seeds[0], config.lrs[0])
+        extension = config.extension_config(method.spec, config.seeds[0], config.lrs[0])
         encoding = resolve_method(probe, extension)[0]
-        if method["trained"]:
+        if method.trained:
             _move_off_initialization(encoding)
-        out[method["label"]] = engine_answers(probe, config.target_length, encoding)
+        out[method.label] = engine_answers(probe, config.target_length, encoding)
     return out
 
 

@@ -1,5 +1,5 @@
 """The comparison's report: Markdown and one self-contained HTML page, with its figures,
-every number read from ``compare.json``.
+every number read from ``compare.json`` (a ``CompareResult``).
 
 Sections: what was compared; the verdict; perplexity at each length on whole windows and on
 the last quarter, per domain and averaged over domains; the cost at L0 against the gain at N;
@@ -21,41 +21,52 @@ from ropekit.report.document import Block, Figure, Heading, Table, Text, to_html
 from ropekit.report.plots import plot_nll_vs_position
 from ropekit.utils import atomic_write_text
 
+from .record import BeyondMargin, CompareResult, EngineChoice, Stat, SummaryEntry, Verdict
 from .verdict import accuracy_text
 
+# The two perplexities of a summary cell, each read by its own accessor (a renamed field of
+# SummaryEntry then fails here, not in a string key): (name in figures, accessor, what).
+_PPL: tuple[tuple[str, Any, str], ...] = (
+    ("ppl", lambda e: e.ppl, "whole window"),
+    ("last_quarter_ppl", lambda e: e.last_quarter_ppl, "last quarter"),
+)
 
-def _cell(stat: dict[str, Any] | None, digits: int = 2) -> str:
-    if stat is None or stat["mean"] is None:
+
+def _cell(stat: Stat | None, digits: int = 2) -> str:
+    if stat is None or stat.mean is None:
         return "-"
-    text = f"{stat['mean']:.{digits}f}"
-    return text + (f" ± {stat['std']:.{digits}f}" if stat["n"] > 1 else "")
+    text = f"{stat.mean:.{digits}f}"
+    return text + (f" ± {stat.std:.{digits}f}" if stat.n > 1 else "")
 
 
-def _mean_over_domains(summary: dict, label: str, length: str, key: str) -> float | None:
-    """Geometric mean over the domains scored at ``length`` (as the verdict's means)."""
-    rows = [summary[label][d][length] for d in summary[label] if length in summary[label][d]]
-    values = [row[key]["mean"] for row in rows]
+def _mean_over_domains(data: CompareResult, label: str, length: int, pick: Any) -> float | None:
+    """Geometric mean over the domains scored at ``length`` (as the verdict's means) of the
+    statistic ``pick`` reads from a summary cell."""
+    by_domain = data.summary[label]
+    values = [pick(rows[length]).mean for rows in by_domain.values() if length in rows]
     if any(v is None for v in values) or not values:
         return None
     return math.exp(sum(math.log(v) for v in values) / len(values))  # geometric mean
 
 
-def _ppl_tables(data: dict[str, Any]) -> list[Block]:
-    summary, lengths = data["summary"], [str(n) for n in data["lengths"]]
-    labels = [m["label"] for m in data["methods"] if m["label"] in summary]
+def _summary_cell(data: CompareResult, label: str, domain: str, n: int) -> SummaryEntry | None:
+    return data.summary[label].get(domain, {}).get(n)
+
+
+def _ppl_tables(data: CompareResult) -> list[Block]:
+    summary, lengths = data.summary, data.lengths
+    labels = [m.label for m in data.methods if m.label in summary]
     blocks: list[Block] = []
-    for key, what in (
-        ("ppl", "whole windows"),
-        ("last_quarter_ppl", "last quarter of each window"),
-    ):
-        headers = ["method", *(f"{d} @{n}" for d in data["domains"] for n in lengths)]
+    for (_, pick, _), what in zip(_PPL, ("whole windows", "last quarter of each window"),
+                                  strict=True):  # fmt: skip
+        headers = ["method", *(f"{d} @{n}" for d in data.domains for n in lengths)]
         headers += [f"mean @{n}" for n in lengths]
         rows = []
         for label in labels:
             row = [label]
-            row += [_cell(summary[label].get(d, {}).get(n, {}).get(key)) for d in data["domains"]
-                    for n in lengths]  # fmt: skip
-            means = [_mean_over_domains(summary, label, n, key) for n in lengths]
+            cells = [_summary_cell(data, label, d, n) for d in data.domains for n in lengths]
+            row += [_cell(None if e is None else pick(e)) for e in cells]
+            means = [_mean_over_domains(data, label, n, pick) for n in lengths]
             row += ["-" if m is None else f"{m:.2f}" for m in means]
             rows.append(row)
         caption = (
@@ -66,24 +77,22 @@ def _ppl_tables(data: dict[str, Any]) -> list[Block]:
     return blocks
 
 
-def _cost_gain(data: dict[str, Any], path: Path) -> Path | None:
-    verdict = data["verdict"]
+def _cost_gain(data: CompareResult, path: Path) -> Path | None:
+    verdict = data.verdict
     if verdict is None:
         return None
     fig, axes = figure(6.4, 4.4)
     ax = axes[0, 0]
-    for label in verdict["eligible"] + [
-        m for m in verdict["costs"] if m not in verdict["eligible"]
-    ]:
-        cost, score = verdict["costs"].get(label), verdict["scores"].get(label)
+    for label in [*verdict.eligible, *(m for m in verdict.costs if m not in verdict.eligible)]:
+        cost, score = verdict.costs.get(label), verdict.scores.get(label)
         if cost is None or score is None:
             continue
         ax.scatter([100 * cost], [math.exp(score)], s=30, color=style(label).get("color"))
         ax.annotate(label, (100 * cost, math.exp(score)), fontsize=7)
-    ax.axvline(100 * verdict["margin"], color="gray", ls=":", lw=1, label="margin")
+    ax.axvline(100 * verdict.margin, color="gray", ls=":", lw=1, label="margin")
     ax.set(
-        xlabel=f"cost at {verdict['short_length']} tokens (% perplexity vs the unmodified model)",
-        ylabel=f"last-quarter perplexity at {verdict['target_length']} (mean over domains)",
+        xlabel=f"cost at {verdict.short_length} tokens (% perplexity vs the unmodified model)",
+        ylabel=f"last-quarter perplexity at {verdict.target_length} (mean over domains)",
         title="Cost at the original length against the far positions at the target",
     )
     ax.grid(alpha=0.3)
@@ -91,30 +100,31 @@ def _cost_gain(data: dict[str, Any], path: Path) -> Path | None:
     return save(fig, path)
 
 
-def _nll_vs_position(data: dict[str, Any], domain: str, path: Path) -> Figure | None:
+def _nll_vs_position(data: CompareResult, domain: str, path: Path) -> Figure | None:
     """NLL against position in the windows of N tokens of ``domain``, one line per method
     (a trained one: the mean over seeds; the windows and bins are the same for all)."""
-    n = str(data["target_length"])
+    n = data.target_length
     curves = {}
-    for label, domains in data["table"].items():
-        seeds = [c for c in domains.get(domain, {}).get(n, {}).get("position_nll") or () if c]
+    for label in data.table:
+        entry = data.entry(label, domain, n)
+        seeds = [c for c in entry.position_nll if c] if entry is not None else []
         if seeds:
-            nll = [sum(v) / len(seeds) for v in zip(*(c["nll"] for c in seeds), strict=True)]
-            curves[label] = {"start": seeds[0]["start"], "stop": seeds[0]["stop"], "nll": nll}
+            nll = [sum(v) / len(seeds) for v in zip(*(c.nll for c in seeds), strict=True)]
+            curves[label] = {"start": seeds[0].start, "stop": seeds[0].stop, "nll": nll}
     if not curves:
         return None
     # From position N/128 on (the first tokens of a window, with almost no context, are
     # several nats higher for every method and would flatten the rest), and up to a quarter
     # above the highest NLL any method has there inside the original window, so a method that
     # collapses beyond the window leaves the chart instead of flattening it.
-    first = max(1, data["target_length"] // 128)
+    first = max(1, data.target_length // 128)
     shown = [(a, y) for c in curves.values() for a, y in zip(c["start"], c["nll"], strict=True)
              if a >= first]  # fmt: skip
-    inside = [y for a, y in shown if a < data["trained_at"]]
+    inside = [y for a, y in shown if a < data.trained_at]
     ylim = (0.95 * min(y for _, y in shown), 1.25 * max(inside)) if inside else None
     plot_nll_vs_position(
-        curves, path, length=data["target_length"], train_length=data["trained_at"],
-        xlim=(first, data["target_length"]), ylim=ylim, title=f"{domain}: ",
+        curves, path, length=n, train_length=data.trained_at, xlim=(first, n), ylim=ylim,
+        title=f"{domain}: ",
     )  # fmt: skip
     return Figure(
         path.name,
@@ -124,20 +134,18 @@ def _nll_vs_position(data: dict[str, Any], domain: str, path: Path) -> Figure | 
     )
 
 
-def _figures(data: dict[str, Any], out: Path) -> list[Figure]:
-    summary, figures = data["summary"], []
-    for domain in data["domains"]:
+def _figures(data: CompareResult, out: Path) -> list[Figure]:
+    summary, figures = data.summary, []
+    for domain in data.domains:
         scored = {label: domains[domain] for label, domains in summary.items() if domain in domains}
         if not scored:  # no held-out document of the domain holds any length
             continue
-        for key, what in (("ppl", "whole window"), ("last_quarter_ppl", "last quarter")):
+        for key, pick, what in _PPL:
             series = {
-                label: {int(n): e[key]["mean"] for n, e in rows.items()}
-                for label, rows in scored.items()
+                label: {n: pick(e).mean for n, e in rows.items()} for label, rows in scored.items()
             }
             errors = {
-                label: {int(n): e[key]["std"] for n, e in rows.items()}
-                for label, rows in scored.items()
+                label: {n: pick(e).std for n, e in rows.items()} for label, rows in scored.items()
             }
             name = f"ppl_{key}_{domain}.png".replace("/", "-")
             # A collapsed method (hundreds or thousands against tens) would flatten every
@@ -150,7 +158,7 @@ def _figures(data: dict[str, Any], out: Path) -> list[Figure]:
             )
             plot_vs_length(
                 series, out / name, errors=errors, ylabel=f"perplexity ({what})",
-                title=f"{domain}: {what}", train_length=data["trained_at"],
+                title=f"{domain}: {what}", train_length=data.trained_at,
                 ylim=(None, top) if clipped else None,
             )  # fmt: skip
             note = (
@@ -170,8 +178,8 @@ def _figures(data: dict[str, Any], out: Path) -> list[Figure]:
     return figures
 
 
-def _windows_text(data: dict[str, Any]) -> str:
-    if data.get("single_documents"):
+def _windows_text(data: CompareResult) -> str:
+    if data.single_documents:
         return (
             "Windows lie inside single held-out documents (spans of lcm(lengths) tokens, each "
             "in one document; no window joins unrelated texts)."
@@ -186,13 +194,13 @@ def _windows_text(data: dict[str, Any]) -> str:
 _NAMED_DOCUMENTS = 12
 
 
-def _held_out(data: dict[str, Any]) -> list[Block]:
+def _held_out(data: CompareResult) -> list[Block]:
     """One line per domain, named as the user passed it, naming the held-out documents its
     windows were cut from and where (comparisons written before this have none)."""
     lines = []
-    for domain, stretches in data.get("held_out", {}).items():
+    for domain, stretches in data.held_out.items():
         named = [
-            f"{s['document']} (tokens {s['offset']:,}-{s['offset'] + s['tokens']:,})"
+            f"{s.document} (tokens {s.offset:,}-{s.offset + s.tokens:,})"
             for s in stretches[:_NAMED_DOCUMENTS]
         ]
         rest = len(stretches) - len(named)
@@ -201,29 +209,29 @@ def _held_out(data: dict[str, Any]) -> list[Block]:
     return [Text(line) for line in lines]
 
 
-def _skipped(data: dict[str, Any]) -> list[Block]:
+def _skipped(data: CompareResult) -> list[Block]:
     """One line per length a domain's documents could not hold (single documents)."""
     lines = []
-    for s in data.get("skipped", []):
-        if s["capacity"] == 0:
-            why = f"No single document of {s['span']} tokens in {s['domain']}"
+    for s in data.skipped:
+        if s.capacity == 0:
+            why = f"No single document of {s.span} tokens in {s.domain}"
         else:
             why = (
-                f"The documents of {s['domain']} hold {s['capacity']} single-document spans "
-                f"of {s['span']} tokens, {s['count']} needed"
+                f"The documents of {s.domain} hold {s.capacity} single-document spans "
+                f"of {s.span} tokens, {s.count} needed"
             )
-        lines.append(Text(f"{why}: {s['length']}-token windows are not scored there."))
+        lines.append(Text(f"{why}: {s.length}-token windows are not scored there."))
     return lines
 
 
-def _retrieval_table(data: dict[str, Any]) -> list[Block]:
+def _retrieval_table(data: CompareResult) -> list[Block]:
     """Accuracy per method and probe length, pooled over seeds, with its Wilson interval and
     the probes behind each cell."""
-    settings, retrieval = data.get("probes"), data.get("retrieval") or {}
+    settings, retrieval = data.probes, data.retrieval
     if not settings or not retrieval:
         return []
-    lengths = [str(n) for n in settings["lengths"]]
-    labels = [m["label"] for m in data["methods"] if m["label"] in retrieval]
+    lengths = settings.lengths
+    labels = [m.label for m in data.methods if m.label in retrieval]
 
     def rows(cell: Any) -> list[list[str]]:  # one row per method, one cell per probe length
         return [
@@ -231,22 +239,23 @@ def _retrieval_table(data: dict[str, Any]) -> list[Block]:
             for label in labels
         ]
 
-    level = next(iter(retrieval[labels[0]].values()))["confidence"]
+    level = next(iter(retrieval[labels[0]].values())).confidence
     caption = (
         f"Retrieval accuracy (exact match of the value) with its {level:.0%} Wilson interval "
-        f"and correct/probes per cell: task {settings['task']}, {settings['needles']} needle(s) "
-        f"(K) in each of {settings['haystacks']} haystacks (H) per length and run, so "
-        f"{settings['probes_per_run']} probes per cell per seed; a trained method's seeds are "
+        f"and correct/probes per cell: task {settings.task}, {settings.needles} needle(s) "
+        f"(K) in each of {settings.haystacks} haystacks (H) per length and run, so "
+        f"{settings.probes_per_run} probes per cell per seed; a trained method's seeds are "
         "pooled (correct and probes summed, then one interval). Beside the rule, not in it."
     )
     blocks: list[Block] = [
         Heading("Retrieval", 2),
         Table(["method", *(f"@{n}" for n in lengths)], rows(accuracy_text), caption),
     ]
-    if settings["needles"] > 1:  # distractors: a model may copy a needle, not the asked one
+    if settings.needles > 1:  # distractors: a model may copy a needle, not the asked one
 
-        def wrong(e: dict[str, Any]) -> str:
-            return f"{e['other_needle']} of {e['n'] - e['correct']} ({e['nearest_needle']})"
+        def wrong(e: Any) -> str:  # a Retrieval; "?" where a seed did not count them
+            other, nearest = ("?" if v is None else v for v in (e.other_needle, e.nearest_needle))
+            return f"{other} of {e.n - e.correct} ({nearest})"
 
         caption = (
             "Wrong answers that name another needle's value, of all wrong answers (in "
@@ -259,29 +268,17 @@ def _retrieval_table(data: dict[str, Any]) -> list[Block]:
     return blocks
 
 
-def _serving_table(verdict: dict[str, Any] | None) -> list[Block]:
+def _serving_table(verdict: Verdict | None) -> list[Block]:
     """Per serving engine, the best eligible method it serves exactly, and why it does not
     serve the recommended one (comparisons written before this have none)."""
-    serving = (verdict or {}).get("serving")
-    if not serving or verdict["winner"] is None:
+    if verdict is None or not verdict.serving or verdict.winner is None:
         return []
-    n, short = verdict["target_length"], verdict["short_length"]
-    rows = [
-        [
-            engine,
-            e["method"] or "none",
-            "-" if e["score"] is None else f"{e['score']:.4f}",
-            "-" if e["behind"] is None else f"{e['behind']:+.4f}",
-            "-" if e["cost"] is None else f"{e['cost']:+.1%}",
-            e["why_not_best"] or "-",
-            _beyond(e.get("beyond_margin")),
-        ]
-        for engine, e in serving.items()
-    ]
+    n, short = verdict.target_length, verdict.short_length
+    rows = [_serving_row(engine, e) for engine, e in verdict.serving.items()]
     caption = (
         f"What each engine serves exactly (within its measured noise floor, by ropekit "
         f"inspect's rules): the best eligible method for it, its last-quarter NLL at {n} (mean "
-        f"over domains), nats behind the recommended {verdict['winner']}, its cost at {short} "
+        f"over domains), nats behind the recommended {verdict.winner}, its cost at {short} "
         "tokens, why the engine does not serve the recommended method, and the best method it "
         "serves over the cost margin where that one scores better at N (NLL, cost)."
     )
@@ -290,63 +287,76 @@ def _serving_table(verdict: dict[str, Any] | None) -> list[Block]:
     return [Table(header, rows, caption)]
 
 
-def _beyond(entry: dict[str, Any] | None) -> str:
+def _serving_row(engine: str, e: EngineChoice) -> list[str]:
+    return [
+        engine,
+        e.method or "none",
+        "-" if e.score is None else f"{e.score:.4f}",
+        "-" if e.behind is None else f"{e.behind:+.4f}",
+        "-" if e.cost is None else f"{e.cost:+.1%}",
+        e.why_not_best or "-",
+        _beyond(e.beyond_margin),
+    ]
+
+
+def _beyond(entry: BeyondMargin | None) -> str:
     if entry is None:
         return "-"
-    return f"{entry['method']} ({entry['score']:.4f}, {entry['cost']:+.1%})"
+    return f"{entry.method} ({entry.score:.4f}, {entry.cost:+.1%})"
 
 
-def report_blocks(data: dict[str, Any], out: Path) -> list[Block]:
-    c = data["config"]
-    verdict = data["verdict"]
-    trains = any(m["trained"] for m in data["methods"])
+def report_blocks(data: CompareResult, out: Path) -> list[Block]:
+    c = data.compare_config
+    verdict = data.verdict
+    trains = any(m.trained for m in data.methods)
+    train_data = c.train_data if isinstance(c.train_data, str) else list(c.train_data)
     training = (
-        f"Trained methods learn their positional parameters on {c['samples']} samples of "
-        f"{data['target_length']} tokens of {c['train_data']} (training split) per seed "
-        f"({len(c['seeds'])} seeds, paired), backbone frozen"
+        f"Trained methods learn their positional parameters on {c.samples} samples of "
+        f"{data.target_length} tokens of {train_data} (training split) per seed "
+        f"({len(c.seeds)} seeds, paired), backbone frozen"
         if trains
         else "No method here trains anything"
     )
     blocks: list[Block] = [
-        Heading(f"ropekit compare: {c['model']} to {data['target_length']} tokens", 1),
+        Heading(f"ropekit compare: {c.model} to {data.target_length} tokens", 1),
         Text(
-            f"The model was trained at {data['trained_at']} tokens. {training}; every method "
+            f"The model was trained at {data.trained_at} tokens. {training}; every method "
             f"is scored on the same held-out windows of "
-            f"{', '.join(data['domains'])} ({c['spans']} span(s) of {data['target_length']} "
-            f"tokens per domain). {_windows_text(data)} Stage: {data['stage']}."
+            f"{', '.join(data.domains)} ({c.spans} span(s) of {data.target_length} "
+            f"tokens per domain). {_windows_text(data)} Stage: {data.stage}."
         ),
         *_skipped(data),
         *_held_out(data),
         Heading("Verdict", 2),
-        Text(verdict["sentence"] if verdict else "No verdict yet: the baseline is not scored."),
+        Text(verdict.sentence if verdict else "No verdict yet: the baseline is not scored."),
     ]
-    if verdict and verdict.get("retrieval"):
-        blocks.append(Text(verdict["retrieval"]))
+    if verdict and verdict.retrieval:
+        blocks.append(Text(verdict.retrieval))
     blocks += _serving_table(verdict)
     if verdict:  # the rule's bullets, one paragraph each (plain text: no Markdown emphasis)
         blocks.append(Text("How it is decided:"))
-        for item in re.split(r"(?:^|\n)- ", verdict["rule"]):
+        for item in re.split(r"(?:^|\n)- ", verdict.rule):
             if item.strip():
                 text = " ".join(item.split()).replace("**", "").replace("``", "`")
                 blocks.append(Text("- " + text))
     blocks += [Heading("Perplexity", 2), *_ppl_tables(data), *_retrieval_table(data)]
     blocks += [Heading("Figures", 2), *_figures(data, out)]
-    if data["lr_search"]:
+    if data.lr_search:
         rows = [
-            [label, ", ".join(f"{lr:g}: {nll:.4f}" for lr, nll in s["selection_nll"].items())
-             or "-", f"{s['chosen']:g}"]
-            for label, s in data["lr_search"].items()
+            [label, ", ".join(f"{lr:g}: {nll:.4f}" for lr, nll in s.selection_nll.items())
+             or "-", f"{s.chosen:g}"]
+            for label, s in data.lr_search.items()
         ]  # fmt: skip
         blocks.append(Table(["method", "selection NLL by lr", "chosen lr"], rows))
-    rows = [[t["job"], f"{t['seconds'] / 60:.1f} min"] for t in data["times"]]
+    rows = [[t.job, f"{t.seconds / 60:.1f} min"] for t in data.times]
     blocks += [
         Heading("Time", 2),
-        Table(["job", "wall time"], rows, f"On {data['meta']['machine']}."),
+        Table(["job", "wall time"], rows, f"On {data.meta['machine']}."),
     ]
     return blocks
 
 
-def write_report(data: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
+def write_report(data: CompareResult, out: str | Path) -> tuple[Path, Path]:
     """report.md and report.html (and the figures) into ``out``; returns the two paths."""
     out = Path(out)
     blocks = report_blocks(data, out)

@@ -66,9 +66,8 @@ from ropekit.results import (
     ResultError,
     check_replaceable,
     digest,
-    make_record,
+    read_record,
     read_records,
-    read_result,
     run_metadata,
     write_records,
     write_result,
@@ -77,18 +76,28 @@ from ropekit.serve.serving import served_by
 from ropekit.train.extend import extend, resolve_method
 
 from .config import CompareConfig
+from .record import (
+    CompareResult,
+    EngineAnswer,
+    JobTime,
+    LrSearch,
+    Method,
+    PositionCurve,
+    ProbeSettings,
+    SeedAccuracy,
+    Skipped,
+    Stat,
+    Stretch,
+    SummaryEntry,
+    TableEntry,
+)
 from .report import write_report
-from .verdict import mean_std, per_engine, pooled_accuracy, recommend, retrieval_note
+from .verdict import mean_std, per_engine, pooled_retrieval, recommend, retrieval_note
 
 COMPARE_JSON = "compare.json"
 BASELINE = "rope"  # the unmodified model: what a method's cost at L0 is measured against
-
-
-@dataclasses.dataclass(frozen=True)
-class _Method:
-    label: str
-    spec: str
-    trained: bool  # its encoding has parameters to train
+# table[label][domain][length] as it is gathered: the per-seed ppl results' rows
+Rows = dict[str, dict[str, dict[int, TableEntry]]]
 
 
 def _slug(text: str) -> str:
@@ -119,22 +128,22 @@ class _Comparison:
         # Each spec as the extension run resolves it (a factor it omits is N / L0: extend's
         # one rule), so a spec that cannot be built stops the comparison here, before any job.
         self.methods = [
-            _Method(label, spec, bool(self.resolved(probe, spec).positional_parameters()))
+            Method(label, spec, bool(self.resolved(probe, spec).positional_parameters()))
             for label, spec in methods
         ]
         self.baseline = next(m.label for m in self.methods if m.spec == BASELINE)
         self.tokenizer = probe.require_tokenizer()
         self.streams: dict[str, TokenStream] = {}  # held-out tokens, made once per domain
         self.fitting: dict[str, tuple[int, ...]] = {}  # lengths each domain's documents hold
-        self.skipped: list[dict[str, Any]] = []  # the lengths left out, with the reason
+        self.skipped: list[Skipped] = []  # the lengths left out, with the reason
         self.times = out / "times.jsonl"  # wall time of each job, kept when a job is reused
         self.records = {r["job"]: r for r in read_records(self.times)}
         # The jobs of this comparison, run or reused: the time table lists only these (the
         # folder may keep records of a stopped run with other methods or domains).
         self.jobs: set[str] = set()
-        # Which engines serve each method exactly ({label: {engine: {"exact", "why"}}}), from
-        # the encoding it was scored with (a trained method's at its first seed).
-        self.served: dict[str, dict[str, dict[str, Any]]] = {}
+        # Which engines serve each method exactly ({label: {engine: answer}}), from the
+        # encoding it was scored with (a trained method's at its first seed).
+        self.served: dict[str, dict[str, EngineAnswer]] = {}
         self.check_probes_fit(probe)
         probe.cast(COMPUTE_DTYPES[config.dtype])
         self.forward_seconds = forward_seconds(probe)  # for the plan's estimate
@@ -224,11 +233,11 @@ class _Comparison:
             write_records(self.times, list(self.records.values()))
         return value
 
-    def run_folder(self, method: _Method, seed: int, lr: float) -> Path:
+    def run_folder(self, method: Method, seed: int, lr: float) -> Path:
         """Where ``method``'s extension run at ``seed`` (and ``lr``, if it trains) lives."""
         return run_folder(self.out, method.label, method.trained, seed, lr)
 
-    def extension(self, method: _Method, seed: int, lr: float, folder: Path) -> Backbone:
+    def extension(self, method: Method, seed: int, lr: float, folder: Path) -> Backbone:
         """The model with ``method`` attached (trained at ``seed`` and ``lr`` if it trains)."""
         c = self.config
         backbone = open_backbone(c.model)
@@ -278,15 +287,12 @@ class _Comparison:
                     )
                     break
                 except DocumentsTooShort as e:
-                    self.skipped.append(
-                        {"domain": domain, "length": lengths[-1], "span": e.span,
-                         "capacity": e.capacity, "count": e.count}
-                    )  # fmt: skip
+                    self.skipped.append(Skipped(domain, lengths[-1], e.span, e.capacity, e.count))
                     lengths = lengths[:-1]
             self.fitting[domain] = lengths
         return self.fitting[domain]
 
-    def evaluate(self, method: _Method, seed: int, backbone: Backbone) -> dict[str, Any]:
+    def evaluate(self, method: Method, seed: int, backbone: Backbone) -> dict[str, Any]:
         """Perplexity of the model on every held-out domain that holds a length:
         {domain: ppl result}."""
         out = {}
@@ -320,7 +326,7 @@ class _Comparison:
             results[method.label] = {0: self.evaluate(method, 0, backbone)}
         return results
 
-    def trained(self, method: _Method) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+    def trained(self, method: Method) -> tuple[dict[int, dict[str, Any]], LrSearch]:
         c = self.config
         first = c.seeds[0]
         candidates = {}
@@ -333,7 +339,7 @@ class _Comparison:
                     job, method, lambda b=backbone: self.selection_nll(b, first)
                 )
         lr = min(candidates, key=candidates.get) if candidates else c.lrs[0]
-        search = {"lrs": list(c.lrs), "selection_nll": candidates, "chosen": lr}
+        search = LrSearch(tuple(c.lrs), candidates, lr)
         results = {}
         for seed in c.seeds:
             self.log(f"{method.label}: seed {seed} at lr {lr:g}, scoring")
@@ -343,7 +349,7 @@ class _Comparison:
             results[seed] = self.evaluate(method, seed, backbone)
         return results, search
 
-    def retrieval(self, method: _Method, lr: float) -> dict[int, dict[str, Any]]:
+    def retrieval(self, method: Method, lr: float) -> dict[int, dict[str, Any]]:
         """Probe summaries of ``method`` at every seed it was scored at: {seed: summary}.
         Each run probes into its own folder with the probes module's provenance, so a rerun
         reuses its answers and other probe settings or another model there are refused."""
@@ -363,7 +369,7 @@ class _Comparison:
             out[seed] = self._timed(f"probes {folder.relative_to(self.out)}", probe)
         return out
 
-    def _selected(self, job: str, method: _Method, fn: Callable[[], float]) -> float:
+    def _selected(self, job: str, method: Method, fn: Callable[[], float]) -> float:
         """A selection score, computed once (its record keeps it with what it depends on:
         the model, the method's spec, the first seed's training and the selection samples;
         the rate is in ``job``). Records made before this key (whose key digested the whole
@@ -391,51 +397,41 @@ class _Comparison:
         return value
 
     # ------------------------------------------------------------------ the verdict
-    def table(self, results: dict[str, dict[int, dict[str, Any]]]) -> dict:
-        """table[label][domain][length] = per-seed ppl, NLL, last-quarter windows and their
+    def table(self, results: dict[str, dict[int, dict[str, Any]]]) -> Rows:
+        """table[label][domain][length]: per-seed ppl, NLL, last-quarter windows and their
         blocks, and binned NLL-vs-position curve."""
-        table: dict[str, Any] = {}
+        table: Rows = {}
         for label, by_seed in results.items():
             table[label] = {}
             for domain in (d for d in self.config.eval_data if d in by_seed[min(by_seed)]):
-                rows: dict[int, dict[str, list]] = {}
+                rows: dict[int, list[dict[str, Any]]] = {}
                 for seed in sorted(by_seed):
                     for row in by_seed[seed][domain]["results"]:
-                        entry = rows.setdefault(
-                            row["length"],
-                            {"ppl": [], "nll": [], "last_quarter_windows": [],
-                             "last_quarter_blocks": [], "position_nll": []},
-                        )  # fmt: skip
-                        entry["ppl"].append(row["perplexity"])
-                        entry["nll"].append(row["nll"])
-                        entry["last_quarter_windows"].append(row["last_quarter_nll_windows"])
-                        # ppl.json written before the blocks existed has none: the verdict
-                        # then takes its error from windows alone
-                        entry["last_quarter_blocks"].append(row.get("last_quarter_nll_blocks"))
-                        entry["position_nll"].append(row.get("position_nll"))  # binned curve
-                table[label][domain] = rows
+                        rows.setdefault(row["length"], []).append(row)
+                table[label][domain] = {n: _entry(seeds) for n, seeds in rows.items()}
         return table
 
-    def held_out(self, results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, list]:
-        """domain -> the held-out text its windows were cut from, as [{document, offset,
-        tokens}]: the single-document spans, or the stretch of the documents joined end to end
-        (every method scores the same windows, so the first scored result says it)."""
-        out: dict[str, list] = {}
+    def held_out(self, results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, tuple]:
+        """domain -> the held-out text its windows were cut from: the single-document spans,
+        or the stretch of the documents joined end to end (every method scores the same
+        windows, so the first scored result says it)."""
+        out: dict[str, tuple[Stretch, ...]] = {}
         for domain in self.config.eval_data:
             scored = (r for by_seed in results.values() for r in by_seed.values())
             result = next((r[domain] for r in scored if domain in r), None)
             if result is None:
                 continue
             if result.get("spans") is not None:  # a single-document run names its spans
-                out[domain] = [
-                    {k: span[k] for k in ("document", "offset", "tokens")}
-                    for span in result["spans"]
-                ]
+                out[domain] = tuple(
+                    Stretch(s["document"], s["offset"], s["tokens"]) for s in result["spans"]
+                )
             elif result.get("start") is not None:
                 out[domain] = _stretch(self.streams[domain], result["start"], result["config"])
         return out
 
-    def write(self, results: dict, searches: dict, probes: dict, stage: str) -> dict[str, Any]:
+    def write(
+        self, results: dict, searches: dict[str, LrSearch], probes: dict, stage: str
+    ) -> CompareResult:
         c = self.config
         table = self.table(results)
         labels = [m.label for m in self.methods if m.label in table]
@@ -454,65 +450,79 @@ class _Comparison:
         )
         retrieval = _retrieval(probes)
         if verdict is not None:  # supporting numbers beside the rule, never part of it
-            verdict["retrieval"] = retrieval_note(retrieval, verdict)
-            verdict["serving"] = per_engine(verdict, self.served)
+            verdict = dataclasses.replace(
+                verdict,
+                retrieval=retrieval_note(retrieval, verdict),
+                serving=per_engine(verdict, self.served),
+            )
         lengths = c.retrieval_lengths(self.trained_at)
-        settings = {
-            "lengths": list(lengths), "needles": c.probe_needles, "haystacks": c.probe_haystacks,
-            "task": c.probe_task, "probes_per_run": c.probe_needles * c.probe_haystacks,
-        } if lengths else None  # fmt: skip
-        summary = {
-            "stage": stage, "trained_at": self.trained_at, "target_length": c.target_length,
-            "lengths": list(c.eval_lengths(self.trained_at)), "domains": list(c.eval_data),
-            "single_documents": c.single_documents, "skipped": self.skipped,
-            "held_out": self.held_out(results),
-            "methods": [dataclasses.asdict(m) for m in self.methods], "baseline": self.baseline,
-            "table": _jsonable(table), "summary": _summary(table), "lr_search": searches,
-            "verdict": verdict, "retrieval": retrieval, "probes": settings,
-            "served": self.served,
-            "times": [r for r in self.records.values() if r["job"] in self.jobs],
-            "config": c.to_dict(),
-        }  # fmt: skip
-        meta = run_metadata(self.command, seed=c.seed)
-        provenance = {"config": c.to_dict()}
-        write_result(self.out / COMPARE_JSON, "compare", summary, meta=meta, provenance=provenance)
-        record = make_record("compare", summary, meta=meta, provenance=provenance)
+        settings = ProbeSettings(
+            tuple(lengths), c.probe_needles, c.probe_haystacks, c.probe_task,
+            c.probe_needles * c.probe_haystacks,
+        ) if lengths else None  # fmt: skip
+        record = CompareResult(
+            meta=run_metadata(self.command, seed=c.seed), provenance={"config": c.to_dict()},
+            stage=stage, trained_at=self.trained_at, target_length=c.target_length,
+            lengths=tuple(c.eval_lengths(self.trained_at)), domains=tuple(c.eval_data),
+            single_documents=c.single_documents, skipped=tuple(self.skipped),
+            held_out=self.held_out(results), methods=tuple(self.methods),
+            baseline=self.baseline, table=table, summary=_summary(table),
+            lr_search=dict(searches), verdict=verdict, retrieval=retrieval, probes=settings,
+            served=dict(self.served),
+            times=tuple(JobTime(**r) for r in self.records.values() if r["job"] in self.jobs),
+            config=c.to_dict(),
+        )  # fmt: skip
+        write_result(self.out / COMPARE_JSON, "compare", record)
         write_report(record, self.out)
         return record
 
 
 def engine_answers(
     backbone: Backbone, target: int, encoding: PositionEncoding | None = None
-) -> dict[str, dict[str, Any]]:
-    """compare.json's record of ``served_by``: {engine: {"exact", "why"}} for the method
-    ``backbone`` carries (or ``encoding``, not attached) at ``target`` tokens."""
+) -> dict[str, EngineAnswer]:
+    """compare.json's record of ``served_by``: {engine: answer} for the method ``backbone``
+    carries (or ``encoding``, not attached) at ``target`` tokens."""
     served = served_by(backbone, target, encoding=encoding)
-    return {name: {"exact": s.exact, "why": s.why} for name, s in served.items()}
+    return {name: EngineAnswer(s.exact, s.why) for name, s in served.items()}
 
 
-def _jsonable(table: dict) -> dict:
-    return {
-        label: {d: {str(n): e for n, e in rows.items()} for d, rows in domains.items()}
-        for label, domains in table.items()
-    }
+def _entry(seeds: list[dict[str, Any]]) -> TableEntry:
+    """One cell of the table from each seed's ppl.json row at that length (seeds in order)."""
+    curves = [row.get("position_nll") for row in seeds]  # binned curve
+    return TableEntry(
+        ppl=tuple(row["perplexity"] for row in seeds),
+        nll=tuple(row["nll"] for row in seeds),
+        last_quarter_windows=tuple(tuple(row["last_quarter_nll_windows"]) for row in seeds),
+        # ppl.json written before the blocks existed has none: the verdict then takes its
+        # error from windows alone
+        last_quarter_blocks=tuple(
+            None if b is None else tuple(tuple(w) for w in b)
+            for b in (row.get("last_quarter_nll_blocks") for row in seeds)
+        ),
+        position_nll=tuple(
+            None if c is None else PositionCurve(*(tuple(c[k]) for k in ("start", "stop", "nll")))
+            for c in curves
+        ),
+    )
 
 
-def _summary(table: dict) -> dict:
+def _quarter_ppl(entry: TableEntry) -> list[float]:
+    """Each seed's last-quarter perplexity: exp of its mean last-quarter NLL over windows."""
+    return [math.exp(sum(w) / len(w)) for w in entry.last_quarter_windows]
+
+
+def _summary(table: Rows) -> dict[str, dict[str, dict[int, SummaryEntry]]]:
     """label -> domain -> length -> mean ± std over seeds of ppl and last-quarter ppl."""
-    out: dict[str, Any] = {}
-    for label, domains in table.items():
-        out[label] = {}
-        for domain, rows in domains.items():
-            out[label][domain] = {
-                str(n): {
-                    "ppl": mean_std(e["ppl"]),
-                    "last_quarter_ppl": mean_std(
-                        [math.exp(sum(w) / len(w)) for w in e["last_quarter_windows"]]
-                    ),
-                }
+    return {
+        label: {
+            domain: {
+                n: SummaryEntry(Stat(**mean_std(e.ppl)), Stat(**mean_std(_quarter_ppl(e))))
                 for n, e in rows.items()
             }
-    return out
+            for domain, rows in domains.items()
+        }
+        for label, domains in table.items()
+    }
 
 
 # The forward a comparison times before it starts, to estimate what it will take (plan), and
@@ -561,7 +571,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
-def _stretch(stream: TokenStream, start: int, config: dict[str, Any]) -> list[dict[str, Any]]:
+def _stretch(stream: TokenStream, start: int, config: dict[str, Any]) -> tuple[Stretch, ...]:
     """The documents that tokens [start, start + n_tokens] of ``stream`` (its documents joined
     end to end) lie in: [{document, offset, tokens}], in order."""
     stop = min(len(stream), start + int(config["n_tokens"]) + 1)  # + the first input token
@@ -570,28 +580,27 @@ def _stretch(stream: TokenStream, start: int, config: dict[str, Any]) -> list[di
     for d, name in enumerate(stream.names):
         lo, hi = max(start, bounds[d]), min(stop, bounds[d + 1])
         if lo < hi:
-            out.append({"document": name, "offset": lo - bounds[d], "tokens": hi - lo})
-    return out
+            out.append(Stretch(name, lo - bounds[d], hi - lo))
+    return tuple(out)
 
 
-def _retrieval(probes: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+def _retrieval(probes: dict[str, dict[int, dict[str, Any]]]) -> dict[str, dict[int, Any]]:
     """label -> length -> accuracy pooled over the seeds' probes (correct and n summed, one
     Wilson interval), with each seed's own entry beside it."""
-    out: dict[str, Any] = {}
+    out = {}
     for label, by_seed in probes.items():
-        by_length: dict[int, list[dict[str, Any]]] = {}
+        by_length: dict[int, list[SeedAccuracy]] = {}
         for seed in sorted(by_seed):
             for entry in by_seed[seed]["by_length"]:
-                by_length.setdefault(entry["length"], []).append({**entry, "seed": seed})
-        out[label] = {
-            str(n): {
-                **pooled_accuracy(es, es[0]["confidence"]),
                 # wrong answers naming another needle's value (evals.probes.distractor_answers)
-                **{k: sum(e.get(k, 0) for e in es) for k in ("other_needle", "nearest_needle")},
-                "per_seed": es,
-            }
-            for n, es in sorted(by_length.items())
-        }
+                # are absent from summaries written before they were counted
+                counts = {k: entry.get(k) for k in ("other_needle", "nearest_needle")}
+                fields = {k: entry[k] for k in ("length", "correct", "n", "accuracy", "low",
+                                                "high", "confidence")}  # fmt: skip
+                by_length.setdefault(entry["length"], []).append(
+                    SeedAccuracy(**fields, **counts, seed=seed)
+                )
+        out[label] = {n: pooled_retrieval(es) for n, es in sorted(by_length.items())}
     return out
 
 
@@ -602,7 +611,7 @@ def _folder_config(out: Path, config: CompareConfig, log: Callable[[str], None])
     then scores what was added beside what is finished."""
     current = config.to_dict()
     try:
-        recorded = read_result(out / COMPARE_JSON, "compare")["provenance"]["config"]
+        recorded = read_record(out / COMPARE_JSON, CompareResult).provenance["config"]
         earlier = CompareConfig(**recorded)
     except (OSError, ResultError, KeyError, TypeError, ValueError):
         return current  # no comparison there, or not one this can grow: the check says which
@@ -628,8 +637,8 @@ def run_compare(
     command: str = "",
     log: Callable[[str], None] = print,
     progress: bool = False,
-) -> dict[str, Any]:
-    """Run the comparison into ``out_dir`` (module docstring); returns compare.json's content.
+) -> CompareResult:
+    """Run the comparison into ``out_dir`` (module docstring); returns compare.json's record.
     A rerun continues where an earlier run stopped. ``progress``: show each evaluation's
     progress bar (the command line does)."""
     out = Path(out_dir)
@@ -639,7 +648,7 @@ def run_compare(
     run = _Comparison(config, out, command, log, progress)
     log(run.plan())
     results = run.free()
-    searches: dict[str, Any] = {}
+    searches: dict[str, LrSearch] = {}
     probes: dict[str, Any] = {}
     summary = run.write(results, searches, probes, "untrained methods scored")
     for method in (m for m in run.methods if m.trained):
@@ -647,7 +656,7 @@ def run_compare(
         summary = run.write(results, searches, probes, f"{method.label} trained and scored")
     if config.retrieval_lengths(run.trained_at):
         for method in run.methods:
-            lr = searches[method.label]["chosen"] if method.trained else config.lrs[0]
+            lr = searches[method.label].chosen if method.trained else config.lrs[0]
             run.log(f"{method.label}: retrieval probes")
             probes[method.label] = run.retrieval(method, lr)
             summary = run.write(results, searches, probes, f"{method.label} probed")

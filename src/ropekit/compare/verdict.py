@@ -40,12 +40,13 @@ Retrieval accuracy is reported beside it with Wilson score intervals
 (``ropekit.evals.intervals``, the one implementation), not folded into the rule: a method that
 wins on perplexity and loses retrieval is shown as such.
 
-Holds: mean_std, pooled_accuracy, accuracy_text, retrieval_note, cost_at, score_at,
-paired_windows, paired_blocks, block_error, recommend, per_engine.
+Holds: mean_std, pooled_accuracy, pooled_retrieval, accuracy_text, retrieval_note, cost_at,
+score_at, paired_windows, paired_blocks, block_error, recommend, per_engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -54,6 +55,17 @@ import numpy as np
 
 from ropekit.evals.intervals import CONFIDENCE, accuracy_entry
 from ropekit.evals.perplexity import QUARTER_BLOCK
+
+from .record import (
+    BeyondMargin,
+    Difference,
+    EngineAnswer,
+    EngineChoice,
+    Retrieval,
+    SeedAccuracy,
+    TableEntry,
+    Verdict,
+)
 
 COLLAPSE_NATS = math.log(3.0)  # a score this far above the best: far-position ppl >= 3x
 MIN_BLOCKS = 8  # blocks per window that a block length needs before its error is used
@@ -80,63 +92,81 @@ def pooled_accuracy(
     return {**accuracy_entry(correct, n, confidence), "runs": len(entries)}
 
 
-def accuracy_text(entry: Mapping[str, Any]) -> str:
-    """``0.70 [0.48, 0.85] (14/20)``: an accuracy, its interval and its probes."""
-    return (
-        f"{entry['accuracy']:.2f} [{entry['low']:.2f}, {entry['high']:.2f}] "
-        f"({entry['correct']}/{entry['n']})"
+def pooled_retrieval(per_seed: Sequence[SeedAccuracy]) -> Retrieval:
+    """``pooled_accuracy`` of one length's seeds, with the wrong answers that name another
+    needle summed like the probes (None when a seed's summary did not count them)."""
+    pooled = pooled_accuracy(
+        [{"correct": e.correct, "n": e.n} for e in per_seed], per_seed[0].confidence
+    )
+    others = [e.other_needle for e in per_seed]
+    nearest = [e.nearest_needle for e in per_seed]
+    return Retrieval(
+        **pooled,
+        other_needle=None if None in others else sum(o or 0 for o in others),
+        nearest_needle=None if None in nearest else sum(o or 0 for o in nearest),
+        per_seed=tuple(per_seed),
     )
 
 
+def accuracy_text(entry: Retrieval | SeedAccuracy) -> str:
+    """``0.70 [0.48, 0.85] (14/20)``: an accuracy, its interval and its probes."""
+    return f"{entry.accuracy:.2f} [{entry.low:.2f}, {entry.high:.2f}] ({entry.correct}/{entry.n})"
+
+
 def retrieval_note(
-    retrieval: Mapping[str, Mapping[str, Any]], verdict: Mapping[str, Any]
+    retrieval: Mapping[str, Mapping[int, Retrieval]], verdict: Verdict
 ) -> str | None:
     """The recommended method's and the runner-up's retrieval at the target length (or the
     longest probed length both have), as supporting numbers beside the rule; None without a
     winner or probes."""
-    names = [m for m in (verdict["winner"], verdict["runner_up"]) if m in retrieval]
-    lengths = set.intersection(*(set(map(int, retrieval[m])) for m in names)) if names else set()
+    names = [m for m in (verdict.winner, verdict.runner_up) if m in retrieval]
+    lengths = set.intersection(*(set(retrieval[m]) for m in names)) if names else set()
     if not lengths:
         return None
-    n = verdict["target_length"] if verdict["target_length"] in lengths else max(lengths)
-    parts = "; ".join(f"{m} {accuracy_text(retrieval[m][str(n)])}" for m in names)
-    level = retrieval[names[0]][str(n)]["confidence"]
+    n = verdict.target_length if verdict.target_length in lengths else max(lengths)
+    parts = "; ".join(f"{m} {accuracy_text(retrieval[m][n])}" for m in names)
+    level = retrieval[names[0]][n].confidence
     return (
         f"Retrieval at {n} tokens (accuracy, {level:.0%} Wilson interval, correct/probes), "
         f"beside the rule, not part of it: {parts}."
     )
 
 
-# table[method][domain][length] = {"ppl": [per seed], "last_quarter_windows": [per seed: [...]],
-#   "last_quarter_blocks": [per seed: [per window: [block means]] or None]} (blocks optional)
-Table = Mapping[str, Mapping[str, Mapping[int, Mapping[str, Any]]]]
+# table[method][domain][length]: the per-seed numbers of one cell (compare.record.TableEntry)
+Table = Mapping[str, Mapping[str, Mapping[int, TableEntry]]]
+
+
+def _cell(table: Table, method: str, domain: str, length: int) -> TableEntry | None:
+    """``table[method][domain][length]``, or None where no document of the domain holds the
+    length (or the method is not scored on the domain)."""
+    rows = table[method].get(domain, {})
+    return rows.get(length)
 
 
 def cost_at(table: Table, method: str, baseline: str, length: int) -> float | None:
     """Mean over domains of ppl(method) / ppl(baseline) - 1 at ``length`` (seed means), the
     domains scored at ``length`` only; None when none is."""
     ratios = []
-    for domain, by_length in table[method].items():
-        mine = by_length.get(length)
-        base = table[baseline].get(domain, {}).get(length)
+    for domain in table[method]:
+        mine = _cell(table, method, domain, length)
+        base = _cell(table, baseline, domain, length)
         if mine is None or base is None:  # no document of the domain holds the length
             continue
-        ratios.append(mean_std(mine["ppl"])["mean"] / mean_std(base["ppl"])["mean"] - 1)
+        ratios.append(mean_std(mine.ppl)["mean"] / mean_std(base.ppl)["mean"] - 1)
     return sum(ratios) / len(ratios) if ratios else None
 
 
-def _window_means(entry: Mapping[str, Any]) -> list[float]:
+def _window_means(entry: TableEntry) -> list[float]:
     """Per-window last-quarter NLL, averaged over seeds (the windows are the same)."""
-    per_seed = entry["last_quarter_windows"]
-    return [sum(ws) / len(ws) for ws in zip(*per_seed, strict=True)]
+    return [sum(ws) / len(ws) for ws in zip(*entry.last_quarter_windows, strict=True)]
 
 
 def score_at(table: Table, method: str, length: int) -> float | None:
     """Mean over the domains scored at ``length`` of the last-quarter NLL there (nats per
     token); None when none is."""
     values = []
-    for by_length in table[method].values():
-        entry = by_length.get(length)
+    for domain in table[method]:
+        entry = _cell(table, method, domain, length)
         if entry is None:  # no document of the domain holds the length
             continue
         windows = _window_means(entry)
@@ -146,10 +176,10 @@ def score_at(table: Table, method: str, length: int) -> float | None:
 
 def _scored_by_both(
     table: Table, a: str, b: str, length: int
-) -> Iterator[tuple[Mapping[str, Any], Mapping[str, Any]]]:
+) -> Iterator[tuple[TableEntry, TableEntry]]:
     """``a``'s and ``b``'s entries at ``length`` in every domain that scored both there."""
     for domain in table[a]:
-        mine, theirs = table[a][domain].get(length), table[b][domain].get(length)
+        mine, theirs = _cell(table, a, domain, length), _cell(table, b, domain, length)
         if mine is not None and theirs is not None:
             yield mine, theirs
 
@@ -163,9 +193,9 @@ def paired_windows(table: Table, a: str, b: str, length: int) -> list[float]:
     ]
 
 
-def _window_blocks(entry: Mapping[str, Any]) -> list[np.ndarray] | None:
+def _window_blocks(entry: TableEntry) -> list[np.ndarray] | None:
     """Per-window last-quarter block means, averaged over seeds; None when a seed has none."""
-    per_seed = entry["last_quarter_blocks"]  # None per seed: ppl.json older than the blocks
+    per_seed = entry.last_quarter_blocks  # None per seed: ppl.json older than the blocks
     if any(b is None for b in per_seed):
         return None
     return [np.mean(np.asarray(ws, dtype=float), axis=0) for ws in zip(*per_seed, strict=True)]
@@ -201,7 +231,7 @@ def block_error(windows: Sequence[np.ndarray], base: int = QUARTER_BLOCK) -> dic
     return best
 
 
-def _error(diffs: list[float], blocks: list[np.ndarray] | None) -> dict[str, Any]:
+def _error(diffs: list[float], blocks: list[np.ndarray] | None) -> Difference:
     """The paired difference's mean and standard error (module docstring: the rule)."""
     stats = mean_std(diffs)
     n = stats["n"]
@@ -212,36 +242,36 @@ def _error(diffs: list[float], blocks: list[np.ndarray] | None) -> dict[str, Any
     else:
         se = windows if n >= 3 else None
     within = within or {"se_blocks": None, "block_tokens": None, "blocks": None}
-    return {**stats, "se": se, "se_windows": windows, **within}
+    return Difference(**stats, se=se, se_windows=windows, **within)
 
 
-def _error_text(d: Mapping[str, Any]) -> str:
+def _error_text(d: Difference) -> str:
     """`` ± 0.0123 s.e. from blocks of 256 tokens`` (or ``over windows``), or nothing."""
-    if d["se"] is None:
+    if d.se is None:
         return ""
     source = (
-        f"from {d['blocks']} blocks of {d['block_tokens']} tokens within the windows"
-        if d["se_blocks"] is not None and d["se"] == d["se_blocks"]
+        f"from {d.blocks} blocks of {d.block_tokens} tokens within the windows"
+        if d.se_blocks is not None and d.se == d.se_blocks
         else "over windows"
     )
-    return f" ± {d['se']:.4f} s.e. {source}"
+    return f" ± {d.se:.4f} s.e. {source}"
 
 
-def _collapsed(ranked: list[str], scores: Mapping[str, Any]) -> list[str]:
+def _collapsed(ranked: Sequence[str], scores: Mapping[str, Any]) -> list[str]:
     """The methods after the first of ``ranked`` whose score is COLLAPSE_NATS above its."""
     return [m for m in ranked[1:] if scores[m] - scores[ranked[0]] > COLLAPSE_NATS]
 
 
-def _over_collapsed(out: Mapping[str, Any], winner: str, collapsed: list[str]) -> str:
+def _over_collapsed(out: Verdict, winner: str, collapsed: Sequence[str]) -> str:
     """The verdict when every other eligible method has collapsed at N."""
-    scores, costs = out["scores"], out["costs"]
-    target, short = out["target_length"], out["short_length"]
+    scores, costs = out.scores, out.costs
+    target, short = out.target_length, out.short_length
     gone = ", ".join(f"{m} (last-quarter perplexity {math.exp(scores[m]):.1f})" for m in collapsed)
     return (
         f"Use {winner} at {target} tokens: last-quarter perplexity at {target} "
         f"{math.exp(scores[winner]):.1f} (NLL {scores[winner]:.4f}), costing "
         f"{costs[winner]:+.1%} at {short} tokens; every other method within "
-        f"{out['margin']:.1%} collapses there: {gone}."
+        f"{out.margin:.1%} collapses there: {gone}."
     )
 
 
@@ -254,9 +284,9 @@ def recommend(
     margin: float,
     *,
     min_difference: float = 0.005,
-) -> dict[str, Any]:
+) -> Verdict:
     """The recommendation at ``target`` with at most ``margin`` cost at ``short`` (module
-    docstring), as JSON: the rule's numbers and one sentence."""
+    docstring): the rule's numbers and one sentence."""
     costs = {m: cost_at(table, m, baseline, short) for m in methods}
     scores = {m: score_at(table, m, target) for m in methods}
     eligible = sorted(
@@ -267,86 +297,85 @@ def recommend(
         ),
         key=lambda m: scores[m],
     )
-    out: dict[str, Any] = {
-        "rule": __doc__.split("The rule:", 1)[1].split("Retrieval accuracy", 1)[0].strip(),
-        "margin": margin, "min_difference": min_difference, "short_length": short,
-        "target_length": target, "baseline": baseline,
-        "costs": costs, "scores": scores, "eligible": eligible, "winner": None,
-        "runner_up": None, "difference": None, "resolved": False, "collapsed": [],
-    }  # fmt: skip
+    out = Verdict(
+        rule=__doc__.split("The rule:", 1)[1].split("Retrieval accuracy", 1)[0].strip(),
+        margin=margin, min_difference=min_difference, short_length=short,
+        target_length=target, baseline=baseline,
+        costs=costs, scores=scores, eligible=tuple(eligible), winner=None,
+        runner_up=None, difference=None, resolved=False, collapsed=(), sentence="",
+    )  # fmt: skip
     if not eligible:
-        out["sentence"] = (
-            f"No method costs at most {margin:.1%} at {short} tokens; none is recommended."
-        )
-        return out
+        none = f"No method costs at most {margin:.1%} at {short} tokens; none is recommended."
+        return dataclasses.replace(out, sentence=none)
     winner = eligible[0]
-    out["winner"] = winner
-    out["collapsed"] = collapsed = _collapsed(eligible, scores)
+    collapsed = _collapsed(eligible, scores)
+    out = dataclasses.replace(out, winner=winner, collapsed=tuple(collapsed))
     eligible = [m for m in eligible if m not in collapsed]
     if len(eligible) == 1 and collapsed:
-        return {**out, "resolved": True, "sentence": _over_collapsed(out, winner, collapsed)}
-    if len(eligible) == 1:
-        out["resolved"] = True
-        out["sentence"] = (
-            f"{winner} is the only method within {margin:.1%} of the unmodified model at "
-            f"{short} tokens (last-quarter NLL at {target}: {scores[winner]:.4f})."
+        return dataclasses.replace(
+            out, resolved=True, sentence=_over_collapsed(out, winner, collapsed)
         )
-        return out
+    if len(eligible) == 1:
+        return dataclasses.replace(
+            out,
+            resolved=True,
+            sentence=(
+                f"{winner} is the only method within {margin:.1%} of the unmodified model at "
+                f"{short} tokens (last-quarter NLL at {target}: {scores[winner]:.4f})."
+            ),
+        )
     return _paired_verdict(out, table, winner, eligible[1])
 
 
-def _paired_verdict(out: dict[str, Any], table: Table, winner: str, runner: str) -> dict[str, Any]:
+def _paired_verdict(out: Verdict, table: Table, winner: str, runner: str) -> Verdict:
     """``recommend``'s verdict between the two best eligible methods: the paired difference,
     its error, and the sentence that says whether the lead is resolved."""
-    target, short, costs, scores = (
-        out[k] for k in ("target_length", "short_length", "costs", "scores")
-    )
+    target, short, costs, scores = out.target_length, out.short_length, out.costs, out.scores
     stats = _error(
         paired_windows(table, winner, runner, target),
         paired_blocks(table, winner, runner, target),
     )
-    se = stats["se"]
-    n_windows = f"{stats['n']} window{'s' * (stats['n'] != 1)}"
-    resolved = (
-        se is not None and stats["mean"] + 2 * se < 0 and -stats["mean"] >= out["min_difference"]
-    )
-    out.update(runner_up=runner, difference=stats, resolved=resolved)
+    se = stats.se
+    n_windows = f"{stats.n} window{'s' * (stats.n != 1)}"
+    resolved = se is not None and stats.mean + 2 * se < 0 and -stats.mean >= out.min_difference
+    out = dataclasses.replace(out, runner_up=runner, difference=stats, resolved=resolved)
     lead = (
         f"last-quarter NLL at {target} {scores[winner]:.4f} against {runner}'s "
         f"{scores[runner]:.4f} (paired over {n_windows}: "
-        f"{stats['mean']:+.4f}{_error_text(stats)})"
+        f"{stats.mean:+.4f}{_error_text(stats)})"
     )
     cost = f"costing {costs[winner]:+.1%} at {short} tokens"
-    if out["collapsed"]:
-        lead += f"; collapsed at {target}: {', '.join(out['collapsed'])}"
+    if out.collapsed:
+        lead += f"; collapsed at {target}: {', '.join(out.collapsed)}"
     if resolved:
-        out["sentence"] = f"Use {winner} at {target} tokens: {lead}, {cost}."
-        if stats["n"] < 3:  # resolved within these windows' text only
-            out["sentence"] += (
+        sentence = f"Use {winner} at {target} tokens: {lead}, {cost}."
+        if stats.n < 3:  # resolved within these windows' text only
+            sentence += (
                 f" The error is from within {n_windows}: more "
                 "held-out spans (spans) would say whether the lead holds across documents."
             )
-        return out
-    out["sentence"] = (
+        return dataclasses.replace(out, sentence=sentence)
+    sentence = (
         f"No difference is resolved at this sample size between {winner} and {runner} at "
         f"{target} tokens: {lead}; {winner} is ahead, {cost}."
     )
     if se is None:  # neither 3 paired windows nor blocks within them
-        out["sentence"] += (
+        sentence += (
             f" {n_windows} at {target} cannot resolve a "
             f"lead (the rule needs at least 3, or {MIN_BLOCKS} blocks of {QUARTER_BLOCK} tokens "
             "in each window's last quarter): score more held-out spans (spans)."
         )
-    return out
+    return dataclasses.replace(out, sentence=sentence)
 
 
-def per_engine(
-    verdict: Mapping[str, Any], served: Mapping[str, Mapping[str, Mapping[str, Any]]]
-) -> dict[str, dict[str, Any]]:
-    """For each engine in ``served`` ({method: {engine: {"exact", "why"}}}), the best eligible
-    method it serves exactly: {engine: {"method", "score", "cost", "behind", "why_not_best",
-    "beyond_margin", "sentence"}}; ``behind`` is its score at N minus the recommended method's
-    (nats). A method it does not serve exactly is passed over, with the reason kept for the
+# served[method][engine]: whether the engine serves the method exactly, and why not
+Served = Mapping[str, Mapping[str, EngineAnswer]]
+
+
+def per_engine(verdict: Verdict, served: Served) -> dict[str, EngineChoice]:
+    """For each engine in ``served`` ({method: {engine: answer}}), the best eligible method it
+    serves exactly; ``behind`` is its score at N minus the recommended method's (nats). A
+    method it does not serve exactly is passed over, with the reason kept for the
     recommended one; an engine that serves no eligible method gets ``method`` None. Where a
     method over the cost margin scores better at N than the eligible one it serves (or it
     serves none), ``beyond_margin`` names the best such method with its score and cost, so a
@@ -355,36 +384,43 @@ def per_engine(
     return {engine: _engine_entry(verdict, served, engine) for engine in engines}
 
 
-def _engine_entry(
-    verdict: Mapping[str, Any], served: Mapping[str, Mapping[str, Mapping[str, Any]]], engine: str
-) -> dict[str, Any]:
-    best, scores, costs = verdict["winner"], verdict["scores"], verdict["costs"]
-    target, short = verdict["target_length"], verdict["short_length"]
+def _answer(served: Served, method: str | None, engine: str) -> EngineAnswer | None:
+    """``served[method][engine]``, or None where that engine was not asked about it."""
+    row = served.get(method, {})
+    return row.get(engine)
+
+
+def _engine_entry(verdict: Verdict, served: Served, engine: str) -> EngineChoice:
+    best, scores, costs = verdict.winner, verdict.scores, verdict.costs
+    target, short = verdict.target_length, verdict.short_length
 
     def serves(m: str) -> bool:
-        return bool(served.get(m, {}).get(engine, {}).get("exact"))
+        answer = _answer(served, m, engine)
+        return answer is not None and answer.exact
 
-    pick = next((m for m in verdict["eligible"] if serves(m)), None)
-    why = None if best is None else served.get(best, {}).get(engine, {}).get("why")
-    entry: dict[str, Any] = {"method": pick, "score": None, "cost": None, "behind": None}
-    entry["why_not_best"] = why if why and pick != best else None
+    pick = next((m for m in verdict.eligible if serves(m)), None)
+    told = _answer(served, best, engine)
+    why = told.why if told is not None else None
     ceiling = math.inf if pick is None else scores[pick]
     over = sorted(
-        (m for m in scores if m not in verdict["eligible"] and scores[m] is not None
-         and costs.get(m) is not None and serves(m) and scores[m] < ceiling),
+        (m for m in scores if m not in verdict.eligible and scores[m] is not None
+         and m in costs and costs[m] is not None and serves(m) and scores[m] < ceiling),
         key=lambda m: scores[m],
     )  # fmt: skip
-    entry["beyond_margin"] = (
-        {"method": over[0], "score": scores[over[0]], "cost": costs[over[0]]} if over else None
-    )
+    beyond = BeyondMargin(over[0], scores[over[0]], costs[over[0]]) if over else None
+    entry = EngineChoice(
+        method=pick, score=None, cost=None, behind=None,
+        why_not_best=why if why and pick != best else None, beyond_margin=beyond, sentence="",
+    )  # fmt: skip
     if pick is None:
         text = f"{engine}: serves none of the eligible methods exactly" + (
             f" ({why})" if why else ""
         )
     else:
-        entry.update(score=scores[pick], cost=costs[pick], behind=scores[pick] - scores[best])
+        behind = scores[pick] - scores[best]
+        entry = dataclasses.replace(entry, score=scores[pick], cost=costs[pick], behind=behind)
         same = " (the recommended method)" if pick == best else (
-            f", {entry['behind']:+.4f} nats behind {best}"
+            f", {behind:+.4f} nats behind {best}"
         )  # fmt: skip
         if pick != best and pick in _collapsed([best, pick], scores):  # left its range at N
             same += f" (collapsed at {target})"
@@ -397,5 +433,4 @@ def _engine_entry(
             f"; over the cost margin it serves {over[0]} (last-quarter NLL {scores[over[0]]:.4f}, "
             f"costing {costs[over[0]]:+.1%})"
         )
-    entry["sentence"] = text + "."
-    return entry
+    return dataclasses.replace(entry, sentence=text + ".")

@@ -1,0 +1,286 @@
+"""compare.json as typed records: what ``ropekit compare`` writes and everything reads.
+
+``CompareResult`` is one comparison: its methods, the per-seed numbers behind every cell
+(``table``), their means (``summary``), the learning-rate selections, retrieval pooled over
+seeds, which engines serve each method, the job times, and the ``Verdict`` (the rule's
+numbers, the paired ``Difference`` and, per serving engine, an ``EngineChoice``). Lengths
+and learning rates are int and float keys here; ``ropekit.results`` converts them at the
+JSON boundary. Registered as the ``compare`` kind at ``VERSION``; ``_from_v2`` migrates the
+untyped layout (format_version 2), whose older files omit fields later writers added.
+
+Holds: VERSION, Method, Skipped, Stretch, PositionCurve, TableEntry, Stat, SummaryEntry,
+LrSearch, SeedAccuracy, Retrieval, ProbeSettings, EngineAnswer, JobTime, Difference,
+BeyondMargin, EngineChoice, Verdict, CompareResult.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ropekit.results import register
+
+from .config import CompareConfig
+
+VERSION = 3  # 3: typed; every field written, none left out (2: the untyped layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    label: str  # as the report names it (--names), unique
+    spec: str  # the encoding spec it was attached and scored with
+    trained: bool  # its encoding has parameters to train
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A length a domain's held-out documents cannot hold (single-document windows)."""
+
+    domain: str
+    length: int  # the window left out
+    span: int  # tokens one single-document span needs (lcm of the lengths)
+    capacity: int  # spans the documents hold
+    count: int  # spans needed
+
+
+@dataclasses.dataclass(frozen=True)
+class Stretch:
+    """Where a domain's windows were cut from: ``tokens`` tokens of one document."""
+
+    document: str
+    offset: int  # first token, in the document
+    tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionCurve:
+    """Binned NLL against position in the windows (one seed)."""
+
+    start: tuple[int, ...]  # first position of each bin
+    stop: tuple[int, ...]  # one past its last
+    nll: tuple[float, ...]  # mean NLL of the bin (nats per token)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableEntry:
+    """One method on one domain at one length: a value per seed (seeds in order)."""
+
+    ppl: tuple[float, ...]  # whole-window perplexity
+    nll: tuple[float, ...]  # whole-window NLL (nats per token)
+    last_quarter_windows: tuple[tuple[float, ...], ...]  # per seed: per window, last-quarter NLL
+    # per seed: per window, block means of the last quarter; None for a ppl.json written
+    # before the blocks were kept (the verdict then takes its error from windows alone)
+    last_quarter_blocks: tuple[tuple[tuple[float, ...], ...] | None, ...]
+    position_nll: tuple[PositionCurve | None, ...]  # per seed; None where not binned
+
+
+@dataclasses.dataclass(frozen=True)
+class Stat:
+    """Mean, sample standard deviation (0 for one value) and count over seeds."""
+
+    mean: float | None  # None when n = 0
+    std: float | None
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SummaryEntry:
+    ppl: Stat  # whole windows
+    last_quarter_ppl: Stat  # exp of each seed's mean last-quarter NLL
+
+
+@dataclasses.dataclass(frozen=True)
+class LrSearch:
+    """A trained method's learning rate, chosen by the selection NLL at the first seed."""
+
+    lrs: tuple[float, ...]
+    selection_nll: dict[float, float]  # rate -> mean NLL on unseen training samples ({}: one rate)
+    chosen: float
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedAccuracy:
+    """One seed's probes at one length (a probes summary's by_length entry)."""
+
+    length: int
+    correct: int
+    n: int
+    accuracy: float
+    low: float  # Wilson interval
+    high: float
+    confidence: float
+    # wrong answers naming another needle's value, and of those the nearest needle's; None in
+    # probe summaries written before they were counted
+    other_needle: int | None
+    nearest_needle: int | None
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Retrieval:
+    """Accuracy at one length pooled over seeds (correct and n summed, one Wilson interval)."""
+
+    correct: int
+    n: int
+    accuracy: float
+    low: float
+    high: float
+    confidence: float
+    runs: int  # seeds pooled
+    other_needle: int | None  # summed over seeds; None when a seed did not count them
+    nearest_needle: int | None
+    per_seed: tuple[SeedAccuracy, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeSettings:
+    lengths: tuple[int, ...]
+    needles: int  # K per haystack
+    haystacks: int  # H per length and run
+    task: str
+    probes_per_run: int  # K x H
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineAnswer:
+    """Whether an engine serves a method exactly (``ropekit inspect``'s rules), and why not."""
+
+    exact: bool
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class JobTime:
+    """A job's wall time (times.jsonl); a learning-rate selection keeps its key and NLL."""
+
+    job: str
+    seconds: float
+    key: str | None = None
+    nll: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """The paired last-quarter NLL difference, recommended minus runner-up, at N."""
+
+    mean: float | None
+    std: float | None
+    n: int  # paired windows
+    se: float | None  # the error the rule uses: the larger of the two below
+    se_windows: float | None  # over windows (at least 2)
+    se_blocks: float | None  # from blocks within the windows
+    block_tokens: int | None
+    blocks: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class BeyondMargin:
+    """The best method an engine serves over the cost margin, where it scores better."""
+
+    method: str
+    score: float  # last-quarter NLL at N, mean over domains
+    cost: float  # relative perplexity change at L0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineChoice:
+    """What one serving engine should run: the best eligible method it serves exactly."""
+
+    method: str | None  # None: it serves no eligible method exactly
+    score: float | None
+    cost: float | None
+    behind: float | None  # its score minus the recommended method's (nats)
+    why_not_best: str | None  # why it does not serve the recommended method
+    beyond_margin: BeyondMargin | None
+    sentence: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The recommendation (``verdict.recommend``): the rule, its numbers and one sentence;
+    retrieval and serving are supporting numbers added beside it."""
+
+    rule: str
+    margin: float  # the cost at L0 a method may have
+    min_difference: float  # nats a resolved lead needs
+    short_length: int  # L0
+    target_length: int  # N
+    baseline: str
+    costs: dict[str, float | None]  # method -> cost at L0 (None: not scored there)
+    scores: dict[str, float | None]  # method -> last-quarter NLL at N
+    eligible: tuple[str, ...]  # by score, best first
+    winner: str | None
+    runner_up: str | None
+    difference: Difference | None
+    resolved: bool
+    collapsed: tuple[str, ...]
+    sentence: str
+    retrieval: str | None = None  # verdict.retrieval_note
+    serving: dict[str, EngineChoice] | None = None  # engine -> choice (verdict.per_engine)
+
+
+@register("compare", VERSION, {2: lambda data: _from_v2(data)})
+@dataclasses.dataclass(frozen=True)
+class CompareResult:
+    """compare.json (``ropekit.compare.run`` writes it after every stage)."""
+
+    meta: dict[str, Any]  # run_metadata, plus "amended" when ``ropekit report`` added to it
+    provenance: dict[str, Any]  # {"config": the config's dict}
+    stage: str  # what is done ("done" at the end)
+    trained_at: int  # L0
+    target_length: int  # N
+    lengths: tuple[int, ...]
+    domains: tuple[str, ...]
+    single_documents: bool  # windows inside single documents (else joined text)
+    skipped: tuple[Skipped, ...]
+    held_out: dict[str, tuple[Stretch, ...]]  # domain -> the text its windows were cut from
+    methods: tuple[Method, ...]
+    baseline: str  # the unmodified model's label
+    table: dict[str, dict[str, dict[int, TableEntry]]]  # label -> domain -> length
+    summary: dict[str, dict[str, dict[int, SummaryEntry]]]  # label -> domain -> length
+    lr_search: dict[str, LrSearch]  # trained label -> its selection
+    verdict: Verdict | None  # None until the baseline is scored
+    retrieval: dict[str, dict[int, Retrieval]]  # label -> probe length
+    probes: ProbeSettings | None  # None: not probed
+    served: dict[str, dict[str, EngineAnswer]] | None  # label -> engine; None: never asked
+    times: tuple[JobTime, ...]
+    config: dict[str, Any]  # CompareConfig.to_dict()
+
+    @property
+    def compare_config(self) -> CompareConfig:
+        return CompareConfig(**self.config)
+
+    def entry(self, label: str, domain: str, length: int) -> TableEntry | None:
+        """The table's cell; None where the method or the domain was not scored there."""
+        domains = self.table.get(label, {})
+        rows = domains.get(domain, {})
+        return rows.get(length)
+
+
+def _from_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """The untyped layout: every field later writers added is given the value its readers
+    took for it when absent (a comparison written before it)."""
+    data = {"held_out": {}, "skipped": [], "single_documents": False, "probes": None, **data}
+    data.setdefault("served", None)  # refresh_comparison asks the engines
+    for domains in data["table"].values():
+        for rows in domains.values():
+            for entry in rows.values():
+                entry.setdefault("last_quarter_blocks", [None] * len(entry["ppl"]))
+                entry.setdefault("position_nll", [None] * len(entry["ppl"]))
+    for by_length in data.get("retrieval", {}).values():
+        for entry in by_length.values():
+            for seed in entry["per_seed"]:
+                for key in ("other_needle", "nearest_needle"):
+                    seed.setdefault(key, None)
+            for key in ("other_needle", "nearest_needle"):
+                entry.setdefault(key, None)
+    verdict = data.get("verdict")
+    if verdict is not None:
+        data["verdict"] = verdict = {"collapsed": [], "retrieval": None, "serving": None,
+                                     **verdict}  # fmt: skip
+        if verdict["difference"] is not None:
+            blocks = ("se_windows", "se_blocks", "block_tokens", "blocks")
+            verdict["difference"] = {**dict.fromkeys(blocks), **verdict["difference"]}
+        for entry in (verdict["serving"] or {}).values():
+            entry.setdefault("beyond_margin", None)
+    return data

@@ -1,0 +1,158 @@
+"""compare.json as a typed record (``ropekit.compare.record``): every committed comparison
+reads through the one reader (migrated from the untyped layout), its report is made from
+attributes, and a running comparison's file stays resumable by this version."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ropekit.compare import from_file
+from ropekit.compare.record import VERSION, CompareResult, Verdict
+from ropekit.compare.report import report_blocks
+from ropekit.compare.run import _folder_config
+from ropekit.evals.intervals import accuracy_entry
+from ropekit.report.document import to_markdown
+from ropekit.results import ResultError, check_replaceable, read_record, write_result
+
+ROOT = Path(__file__).resolve().parents[2]
+# Experiment E's folder is rewritten by its running comparison as jobs finish: read, never
+# written (copies go to tmp_path).
+RUNNING = ROOT / "experiments/smollm2_32k/final/compare.json"
+FINISHED = ROOT / "experiments/smollm2_16k/ood/compare.json"
+COMMITTED = sorted({RUNNING, *ROOT.glob("experiments/smollm2_16k/**/compare.json")})
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_committed_comparison_reads_as_a_compare_result(path):
+    record = read_record(path, CompareResult)
+    assert isinstance(record.verdict, Verdict) and record.verdict.winner in record.table
+    assert record.baseline in record.table and record.served is not None
+    for label, domains in record.table.items():
+        for domain, rows in domains.items():
+            assert set(rows) <= set(record.lengths)  # int lengths in memory
+            for n, entry in rows.items():
+                assert len(entry.ppl) == len(entry.last_quarter_blocks) == len(entry.position_nll)
+                assert record.summary[label][domain][n].ppl.n == len(entry.ppl)
+    assert record.compare_config.target_length == record.target_length
+    text = to_markdown(report_blocks(record, path.parent), path.parent)
+    assert record.verdict.sentence in text
+
+
+def test_the_report_of_a_finished_comparison_is_the_committed_one_byte_for_byte():
+    """The untyped layout (format_version 2, without held_out, blocks or collapsed) migrated
+    and reported from attributes gives the report the dict reader wrote."""
+    record = read_record(FINISHED, CompareResult)
+    text = to_markdown(report_blocks(record, FINISHED.parent), FINISHED.parent)
+    assert text == (FINISHED.parent / "report.md").read_text()
+    assert json.loads(FINISHED.read_text())["format_version"] == 2  # migrated in memory only
+
+
+def test_a_record_written_at_this_version_reads_back_equal(tmp_path):
+    record = read_record(FINISHED, CompareResult)
+    path = write_result(tmp_path / "compare.json", "compare", record)
+    assert json.loads(path.read_text())["format_version"] == VERSION
+    assert read_record(path, CompareResult) == record
+
+
+def test_a_running_comparison_resumes_from_the_file_it_wrote(tmp_path):
+    """Restarted with this version, experiment E's comparison accepts its own compare.json
+    (written by the version before): the same config, the file reusable, nothing refused."""
+    out = tmp_path / "final"
+    out.mkdir()
+    shutil.copy(RUNNING, out / "compare.json")
+    config = from_file(ROOT / "experiments/smollm2_32k/compare.json")
+    recorded = _folder_config(out, config, print)
+    assert recorded == config.to_dict()
+    assert check_replaceable(out / "compare.json", "compare", {"config": recorded}) is True
+
+
+@pytest.mark.parametrize(
+    "rename",
+    [("verdict", "winner", "best"), (None, "held_out", "held"), ("verdict", "serving", "engines")],
+)
+def test_a_renamed_field_is_refused_in_one_line_naming_it(tmp_path, rename):
+    where, old, new = rename
+    data = json.loads(FINISHED.read_text())
+    data["held_out"] = {}  # present in files written since (the migration adds it otherwise)
+    parent = data if where is None else data[where]
+    parent[new] = parent.pop(old)
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultError) as error:
+        read_record(path, CompareResult)
+    field = new if where is None else f"{where}.{new}"
+    assert str(error.value).startswith(f"{path}: compare.{field} is not a field of ")
+    assert "\n" not in str(error.value)
+    # and the check that guards a folder refuses it too, rather than replacing it
+    with pytest.raises(ResultError, match=re.escape(f"compare.{field} is not a field")):
+        check_replaceable(path, "compare", {"config": data["config"]})
+
+
+def test_a_file_of_this_version_lacking_a_field_is_refused(tmp_path):
+    record = read_record(FINISHED, CompareResult)
+    path = write_result(tmp_path / "compare.json", "compare", record)
+    data = json.loads(path.read_text())
+    del data["served"]  # at version 2 absent meant "never asked"; at this version it is written
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultError, match=r"compare\.served is missing"):
+        read_record(path, CompareResult)
+    kept = dataclasses.replace(record, served=None)
+    assert read_record(write_result(path, "compare", kept), CompareResult).served is None
+
+
+def _v2_retrieval(label: str, counted: bool) -> dict:
+    """compare.json's retrieval as the untyped writer wrote it: one seed's probes at 1024
+    tokens (``counted``: with the wrong answers naming another needle, else as summaries
+    written before they were counted)."""
+    seed = {"length": 1024, **accuracy_entry(3, 4)}
+    if counted:
+        seed.update(other_needle=1, nearest_needle=0)
+    pooled = {**accuracy_entry(3, 4), "runs": 1, "other_needle": 1, "nearest_needle": 0}
+    return {label: {"1024": {**pooled, "per_seed": [{**seed, "seed": 0}]}}}
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_the_oldest_untyped_layout_reads_as_its_readers_took_it(tmp_path, counted):
+    """A format_version 2 file without any field later writers added (held_out, skipped,
+    single_documents, probes, served, the blocks, the curves, collapsed, the verdict's
+    retrieval note, the block errors, beyond_margin, the distractor counts) reads with the
+    value its readers assumed when it was absent; retrieval keys become int lengths."""
+    data = json.loads(FINISHED.read_text())
+    for key in ("held_out", "skipped", "single_documents", "probes", "served"):
+        data.pop(key, None)
+    verdict = data["verdict"]
+    for key in ("collapsed", "retrieval"):
+        verdict.pop(key, None)
+    for entry in verdict["serving"].values():
+        del entry["beyond_margin"]
+    for key in ("se_windows", "se_blocks", "block_tokens", "blocks"):
+        verdict["difference"].pop(key, None)
+    for domains in data["table"].values():
+        for rows in domains.values():
+            for entry in rows.values():
+                entry.pop("last_quarter_blocks", None)
+                del entry["position_nll"]
+    data["retrieval"] = _v2_retrieval(data["baseline"], counted)
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(data))
+    record = read_record(path, CompareResult)
+    assert (record.held_out, record.skipped, record.single_documents) == ({}, (), False)
+    assert record.probes is None and record.served is None
+    assert record.verdict.collapsed == () and record.verdict.retrieval is None
+    assert record.verdict.difference.se_blocks is None
+    assert all(e.beyond_margin is None for e in record.verdict.serving.values())
+    for domains in record.table.values():
+        for rows in domains.values():
+            for entry in rows.values():
+                assert entry.last_quarter_blocks == entry.position_nll == (None,) * len(entry.ppl)
+    pooled = record.retrieval[record.baseline][1024]
+    assert (pooled.correct, pooled.n, pooled.per_seed[0].seed) == (3, 4, 0)
+    assert pooled.per_seed[0].other_needle == (1 if counted else None)
+    text = to_markdown(report_blocks(record, tmp_path), tmp_path)
+    assert record.verdict.sentence in text
