@@ -181,7 +181,7 @@ def _precision_rows(ids: torch.Tensor) -> list[Result]:
             config = PerplexityConfig((LENGTH // 8, LENGTH), n_tokens=LENGTH, single_documents=True)
             with tempfile.TemporaryDirectory() as out:
                 result = run_perplexity(backbone, config, out, data="shakespeare", progress=False)
-            ppl[dtype] = {r["length"]: r["perplexity"] for r in result["results"]}
+            ppl[dtype] = {r.length: r.perplexity for r in result.result.results}
     f32 = sum(times[torch.float32]) / 2  # float32 timed before and after bfloat16
     bf16 = times[torch.bfloat16][0]
     diffs = {n: ppl[torch.bfloat16][n] / ppl[torch.float32][n] - 1 for n in ppl[torch.float32]}

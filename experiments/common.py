@@ -476,14 +476,15 @@ def evaluate(
     ``task_lengths`` with needles at ``depths``. Returns the numbers; the files stay in
     ``folder/ppl`` and ``folder/tasks``."""
     from ropekit.evals import EvalConfig, PerplexityConfig, run_perplexity, run_tasks
+    from ropekit.results import encode
 
     ppl_config = PerplexityConfig(tuple(lengths), n_tokens=eval_windows * max(lengths), seed=0)
     ppl = run_perplexity(
         model, ppl_config, folder / "ppl", tokenizer="bytes", data=data, spec=spec, progress=False
-    )
+    ).result
     out: dict[str, Any] = {
-        "bpb": {str(r["length"]): r["bits_per_byte"] for r in ppl["results"]},
-        "position_nll": {str(r["length"]): r["position_nll"] for r in ppl["results"]},
+        "bpb": {str(r.length): r.bits_per_byte for r in ppl.results},
+        "position_nll": {str(r.length): encode(r.position_nll) for r in ppl.results},
     }
     if tasks:
         task_config = EvalConfig(

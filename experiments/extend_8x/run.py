@@ -212,6 +212,7 @@ def write_outputs(
 def _plots(
     cfg: Extend8xConfig, result: dict[str, Any], rows: list[dict[str, Any]], results: Path
 ) -> None:
+    from ropekit.evals.perplexity import PositionCurve
     from ropekit.figures import plot_vs_length
     from ropekit.report.plots import plot_nll_vs_position, plot_tasks_vs_length
 
@@ -243,7 +244,7 @@ def _plots(
         first = runs[0]["position_nll"][longest]
         nll = [sum(r["position_nll"][longest]["nll"][i] for r in runs) / len(runs) for i in
                range(len(first["nll"]))]  # fmt: skip
-        curves[name] = {**first, "nll": nll}
+        curves[name] = PositionCurve(tuple(first["start"]), tuple(first["stop"]), tuple(nll))
     plot_nll_vs_position(
         curves, results / "nll_vs_position.png", length=int(longest), train_length=L
     )

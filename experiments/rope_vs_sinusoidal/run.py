@@ -178,11 +178,11 @@ def eval_job(cfg: RopeVsSinusoidalConfig, runs: Path, encoding: str, seed: int) 
     model = load_decoder(out / "model").eval()
     common = {"tokenizer": "bytes", "data": cfg.data, "progress": False}
     config = PerplexityConfig(cfg.eval_lengths, n_tokens=cfg.eval_tokens)
-    res = run_perplexity(model, config, out / "ppl", spec=encoding, **common)
+    res = run_perplexity(model, config, out / "ppl", spec=encoding, **common).result
     row = {
         "encoding": encoding,
         "seed": seed,
-        "bpb": {r["length"]: r["bits_per_byte"] for r in res["results"]},
+        "bpb": {r.length: r.bits_per_byte for r in res.results},
     }
     if encoding == "rope":
         # PI divides every position by (eval length / training length), so angles stay inside
@@ -199,7 +199,7 @@ def eval_job(cfg: RopeVsSinusoidalConfig, runs: Path, encoding: str, seed: int) 
                 spec=f"linear:factor={factor:g}",
                 **common,
             )
-            row["pi_bpb"][length] = r["results"][0]["bits_per_byte"]
+            row["pi_bpb"][length] = r.result.at(length).bits_per_byte
     write_record(path, row)
     return row
 

@@ -236,6 +236,7 @@ def score_perplexity(
     cfg: SmolLM2Config, folder: Path, model: Any, tokenizer: Any, spec: str
 ) -> dict[str, Any]:
     from ropekit.evals import PerplexityConfig, run_perplexity
+    from ropekit.results import encode
 
     def score() -> dict[str, Any]:
         config = PerplexityConfig(
@@ -247,19 +248,19 @@ def score_perplexity(
         result = run_perplexity(
             model.eval(), config, folder / "ppl", tokenizer=tokenizer, data=cfg.data,
             spec=spec, progress=False,
-        )  # fmt: skip
+        ).result  # fmt: skip
         return {
-            str(r["length"]): {
-                "perplexity": r["perplexity"],
-                "nll": r["nll"],
-                "last_quarter_nll": r["last_quarter_nll"],
-                "last_quarter_perplexity": _exp(r["last_quarter_nll"]),
-                "windows": r["windows"],
-                "tokens": r["tokens"],
-                "position_nll": r["position_nll"],
+            str(r.length): {
+                "perplexity": r.perplexity,
+                "nll": r.nll,
+                "last_quarter_nll": r.last_quarter_nll,
+                "last_quarter_perplexity": _exp(r.last_quarter_nll),
+                "windows": r.windows,
+                "tokens": r.tokens,
+                "position_nll": encode(r.position_nll),
             }
-            for r in result["results"]
-        } | {"start": result["start"]}
+            for r in result.results
+        } | {"start": result.start}
 
     return _cached(folder / "perplexity.json", score)
 

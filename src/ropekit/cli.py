@@ -381,11 +381,11 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         command=_command(),
         overwrite=args.overwrite,
     )
-    metric = result["metric"]
-    for row in result["results"]:
-        print(f"length {row['length']:>7}: {metric} {row[metric]:.4f}")
-    reused = " (reused: made by this model, data and config)" if result.get("reused") else ""
-    print(f"wrote {result['paths']['json']} and {result['paths']['png']}{reused}")
+    metric = result.result.metric
+    for length, value in result.result.headlines().items():
+        print(f"length {length:>7}: {metric} {value:.4f}")
+    reused = " (reused: made by this model, data and config)" if result.reused else ""
+    print(f"wrote {result.json} and {result.png}{reused}")
     return 0
 
 

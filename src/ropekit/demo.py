@@ -37,10 +37,13 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ropekit.encodings import Spec
 from ropekit.train.recipe import BaseRecipe
+
+if TYPE_CHECKING:  # imported where used: the demo's commands load what they need
+    from ropekit.evals.perplexity import PerplexityResult
 
 METHODS: tuple[str, ...] = ("rope", "linear", "ntk", "yarn", "tuned-yarn", "adarope")
 DEMO_JSON = "demo.json"
@@ -218,6 +221,13 @@ def _read_json(path: Path) -> dict[str, Any]:
     return read_result(path)
 
 
+def _perplexity(path: Path) -> PerplexityResult:
+    from ropekit.evals.perplexity import PerplexityResult
+    from ropekit.results import read_record
+
+    return read_record(path, PerplexityResult)
+
+
 # ----------------------------------------------------------------------------- stages
 def _evaluate(model: Any, config: DemoConfig, folder: Path, spec: str, command: str) -> None:
     """Bits per byte (``folder/ppl``) and retrieval accuracy (``folder/tasks``) at every
@@ -240,7 +250,7 @@ def _method_row(
     name: str, spec: str, folder: Path, out: Path, extend: dict[str, Any] | None
 ) -> dict[str, Any]:
     """One method's numbers, read back from the JSON its stages wrote."""
-    ppl = _read_json(folder / "ppl" / "ppl.json")
+    ppl = _perplexity(folder / "ppl" / "ppl.json")
     tasks = _read_json(folder / "tasks" / "summary.json")
     return {
         "name": name,
@@ -248,7 +258,7 @@ def _method_row(
         "trainable": 0 if extend is None else extend["trainable"]["total"],
         "extend_s": None if extend is None else extend["elapsed_s"],
         "final_loss": None if extend is None else extend["final_loss"],
-        "bpb": {str(r["length"]): r["bits_per_byte"] for r in ppl["results"]},
+        "bpb": {str(r.length): r.bits_per_byte for r in ppl.results},
         "tasks": {
             t: {str(s["length"]): s["score"] for s in entry["scores"]}
             for t, entry in tasks["tasks"].items()
@@ -280,10 +290,9 @@ def _figures(out: Path, config: DemoConfig, rows: list[dict[str, Any]]) -> dict[
     longest = max(config.lengths)
     curves = {}
     for r in rows:
-        ppl = _read_json(out / r["files"]["ppl"])
-        at = next(x for x in ppl["results"] if x["length"] == longest)
-        if at["position_nll"] is not None:
-            curves[r["name"]] = at["position_nll"]
+        at = _perplexity(out / r["files"]["ppl"]).at(longest)
+        if at.position_nll is not None:
+            curves[r["name"]] = at.position_nll
     plot_nll_vs_position(curves, out / "nll_vs_position.png", length=longest, train_length=L)
     tasks = {
         t: {r["name"]: {int(n): v for n, v in r["tasks"].get(t, {}).items()} for r in rows}

@@ -105,7 +105,10 @@ _SCHEMAS: dict[str, Schema] = {}
 # dispatches on a file's kind, or checks a folder before the writer's module is imported,
 # imports the owner by name here: the registry is complete whatever was imported first, and
 # results.py itself imports nothing above it.
-_OWNERS: dict[str, str] = {"compare": "ropekit.compare.record"}
+_OWNERS: dict[str, str] = {
+    "compare": "ropekit.compare.record",
+    "perplexity": "ropekit.evals.perplexity",
+}
 
 
 def register(

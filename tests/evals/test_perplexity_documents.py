@@ -56,14 +56,14 @@ def test_no_window_crosses_a_document_boundary(byte_tok, seed):
     assert len(lm.rows) == 16 + 8 + 4
     for row in lm.rows:  # input and targets: the token before the window, then the window
         assert len(_documents_read(byte_tok, row)) == 1, byte_tok.decode(row)
-    spans = result["spans"]
-    assert len(spans) == 4 and result["documents"] == 4  # 4 spans, in 4 documents
-    assert [s["start"] for s in spans] == sorted(s["start"] for s in spans)
+    spans = result.spans
+    assert len(spans) == 4 and result.documents == 4  # 4 spans, in 4 documents
+    assert [s.start for s in spans] == sorted(s.start for s in spans)
     for s in spans:
-        d = int(s["document"].removeprefix("doc"))
-        assert 1 <= s["offset"] <= SIZES[d] - 64  # after the context token, inside the text
-        assert s["start"] == int(stream.doc_starts[d]) + s["offset"]
-        assert s["tokens"] == 64 and s["bytes"] == 64
+        d = int(s.document.removeprefix("doc"))
+        assert 1 <= s.offset <= SIZES[d] - 64  # after the context token, inside the text
+        assert s.start == int(stream.doc_starts[d]) + s.offset
+        assert s.tokens == 64 and s.bytes == 64
 
 
 def test_the_joined_stream_does_cross(byte_tok):
@@ -78,12 +78,12 @@ def test_with_bos_every_window_lies_in_one_document(bpe_tok):
     lm = Recorder(bpe_tok)
     config = PerplexityConfig((16, 32), n_tokens=128, single_documents=True)
     result = evaluate_perplexity(lm, stream, config, False)
-    assert result["bos"] is True
+    assert result.bos is True
     bos = bpe_tok.tokenizer.bos_token_id
     for row in lm.rows:
         assert row[0] == bos
         assert len(_documents_read(bpe_tok, row, skip=1) - {" "}) == 1, bpe_tok.decode(row)
-    assert result["documents"] == 4
+    assert result.documents == 4
 
 
 def test_spans_fill_fewer_documents_without_overlapping(byte_tok):
@@ -91,10 +91,10 @@ def test_spans_fill_fewer_documents_without_overlapping(byte_tok):
     stream = _stream(byte_tok)
     config = PerplexityConfig((32,), n_tokens=12 * 32, seed=2, single_documents=True)
     result = evaluate_perplexity(Recorder(byte_tok), stream, config, False)
-    spans = result["spans"]
-    assert len(spans) == 12 and result["documents"] == 7  # every document gets one first
+    spans = result.spans
+    assert len(spans) == 12 and result.documents == 7  # every document gets one first
     for a, b in itertools.pairwise(spans):
-        assert a["start"] + 32 + 1 <= b["start"]  # a span and the next one's context token
+        assert a.start + 32 + 1 <= b.start  # a span and the next one's context token
 
 
 def test_every_length_scores_the_same_targets_and_spans_report_their_own(byte_tok):
@@ -104,21 +104,21 @@ def test_every_length_scores_the_same_targets_and_spans_report_their_own(byte_to
     config = PerplexityConfig((64, 128), n_tokens=4 * 128, seed=1, single_documents=True)
     result = evaluate_perplexity(lm, stream, config, False)
     logp = torch.log_softmax(bias.double(), -1)
-    spans = result["spans"]
-    assert result["documents"] == 4 and result["start"] is None
-    direct = [float(-logp[stream.ids[s["start"] : s["start"] + 128]].sum()) for s in spans]
-    for row in result["results"]:
-        assert row["tokens"] == 512 and row["bytes"] == sum(s["bytes"] for s in spans)
-        assert row["nll"] * 512 == pytest.approx(sum(direct), rel=1e-6)
-        assert len(row["spans"]) == 4
-        for own, total, span in zip(row["spans"], direct, spans, strict=True):
-            assert own["document"] == span["document"]
-            assert own["nll"] * 128 == pytest.approx(total, rel=1e-6)
-            assert own["bits_per_byte"] == pytest.approx(total / math.log(2) / span["bytes"])
-            assert own["perplexity"] == pytest.approx(math.exp(own["nll"]))
-        quarter = [s["last_quarter_nll"] for s in row["spans"]]
-        assert row["last_quarter_nll"] == pytest.approx(sum(quarter) / 4)
-    play = {s["document"] for s in spans}
+    spans = result.spans
+    assert result.documents == 4 and result.start is None
+    direct = [float(-logp[stream.ids[s.start : s.start + 128]].sum()) for s in spans]
+    for row in result.results:
+        assert row.tokens == 512 and row.bytes == sum(s.bytes for s in spans)
+        assert row.nll * 512 == pytest.approx(sum(direct), rel=1e-6)
+        assert len(row.spans) == 4
+        for own, total, span in zip(row.spans, direct, spans, strict=True):
+            assert own.document == span.document
+            assert own.nll * 128 == pytest.approx(total, rel=1e-6)
+            assert own.bits_per_byte == pytest.approx(total / math.log(2) / span.bytes)
+            assert own.perplexity == pytest.approx(math.exp(own.nll))
+        quarter = [s.last_quarter_nll for s in row.spans]
+        assert row.last_quarter_nll == pytest.approx(sum(quarter) / 4)
+    play = {s.document for s in spans}
     assert all(name.startswith("shakespeare/") for name in play)
 
 
@@ -128,7 +128,7 @@ def test_stride_windows_stay_in_their_span(byte_tok):
     config = PerplexityConfig((32, 64), n_tokens=128, stride=8, single_documents=True)
     result = evaluate_perplexity(lm, stream, config, False)
     assert all(len(_documents_read(byte_tok, row)) == 1 for row in lm.rows)
-    assert all(s["last_quarter_nll"] is None for s in result["results"][0]["spans"])
+    assert all(s.last_quarter_nll is None for s in result.results[0].spans)
 
 
 def test_no_document_long_enough_names_the_longest(byte_tok):
@@ -165,14 +165,15 @@ def test_run_perplexity_per_domain_takes_a_stream_tokenized_once(tmp_path, byte_
     monkeypatch.setattr("ropekit.evals.perplexity.heldout_stream", no_tokenizing)
     second = run_perplexity(
         model, config, tmp_path / "b", data="kjv", stream=stream, progress=False
-    )
-    assert second["results"] == first["results"] and second["spans"] == first["spans"]
-    assert second["provenance"] == first["provenance"]
+    ).result
+    first = first.result
+    assert second.results == first.results and second.spans == first.spans
+    assert second.provenance == first.provenance
     saved = json.loads((tmp_path / "b" / "ppl.json").read_text())
     assert saved["provenance"]["config"]["single_documents"] is True
     assert saved["spans"][0]["document"].startswith("kjv/")
     again = run_perplexity(model, config, tmp_path / "b", data="kjv", stream=stream)
-    assert again["reused"] is True
+    assert again.reused is True and again.result == second
 
 
 def test_a_stream_of_another_tokenizer_is_refused(tmp_path, bpe_tok):
@@ -184,6 +185,6 @@ def test_a_stream_of_another_tokenizer_is_refused(tmp_path, bpe_tok):
 def test_the_default_mode_keeps_its_provenance(tmp_path):
     # Results made before `single_documents` existed are reused: at its default it is left
     # out of the provenance, and the numbers are those of the joined stream.
-    result = run_perplexity(tiny_decoder(), PerplexityConfig((32,), 64), tmp_path, progress=False)
-    assert "single_documents" not in result["provenance"]["config"]
-    assert "spans" not in result and isinstance(result["start"], int)
+    run = run_perplexity(tiny_decoder(), PerplexityConfig((32,), 64), tmp_path, progress=False)
+    assert "single_documents" not in run.result.provenance["config"]
+    assert run.result.spans is None and isinstance(run.result.start, int)

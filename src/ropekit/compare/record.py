@@ -8,7 +8,7 @@ and learning rates are int and float keys here; ``ropekit.results`` converts the
 JSON boundary. Registered as the ``compare`` kind at ``VERSION``; ``_from_v2`` migrates the
 untyped layout (format_version 2), whose older files omit fields later writers added.
 
-Holds: VERSION, Method, Skipped, Stretch, PositionCurve, TableEntry, Stat, SummaryEntry,
+Holds: VERSION, Method, Skipped, Stretch, TableEntry, Stat, SummaryEntry,
 LrSearch, SeedAccuracy, Retrieval, ProbeSettings, EngineAnswer, JobTime, Difference,
 BeyondMargin, EngineChoice, Verdict, CompareResult.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ropekit.evals.perplexity import PositionCurve
 from ropekit.results import register
 
 from .config import CompareConfig
@@ -53,15 +54,6 @@ class Stretch:
 
 
 @dataclasses.dataclass(frozen=True)
-class PositionCurve:
-    """Binned NLL against position in the windows (one seed)."""
-
-    start: tuple[int, ...]  # first position of each bin
-    stop: tuple[int, ...]  # one past its last
-    nll: tuple[float, ...]  # mean NLL of the bin (nats per token)
-
-
-@dataclasses.dataclass(frozen=True)
 class TableEntry:
     """One method on one domain at one length: a value per seed (seeds in order)."""
 
@@ -71,7 +63,7 @@ class TableEntry:
     # per seed: per window, block means of the last quarter; None for a ppl.json written
     # before the blocks were kept (the verdict then takes its error from windows alone)
     last_quarter_blocks: tuple[tuple[tuple[float, ...], ...] | None, ...]
-    position_nll: tuple[PositionCurve | None, ...]  # per seed; None where not binned
+    position_nll: tuple[PositionCurve | None, ...]  # per seed (evals' curve); None: not binned
 
 
 @dataclasses.dataclass(frozen=True)

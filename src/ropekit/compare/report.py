@@ -11,6 +11,7 @@ Holds: write_report.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -109,8 +110,8 @@ def _nll_vs_position(data: CompareResult, domain: str, path: Path) -> Figure | N
         entry = data.entry(label, domain, n)
         seeds = [c for c in entry.position_nll if c] if entry is not None else []
         if seeds:
-            nll = [sum(v) / len(seeds) for v in zip(*(c.nll for c in seeds), strict=True)]
-            curves[label] = {"start": seeds[0].start, "stop": seeds[0].stop, "nll": nll}
+            nll = tuple(sum(v) / len(seeds) for v in zip(*(c.nll for c in seeds), strict=True))
+            curves[label] = dataclasses.replace(seeds[0], nll=nll)  # the same bins for all
     if not curves:
         return None
     # From position N/128 on (the first tokens of a window, with almost no context, are
@@ -118,7 +119,7 @@ def _nll_vs_position(data: CompareResult, domain: str, path: Path) -> Figure | N
     # above the highest NLL any method has there inside the original window, so a method that
     # collapses beyond the window leaves the chart instead of flattening it.
     first = max(1, data.target_length // 128)
-    shown = [(a, y) for c in curves.values() for a, y in zip(c["start"], c["nll"], strict=True)
+    shown = [(a, y) for c in curves.values() for a, y in zip(c.start, c.nll, strict=True)
              if a >= first]  # fmt: skip
     inside = [y for a, y in shown if a < data.trained_at]
     ylim = (0.95 * min(y for _, y in shown), 1.25 * max(inside)) if inside else None

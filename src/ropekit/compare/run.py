@@ -55,12 +55,14 @@ from ropekit.encodings import PositionEncoding
 from ropekit.evals import (
     DocumentsTooShort,
     PerplexityConfig,
+    PerplexityResult,
     PromptFormat,
     as_language_model,
     check_single_documents,
     run_perplexity,
     run_probes,
 )
+from ropekit.evals.perplexity import LengthScore
 from ropekit.evals.probes import build_haystack, check_probe_sizes, probe_task
 from ropekit.results import (
     ResultError,
@@ -82,7 +84,6 @@ from .record import (
     JobTime,
     LrSearch,
     Method,
-    PositionCurve,
     ProbeSettings,
     SeedAccuracy,
     Skipped,
@@ -96,8 +97,9 @@ from .verdict import mean_std, per_engine, pooled_retrieval, recommend, retrieva
 
 COMPARE_JSON = "compare.json"
 BASELINE = "rope"  # the unmodified model: what a method's cost at L0 is measured against
-# table[label][domain][length] as it is gathered: the per-seed ppl results' rows
+# table[label][domain][length]: the per-seed ppl results' rows gathered into one cell
 Rows = dict[str, dict[str, dict[int, TableEntry]]]
+Scores = dict[str, PerplexityResult]  # domain -> one model's ppl.json there
 
 
 def _slug(text: str) -> str:
@@ -292,9 +294,9 @@ class _Comparison:
             self.fitting[domain] = lengths
         return self.fitting[domain]
 
-    def evaluate(self, method: Method, seed: int, backbone: Backbone) -> dict[str, Any]:
+    def evaluate(self, method: Method, seed: int, backbone: Backbone) -> Scores:
         """Perplexity of the model on every held-out domain that holds a length:
-        {domain: ppl result}."""
+        {domain: ppl.json's record}."""
         out = {}
         for domain in self.config.eval_data:
             lengths = self.domain_lengths(domain)
@@ -305,19 +307,19 @@ class _Comparison:
 
             def score(
                 folder: Path = folder, domain: str = domain, config: PerplexityConfig = config
-            ) -> dict[str, Any]:
+            ) -> PerplexityResult:
                 return run_perplexity(
                     backbone, config, folder, data=domain,
                     stream=self.streams[domain], spec=method.spec, command=self.command,
                     progress=self.progress,
-                )  # fmt: skip
+                ).result  # fmt: skip
 
             out[domain] = self._timed(f"eval {folder.relative_to(self.out)}", score)
         return out
 
     # ------------------------------------------------------------------ stages
-    def free(self) -> dict[str, dict[int, dict[str, Any]]]:
-        results: dict[str, dict[int, dict[str, Any]]] = {}
+    def free(self) -> dict[str, dict[int, Scores]]:
+        results: dict[str, dict[int, Scores]] = {}
         for method in (m for m in self.methods if not m.trained):
             lr = self.config.lrs[0]
             self.log(f"{method.label}: attached as {method.spec}, scoring")
@@ -326,7 +328,7 @@ class _Comparison:
             results[method.label] = {0: self.evaluate(method, 0, backbone)}
         return results
 
-    def trained(self, method: Method) -> tuple[dict[int, dict[str, Any]], LrSearch]:
+    def trained(self, method: Method) -> tuple[dict[int, Scores], LrSearch]:
         c = self.config
         first = c.seeds[0]
         candidates = {}
@@ -397,21 +399,21 @@ class _Comparison:
         return value
 
     # ------------------------------------------------------------------ the verdict
-    def table(self, results: dict[str, dict[int, dict[str, Any]]]) -> Rows:
+    def table(self, results: dict[str, dict[int, Scores]]) -> Rows:
         """table[label][domain][length]: per-seed ppl, NLL, last-quarter windows and their
         blocks, and binned NLL-vs-position curve."""
         table: Rows = {}
         for label, by_seed in results.items():
             table[label] = {}
             for domain in (d for d in self.config.eval_data if d in by_seed[min(by_seed)]):
-                rows: dict[int, list[dict[str, Any]]] = {}
+                rows: dict[int, list[LengthScore]] = {}
                 for seed in sorted(by_seed):
-                    for row in by_seed[seed][domain]["results"]:
-                        rows.setdefault(row["length"], []).append(row)
+                    for row in by_seed[seed][domain].results:
+                        rows.setdefault(row.length, []).append(row)
                 table[label][domain] = {n: _entry(seeds) for n, seeds in rows.items()}
         return table
 
-    def held_out(self, results: dict[str, dict[int, dict[str, Any]]]) -> dict[str, tuple]:
+    def held_out(self, results: dict[str, dict[int, Scores]]) -> dict[str, tuple]:
         """domain -> the held-out text its windows were cut from: the single-document spans,
         or the stretch of the documents joined end to end (every method scores the same
         windows, so the first scored result says it)."""
@@ -421,12 +423,10 @@ class _Comparison:
             result = next((r[domain] for r in scored if domain in r), None)
             if result is None:
                 continue
-            if result.get("spans") is not None:  # a single-document run names its spans
-                out[domain] = tuple(
-                    Stretch(s["document"], s["offset"], s["tokens"]) for s in result["spans"]
-                )
-            elif result.get("start") is not None:
-                out[domain] = _stretch(self.streams[domain], result["start"], result["config"])
+            if result.spans is not None:  # a single-document run names its spans
+                out[domain] = tuple(Stretch(s.document, s.offset, s.tokens) for s in result.spans)
+            elif result.start is not None:
+                out[domain] = _stretch(self.streams[domain], result.start, result.config.n_tokens)
         return out
 
     def write(
@@ -486,23 +486,19 @@ def engine_answers(
     return {name: EngineAnswer(s.exact, s.why) for name, s in served.items()}
 
 
-def _entry(seeds: list[dict[str, Any]]) -> TableEntry:
+def _entry(seeds: list[LengthScore]) -> TableEntry:
     """One cell of the table from each seed's ppl.json row at that length (seeds in order)."""
-    curves = [row.get("position_nll") for row in seeds]  # binned curve
+    windows = [row.last_quarter_nll_windows for row in seeds]
+    if any(w is None for w in windows):  # compare scores whole windows, never with a stride
+        raise ValueError("a perplexity row without last-quarter windows cannot be compared")
     return TableEntry(
-        ppl=tuple(row["perplexity"] for row in seeds),
-        nll=tuple(row["nll"] for row in seeds),
-        last_quarter_windows=tuple(tuple(row["last_quarter_nll_windows"]) for row in seeds),
+        ppl=tuple(row.perplexity for row in seeds),
+        nll=tuple(row.nll for row in seeds),
+        last_quarter_windows=tuple(w for w in windows if w is not None),
         # ppl.json written before the blocks existed has none: the verdict then takes its
         # error from windows alone
-        last_quarter_blocks=tuple(
-            None if b is None else tuple(tuple(w) for w in b)
-            for b in (row.get("last_quarter_nll_blocks") for row in seeds)
-        ),
-        position_nll=tuple(
-            None if c is None else PositionCurve(*(tuple(c[k]) for k in ("start", "stop", "nll")))
-            for c in curves
-        ),
+        last_quarter_blocks=tuple(row.last_quarter_nll_blocks for row in seeds),
+        position_nll=tuple(row.position_nll for row in seeds),  # binned curve
     )
 
 
@@ -571,10 +567,10 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
 
-def _stretch(stream: TokenStream, start: int, config: dict[str, Any]) -> tuple[Stretch, ...]:
+def _stretch(stream: TokenStream, start: int, n_tokens: int) -> tuple[Stretch, ...]:
     """The documents that tokens [start, start + n_tokens] of ``stream`` (its documents joined
-    end to end) lie in: [{document, offset, tokens}], in order."""
-    stop = min(len(stream), start + int(config["n_tokens"]) + 1)  # + the first input token
+    end to end) lie in, in order."""
+    stop = min(len(stream), start + n_tokens + 1)  # + the first input token
     bounds = stream.doc_starts.tolist()
     out = []
     for d, name in enumerate(stream.names):

@@ -6,7 +6,8 @@ Modules:
 - `haystack`: haystacks (noise, essays, any corpus), needle insertion, keys and values.
 - `tasks`: base tasks, the registry of named variants (`TASKS`), `generate_sample`.
 - `scoring`: RULER's string_match_all / string_match_part, `effective_length`.
-- `perplexity`: `evaluate_perplexity`, `run_perplexity` (`ropekit eval ppl`),
+- `perplexity`: `evaluate_perplexity`, `run_perplexity` (`ropekit eval ppl`) and what they
+  return (`PerplexityResult`, ppl.json's record; `PerplexityRun`),
   `check_single_documents` / `DocumentsTooShort` (do single-document spans fit?).
 - `runner`: `run_needle`, `run_passkey`, `run_ruler`, `run_tasks`: staged, resumable.
 - `probes`: `ProbeConfig`, `run_probes` (`ropekit eval probes`): many retrieval probes per
@@ -25,6 +26,8 @@ from ropekit.evals.intervals import accuracy_entry, wilson_interval
 from ropekit.evals.perplexity import (
     DocumentsTooShort,
     PerplexityConfig,
+    PerplexityResult,
+    PerplexityRun,
     check_single_documents,
     evaluate_perplexity,
     run_perplexity,
@@ -66,6 +69,8 @@ __all__ = [
     "EvalConfig",
     "LanguageModel",
     "PerplexityConfig",
+    "PerplexityResult",
+    "PerplexityRun",
     "ProbeConfig",
     "PromptFormat",
     "Sample",

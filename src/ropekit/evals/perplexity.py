@@ -2,10 +2,13 @@
 
 Holds:
 - `PerplexityConfig`: lengths, how many tokens to score, sliding-window stride, batching.
-- `evaluate_perplexity(lm, stream, config)`: the numbers, as a JSON-ready dict.
+- `PerplexityResult` (ppl.json, the ``perplexity`` kind at `VERSION`), its rows
+  `LengthScore` (with `PositionCurve` and per-span `SpanScore`) and `Span`s.
+- `evaluate_perplexity(lm, stream, config)`: the numbers, as a `PerplexityResult`.
 - `run_perplexity(model, config, out_dir, ...)`: held-out data in, `ppl.json` and `ppl.png`
-  out (`ropekit eval ppl`), resumable window by window (`WindowStore`). Called once per
-  domain with the same model, it takes the domain's tokenized `stream`
+  out (`ropekit eval ppl`), resumable window by window (`WindowStore`); a `PerplexityRun`.
+  `plot_perplexity` draws ppl.png.
+  Called once per domain with the same model, it takes the domain's tokenized `stream`
   (`heldout_stream(domain, tokenizer)`, made once per domain and tokenizer) and the model as
   a Backbone (whose weight digest is computed once).
 - `document_spans(stream, tokenizer, span, count, context, rng)`: the single-document spans;
@@ -44,10 +47,11 @@ main process writes the files.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +65,15 @@ from ropekit.data.tokenizers import ByteTokenizer, Tokenizer
 from ropekit.distributed import Processes, shard
 from ropekit.distributed import processes as current_processes
 from ropekit.evals.adapters import LanguageModel, as_language_model, place_on
-from ropekit.evals.plots import plot_perplexity
 from ropekit.evals.prompts import default_prefix
+from ropekit.figures import figure, length_axis, save
 from ropekit.results import (
     check_replaceable,
     digest,
-    make_record,
-    read_result,
+    read_record,
+    register,
     run_metadata,
+    to_json,
     write_result,
 )
 
@@ -123,6 +128,125 @@ class PerplexityConfig:
         for name in ("batch_tokens", "position_bins"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not allowed; allowed: >= 1")
+
+
+@dataclass(frozen=True)
+class PositionCurve:
+    """Binned NLL against target position in the windows (``position_bins`` log bins)."""
+
+    start: tuple[int, ...]  # first position of each bin
+    stop: tuple[int, ...]  # one past its last
+    nll: tuple[float, ...]  # mean NLL of the bin (nats per token)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One single-document span of targets (``single_documents``)."""
+
+    document: str
+    offset: int  # first target, in the document
+    start: int  # first target, in the stream
+    tokens: int
+    bytes: int  # UTF-8 bytes of its targets
+
+
+@dataclass(frozen=True)
+class SpanScore:
+    """One span's numbers at one length (its windows are a contiguous share of the rows)."""
+
+    document: str
+    nll: float  # nats per token
+    perplexity: float
+    bits_per_byte: float
+    last_quarter_nll: float | None  # None with a stride
+
+
+@dataclass(frozen=True)
+class LengthScore:
+    """Every number at one context length. The last-quarter fields and the curve are None
+    with a stride (overlapping windows score only their tail)."""
+
+    length: int
+    windows: int
+    tokens: int  # targets scored (the same at every length)
+    bytes: int  # their UTF-8 bytes
+    nll: float  # nats per token
+    perplexity: float
+    bits_per_token: float
+    bits_per_byte: float
+    last_quarter_nll: float | None  # mean over windows of each last quarter's mean NLL
+    last_quarter_nll_std: float | None
+    last_quarter_nll_windows: tuple[float, ...] | None  # per window
+    # per window: block means of QUARTER_BLOCK targets; None in a file written before them
+    last_quarter_nll_blocks: tuple[tuple[float, ...], ...] | None
+    position_nll: PositionCurve | None
+    spans: tuple[SpanScore, ...] | None  # per span (single documents); None otherwise
+
+    def headline(self, metric: str) -> float:
+        """The value of ``metric`` (a PerplexityResult's: perplexity or bits_per_byte)."""
+        if metric not in ("perplexity", "bits_per_byte"):
+            raise ValueError(f"metric={metric!r} is not allowed; use perplexity or bits_per_byte")
+        return self.perplexity if metric == "perplexity" else self.bits_per_byte
+
+
+VERSION = 3  # 3: typed, every field written (2: the untyped layout)
+
+
+def _from_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """The untyped layout: spans and documents only with single documents, the rows' spans
+    likewise, and rows written before the last quarter's blocks were kept lack them."""
+    data = {"spans": None, "documents": None, **data}
+    data["results"] = [
+        {"last_quarter_nll_blocks": None, "spans": None, **row} for row in data["results"]
+    ]
+    return data
+
+
+@register("perplexity", VERSION, {2: _from_v2})
+@dataclass(frozen=True)
+class PerplexityResult:
+    """ppl.json: what ``run_perplexity`` writes (``evaluate_perplexity`` returns the same with
+    empty ``meta``, ``provenance`` and ``model``, and no ``data`` or ``spec``)."""
+
+    meta: dict[str, Any]  # run_metadata
+    provenance: dict[str, Any]  # model, data, config: what a rerun must match to reuse it
+    metric: str  # the headline: "perplexity" (token models) or "bits_per_byte" (byte models)
+    tokenizer: str
+    bos: bool  # windows start with BOS
+    start: int | None  # the one span's first target (documents joined); None: single documents
+    config: PerplexityConfig
+    results: tuple[LengthScore, ...]  # by length, ascending
+    spans: tuple[Span, ...] | None  # single documents: the spans; None otherwise
+    documents: int | None  # single documents: how many documents the spans lie in
+    data: str | tuple[str, ...] | None  # the held-out data spec (None: a stream was given)
+    spec: str | None  # the encoding spec the model carried, as the caller named it
+    seed: int
+    model: dict[str, Any]  # LanguageModel.describe()
+
+    def at(self, length: int) -> LengthScore:
+        """The row of ``length``; KeyError naming the lengths scored when it is not one."""
+        for row in self.results:
+            if row.length == length:
+                return row
+        raise KeyError(f"length {length} is not scored here; lengths: {self.lengths}")
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(row.length for row in self.results)
+
+    def headlines(self) -> dict[int, float]:
+        """length -> the headline metric."""
+        return {row.length: row.headline(self.metric) for row in self.results}
+
+
+@dataclass(frozen=True)
+class PerplexityRun:
+    """What ``run_perplexity`` returns: the result and where it is (or was found)."""
+
+    result: PerplexityResult
+    json: Path  # ppl.json
+    png: Path  # ppl.png
+    reused: bool  # found there, made by this model, data and config: nothing was scored
 
 
 class DocumentsTooShort(ValueError):
@@ -305,26 +429,26 @@ def _score_windows(
 def _per_span(
     rows: list[torch.Tensor],
     last_quarter: list[float] | None,
-    spans: list[dict[str, Any]],
-) -> list[dict[str, Any]]:
+    spans: tuple[Span, ...],
+) -> tuple[SpanScore, ...]:
     """Each span's numbers: its windows are a contiguous, equal share of the rows."""
     per = len(rows) // len(spans)
     out = []
     for i, span in enumerate(spans):
         mine = rows[i * per : (i + 1) * per]
         total = float(sum(float(r.sum()) for r in mine))
-        nll = total / span["tokens"]
+        nll = total / span.tokens
         quarter = None if last_quarter is None else last_quarter[i * per : (i + 1) * per]
         out.append(
-            {
-                "document": span["document"],
-                "nll": nll,
-                "perplexity": math.exp(nll),
-                "bits_per_byte": total / math.log(2) / span["bytes"],
-                "last_quarter_nll": None if quarter is None else float(np.mean(quarter)),
-            }
+            SpanScore(
+                document=span.document,
+                nll=nll,
+                perplexity=math.exp(nll),
+                bits_per_byte=total / math.log(2) / span.bytes,
+                last_quarter_nll=None if quarter is None else float(np.mean(quarter)),
+            )
         )
-    return out
+    return tuple(out)
 
 
 def _summarize(
@@ -334,8 +458,8 @@ def _summarize(
     span: int,
     n_bytes: int,
     config: PerplexityConfig,
-    spans: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+    spans: tuple[Span, ...] | None = None,
+) -> LengthScore:
     """One length's numbers from the NLL rows of all its windows (and, given the document
     ``spans`` the windows tile in order, each span's).
 
@@ -345,7 +469,7 @@ def _summarize(
     total = 0.0
     position_sum = torch.zeros(length, dtype=torch.float64)
     last_quarter: list[float] = []
-    blocks: list[list[float]] = []
+    blocks: list[tuple[float, ...]] = []
     for b in range(0, len(rows), batch):
         chunk = rows[b : b + batch]
         for row in chunk:
@@ -357,44 +481,47 @@ def _summarize(
             last_quarter += nll[:, quarter:].mean(1).tolist()
             blocks += [_block_means(row[quarter:]) for row in nll]
     mean = total / span
-    result: dict[str, Any] = {
-        "length": length,
-        "windows": len(windows),
-        "tokens": span,
-        "bytes": n_bytes,
-        "nll": mean,
-        "perplexity": math.exp(mean),
-        "bits_per_token": mean / math.log(2),
-        "bits_per_byte": total / math.log(2) / n_bytes,
-        "last_quarter_nll": None,
-        "last_quarter_nll_std": None,
-        "last_quarter_nll_windows": None,
-        "last_quarter_nll_blocks": None,
-        "position_nll": None,
-    }
+    result = LengthScore(
+        length=length,
+        windows=len(windows),
+        tokens=span,
+        bytes=n_bytes,
+        nll=mean,
+        perplexity=math.exp(mean),
+        bits_per_token=mean / math.log(2),
+        bits_per_byte=total / math.log(2) / n_bytes,
+        last_quarter_nll=None,
+        last_quarter_nll_std=None,
+        last_quarter_nll_windows=None,
+        last_quarter_nll_blocks=None,
+        position_nll=None,
+        spans=None,
+    )
     if config.stride is None:
         curve = (position_sum / len(windows)).numpy()
         edges = _bin_edges(length, config.position_bins)
-        result.update(
+        result = replace(
+            result,
             last_quarter_nll=float(np.mean(last_quarter)),
             last_quarter_nll_std=float(np.std(last_quarter)),
-            last_quarter_nll_windows=last_quarter,
-            last_quarter_nll_blocks=blocks,
-            position_nll={
-                "start": edges[:-1].tolist(),
-                "stop": edges[1:].tolist(),
-                "nll": [float(curve[a:b].mean()) for a, b in itertools.pairwise(edges)],
-            },
+            last_quarter_nll_windows=tuple(last_quarter),
+            last_quarter_nll_blocks=tuple(blocks),
+            position_nll=PositionCurve(
+                start=tuple(edges[:-1].tolist()),
+                stop=tuple(edges[1:].tolist()),
+                nll=tuple(float(curve[a:b].mean()) for a, b in itertools.pairwise(edges)),
+            ),
         )
     if spans is not None:
-        result["spans"] = _per_span(rows, last_quarter if config.stride is None else None, spans)
+        quarter = last_quarter if config.stride is None else None
+        result = replace(result, spans=_per_span(rows, quarter, spans))
     return result
 
 
-def _block_means(quarter: torch.Tensor) -> list[float]:
+def _block_means(quarter: torch.Tensor) -> tuple[float, ...]:
     """Means of consecutive QUARTER_BLOCK-target blocks of one window's last quarter (the last
     block shorter when the quarter is not a multiple)."""
-    return [float(b.mean()) for b in quarter.split(QUARTER_BLOCK)]
+    return tuple(float(b.mean()) for b in quarter.split(QUARTER_BLOCK))
 
 
 def _uses_bos(tokenizer: Tokenizer, config: PerplexityConfig) -> bool:
@@ -421,8 +548,7 @@ class _Targets:
     span: int  # targets per span: n_tokens, or lcm(lengths) with single documents
     starts: list[int]  # stream index of each span's first target
     start: int | None  # the one span's first target (documents joined); None: single documents
-    # single documents: each span's document, offset in it, stream start, tokens and bytes
-    spans: list[dict[str, Any]] | None
+    spans: tuple[Span, ...] | None  # single documents: each span; None otherwise
 
 
 def evaluate_perplexity(
@@ -433,8 +559,9 @@ def evaluate_perplexity(
     *,
     processes: Processes | None = None,
     store: WindowStore | None = None,
-) -> dict[str, Any]:
-    """Score `lm` on `stream` at every length of `config` (see the module docstring).
+) -> PerplexityResult:
+    """Score `lm` on `stream` at every length of `config` (see the module docstring): the
+    result without metadata, provenance, data spec or model (``run_perplexity`` adds them).
 
     Launched as several processes (`accelerate launch`, `torchrun`), each scores a share of
     the windows and every process returns the whole result. `processes` defaults to the
@@ -460,19 +587,23 @@ def evaluate_perplexity(
         rows = [row for share in scored for row in share[length]]  # every window, in order
         total = span * len(starts)
         results.append(_summarize(length, windows, rows, total, n_bytes, config, targets.spans))
-    out = {
-        "kind": "perplexity",
-        "metric": "bits_per_byte" if isinstance(lm.tokenizer, ByteTokenizer) else "perplexity",
-        "tokenizer": lm.tokenizer.name,
-        "bos": use_bos,
-        "start": targets.start,
-        "config": asdict(config),
-        "results": results,
-    }
-    if targets.spans is not None:
-        out["spans"] = targets.spans
-        out["documents"] = len({s["document"] for s in targets.spans})
-    return out
+    spans = targets.spans
+    return PerplexityResult(
+        meta={},
+        provenance={},
+        metric="bits_per_byte" if isinstance(lm.tokenizer, ByteTokenizer) else "perplexity",
+        tokenizer=lm.tokenizer.name,
+        bos=use_bos,
+        start=targets.start,
+        config=config,
+        results=tuple(results),
+        spans=spans,
+        documents=None if spans is None else len({s.document for s in spans}),
+        data=None,
+        spec=None,
+        seed=config.seed,
+        model={},
+    )
 
 
 def _window_start(
@@ -508,16 +639,16 @@ def _document_targets(
     span = math.lcm(*config.lengths)
     count = config.n_tokens // span
     drawn = document_spans(stream, tokenizer, span, count, context, rng)
-    spans = [
-        {
-            "document": stream.names[d],
-            "offset": first - int(stream.doc_starts[d]),  # first target, in the document
-            "start": first,  # first target, in the stream
-            "tokens": span,
-            "bytes": stream.n_bytes(first, first + span),
-        }
+    spans = tuple(
+        Span(
+            document=stream.names[d],
+            offset=first - int(stream.doc_starts[d]),
+            start=first,
+            tokens=span,
+            bytes=stream.n_bytes(first, first + span),
+        )
         for d, first in drawn
-    ]
+    )
     return _Targets(span, [first for _, first in drawn], None, spans)
 
 
@@ -584,11 +715,11 @@ def run_perplexity(
     progress: bool = True,
     overwrite: bool = False,
     processes: Processes | None = None,
-) -> dict[str, Any]:
+) -> PerplexityRun:
     """Evaluate on the held-out documents of `data` and write `ppl.json` and `ppl.png` into
     `out_dir`. `model` is a Backbone, a Decoder, a Hugging Face causal LM or a
     `LanguageModel` (with `tokenizer` when it has none); `spec` names its encoding in the
-    result. Returns the result, with `paths`. `stream`: the held-out documents of `data`
+    result. Returns the result with its paths. `stream`: the held-out documents of `data`
     already tokenized with the model's tokenizer (`heldout_stream(data, tokenizer)`), so a
     caller evaluating several models on one domain tokenizes it once; None tokenizes here.
 
@@ -621,23 +752,67 @@ def run_perplexity(
         # reused for it. Absent for every other encoding, whose numbers did not change.
         provenance["scoring"] = "one forward per window"
     out = Path(out_dir)
-    paths = {"json": out / "ppl.json", "png": out / "ppl.png"}
+    json_path, png = out / "ppl.json", out / "ppl.png"
     procs = processes if processes is not None else current_processes()
-    if check_replaceable(paths["json"], "perplexity", provenance, overwrite=overwrite):
-        result = read_result(paths["json"], "perplexity")
-        return {**result, "paths": {k: str(v) for k, v in paths.items()}, "reused": True}
+    if check_replaceable(json_path, "perplexity", provenance, overwrite=overwrite):
+        return PerplexityRun(read_record(json_path, PerplexityResult), json_path, png, True)
     # One process resumes window by window; several share the windows by rank, and a share
     # depends on how many there are, so they score afresh (and write no windows).
     store = WindowStore(out / WINDOWS, digest(provenance)) if procs.world == 1 else None
-    result = evaluate_perplexity(lm, stream, config, progress, processes=procs, store=store)
-    result.update(data=data, spec=spec, seed=config.seed, model=lm.describe())
-    meta = run_metadata(command, spec=spec, seed=config.seed)
+    result = replace(
+        evaluate_perplexity(lm, stream, config, progress, processes=procs, store=store),
+        meta=run_metadata(command, spec=spec, seed=config.seed),
+        provenance=json.loads(to_json(provenance)),  # as the file holds it (lists, not tuples)
+        data=data if isinstance(data, str) else tuple(data),
+        spec=spec,
+        model=lm.describe(),
+    )
     # Every process holds the whole result; one writes it, the others wait for the files.
     if procs.is_main:
-        write_result(paths["json"], "perplexity", result, meta=meta, provenance=provenance)
-        plot_perplexity(result, paths["png"])
+        write_result(json_path, "perplexity", result)
+        plot_perplexity(result, png)
     procs.barrier()
     if store is not None:  # the result holds every row's numbers now: the windows are spent
         shutil.rmtree(store.folder, ignore_errors=True)
-    record = make_record("perplexity", result, meta=meta, provenance=provenance)
-    return {**record, "paths": {k: str(v) for k, v in paths.items()}}
+    return PerplexityRun(result, json_path, png, False)
+
+
+def plot_perplexity(result: PerplexityResult, path: str | Path) -> Path:
+    """ppl.png: the headline metric vs length, NLL vs token position, last-quarter NLL vs
+    length."""
+    rows = result.results
+    metric = result.metric
+    lengths = [r.length for r in rows]
+    fig, axes = figure(14, 4.2, 1, 3)
+    ax_m, ax_p, ax_q = axes[0]
+
+    ax_m.plot(lengths, [r.headline(metric) for r in rows], "o-", lw=1.6)
+    length_axis(ax_m, lengths, rotate=True)
+    ax_m.set(xlabel="context length (tokens)", ylabel=metric.replace("_", " "))
+    ax_m.set_title(f"{metric.replace('_', ' ')} vs length (same {rows[0].tokens} targets)")
+
+    for r in rows:
+        curve = r.position_nll
+        if curve is None:
+            continue
+        middle = [(a + b - 1) / 2 + 1 for a, b in zip(curve.start, curve.stop, strict=True)]
+        ax_p.plot(middle, curve.nll, lw=1.3, label=f"L={r.length}")
+    ax_p.set(xscale="log", xlabel="target position in window + 1", ylabel="NLL (nats/token)")
+    ax_p.set_title("NLL vs position")
+    if ax_p.lines:
+        ax_p.legend(fontsize=7)
+
+    quarter = [r for r in rows if r.last_quarter_nll is not None]
+    if quarter:
+        ax_q.errorbar(
+            [r.length for r in quarter],
+            [r.last_quarter_nll for r in quarter],
+            yerr=[r.last_quarter_nll_std for r in quarter],
+            fmt="o-",
+            capsize=3,
+        )
+        length_axis(ax_q, [r.length for r in quarter], rotate=True)
+    ax_q.set(xlabel="context length (tokens)", ylabel="NLL (nats/token)")
+    ax_q.set_title("last-quarter NLL per window (mean ± sd)")
+    fig.suptitle(f"{result.spec or ''} {result.tokenizer}".strip(), fontsize=9)
+    return save(fig, path, dpi=120)

@@ -1,8 +1,6 @@
 """Pictures of the evaluation results (matplotlib, Agg canvas, written atomically).
 
 Holds:
-- `plot_perplexity`: headline metric vs length, NLL vs token position, last-quarter NLL vs
-  length.
 - `plot_heatmap`: needle accuracy over length (columns) x depth (rows).
 - `plot_accuracy_vs_length`: one line per task, the task average in bold, the effective-length
   threshold dashed.
@@ -18,46 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from ropekit.figures import figure, length_axis, save
-
-
-def plot_perplexity(result: Mapping[str, Any], path: str | Path) -> Path:
-    """Three panels from an `evaluate_perplexity` result."""
-    rows = result["results"]
-    metric = result["metric"]
-    lengths = [r["length"] for r in rows]
-    fig, axes = figure(14, 4.2, 1, 3)
-    ax_m, ax_p, ax_q = axes[0]
-
-    ax_m.plot(lengths, [r[metric] for r in rows], "o-", lw=1.6)
-    length_axis(ax_m, lengths, rotate=True)
-    ax_m.set(xlabel="context length (tokens)", ylabel=metric.replace("_", " "))
-    ax_m.set_title(f"{metric.replace('_', ' ')} vs length (same {rows[0]['tokens']} targets)")
-
-    for r in rows:
-        curve = r["position_nll"]
-        if curve is None:
-            continue
-        middle = [(a + b - 1) / 2 + 1 for a, b in zip(curve["start"], curve["stop"], strict=True)]
-        ax_p.plot(middle, curve["nll"], lw=1.3, label=f"L={r['length']}")
-    ax_p.set(xscale="log", xlabel="target position in window + 1", ylabel="NLL (nats/token)")
-    ax_p.set_title("NLL vs position")
-    if ax_p.lines:
-        ax_p.legend(fontsize=7)
-
-    quarter = [r for r in rows if r["last_quarter_nll"] is not None]
-    if quarter:
-        ax_q.errorbar(
-            [r["length"] for r in quarter],
-            [r["last_quarter_nll"] for r in quarter],
-            yerr=[r["last_quarter_nll_std"] for r in quarter],
-            fmt="o-",
-            capsize=3,
-        )
-        length_axis(ax_q, [r["length"] for r in quarter], rotate=True)
-    ax_q.set(xlabel="context length (tokens)", ylabel="NLL (nats/token)")
-    ax_q.set_title("last-quarter NLL per window (mean ± sd)")
-    fig.suptitle(f"{result.get('spec') or ''} {result['tokenizer']}".strip(), fontsize=9)
-    return save(fig, path, dpi=120)
 
 
 def plot_heatmap(cells: Sequence[Mapping[str, Any]], path: str | Path, title: str = "") -> Path:

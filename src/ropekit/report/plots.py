@@ -8,14 +8,18 @@ Figures are drawn on an explicit Agg canvas (no pyplot state) and written atomic
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ropekit.figures import figure, lines, save, style
 
+if TYPE_CHECKING:
+    from ropekit.evals.perplexity import PositionCurve
+
 
 def plot_nll_vs_position(
-    curves: Mapping[str, Mapping[str, Sequence[float]]],
+    curves: Mapping[str, PositionCurve],
     path: str | Path,
     *,
     length: int,
@@ -29,8 +33,8 @@ def plot_nll_vs_position(
     fig, axes = figure(6.8, 4.2)
     ax = axes[0, 0]
     for label, curve in curves.items():
-        middle = [(a + b - 1) / 2 + 1 for a, b in zip(curve["start"], curve["stop"], strict=True)]
-        ax.plot(middle, curve["nll"], label=label, **style(label))
+        middle = [(a + b - 1) / 2 + 1 for a, b in zip(curve.start, curve.stop, strict=True)]
+        ax.plot(middle, curve.nll, label=label, **style(label))
     if train_length is not None:
         ax.axvline(train_length, color="gray", ls=":", lw=1, label="training length")
     ax.set(

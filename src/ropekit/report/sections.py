@@ -25,11 +25,14 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ropekit.results import ResultError, read_result, result_kind
+from ropekit.results import ResultError, read_record, read_result, result_kind, schema_of
 
 from .document import Block, Details, Figure, Heading, Table, Text, figure_problem
+
+if TYPE_CHECKING:
+    from ropekit.evals.perplexity import PerplexityResult
 
 # kind -> section title, in the order sections appear.
 KINDS: dict[str, str] = {
@@ -52,7 +55,8 @@ _SKIP_DIRS = {"checkpoints", "__pycache__", "adapter", "model"}
 class Result:
     kind: str
     path: Path  # relative to the run folder
-    data: dict[str, Any]
+    # a typed kind's record (``ropekit.results.read_record``), else the file's content
+    data: Any
 
     @property
     def label(self) -> str:
@@ -71,13 +75,15 @@ def discover(root: str | Path) -> list[Result]:
             continue
         if figure_problem(root, relative.as_posix()) is not None:
             continue  # a link, or a file outside the run folder: not this run's result
-        if result_kind(path) not in KINDS:
+        kind = result_kind(path)
+        if kind not in KINDS:
             continue
+        schema = schema_of(kind)
         try:
-            data = read_result(path)
+            data = read_result(path, kind) if schema is None else read_record(path, schema.cls)
         except ResultError:
             continue  # an older format, or a file being written
-        found.append(Result(data["kind"], relative, data))
+        found.append(Result(kind, relative, data))
     order = list(KINDS)
     return sorted(found, key=lambda r: (order.index(r.kind), r.path.as_posix()))
 
@@ -238,13 +244,14 @@ def search_section(results: Sequence[Result], root: Path) -> list[Block]:
 
 def perplexity_section(results: Sequence[Result], root: Path) -> list[Block]:
     tables: list[Block] = []
-    for metric in dict.fromkeys(r.data["metric"] for r in results):
-        mine = [r for r in results if r.data["metric"] == metric]
+    records: list[PerplexityResult] = [r.data for r in results]
+    for metric in dict.fromkeys(d.metric for d in records):
+        mine = [(r, d) for r, d in zip(results, records, strict=True) if d.metric == metric]
         tables.append(
             length_table(
-                [r.label for r in mine],
-                [[f"`{r.data['spec']}`", fmt(r.data["results"][0]["tokens"])] for r in mine],
-                [{row["length"]: row[metric] for row in r.data["results"]} for r in mine],
+                [r.label for r, _ in mine],
+                [[f"`{d.spec}`", fmt(d.results[0].tokens)] for _, d in mine],
+                [d.headlines() for _, d in mine],
                 ["run", "encoding", "targets"],
                 digits=3 if metric == "bits_per_byte" else 2,
                 caption=f"{metric.replace('_', ' ')} by context length (the same held-out "
@@ -252,13 +259,12 @@ def perplexity_section(results: Sequence[Result], root: Path) -> list[Block]:
             )
         )
     # Say where the windows came from (issue 19: single documents, said in the report).
-    for r in results:
-        if r.data.get("spans"):
-            spans = r.data["spans"]
+    for r, d in zip(results, records, strict=True):
+        if d.spans:
             tables.append(
                 Text(
-                    f"{r.label}: every window inside one held-out document ({len(spans)} spans "
-                    f"of {fmt(spans[0]['tokens'])} tokens in {r.data['documents']} documents)."
+                    f"{r.label}: every window inside one held-out document ({len(d.spans)} spans "
+                    f"of {fmt(d.spans[0].tokens)} tokens in {d.documents} documents)."
                 )
             )
     return [*tables, *_figures(results, root, _no_extra)]
