@@ -26,12 +26,16 @@ ALL = set(ENGINES)
         (SHARED, ALL),  # one learned schedule: longrope factors, rope_freqs in GGUF
         (PER_HEAD, {"vllm+ropekit"}),  # per (layer, kv head): only the plugin
         ("dynamic-ntk:factor=2", set()),  # transformers' cache, vLLM's static base, refusals
-        ("rerope:window=8,leaky=4", set()),  # a distance remap: no engine's attention has it
-        ("self-extend:group=4,window=8", set()),  # the paper's sliding window: none
-        # llama.cpp's own blocks: llama.cpp through ropekit.serve.llamacpp_self_extend
-        ("self-extend:group=4,window=8,mode=llama.cpp", {"llama.cpp"}),
+        # Distance remaps: no engine's rope config has them; vLLM with ropekit's plugin
+        # computes them in its attention (banded, over its KV cache)
+        ("rerope:window=8,leaky=4", {"vllm+ropekit"}),
+        ("self-extend:group=4,window=8", {"vllm+ropekit"}),  # the paper's sliding window
+        # llama.cpp's own blocks: also llama.cpp through ropekit.serve.llamacpp_self_extend
+        ("self-extend:group=4,window=8,mode=llama.cpp", {"llama.cpp", "vllm+ropekit"}),
         # ... but not on a YaRN base: llama.cpp's K-shift scales moved keys again
-        ("self-extend:group=4,window=8,mode=llama.cpp,init=yarn,factor=2", set()),
+        ("self-extend:group=4,window=8,mode=llama.cpp,init=yarn,factor=2", {"vllm+ropekit"}),
+        # ReRoPE's clip has no longest length: served at a given target only
+        ("rerope:window=8", set()),
     ],
 )
 def test_the_engines_that_serve_each_method_exactly(spec: str, exact: set[str]) -> None:

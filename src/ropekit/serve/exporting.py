@@ -26,11 +26,15 @@ Rules, by encoding:
   temperature grows with the query's position, and no rope type has a position-dependent query
   scale: export refuses, or with ``temperature_at=L`` freezes lambda at length L (exact for
   queries at L, and for all queries whose L <= L_ref when L <= L_ref; recorded as approximate).
-- Distance remaps rotate q and k per pair, which no rope config expresses: refused, except
-  Self-Extend in llama.cpp's blocks (``self-extend:mode=llama.cpp``) with ``format="gguf"``:
-  the file holds the base schedule, the record's ``serve_with`` names the recipe that drives
-  llama.cpp's group attention (``ropekit.serve.llamacpp_self_extend``), and the target is
-  Self-Extend's reach (``engines.llamacpp.self_extend_reach``).
+- Distance remaps rotate q and k per pair, which no rope config expresses: with
+  ``format="vllm"`` every remap is served by ropekit's vLLM plugin (banded attention over
+  vLLM's KV cache): the folder holds the base schedule, the record's ``serve_with`` names the
+  plugin, and the target is ``max_length`` or the remap's reach
+  (``engines.vllm_ropekit.remap_reach``; refused for remaps without one). Otherwise refused,
+  except Self-Extend in llama.cpp's blocks (``self-extend:mode=llama.cpp``) with
+  ``format="gguf"``: the file holds the base schedule, the record's ``serve_with`` names the
+  recipe that drives llama.cpp's group attention (``ropekit.serve.llamacpp_self_extend``), and
+  the target is Self-Extend's reach (``engines.llamacpp.self_extend_reach``).
 - Frequencies or temperatures that differ across heads or layers are refused: rope_parameters
   holds one frequency per rotary pair for the whole model. ``nearest=True`` exports the
   closest shared schedule instead (``ropekit.serve.nearest``), recorded as approximate.
@@ -81,6 +85,7 @@ from ropekit.hf.rope_config import ExportRefused, rope_parameters_for
 
 from .engines import EXPORT_RECORD, FORMATS
 from .engines.llamacpp import llamacpp_recipe, recipe_notes, self_extend_reach
+from .engines.vllm_ropekit import plugin_notes, plugin_recipe, remap_reach
 from .nearest import head_frequencies, nearest_shared
 
 # Learned frequencies count as shared when every row equals the first to this relative
@@ -402,7 +407,7 @@ def served_config(
     """The config the engines read from an export of ``encoding`` on a model of
     ``model_config`` in ``format`` (rope_parameters and every length field) and the export
     record (ropekit_export.json); nothing is written. ExportRefused says why there is none."""
-    if format == "vllm" and encoding.dynamic:
+    if format == "vllm" and encoding.dynamic and not encoding.remaps_distance:
         raise ExportRefused(
             f"{encoding.spec!r} follows the sequence length; the vLLM plugin rotates by token "
             "position only (vLLM gives the rotary no sequence lengths)"
@@ -410,10 +415,12 @@ def served_config(
     recipe = None
     rope_encoding = encoding
     if encoding.remaps_distance:
-        # Self-Extend in llama.cpp's blocks: the GGUF holds the base schedule and the record
-        # names the recipe that makes llama.cpp group its KV cache (engines.llamacpp); every
-        # other remap, format or base is refused there, saying why.
-        recipe = llamacpp_recipe(encoding, format)
+        # vLLM with ropekit's plugin computes every remap in its attention (the folder holds
+        # the base schedule, engines.vllm_ropekit). Self-Extend in llama.cpp's blocks: the
+        # GGUF holds the base schedule and the record names the recipe that makes llama.cpp
+        # group its KV cache (engines.llamacpp); every other remap, format or base is refused
+        # there, saying why.
+        recipe = plugin_recipe(encoding) if format == "vllm" else llamacpp_recipe(encoding, format)
         rope_encoding = encoding.inner
     params, extra, notes = export_rope_parameters(
         rope_encoding, model_config, temperature_at=temperature_at,
@@ -423,19 +430,28 @@ def served_config(
         from .vllm_plugin import ARCHITECTURE
 
         extra = {**extra, "architectures": [ARCHITECTURE]}
+        what = (
+            "rope_parameters hold its base schedule"
+            if encoding.remaps_distance
+            else "rope_parameters (what engines without the plugin compute):"
+        )
         notes = [
             f"served by vLLM with ropekit's plugin within its noise floor ({ARCHITECTURE}, "
-            "adapter in ropekit_adapter/); rope_parameters (what engines without the plugin "
-            "compute):",
+            f"adapter in ropekit_adapter/); {what}",
             *notes,
         ]
     target = int(max_length or target_length(encoding, model_config))
     if recipe is not None:
-        notes = [*notes, *recipe_notes(recipe)]
         l0 = int(encoding.original_length or original_length(model_config))
+        if recipe["engine"] == "llama.cpp":
+            notes = [*notes, *recipe_notes(recipe)]
+            if max_length is None:  # Self-Extend's reach, not the base schedule's factor x L0
+                target = self_extend_reach(recipe["group"], recipe["window"], l0)
+        else:
+            notes = [*notes, *plugin_notes(recipe, encoding.spec)]
+            if max_length is None:
+                target = _remap_target(encoding, l0)
         recipe = {**recipe, "original_length": l0}  # inspect's L0: the base params lack it
-        if max_length is None:  # Self-Extend's reach, not the base schedule's factor x L0
-            target = self_extend_reach(recipe["group"], recipe["window"], l0)
     fields, engine_keys = length_fields(params, model_config, target)
     params = {**params, **engine_keys}
     extra = {**extra, **fields}
@@ -453,6 +469,19 @@ def served_config(
     if recipe is not None:
         record["serve_with"] = recipe
     return config, record
+
+
+def _remap_target(encoding: PositionEncoding, l0: int) -> int:
+    """The length a remap's plugin export accepts when none is given: its reach
+    (``remap_reach``); ExportRefused where the remap has none."""
+    reach = remap_reach(encoding, l0)
+    if reach is None:
+        raise ExportRefused(
+            f"{encoding.spec!r} keeps every distance it sees below L0 = {l0} at any length "
+            "(or a fixed fraction of it), so it has no longest length of its own: give the "
+            "length vLLM must accept (--max-length N, export(..., max_length=N))"
+        )
+    return reach
 
 
 # Where the user sees transformers' warning on loading a longrope export, its explanation.

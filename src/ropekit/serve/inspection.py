@@ -371,12 +371,18 @@ def _reference_line(report: dict[str, Any]) -> str:
             f"reference: none (a GGUF file without {EXPORT_RECORD}): what llama.cpp computes "
             "from its rope keys, with nothing to compare it to"
         )
-    if report.get("serve_with") is not None:
+    recipe = report.get("serve_with")
+    if recipe is not None:
+        how = (
+            "llama.cpp computes it driven by the recipe named below"
+            if recipe["engine"] == "llama.cpp"
+            else f"{recipe['engine']} computes it in attention ({recipe['recipe']}); every "
+            "other engine computes the base schedule alone"
+        )
         return (
             f"reference: ropekit's {report['spec']} ({EXPORT_RECORD}): a distance remap whose "
             "rope keys are its base schedule (transformers' meaning of the rope_parameters "
-            "below); no engine's config holds the remap, llama.cpp computes it driven by the "
-            "recipe named below"
+            f"below); no engine's config holds the remap, {how}"
         )
     if report["format"] == "gguf":
         return (

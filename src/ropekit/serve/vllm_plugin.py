@@ -23,10 +23,25 @@ cached decoding and chunked prefill compute what one full forward computes. Dyna
 schedules (whose angles follow the whole sequence's length) are refused: vLLM hands the
 rotary no sequence lengths.
 
+Distance remaps (``remaps_distance``: ReRoPE, Leaky ReRoPE, Self-Extend, DCA, STRING) need a
+different rotation of q and k for each band of distances, so one rotary call cannot express
+them. For those the layer's ``rotary_emb`` passes q and k through unrotated (``Unrotated``),
+so vLLM's KV cache holds *unrotated* keys in the slots it would give rotated ones (no extra
+cache memory), and the layer's attention backend (``attn.impl``, vLLM's CPU backend,
+``vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackendImpl``) is given ropekit's
+attention in its place (``_banded_impl``): ``do_kv_cache_update`` stores each new key and
+value at its slot, and ``forward`` reads every request's keys and values back through the
+block table and computes ropekit's banded attention for its new queries
+(``ropekit.serve.paged_attention``): a whole prompt, a chunk of one whose earlier chunks are
+in the cache, prompt blocks found in the prefix cache, and decoding steps alike. A request's
+positions come from the step's metadata (``query_start_loc``, ``seq_lens``: its new tokens
+are the last of its keys). Length-following remaps (DCA's logit scale, STRING's shift of the
+attended length) take L = the request's keys at that step, as ropekit's cached decoding does.
+
 Needs vLLM and torch only (ropekit is installed into vLLM's environment with ``--no-deps``:
 vLLM pins another transformers than ropekit.hf supports, and nothing here imports it).
 
-Holds: register, RopekitLlamaForCausalLM, RopekitRotary, load_adapter_encoding,
+Holds: register, RopekitLlamaForCausalLM, RopekitRotary, Unrotated, load_adapter_encoding,
 ARCHITECTURE, ADAPTER_DIR.
 """
 
@@ -70,7 +85,7 @@ def load_adapter_encoding(folder: str | Path, config: Any) -> Any:
         head_dim=head_dim,
         n_layers=config.num_hidden_layers,
     )
-    if encoding.dynamic:
+    if encoding.dynamic and not encoding.remaps_distance:
         raise ValueError(
             f"{meta['spec']!r} follows the sequence length (dynamic); vLLM's rotary sees token "
             "positions, not sequence lengths, so the plugin cannot serve it"
@@ -106,6 +121,92 @@ class RopekitRotary(nn.Module):
         return query_out, k[0].transpose(0, 1).reshape(key.shape).to(key.dtype)
 
 
+class Unrotated(nn.Module):
+    """vLLM's rotary call signature that leaves q and k as they are: a remap's attention
+    rotates them per band (``_banded_impl``), and the KV cache keeps the keys unrotated."""
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return query, key
+
+
+_BANDED_CLASSES: dict[type, type] = {}
+
+
+def _split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache), each (P, K, b, D), of one layer's cache in vLLM's CPU
+    backend layout: (P, K, b, 2 D) read as (P, K, 2 b, D), keys in the first b rows of each
+    block and values in the last b (``CPUAttentionBackendImpl.forward``)."""
+    P, K, b, _ = kv_cache.shape
+    key_cache, value_cache = kv_cache.view(P, K, 2 * b, -1).chunk(2, dim=2)
+    return key_cache, value_cache
+
+
+def _do_kv_cache_update(self, layer_module, key, value, kv_cache, slot_mapping) -> None:
+    """The banded backend's cache write: unrotated keys and values at their slots."""
+    from ropekit.serve import paged_attention
+
+    paged_attention.write_paged(*_split_cache(kv_cache), key, value, slot_mapping)
+
+
+def _forward(
+    self, layer_module, query, key, value, kv_cache, attn_metadata, output,
+    output_scale=None, output_block_scale=None,
+):  # fmt: skip
+    """The banded backend's attention: each request's new queries over its cached keys."""
+    from ropekit.serve import paged_attention
+
+    if attn_metadata is None:  # vLLM's warm-up and profiling runs
+        return output
+    encoding = self.ropekit_encoding
+    if output_scale is not None or output_block_scale is not None:
+        raise NotImplementedError("the ropekit plugin has no fused output quantization")
+    if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
+        raise ValueError(f"{encoding.spec!r} is served for causal decoders only")
+    n = attn_metadata.num_actual_tokens
+    plan = paged_attention.steps(attn_metadata.query_start_loc, attn_metadata.seq_lens, n)
+    key_cache, value_cache = _split_cache(kv_cache)
+    if self.ropekit_positions is None:
+        self.ropekit_positions = paged_attention.StepPositions()
+    paged_attention.paged_banded_attention(
+        query[:n], key_cache, value_cache, attn_metadata.block_table, plan, encoding,
+        self.ropekit_layer, self.scale, output[:n], positions=self.ropekit_positions,
+    )  # fmt: skip
+    return output
+
+
+def _banded_impl(impl: Any, encoding: nn.Module, layer: int, positions: Any) -> None:
+    """Turn vLLM's CPU attention backend object ``impl`` of one layer into ropekit's banded
+    attention over the same KV cache (module docstring), in place: its class becomes a
+    subclass of its own (so vLLM's checks of the backend still hold) whose
+    ``do_kv_cache_update`` and ``forward`` are ropekit's. ``positions``: the
+    ``StepPositions`` every layer shares (None: made on first use)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    if not isinstance(impl, CPUAttentionBackendImpl):
+        raise ValueError(
+            f"the ropekit plugin computes {encoding.spec!r} over vLLM's CPU attention backend "
+            f"(CPUAttentionBackendImpl); this vLLM chose {type(impl).__name__}"
+        )
+    if impl.kv_cache_dtype != "auto" or impl.sliding_window != -1 or impl.sinks is not None:
+        raise ValueError(
+            f"the ropekit plugin serves {encoding.spec!r} with an unquantized KV cache, no "
+            f"sliding window and no attention sinks (kv_cache_dtype={impl.kv_cache_dtype!r}, "
+            f"sliding_window={impl.sliding_window}); use --kv-cache-dtype auto"
+        )
+    cls = type(impl)
+    if cls not in _BANDED_CLASSES:
+        _BANDED_CLASSES[cls] = type(
+            f"RopekitBanded{cls.__name__}",
+            (cls,),
+            {"do_kv_cache_update": _do_kv_cache_update, "forward": _forward},
+        )
+    impl.__class__ = _BANDED_CLASSES[cls]
+    impl.ropekit_encoding, impl.ropekit_layer = encoding, layer
+    impl.ropekit_positions = positions
+
+
 def _model_class() -> type:
     from vllm.distributed import get_tensor_model_parallel_world_size
     from vllm.model_executor.models.llama import LlamaForCausalLM
@@ -123,9 +224,18 @@ def _model_class() -> type:
             config = vllm_config.model_config.hf_config
             encoding = load_adapter_encoding(vllm_config.model_config.model, config)
             self.ropekit_encoding = encoding  # registered once, so .to(device) moves it
+            positions = None
+            if encoding.remaps_distance:
+                from ropekit.serve.paged_attention import StepPositions
+
+                positions = StepPositions()  # one step's position tensors, for every layer
             for index in range(self.model.start_layer, self.model.end_layer):
                 attn = self.model.layers[index].self_attn
-                attn.rotary_emb = RopekitRotary(encoding, index, attn.head_dim)
+                if encoding.remaps_distance:
+                    attn.rotary_emb = Unrotated()
+                    _banded_impl(attn.attn.impl, encoding, index, positions)
+                else:
+                    attn.rotary_emb = RopekitRotary(encoding, index, attn.head_dim)
 
         def load_weights(self, weights: Any) -> set[str]:
             # The encoding's parameters come from the adapter, not from the checkpoint.

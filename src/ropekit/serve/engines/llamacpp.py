@@ -54,7 +54,7 @@ class LlamaCpp(Engine):
         else:
             view = llamacpp_from_config(folder.hf_config, length, folder.target)
         recipe = (folder.record or {}).get("serve_with")
-        if recipe is not None and view.error is None:
+        if recipe is not None and recipe["engine"] == self.name and view.error is None:
             note = (
                 f"Self-Extend (group {recipe['group']}, window {recipe['window']}) only through "
                 f"{recipe['recipe']} (the export record says how and why)"
@@ -152,20 +152,22 @@ def llamacpp_recipe(encoding: Any, format: str) -> dict[str, Any]:
         raise ExportRefused(
             f"{encoding.spec!r} remaps query-key distances in attention; no serving engine's "
             "rope config can express it (transformers, vLLM and llama.cpp rotate q and k "
-            "once), and only Self-Extend has an engine route (llama.cpp's group attention)"
+            "once), and only Self-Extend has a llama.cpp route (its group attention): export "
+            "--format vllm, which vLLM serves with ropekit's plugin"
         )
     if c.mode != "llama.cpp":
         raise ExportRefused(
             f"{encoding.spec!r} is the paper's Self-Extend (a sliding neighbour window); "
             "llama.cpp's group attention groups whole blocks of W tokens: export "
             "self-extend:mode=llama.cpp with the same group and window, which llama.cpp serves "
-            f"through {RECIPE}"
+            f"through {RECIPE}, or export --format vllm (vLLM with ropekit's plugin)"
         )
     if format != "gguf":
         raise ExportRefused(
             f"{encoding.spec!r} remaps query-key distances; transformers and vLLM rotate q and "
             f"k once and cannot serve it: export --format gguf, which llama.cpp serves through "
-            f"{RECIPE} (llama-cpp-python and numpy only)"
+            f"{RECIPE} (llama-cpp-python and numpy only), or --format vllm (vLLM with "
+            "ropekit's plugin)"
         )
     _, af = encoding.inner.inv_freq()
     if abs(float(af) - 1.0) > 1e-12:

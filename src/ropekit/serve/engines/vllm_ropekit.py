@@ -7,18 +7,74 @@ AdaScale's per-head query temperature, within vLLM's noise floor (measured by
 Without the plugin, every engine reads the folder's ``rope_parameters``, which hold the
 nearest shared schedule (``ropekit.serve.nearest``): an approximation of the adapter.
 
-Holds: VllmRopekit, is_plugin_folder.
+Distance remaps (ReRoPE, Leaky ReRoPE, Self-Extend, DCA, STRING) are served by the plugin's
+banded attention over vLLM's paged KV cache (unrotated keys, no extra cache memory): the
+export's ``rope_parameters`` hold the base schedule (what engines without the plugin compute:
+no remap) and its record names the plugin (``serve_with``, ``plugin_recipe``). Such a folder
+accepts ``max_length`` tokens, or the remap's reach (``remap_reach``) where its largest
+distance seen is bounded by L0.
+
+Holds: VllmRopekit, is_plugin_folder, plugin_recipe, remap_reach.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+import math
+from typing import Any, ClassVar
 
 from .base import Engine, EngineRoPE, ServedFolder
 from .vllm import Vllm
 
 _SOURCE = "ropekit.serve.vllm_plugin: RopekitRotary"
+_BANDED_SOURCE = "ropekit.serve.vllm_plugin: _banded_impl (ropekit.serve.paged_attention)"
+PLUGIN = "ropekit.serve.vllm_plugin"
+
+
+def remap_reach(encoding: Any, original_length: int) -> int | None:
+    """The longest prompt whose every remapped distance stays below L0, for the remaps whose
+    largest distance grows with the length: Self-Extend (paper: floor(i / G) + W - floor(W / G)
+    < L0; llama.cpp's blocks: ``self_extend_reach``) and Leaky ReRoPE (w + (d - w) / k < L0).
+    None where the largest distance is bounded at any length (ReRoPE's clip, DCA's chunks) or
+    is a fraction of it (STRING): the export then needs the length it is served at."""
+    from .llamacpp import self_extend_reach
+
+    c, l0 = encoding.config, int(original_length)
+    if c.name == "self-extend":
+        if c.mode == "llama.cpp":
+            return self_extend_reach(c.group, c.window, l0)
+        if c.window >= l0:
+            return l0
+        return c.group * (l0 - c.window + c.window // c.group)
+    if c.name == "rerope" and c.leaky is not None and c.window < l0:
+        return math.floor(c.window + c.leaky * (l0 - 1 - c.window)) + 1
+    return None
+
+
+def plugin_recipe(encoding: Any) -> dict[str, Any]:
+    """How vLLM serves a distance remap through the plugin: the record ``export --format
+    vllm`` writes (``serve_with``)."""
+    return {
+        "engine": "vllm+ropekit",
+        "recipe": PLUGIN,
+        "command": (
+            "vllm serve FOLDER --dtype float32 with ropekit installed in vLLM's environment "
+            "(pip install --no-deps ropekit: its vllm.general_plugins entry point registers "
+            "the model)"
+        ),
+    }
+
+
+def plugin_notes(recipe: dict[str, Any], spec: str) -> list[str]:
+    """What the export record and ``inspect`` say about a remap served by the plugin."""
+    return [
+        f"{spec} is computed by {recipe['recipe']} in vLLM (CPU backend): banded attention over "
+        "vLLM's paged KV cache, which holds unrotated keys in the slots of rotated ones (no "
+        "extra cache memory; each band's keys are rotated at every step); chunked prefill, "
+        "prefix caching and decoding stay exact (make test-serving)",
+        "without the plugin, transformers, stock vLLM and llama.cpp compute rope_parameters, "
+        "the base schedule without the remap: far from the remap beyond L0",
+    ]
 
 
 def is_plugin_folder(folder: ServedFolder) -> bool:
@@ -42,6 +98,15 @@ class VllmRopekit(Engine):
         from ropekit.serve.nearest import head_frequencies
         from ropekit.serve.vllm_plugin import ADAPTER_DIR, load_adapter_encoding
 
+        stock = Vllm().rope(folder, length)  # vLLM's accepted length holds with the plugin
+        assert stock is not None
+        recipe = (folder.record or {}).get("serve_with")
+        if recipe is not None and recipe["engine"] == self.name:
+            # A remap: the base schedule's frequencies, the bands in attention.
+            note = f"{folder.record['spec']}: banded attention over the paged KV cache"
+            return dataclasses.replace(
+                stock, engine=self.name, source=_BANDED_SOURCE, notes=(note, *stock.notes)
+            )
         encoding = folder.encoding
         if encoding is None:
             encoding = load_adapter_encoding(folder.path, folder.hf_config)
@@ -52,8 +117,6 @@ class VllmRopekit(Engine):
         ]
         if encoding.head_rows("scale") is not None:
             notes.append("AdaScale: each head's query temperature at each token's position")
-        stock = Vllm().rope(folder, length)  # vLLM's accepted length holds with the plugin
-        assert stock is not None
         return dataclasses.replace(
             stock, engine=self.name, source=_SOURCE, inv_freq=theta[0, 0],
             attention_factor=factors[0], notes=(*notes, *stock.notes), per_head=theta,

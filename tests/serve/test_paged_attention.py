@@ -1,0 +1,129 @@
+"""A remap's attention over a paged KV cache (ropekit.serve.paged_attention, what the vLLM
+plugin runs), checked without vLLM: requests whose tokens sit in shuffled cache blocks, fed as
+vLLM feeds them (a prompt in chunks, two requests in one step, single decoded tokens), give what
+``banded_attention`` gives over the same keys held contiguously. The real engine is held to the
+patched model in tests/serve/engines/test_vllm_remaps.py (``make test-serving``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ropekit.encodings import build
+from ropekit.encodings.bands import banded_attention
+from ropekit.serve.paged_attention import (
+    Step,
+    gather_paged,
+    paged_banded_attention,
+    steps,
+    write_paged,
+)
+
+H, K, D, B = 4, 2, 16, 8  # query heads, kv heads, head dim, tokens per cache block
+L0 = 64
+REMAPS = (
+    "rerope:window=16",
+    "rerope:window=16,leaky=4",
+    "self-extend:group=4,window=16",
+    "self-extend:group=4,window=16,mode=llama.cpp",
+    "dca:chunk_size=40,local_size=8,scale=none",
+    "dca:chunk_size=40,local_size=8,scale=chunkllama",  # follows the attended length
+    "string:shift=40,window=8,scale=authors",
+    "string:window=8,shift_of=length,scale=authors",  # follows the attended length
+)
+
+
+def _encoding(spec: str):
+    return build(spec, n_heads=H, n_kv_heads=K, head_dim=D, original_length=L0)
+
+
+def test_steps_place_each_requests_new_tokens_last() -> None:
+    # Request 0 decodes one token after 40 cached; request 1 prefills a chunk of 5 after 10;
+    # rows past num_tokens are padding.
+    plan = steps(torch.tensor([0, 1, 6, 6]), torch.tensor([41, 15, 3]), num_tokens=6)
+    assert plan == [Step(0, 0, 1, 41), Step(1, 1, 6, 15)]
+    assert [s.first_position for s in plan] == [40, 10]
+    with pytest.raises(ValueError, match="new tokens"):
+        steps(torch.tensor([0, 5]), torch.tensor([3]), num_tokens=5)
+
+
+def test_write_then_gather_returns_each_requests_tokens_in_order() -> None:
+    g = torch.Generator().manual_seed(0)
+    n_blocks = 12
+    cache_k = torch.zeros(n_blocks, K, B, D)
+    cache_v = torch.zeros(n_blocks, K, B, D)
+    table = torch.randperm(n_blocks, generator=g).view(2, 6)  # each request's blocks, shuffled
+    lengths = (37, 20)
+    tokens = [torch.randn(n, K, D, generator=g) for n in lengths]
+    for r, (n, x) in enumerate(zip(lengths, tokens, strict=True)):
+        slots = table[r, torch.arange(n) // B] * B + torch.arange(n) % B
+        padded = torch.cat([slots, torch.tensor([-1])])  # a padding row writes nothing
+        write_paged(cache_k, cache_v, torch.cat([x, x[:1]]), -torch.cat([x, x[:1]]), padded)
+    for r, (n, x) in enumerate(zip(lengths, tokens, strict=True)):
+        got = gather_paged(cache_k, table[r], n)  # (1, K, S, D)
+        torch.testing.assert_close(got[0].transpose(0, 1), x, rtol=0, atol=0)
+        torch.testing.assert_close(gather_paged(cache_v, table[r], n)[0].transpose(0, 1), -x)
+    with pytest.raises(ValueError, match="blocks"):
+        gather_paged(cache_k, table[0, :2], 37)
+
+
+def _reference(encoding, q, k, v, first: int, length: int) -> torch.Tensor:
+    """banded_attention of queries at positions [first, length) over contiguous keys [0,
+    length): q (T, H, D), k, v (S, K, D) -> (T, H, D)."""
+    pos = torch.arange(length)[None]
+    out = banded_attention(
+        q.transpose(0, 1)[None], k[:length].transpose(0, 1)[None],
+        v[:length].transpose(0, 1)[None], encoding.bands(pos[:, first:], pos), pos,
+        encoding.rotate_band, causal_offset=length - q.shape[0],
+    )  # fmt: skip
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("spec", REMAPS)
+def test_paged_attention_is_banded_attention_over_the_requests_keys(spec: str) -> None:
+    """Two requests (150 and 97 tokens) in shuffled blocks: prompts in chunks of unequal size,
+    both requests' chunks in one step, then decoded tokens; every step's output equals the
+    banded attention of its queries over the request's keys laid out contiguously. For the
+    remaps that do not follow the attended length that is also one forward over the whole
+    prompt (the positions of chunks and decoded tokens are their true ones)."""
+    encoding = _encoding(spec)
+    g = torch.Generator().manual_seed(1)
+    lengths = (150, 97)
+    q = [torch.randn(n, H, D, generator=g, dtype=torch.float64) for n in lengths]
+    k = [torch.randn(n, K, D, generator=g, dtype=torch.float64) for n in lengths]
+    v = [torch.randn(n, K, D, generator=g, dtype=torch.float64) for n in lengths]
+    n_blocks = 40
+    cache_k = torch.zeros(n_blocks, K, B, D, dtype=torch.float64)
+    cache_v = torch.zeros_like(cache_k)
+    table = torch.randperm(n_blocks, generator=g).view(2, 20)
+    # (request, first, stop) per step: chunked prefill (request 1 joins while 0 is mid-way),
+    # then one decoded token per request per step.
+    schedule = [
+        [(0, 0, 64)],
+        [(0, 64, 130), (1, 0, 41)],
+        [(1, 41, 95), (0, 130, 148)],
+        [(0, 148, 149), (1, 95, 96)],
+        [(1, 96, 97), (0, 149, 150)],
+    ]
+    static = not encoding.dynamic
+    full = [_reference(encoding, q[r], k[r], v[r], 0, n) for r, n in enumerate(lengths)]
+    for step in schedule:
+        rows = torch.cat([q[r][a:b] for r, a, b in step])  # (N, H, D)
+        keys = torch.cat([k[r][a:b] for r, a, b in step])
+        values = torch.cat([v[r][a:b] for r, a, b in step])
+        slots = torch.cat([table[r, torch.arange(a, b) // B] * B + torch.arange(a, b) % B
+                           for r, a, b in step])  # fmt: skip
+        write_paged(cache_k, cache_v, keys, values, slots)
+        starts = torch.tensor([0, *torch.tensor([b - a for _, a, b in step]).cumsum(0).tolist()])
+        # The block table's rows in this step's order, as vLLM's metadata gives them.
+        plan = steps(starts, torch.tensor([b for _, _, b in step]), rows.shape[0])
+        step_table = table[[r for r, _, _ in step]]
+        out = paged_banded_attention(
+            rows, cache_k, cache_v, step_table, plan, encoding, 0, D**-0.5,
+            torch.empty_like(rows),
+        )  # fmt: skip
+        for (r, a, b), s in zip(step, plan, strict=True):
+            want = _reference(encoding, q[r][a:b], k[r], v[r], a, b)
+            torch.testing.assert_close(out[s.start : s.stop], want, rtol=1e-10, atol=1e-10)
+            if static:
+                torch.testing.assert_close(out[s.start : s.stop], full[r][a:b])
