@@ -108,6 +108,7 @@ _SCHEMAS: dict[str, Schema] = {}
 _OWNERS: dict[str, str] = {
     "compare": "ropekit.compare.record",
     "perplexity": "ropekit.evals.perplexity",
+    "search": "ropekit.train.search",
 }
 
 

@@ -9,6 +9,7 @@ import io
 import json
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,9 +18,11 @@ import torch
 from ropekit.backbone import as_backbone, load_adapter, read_adapter
 from ropekit.encodings import schedules
 from ropekit.model import Decoder, DecoderConfig
+from ropekit.results import ResultError, read_record, write_result
 from ropekit.train import TrainConfig
 from ropekit.train.pretrain import pretrain
-from ropekit.train.search import SearchConfig, initial_factors, search
+from ropekit.train.search import VERSION as SEARCH_VERSION
+from ropekit.train.search import SearchConfig, SearchRecord, initial_factors, search
 
 CONTEXT, TARGET = 32, 128
 
@@ -318,6 +321,9 @@ def test_search_logs_its_plan_shows_progress_and_records_its_provenance(base_dir
     err = capsys.readouterr().err
     assert re.search(r"search: 100%\|.*\| 24/24 \[.*(forward/s|s/forward)\]", err), err
     data = json.loads((tmp_path / "s" / "search.json").read_text())
+    record = read_record(tmp_path / "s" / "search.json", SearchRecord)
+    assert (record.spec, record.nll, record.forwards) == (result.spec, result.nll, 24)
+    assert record.config == config and record.adapter == str(tmp_path / "s" / "adapter")
     assert data["meta"]["command"] == " ".join(sys.argv)
     assert set(data["provenance"]) == {"model", "config"}
     assert data["provenance"]["config"] == config.to_dict()
@@ -410,3 +416,25 @@ def test_a_target_under_twice_the_trained_length_is_searched(base_dir, tmp_path)
     config = SearchConfig(48, samples=1, budget=3, population=3, parents=1, chunk=64)
     result = search(Decoder.load(base_dir).eval(), config, tmp_path / "s", progress=False)
     assert result.forwards == 3 and "factor=1.5" in result.spec
+
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = sorted(ROOT.glob("experiments/**/search.json"))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_committed_search_reads_as_a_search_record(path, tmp_path):
+    """Committed at format_version 2 (the untyped layout, the same fields): migrated on
+    reading; written again at this version it reads back equal; a renamed field is refused."""
+    record = read_record(path, SearchRecord)
+    data = json.loads(path.read_text())
+    assert record.config.to_dict() == data["config"] == record.provenance["config"]
+    assert record.spec == data["spec"] and record.baselines == data["baselines"]
+    assert record.nll <= min(record.baselines.values()) and record.trained_at > 0
+    again = write_result(tmp_path / "search.json", "search", record)
+    assert json.loads(again.read_text())["format_version"] == SEARCH_VERSION
+    assert read_record(again, SearchRecord) == record
+    data["fitness"] = data.pop("nll")
+    (tmp_path / "renamed.json").write_text(json.dumps(data))
+    with pytest.raises(ResultError, match=r"search\.fitness is not a field of SearchRecord"):
+        read_record(tmp_path / "renamed.json", SearchRecord)

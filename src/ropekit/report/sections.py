@@ -33,6 +33,7 @@ from .document import Block, Details, Figure, Heading, Table, Text, figure_probl
 
 if TYPE_CHECKING:
     from ropekit.evals.perplexity import PerplexityResult
+    from ropekit.train.search import SearchRecord
 
 # kind -> section title, in the order sections appear.
 KINDS: dict[str, str] = {
@@ -223,16 +224,17 @@ def extend_section(results: Sequence[Result], root: Path) -> list[Block]:
 
 
 def search_section(results: Sequence[Result], root: Path) -> list[Block]:
-    seeds = sorted({name for r in results for name in r.data["baselines"]})
+    records: list[SearchRecord] = [r.data for r in results]
+    seeds = sorted({name for d in records for name in d.baselines})
     rows = [
         [
             r.label,
-            fmt(r.data["config"]["target_length"]),
-            fmt(r.data["forwards"]),
-            fmt(r.data["nll"], 4),
-            *(fmt(r.data["baselines"].get(name), 4) for name in seeds),
+            fmt(d.config.target_length),
+            fmt(d.forwards),
+            fmt(d.nll, 4),
+            *(fmt(d.baselines.get(name), 4) for name in seeds),  # a seed it did not score: -
         ]
-        for r in results
+        for r, d in zip(results, records, strict=True)
     ]
     caption = (
         "Mean NLL (nats/token) on the scoring samples (training split) of the best searched "

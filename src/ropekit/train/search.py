@@ -33,12 +33,14 @@ finished search makes no forward. What LongRoPE also searches and ropekit does n
 of initial *tokens* kept unscaled (n-hat): positions below it would need their own rotation,
 which a frequency schedule cannot express.
 
-Holds: SearchConfig, SearchResult, initial_factors, search.
+Holds: SearchConfig, VERSION, SearchRecord (search.json, the ``search`` kind), SearchResult,
+initial_factors, search.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from pathlib import Path
@@ -55,9 +57,11 @@ from ropekit.encodings import PositionEncoding, schedules
 from ropekit.results import (
     check_replaceable,
     digest,
+    read_record,
     read_records,
-    read_result,
+    register,
     run_metadata,
+    to_json,
     write_records,
     write_result,
 )
@@ -118,8 +122,33 @@ class SearchConfig:
         return out
 
 
+VERSION = 3  # 3: typed (2: the untyped layout, the same fields)
+
+
+@register("search", VERSION, {2: lambda data: data})
+@dataclasses.dataclass(frozen=True)
+class SearchRecord:
+    """search.json: the best candidate, the seeds' fitness and what the search spent."""
+
+    meta: dict[str, Any]  # run_metadata
+    provenance: dict[str, Any]  # model and config: what a rerun must match to reuse it
+    spec: str  # the searched longrope spec (what the adapter holds)
+    nll: float  # its fitness: mean NLL (nats/token) on the scoring samples
+    origin: str  # where the best candidate came from ("yarn", "generation 3 crossover", ...)
+    baselines: dict[str, float]  # the seeds' fitness: pi, ntk, yarn
+    forwards: int  # forwards spent (this run and earlier ones together)
+    candidates: int  # candidates scored
+    factor: float  # target_length / trained_at
+    trained_at: int  # the model's training length (L0)
+    config: SearchConfig
+    elapsed_s: float
+    adapter: str  # the folder the best spec was written to
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
+    """What ``search`` returns."""
+
     out_dir: Path
     spec: str  # the searched longrope spec (what the adapter holds)
     nll: float  # its fitness: mean NLL (nats/token) on the scoring samples
@@ -251,13 +280,12 @@ def _evolve(scorer: _Scorer, config: SearchConfig, seeds: dict, cap: float, bar:
 
 def _finished(backbone: Backbone, out: Path, log: Any) -> SearchResult:
     """A finished search of this model, data and config: its result, its spec attached."""
-    summary = read_result(out / SEARCH_JSON, "search")
-    backbone.set_encoding(summary["spec"])
-    log(f"{out} holds this search, finished: {summary['spec']}")
+    found = read_record(out / SEARCH_JSON, SearchRecord)
+    backbone.set_encoding(found.spec)
+    log(f"{out} holds this search, finished: {found.spec}")
     return SearchResult(
-        out, summary["spec"], summary["nll"], summary["baselines"], summary["forwards"],
-        summary["elapsed_s"],
-    )  # fmt: skip
+        out, found.spec, found.nll, found.baselines, found.forwards, found.elapsed_s
+    )
 
 
 def search(
@@ -311,14 +339,13 @@ def search(
     spec = _spec(best["factors"], factor, trained_at, short=True)
     encoding = backbone.set_encoding(spec)
     write_adapter(encoding, fingerprint, out / "adapter", weights_sample=backbone.weights_sample())
-    summary = {
-        "spec": encoding.spec, "nll": best["nll"], "origin": best["origin"],
-        "baselines": baselines, "forwards": scorer.forwards, "candidates": len(scorer.records),
-        "factor": factor, "trained_at": trained_at, "config": config.to_dict(),
-        "elapsed_s": time.perf_counter() - start, "adapter": str(out / "adapter"),
-    }  # fmt: skip
-    meta = run_metadata(command, spec=encoding.spec, seed=config.seed)
-    write_result(out / SEARCH_JSON, "search", summary, meta=meta, provenance=provenance)
-    return SearchResult(
-        out, encoding.spec, best["nll"], baselines, scorer.forwards, summary["elapsed_s"]
-    )
+    record = SearchRecord(
+        meta=run_metadata(command, spec=encoding.spec, seed=config.seed),
+        provenance=json.loads(to_json(provenance)),  # as the file holds it
+        spec=encoding.spec, nll=best["nll"], origin=best["origin"], baselines=baselines,
+        forwards=scorer.forwards, candidates=len(scorer.records), factor=factor,
+        trained_at=trained_at, config=config, elapsed_s=time.perf_counter() - start,
+        adapter=str(out / "adapter"),
+    )  # fmt: skip
+    write_result(out / SEARCH_JSON, "search", record)
+    return SearchResult(out, record.spec, record.nll, baselines, record.forwards, record.elapsed_s)
