@@ -44,6 +44,7 @@ from ropekit.train.recipe import BaseRecipe
 
 if TYPE_CHECKING:  # imported where used: the demo's commands load what they need
     from ropekit.evals.perplexity import PerplexityResult
+    from ropekit.train.extend import ExtendRecord
 
 METHODS: tuple[str, ...] = ("rope", "linear", "ntk", "yarn", "tuned-yarn", "adarope")
 DEMO_JSON = "demo.json"
@@ -247,7 +248,7 @@ def _evaluate(model: Any, config: DemoConfig, folder: Path, spec: str, command: 
 
 
 def _method_row(
-    name: str, spec: str, folder: Path, out: Path, extend: dict[str, Any] | None
+    name: str, spec: str, folder: Path, out: Path, extend: ExtendRecord | None
 ) -> dict[str, Any]:
     """One method's numbers, read back from the JSON its stages wrote."""
     ppl = _perplexity(folder / "ppl" / "ppl.json")
@@ -255,9 +256,9 @@ def _method_row(
     return {
         "name": name,
         "spec": spec,
-        "trainable": 0 if extend is None else extend["trainable"]["total"],
-        "extend_s": None if extend is None else extend["elapsed_s"],
-        "final_loss": None if extend is None else extend["final_loss"],
+        "trainable": 0 if extend is None else extend.trainable.total,
+        "extend_s": None if extend is None else extend.elapsed_s,
+        "final_loss": None if extend is None else extend.final_loss,
         "bpb": {str(r.length): r.bits_per_byte for r in ppl.results},
         "tasks": {
             t: {str(s["length"]): s["score"] for s in entry["scores"]}
@@ -359,7 +360,8 @@ def _extend_all(
     returns the method rows and the AdaRoPE model (analysed next)."""
     from ropekit.backbone import as_backbone
     from ropekit.model import load_decoder
-    from ropekit.train.extend import ExtendConfig, extend
+    from ropekit.results import read_record
+    from ropekit.train.extend import ExtendConfig, ExtendRecord, extend
 
     rows, adarope_model = [], None
     for i, name in enumerate(METHODS, 1):
@@ -379,7 +381,7 @@ def _extend_all(
             result = extend(
                 model, extension, folder, command=command, log=lambda line: log(f"      {line}")
             )
-            record = _read_json(result.summary)
+            record = read_record(result.summary, ExtendRecord)
         spec = as_backbone(model).encoding.spec
         log(f"  ({i}/{len(METHODS)}) {name}: evaluating `{spec}`")
         _evaluate(model.eval(), config, folder, spec, command)

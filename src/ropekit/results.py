@@ -107,6 +107,7 @@ _SCHEMAS: dict[str, Schema] = {}
 # results.py itself imports nothing above it.
 _OWNERS: dict[str, str] = {
     "compare": "ropekit.compare.record",
+    "extend": "ropekit.train.extend",
     "perplexity": "ropekit.evals.perplexity",
     "search": "ropekit.train.search",
 }

@@ -5,8 +5,10 @@ of the tokens, adapters and recipes round-trip."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +17,15 @@ from ropekit.backbone import as_backbone, load_adapter
 from ropekit.data import heldout_stream
 from ropekit.encodings import Spec
 from ropekit.model import Decoder, DecoderConfig
+from ropekit.results import ResultError, read_record
 from ropekit.train import TrainConfig
-from ropekit.train.extend import ExtendConfig, extend, resolve_method, run_extension
+from ropekit.train.extend import (
+    ExtendConfig,
+    ExtendRecord,
+    extend,
+    resolve_method,
+    run_extension,
+)
 from ropekit.train.pretrain import pretrain
 
 CONTEXT, TARGET = 32, 128
@@ -242,3 +251,31 @@ def test_extend_resume_continues_an_interrupted_run_and_returns_a_finished_one(b
     x = torch.randint(0, 256, (1, TARGET))
     with torch.no_grad():
         assert torch.equal(resumed(x).logits, whole(x).logits)  # its adapter was loaded
+    # extend.json is a typed record; one written by the untyped writer (format_version 2, as
+    # experiment E's runs are) is returned the same; a renamed field is refused, not reused.
+    path = tmp_path / "whole" / "extend.json"
+    record = read_record(path, ExtendRecord)
+    assert (record.spec, record.final_loss, dataclasses.asdict(record.trainable)) == (
+        again.spec, again.final_loss, again.trainable
+    )  # fmt: skip
+    assert record.extend_config == config and record.trainable.total > 0
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "format_version": 2}))
+    assert extend(_base(base_dir), config, tmp_path / "whole", resume=True) == again
+    data["trainable"]["all"] = data["trainable"].pop("total")
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultError, match=r"extend\.trainable\.all is not a field of Trainable"):
+        extend(_base(base_dir), config, tmp_path / "whole", resume=True)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = sorted(ROOT.glob("experiments/**/extend.json"))
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_committed_extension_reads_as_an_extend_record(path):
+    record = read_record(path, ExtendRecord)
+    data = json.loads(path.read_text())
+    assert record.extend_config.to_dict() == data["config"] == record.provenance["config"]
+    assert record.trainable.total == record.trainable.positional + record.trainable.lora
+    assert (record.spec, record.final_loss) == (data["spec"], data["final_loss"])

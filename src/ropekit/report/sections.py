@@ -33,6 +33,7 @@ from .document import Block, Details, Figure, Heading, Table, Text, figure_probl
 
 if TYPE_CHECKING:
     from ropekit.evals.perplexity import PerplexityResult
+    from ropekit.train.extend import ExtendRecord
     from ropekit.train.search import SearchRecord
 
 # kind -> section title, in the order sections appear.
@@ -204,18 +205,19 @@ def pretrain_section(results: Sequence[Result], root: Path) -> list[Block]:
 def extend_section(results: Sequence[Result], root: Path) -> list[Block]:
     rows = []
     for r in results:
-        d, c = r.data, r.data["config"]
+        d: ExtendRecord = r.data
+        c = d.extend_config
         rows.append(
             [
                 r.label,
-                f"`{d['spec']}`",
-                fmt(d["trained_at"]),
-                fmt(c["target_length"]),
-                str(c["mode"]),
-                fmt(c["samples"]),
-                fmt(d["trainable"]["total"]),
-                fmt(d["final_loss"], 4),
-                _seconds(d["elapsed_s"]),
+                f"`{d.spec}`",
+                fmt(d.trained_at),
+                fmt(c.target_length),
+                str(c.mode),
+                fmt(c.samples),
+                fmt(d.trainable.total),
+                fmt(d.final_loss, 4),
+                _seconds(d.elapsed_s),
             ]
         )
     headers = ["run", "encoding", "trained at", "target", "mode", "samples", "trained params"]

@@ -43,13 +43,15 @@ Cheap long positions (for targets where a full-length backward is too slow or to
   layer, for about one extra forward per step. Use it when activations, not weights, exceed
   memory (long targets on a GPU, or a CPU that would swap); it changes no number.
 
-Holds: ExtendConfig, ExtendResult, MODES, RECIPES, select_trainable, trainable_summary,
+Holds: ExtendConfig, VERSION, Trainable, ExtendRecord (extend.json, the ``extend`` kind),
+ExtendResult, MODES, RECIPES, select_trainable, trainable_summary,
 extend, run_extension.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from pathlib import Path
@@ -69,7 +71,14 @@ from ropekit.backbone import (
 from ropekit.data import PoseDataset, RetrievalConfig, make_train_dataset
 from ropekit.distributed import processes
 from ropekit.encodings import PositionEncoding, Spec
-from ropekit.results import check_replaceable, read_result, run_metadata, write_result
+from ropekit.results import (
+    check_replaceable,
+    read_record,
+    register,
+    run_metadata,
+    to_json,
+    write_result,
+)
 
 from .config import TrainConfig
 from .loop import train
@@ -167,6 +176,43 @@ class ExtendConfig:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["method"] = str(self.method)
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in out.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainable:
+    """Parameter counts a run trained (``select_trainable``)."""
+
+    positional: int
+    lora: int
+    total: int
+
+
+VERSION = 3  # 3: typed (2: the untyped layout, the same fields)
+
+
+@register("extend", VERSION, {2: lambda data: data})
+@dataclasses.dataclass(frozen=True)
+class ExtendRecord:
+    """extend.json: one finished extension stage (``extend`` writes it last)."""
+
+    meta: dict[str, Any]  # run_metadata
+    provenance: dict[str, Any]  # model and config: what a resumed run must match
+    method: str  # the spec asked for (ExtendConfig.method)
+    spec: str  # the extended model's encoding, as built (the adapter holds it)
+    config: dict[str, Any]  # ExtendConfig.to_dict(); ``extend_config`` rebuilds it
+    trained_at: int  # the model's training length (L0)
+    trainable: Trainable
+    final_loss: float | None  # the last step's loss; None: nothing was trained
+    tokens: int  # input tokens trained on (PoSE: window tokens per sample)
+    pose_window: int | None  # PoSE's window; None without PoSE
+    elapsed_s: float
+    adapter: str  # the adapter folder
+    fingerprint: dict[str, Any]  # the base model's (Backbone.fingerprint)
+    num_processes: int
+
+    @property
+    def extend_config(self) -> ExtendConfig:
+        return ExtendConfig(**self.config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,13 +452,15 @@ def extend(
         train_provenance = {**provenance, "data": samples_identity(samples)}
         final_loss, tokens = _train(backbone, samples, config, train_config, train_provenance)
     select_trainable(backbone, "none")  # leave the model frozen, as evaluation expects
-    summary = {
-        "method": str(config.method), "spec": encoding.spec, "config": config.to_dict(),
-        "trained_at": trained_at, "trainable": counts, "final_loss": final_loss,
-        "tokens": tokens, "pose_window": pose_window,
-        "elapsed_s": time.perf_counter() - start, "adapter": str(out_dir / "adapter"),
-        "fingerprint": fingerprint, "num_processes": procs.world,
-    }  # fmt: skip
+    record = ExtendRecord(
+        meta=run_metadata(command, spec=encoding.spec, seed=config.seed),
+        provenance=json.loads(to_json(provenance)),  # as the file holds it
+        method=str(config.method), spec=encoding.spec, config=config.to_dict(),
+        trained_at=trained_at, trainable=Trainable(**counts), final_loss=final_loss,
+        tokens=tokens, pose_window=pose_window, elapsed_s=time.perf_counter() - start,
+        adapter=str(out_dir / "adapter"), fingerprint=json.loads(to_json(fingerprint)),
+        num_processes=procs.world,
+    )  # fmt: skip
     # Data-parallel training left the same parameters in every process (sharded training
     # gathered them back into it, whole): the main one writes them, and every process returns
     # only once it has, so the files are then safe to read.
@@ -420,12 +468,11 @@ def extend(
         write_adapter(encoding, fingerprint, out_dir / "adapter", weights_sample=sample)
         targets = lora_targets or config.lora_targets or backbone.lora_targets
         save_lora(backbone, out_dir, config.lora_rank, config.lora_alpha, tuple(targets))
-        meta = run_metadata(command, spec=encoding.spec, seed=config.seed)
-        write_result(out_dir / EXTEND_JSON, "extend", summary, meta=meta, provenance=provenance)
+        write_result(out_dir / EXTEND_JSON, "extend", record)
     procs.barrier()
     return ExtendResult(
-        out_dir, encoding.spec, counts, final_loss, summary["elapsed_s"],
-        out_dir / EXTEND_JSON, tokens,
+        out_dir, encoding.spec, counts, final_loss, record.elapsed_s, out_dir / EXTEND_JSON,
+        tokens,
     )  # fmt: skip
 
 
@@ -445,12 +492,12 @@ def samples_identity(samples: Dataset) -> dict[str, Any]:
 
 def _finished(backbone: Backbone, out_dir: Path, config: ExtendConfig, log: Any) -> ExtendResult:
     """A finished run found by ``resume``: its adapter loaded, its summary returned."""
-    summary = read_result(out_dir / EXTEND_JSON, "extend")
+    found = read_record(out_dir / EXTEND_JSON, ExtendRecord)
     load_adapter(backbone, out_dir)
     log(f"{out_dir} holds this extension, finished: loaded its adapter")
     return ExtendResult(
-        out_dir, summary["spec"], summary["trainable"], summary["final_loss"],
-        summary["elapsed_s"], out_dir / EXTEND_JSON, summary["tokens"],
+        out_dir, found.spec, dataclasses.asdict(found.trainable), found.final_loss,
+        found.elapsed_s, out_dir / EXTEND_JSON, found.tokens,
     )  # fmt: skip
 
 
