@@ -349,19 +349,18 @@ def cmd_eval_probes(args: argparse.Namespace) -> int:
         command=_command(),
         overwrite=args.overwrite,
     )
-    for e in result["by_length"]:
+    for e in result.by_length:
         print(
-            f"length {e['length']:>7}: accuracy {e['accuracy']:.2f} "
-            f"[{e['low']:.2f}, {e['high']:.2f}] ({e['correct']}/{e['n']} probes, "
-            f"{e['haystacks']} prefills)"
+            f"length {e.length:>7}: accuracy {e.accuracy:.2f} "
+            f"[{e.low:.2f}, {e.high:.2f}] ({e.correct}/{e.n} probes, {e.haystacks} prefills)"
             + (
-                f"; {e['other_needle']} of {e['n'] - e['correct']} wrong answers name another "
-                f"needle's value ({e['nearest_needle']} the needle nearest the question)"
-                if config.needles > 1 and e["correct"] < e["n"]
+                f"; {e.other_needle} of {e.n - e.correct} wrong answers name another "
+                f"needle's value ({e.nearest_needle} the needle nearest the question)"
+                if config.needles > 1 and e.correct < e.n
                 else ""
             )
         )
-    paths = result["paths"]
+    paths = result.paths
     print(f"wrote {paths['summary']}, {paths['accuracy_vs_length']} and {paths['heatmap']}")
     return 0
 

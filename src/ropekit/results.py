@@ -109,6 +109,7 @@ _OWNERS: dict[str, str] = {
     "compare": "ropekit.compare.record",
     "extend": "ropekit.train.extend",
     "perplexity": "ropekit.evals.perplexity",
+    "probes": "ropekit.evals.probes",
     "search": "ropekit.train.search",
 }
 

@@ -20,7 +20,9 @@ from ropekit.evals import as_language_model
 from ropekit.evals.adapters import newline_ids
 from ropekit.evals.intervals import wilson_interval
 from ropekit.evals.probes import (
+    VERSION,
     ProbeConfig,
+    ProbesResult,
     answer_probes,
     answer_separately,
     build_haystack,
@@ -33,7 +35,7 @@ from ropekit.evals.probes import (
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.tasks import TaskDoesNotFit
 from ropekit.hf import patch
-from ropekit.results import ProvenanceMismatch, read_records
+from ropekit.results import ProvenanceMismatch, ResultError, encode, read_record, read_records
 
 from ..hf.tiny import tiny_model as sharp_llama
 from ..model.tiny import tiny_model as sharp_decoder
@@ -210,33 +212,33 @@ def test_run_writes_records_and_wilson_summaries_and_tells_retrievers_apart(tmp_
             model, CONFIG, tmp_path / name, tokenizer=byte_tok, spec="x", **OPTIONS
         )
     copy, short = results["copy"], results["short"]
-    assert copy["overall"]["accuracy"] == 1.0 and copy["overall"]["n"] == 24
-    assert short["overall"]["accuracy"] == 0.0
-    assert copy["probes_per_length"] == 12 and copy["prefills_per_length"] == 3
-    for entry in copy["by_length"]:
-        assert entry["n"] == 12 and entry["haystacks"] == 3
-        assert entry["other_needle"] == entry["nearest_needle"] == 0  # no wrong answer
-        assert (entry["low"], entry["high"]) == wilson_interval(entry["correct"], 12)
-    assert [d["depth"] for d in copy["by_depth"]] == pytest.approx([0, 1 / 3, 2 / 3, 1])
-    assert all(d["n"] == 6 for d in copy["by_depth"])
-    assert len(copy["cells"]) == 8 and all(c["n"] == 3 for c in copy["cells"])
-    cell = short["cells"][0]
-    assert (cell["low"], cell["high"]) == wilson_interval(0, 3) and cell["high"] > 0.5
+    assert copy.overall.accuracy == 1.0 and copy.overall.n == 24
+    assert short.overall.accuracy == 0.0
+    assert copy.probes_per_length == 12 and copy.prefills_per_length == 3
+    for entry in copy.by_length:
+        assert entry.n == 12 and entry.haystacks == 3
+        assert entry.other_needle == entry.nearest_needle == 0  # no wrong answer
+        assert (entry.low, entry.high) == wilson_interval(entry.correct, 12)
+    assert [d.depth for d in copy.by_depth] == pytest.approx([0, 1 / 3, 2 / 3, 1])
+    assert all(d.n == 6 for d in copy.by_depth)
+    assert len(copy.cells) == 8 and all(c.n == 3 for c in copy.cells)
+    cell = short.cells[0]
+    assert (cell.low, cell.high) == wilson_interval(0, 3) and cell.high > 0.5
 
     out = tmp_path / "copy"
     saved = json.loads((out / "summary.json").read_text())
-    assert saved["kind"] == "probes" and saved["overall"] == copy["overall"]
+    assert saved["kind"] == "probes" and saved["overall"] == encode(copy.overall)
     assert (out / "accuracy_vs_length.png").is_file() and (out / "heatmap.png").is_file()
-    for entry in copy["by_length"]:
-        stage = out / str(entry["length"])
+    for entry in copy.by_length:
+        stage = out / str(entry.length)
         records = read_records(stage / "probes.jsonl")
         assert len(records) == 12
-        assert {r["stage"] for r in records} == {entry["stage"]}
+        assert {r["stage"] for r in records} == {entry.stage}
         assert all(r["correct"] and r["contains"] for r in records)
-        assert all(r["prompt_tokens"] < entry["length"] for r in records)
+        assert all(r["prompt_tokens"] < entry.length for r in records)
         stage_summary = json.loads((stage / "summary.json").read_text())
         assert stage_summary["kind"] == "probe-stage" and stage_summary["complete"]
-        assert stage_summary["provenance"]["probes"]["length"] == entry["length"]
+        assert stage_summary["provenance"]["probes"]["length"] == entry.length
 
 
 def test_wrong_answers_naming_another_needle_are_counted_per_haystack_and_length():
@@ -272,7 +274,7 @@ def test_a_finished_run_makes_no_model_call_and_a_partial_one_prefills_only_what
     counter = RunCounter(lm)
     again = run_probes(lm, CONFIG, tmp_path, **OPTIONS)
     assert counter.tokens == 0
-    assert again["by_length"] == first["by_length"]
+    assert again.by_length == first.by_length
 
     # A run killed during haystack 2 of length 512: its probes were never written.
     path = tmp_path / "768" / "probes.jsonl"
@@ -287,7 +289,7 @@ def test_a_finished_run_makes_no_model_call_and_a_partial_one_prefills_only_what
 
     assert answers(read_records(path)) == answers(records)
     assert read_records(path)[:8] == records[:8]  # the kept records are kept as they were
-    assert resumed["by_length"] == first["by_length"]
+    assert resumed.by_length == first.by_length
 
 
 def test_other_settings_in_the_same_folder_are_refused_unless_overwritten(tmp_path, byte_tok):
@@ -298,9 +300,9 @@ def test_other_settings_in_the_same_folder_are_refused_unless_overwritten(tmp_pa
     with pytest.raises(ProvenanceMismatch, match=r"probes\.seed is 0 there, 5 now"):
         run_probes(lm, other, tmp_path, **OPTIONS)
     summary = run_probes(lm, other, tmp_path, overwrite=True, **OPTIONS)
-    assert summary["seed"] == 5
+    assert summary.seed == 5
     records = read_records(tmp_path / "300" / "probes.jsonl")
-    assert {r["stage"] for r in records} == {summary["by_length"][0]["stage"]}
+    assert {r["stage"] for r in records} == {summary.by_length[0].stage}
     with pytest.raises(ProvenanceMismatch, match="model"):
         run_probes(as_language_model(SuffixCopyLM(sharpness=4.0), byte_tok), other, tmp_path)
 
@@ -309,7 +311,7 @@ def test_hugging_face_model_end_to_end(tmp_path, byte_tok):
     summary = run_probes(
         tiny_llama(), ProbeConfig((300,), needles=2, haystacks=1), tmp_path, tokenizer=byte_tok
     )
-    assert summary["overall"]["n"] == 2 and summary["model"]["backbone"] == "hf"
+    assert summary.overall.n == 2 and summary.model["backbone"] == "hf"
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -385,7 +387,7 @@ def test_probes_speak_only_the_language_model_protocol(tmp_path, byte_tok):
     config = ProbeConfig((256,), needles=2, haystacks=1)
     plain = run_probes(Delegating(), config, tmp_path / "plain")
     ours = run_probes(inner, config, tmp_path / "ours")
-    assert plain["by_length"] == ours["by_length"]
+    assert plain.by_length == ours.by_length
     hay = build_haystack(probe_task(config.task), PromptFormat(byte_tok), config, 256, 0)
     assert answer_probes(Delegating(), hay, ()) == answer_separately(inner, hay, ())
 
@@ -405,8 +407,8 @@ def test_trained_retriever_answers_probes_as_full_prompts(trained_retriever, tmp
         _same_answers(lm, build_haystack(probe_task(two.task), fmt, two, 128, h), stop)
     one = ProbeConfig((128,), needles=1, haystacks=20, task="kv1_shakespeare")
     summary = run_probes(lm, one, tmp_path, **OPTIONS)
-    assert summary["overall"]["n"] == 20
-    assert summary["overall"]["accuracy"] >= 0.5, summary["overall"]
+    assert summary.overall.n == 20
+    assert summary.overall.accuracy >= 0.5, summary.overall
 
 
 @pytest.mark.parametrize(
@@ -438,3 +440,28 @@ def test_a_length_refused_leaves_the_other_lengths_folders_as_they_were(tmp_path
     with pytest.raises(TaskDoesNotFit):
         run_probes(SuffixCopyLM(), ProbeConfig((150, 512), needles=3), tmp_path, tokenizer=byte_tok)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_summary_is_a_typed_record_and_an_untyped_one_is_migrated(tmp_path, byte_tok):
+    """summary.json reads back as the ProbesResult run_probes returned; one written by the
+    untyped writer (format_version 2, as a running comparison's probes are) reads the same,
+    its distractor counts None where they were not counted yet; a renamed field is refused,
+    and the folder is then not reused."""
+    config = ProbeConfig((300,), needles=2, haystacks=1)
+    summary = run_probes(SuffixCopyLM(), config, tmp_path, tokenizer=byte_tok, **OPTIONS)
+    path = tmp_path / "summary.json"
+    assert read_record(path, ProbesResult) == summary and summary.task.name == config.task
+    data = json.loads(path.read_text())
+    assert data["format_version"] == VERSION
+    for entry in data["by_length"]:
+        del entry["other_needle"], entry["nearest_needle"]
+    path.write_text(json.dumps({**data, "format_version": 2}))
+    old = read_record(path, ProbesResult)
+    assert old.by_length[0].other_needle is None
+    assert dataclasses.replace(old, by_length=summary.by_length) == summary
+    data["by_length"][0]["prefills"] = data["by_length"][0].pop("haystacks")
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultError, match=r"probes\.by_length\[0\]\.prefills is not a field"):
+        read_record(path, ProbesResult)
+    with pytest.raises(ResultError, match=r"by_length\[0\]\.prefills is not a field"):
+        run_probes(SuffixCopyLM(), config, tmp_path, tokenizer=byte_tok, **OPTIONS)

@@ -63,7 +63,7 @@ from ropekit.evals import (
     run_probes,
 )
 from ropekit.evals.perplexity import LengthScore
-from ropekit.evals.probes import build_haystack, check_probe_sizes, probe_task
+from ropekit.evals.probes import ProbesResult, build_haystack, check_probe_sizes, probe_task
 from ropekit.results import (
     ResultError,
     check_replaceable,
@@ -85,6 +85,7 @@ from .record import (
     LrSearch,
     Method,
     ProbeSettings,
+    Retrieval,
     SeedAccuracy,
     Skipped,
     Stat,
@@ -351,7 +352,7 @@ class _Comparison:
             results[seed] = self.evaluate(method, seed, backbone)
         return results, search
 
-    def retrieval(self, method: Method, lr: float) -> dict[int, dict[str, Any]]:
+    def retrieval(self, method: Method, lr: float) -> dict[int, ProbesResult]:
         """Probe summaries of ``method`` at every seed it was scored at: {seed: summary}.
         Each run probes into its own folder with the probes module's provenance, so a rerun
         reuses its answers and other probe settings or another model there are refused."""
@@ -362,7 +363,7 @@ class _Comparison:
             backbone = self.extension(method, seed, lr, self.run_folder(method, seed, lr))
             folder = self.out / "eval" / _slug(method.label) / f"s{seed}" / "probes"
 
-            def probe(backbone: Backbone = backbone, folder: Path = folder) -> dict[str, Any]:
+            def probe(backbone: Backbone = backbone, folder: Path = folder) -> ProbesResult:
                 return run_probes(
                     backbone, config, folder, spec=method.spec, command=self.command,
                     progress=self.progress,
@@ -580,22 +581,22 @@ def _stretch(stream: TokenStream, start: int, n_tokens: int) -> tuple[Stretch, .
     return tuple(out)
 
 
-def _retrieval(probes: dict[str, dict[int, dict[str, Any]]]) -> dict[str, dict[int, Any]]:
+def _retrieval(probes: dict[str, dict[int, ProbesResult]]) -> dict[str, dict[int, Retrieval]]:
     """label -> length -> accuracy pooled over the seeds' probes (correct and n summed, one
     Wilson interval), with each seed's own entry beside it."""
     out = {}
     for label, by_seed in probes.items():
         by_length: dict[int, list[SeedAccuracy]] = {}
         for seed in sorted(by_seed):
-            for entry in by_seed[seed]["by_length"]:
+            for e in by_seed[seed].by_length:
                 # wrong answers naming another needle's value (evals.probes.distractor_answers)
-                # are absent from summaries written before they were counted
-                counts = {k: entry.get(k) for k in ("other_needle", "nearest_needle")}
-                fields = {k: entry[k] for k in ("length", "correct", "n", "accuracy", "low",
-                                                "high", "confidence")}  # fmt: skip
-                by_length.setdefault(entry["length"], []).append(
-                    SeedAccuracy(**fields, **counts, seed=seed)
-                )
+                # are None in summaries written before they were counted
+                by_length.setdefault(e.length, []).append(
+                    SeedAccuracy(
+                        e.length, e.correct, e.n, e.accuracy, e.low, e.high, e.confidence,
+                        e.other_needle, e.nearest_needle, seed,
+                    )
+                )  # fmt: skip
         out[label] = {n: pooled_retrieval(es) for n, es in sorted(by_length.items())}
     return out
 

@@ -10,8 +10,9 @@ Modules:
   return (`PerplexityResult`, ppl.json's record; `PerplexityRun`),
   `check_single_documents` / `DocumentsTooShort` (do single-document spans fit?).
 - `runner`: `run_needle`, `run_passkey`, `run_ruler`, `run_tasks`: staged, resumable.
-- `probes`: `ProbeConfig`, `run_probes` (`ropekit eval probes`): many retrieval probes per
-  long prefill, the KV cache cropped back to the haystack for each question.
+- `probes`: `ProbeConfig`, `run_probes` (`ropekit eval probes`; returns a `ProbesResult`):
+  many retrieval probes per long prefill, the KV cache cropped back to the haystack for each
+  question.
 - `intervals`: `wilson_interval`, `accuracy_entry` (Wilson score intervals of accuracies).
 - `plots`: pictures (files go through `ropekit.results`).
 """
@@ -32,7 +33,7 @@ from ropekit.evals.perplexity import (
     evaluate_perplexity,
     run_perplexity,
 )
-from ropekit.evals.probes import ProbeConfig, run_probes
+from ropekit.evals.probes import ProbeConfig, ProbesResult, run_probes
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.runner import (
     EvalConfig,
@@ -72,6 +73,7 @@ __all__ = [
     "PerplexityResult",
     "PerplexityRun",
     "ProbeConfig",
+    "ProbesResult",
     "PromptFormat",
     "Sample",
     "TaskDoesNotFit",

@@ -10,7 +10,9 @@ Holds:
   reference, one full prompt (haystack + question) per probe.
 - `exact_match(prediction, value)`: the score of one probe.
 - `run_probes(model, config, out_dir, ...)`: the staged, resumable evaluation
-  (`ropekit eval probes`), per-probe JSONL, a summary with Wilson intervals, figures.
+  (`ropekit eval probes`), per-probe JSONL, a summary with Wilson intervals, figures; the
+  summary is a `ProbesResult` (the ``probes`` kind at `VERSION`: its `TaskRecord`, the
+  `Accuracy` overall, `LengthAccuracy`, `DepthAccuracy` and `CellAccuracy` entries).
 
 Why: a needle-in-a-haystack sample costs one long prefill, so a length x depth grid with
 enough probes to be an accuracy (>= 20 per length) costs 20 long prefills per length. Here a
@@ -71,11 +73,12 @@ and the main process writes the files.
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import os
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -105,6 +108,7 @@ from ropekit.evals.tasks import (
     KEY_TYPES,
     VALUE_TYPES,
     TaskDoesNotFit,
+    TaskRecord,
     TaskSpec,
     _check_choice,
     _check_min,
@@ -119,9 +123,10 @@ from ropekit.figures import figure, length_axis, save
 from ropekit.results import (
     ProvenanceMismatch,
     check_replaceable,
-    make_record,
     read_records,
+    register,
     run_metadata,
+    to_json,
     write_records,
     write_result,
 )
@@ -645,17 +650,101 @@ def summarize_records(
     }
 
 
-def plot_accuracy(by_length: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+# ----------------------------------------------------------------------------- the record
+@dataclass(frozen=True)
+class Accuracy:
+    """An accuracy with its Wilson interval (``evals.intervals.accuracy_entry``)."""
+
+    correct: int
+    n: int
+    accuracy: float
+    low: float
+    high: float
+    confidence: float
+
+
+@dataclass(frozen=True)
+class LengthAccuracy(Accuracy):
+    """One length: its accuracy, the wrong answers naming another needle, its stage."""
+
+    length: int
+    # wrong answers naming another needle's value, and of those the nearest needle's; None
+    # in a summary written before they were counted
+    other_needle: int | None
+    nearest_needle: int | None
+    haystacks: int  # prefills
+    mean_prefix_tokens: float
+    stage: str  # the stage's digest
+
+
+@dataclass(frozen=True)
+class DepthAccuracy(Accuracy):
+    """One needle depth, all lengths pooled."""
+
+    depth: float
+    needle_depth: float  # mean of where the needles actually sit (0 = start)
+
+
+@dataclass(frozen=True)
+class CellAccuracy(Accuracy):
+    """One (length, depth) cell."""
+
+    length: int
+    depth: float
+
+
+VERSION = 3  # 3: typed (2: the untyped layout)
+
+
+def _from_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """The untyped layout: summaries written before the distractor counts lack them."""
+    entries = [{"other_needle": None, "nearest_needle": None, **e} for e in data["by_length"]]
+    return {**data, "by_length": entries}
+
+
+@register("probes", VERSION, {2: _from_v2})
+@dataclass(frozen=True)
+class ProbesResult:
+    """summary.json of ``run_probes`` (also what it returns)."""
+
+    meta: dict[str, Any]  # run_metadata
+    provenance: dict[str, Any]  # the model: what a rerun in the folder must match
+    run: str  # "probes"
+    spec: str | None  # the encoding spec the model carried, as the caller named it
+    seed: int
+    format: str  # the prompt format (PromptFormat.name)
+    task: TaskRecord
+    config: ProbeConfig
+    depths: tuple[float, ...]
+    probes_per_length: int  # K x H
+    prefills_per_length: int  # H
+    scoring: str  # the rule, in words
+    overall: Accuracy
+    by_length: tuple[LengthAccuracy, ...]
+    by_depth: tuple[DepthAccuracy, ...]
+    cells: tuple[CellAccuracy, ...]
+    model: dict[str, Any]  # LanguageModel.describe()
+    paths: dict[str, str]  # summary, accuracy_vs_length, heatmap
+
+    def at(self, length: int) -> LengthAccuracy:
+        """The entry of ``length``; KeyError naming the lengths probed when it is not one."""
+        for entry in self.by_length:
+            if entry.length == length:
+                return entry
+        raise KeyError(f"length {length} is not probed here: {[e.length for e in self.by_length]}")
+
+
+def plot_accuracy(by_length: Sequence[LengthAccuracy], path: str | Path, title: str = "") -> Path:
     """Accuracy vs length with its (asymmetric) Wilson interval as error bars."""
     fig, axes = figure(6.8, 4.2)
     ax = axes[0, 0]
-    xs = [e["length"] for e in by_length]
-    ys = [e["accuracy"] for e in by_length]
-    below = [e["accuracy"] - e["low"] for e in by_length]
-    above = [e["high"] - e["accuracy"] for e in by_length]
+    xs = [e.length for e in by_length]
+    ys = [e.accuracy for e in by_length]
+    below = [e.accuracy - e.low for e in by_length]
+    above = [e.high - e.accuracy for e in by_length]
     ax.errorbar(xs, ys, yerr=[below, above], marker="o", ms=4, capsize=3, lw=1.5)
     length_axis(ax, xs, rotate=True)
-    level = f"{100 * by_length[0]['confidence']:g}%" if by_length else ""
+    level = f"{100 * by_length[0].confidence:g}%" if by_length else ""
     ax.set(
         xlabel="context length (tokens)",
         ylabel=f"accuracy ({level} Wilson interval)",
@@ -677,7 +766,7 @@ def run_probes(
     progress: bool = True,
     overwrite: bool = False,
     processes: Processes | None = None,
-) -> dict[str, Any]:
+) -> ProbesResult:
     """Probe `model` at every length of `config` into `out_dir` (module docstring); return
     the summary (also `out_dir/summary.json`, kind "probes"). `model` is a Backbone, a
     Decoder, a Hugging Face causal LM or a `BackboneLM` (with `tokenizer` when it has none);
@@ -715,32 +804,35 @@ def run_probes(
         "accuracy_vs_length": str(out / "accuracy_vs_length.png"),
         "heatmap": str(out / "heatmap.png"),
     }
+    result = ProbesResult(
+        meta=run_metadata(command, spec=spec, seed=config.seed),
+        provenance=json.loads(to_json(provenance)),  # as the file holds it
+        run="probes",
+        spec=spec,
+        seed=config.seed,
+        format=fmt.name,
+        task=TaskRecord(**task.to_json()),
+        config=config,
+        depths=tuple(config.depths),
+        probes_per_length=config.needles * config.haystacks,
+        prefills_per_length=config.haystacks,
+        scoring="exact match of the answer's first word with the value (trailing "
+        "punctuation stripped, case ignored)",
+        overall=Accuracy(**summary["overall"]),
+        by_length=tuple(LengthAccuracy(**e) for e in summary["by_length"]),
+        by_depth=tuple(DepthAccuracy(**e) for e in summary["by_depth"]),
+        cells=tuple(CellAccuracy(**e) for e in summary["cells"]),
+        model=lm.describe(),
+        paths=paths,
+    )
     if procs.is_main:
         title = " ".join(filter(None, [task.name, spec]))
-        plot_accuracy(summary["by_length"], paths["accuracy_vs_length"], title=title)
+        plot_accuracy(result.by_length, paths["accuracy_vs_length"], title=title)
         cells = [{**c, "score": c["accuracy"]} for c in summary["cells"]]
         plot_heatmap(cells, paths["heatmap"], title=title)
-    payload = {
-        "run": "probes",
-        "spec": spec,
-        "seed": config.seed,
-        "format": fmt.name,
-        "task": task.to_json(),
-        "config": asdict(config),
-        "depths": list(config.depths),
-        "probes_per_length": config.needles * config.haystacks,
-        "prefills_per_length": config.haystacks,
-        "scoring": "exact match of the answer's first word with the value (trailing "
-        "punctuation stripped, case ignored)",
-        **summary,
-        "model": lm.describe(),
-        "paths": paths,
-    }
-    meta = run_metadata(command, spec=spec, seed=config.seed)
-    if procs.is_main:
-        write_result(out / "summary.json", "probes", payload, meta=meta, provenance=provenance)
+        write_result(out / "summary.json", "probes", result)
     procs.barrier()
-    return make_record("probes", payload, meta=meta, provenance=provenance)
+    return result
 
 
 def _prepare_stages(

@@ -5,7 +5,8 @@ Holds:
   the question, the answer prefix, the references, the ideal answer.
 - `Sample`: one generated prompt with its references and where its needles are; its JSON form
   is a line of `data.jsonl`.
-- `TaskSpec`, `TASKS`, `ALIASES`, `RULER_TASKS`, `register_task`, `get_task`: the registry.
+- `TaskSpec`, `TASKS`, `ALIASES`, `RULER_TASKS`, `register_task`, `get_task`: the registry;
+  `TaskRecord`: a task as result files record it.
 - The base tasks in `BASE_TASKS`: `passkey`, `niah`, `variable_tracking`, `common_words`,
   `frequent_words`.
 - `generate_sample(task, fmt, length, index, seed, depth)`: one sample that fits `length`.
@@ -388,6 +389,17 @@ METRICS = ("string_match_all", "string_match_part")
 
 
 # ----------------------------------------------------------------------------- registry
+@dataclass(frozen=True)
+class TaskRecord:
+    """A task as a result file records it (``TaskSpec.to_json``: no description)."""
+
+    name: str
+    base: str
+    args: dict[str, Any]
+    metric: str
+    needle: bool
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """A named variant: a base task with its arguments and how it is scored."""

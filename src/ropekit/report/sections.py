@@ -33,6 +33,7 @@ from .document import Block, Details, Figure, Heading, Table, Text, figure_probl
 
 if TYPE_CHECKING:
     from ropekit.evals.perplexity import PerplexityResult
+    from ropekit.evals.probes import Accuracy, ProbesResult
     from ropekit.train.extend import ExtendRecord
     from ropekit.train.search import SearchRecord
 
@@ -313,36 +314,32 @@ def tasks_section(results: Sequence[Result], root: Path) -> list[Block]:
     return [*blocks, *_figures(results, root, heatmaps)]
 
 
-def _interval(entry: Mapping[str, Any]) -> str:
+def _interval(entry: Accuracy) -> str:
     """ "0.85 [0.64, 0.95]": an accuracy and its Wilson interval."""
-    return f"{entry['accuracy']:.2f} [{entry['low']:.2f}, {entry['high']:.2f}]"
+    return f"{entry.accuracy:.2f} [{entry.low:.2f}, {entry.high:.2f}]"
 
 
 def probes_section(results: Sequence[Result], root: Path) -> list[Block]:
     """Accuracy per length and per needle depth, each with its Wilson interval, from the
     ``probes`` summaries (``ropekit.evals.probes``)."""
+    records: list[ProbesResult] = [r.data for r in results]
     by_length = length_table(
         [r.label for r in results],
         [
-            [
-                f"`{r.data['spec']}`",
-                r.data["task"]["name"],
-                fmt(r.data["probes_per_length"]),
-                fmt(r.data["prefills_per_length"]),
-            ]
-            for r in results
+            [f"`{d.spec}`", d.task.name, fmt(d.probes_per_length), fmt(d.prefills_per_length)]
+            for d in records
         ],
-        [{e["length"]: _interval(e) for e in r.data["by_length"]} for r in results],
+        [{e.length: _interval(e) for e in d.by_length} for d in records],
         ["run", "encoding", "task", "probes/length", "prefills/length"],
         caption="Accuracy by context length (exact match of the recalled value) with its "
-        f"{100 * results[0].data['config']['confidence']:g}% Wilson score interval; each "
+        f"{100 * records[0].config.confidence:g}% Wilson score interval; each "
         "haystack holds one needle per depth, all asked from one prefill.",
     )
-    depths = sorted({d["depth"] for r in results for d in r.data["by_depth"]})
+    depths = sorted({e.depth for d in records for e in d.by_depth})
     rows = []
-    for r in results:
-        cells = {d["depth"]: _interval(d) for d in r.data["by_depth"]}
-        rows.append([r.label, f"`{r.data['spec']}`", *(cells.get(d, "-") for d in depths)])
+    for r, d in zip(results, records, strict=True):
+        cells = {e.depth: _interval(e) for e in d.by_depth}
+        rows.append([r.label, f"`{d.spec}`", *(cells.get(depth, "-") for depth in depths)])
     by_depth = Table(
         ["run", "encoding", *(f"depth {d:.2f}" for d in depths)],
         rows,
