@@ -497,10 +497,10 @@ def evaluate(
         )  # fmt: skip
         out["tasks"] = {
             name: {
-                "accuracy": {str(s["length"]): s["score"] for s in entry["scores"]},
-                "cells": entry["cells"],
+                "accuracy": {str(n): score for n, score in entry.by_length().items()},
+                "cells": encode(entry.cells),
             }
-            for name, entry in summary["tasks"].items()
+            for name, entry in summary.tasks.items()
         }
     return out
 

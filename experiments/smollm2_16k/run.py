@@ -286,8 +286,8 @@ def score_tasks(
             tokenizer=tokenizer, spec=spec, progress=False, overwrite=True,
         )  # fmt: skip
         return {
-            task: {"score": entry["scores"][0]["score"], "samples": entry["scores"][0].get("n")}
-            for task, entry in summary["tasks"].items()
+            task: {"score": entry.scores[0].score, "samples": entry.scores[0].n}
+            for task, entry in summary.tasks.items()
         }
 
     return _cached(folder / f"tasks-{n}.json", score)

@@ -410,10 +410,10 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
     else:
         run = runner.run_needle if args.kind == "needle" else runner.run_passkey
         result = run(backbone, config, args.out, **options)
-    for name, task in result["tasks"].items():
-        cells = "  ".join(f"{r['length']}: {r['score']:.2f}" for r in task["scores"])
-        print(f"{name:<18} {cells}   effective length {task['effective_length']}")
-    print(f"wrote {result['paths']['summary']} and {result['paths']['accuracy_vs_length']}")
+    for name, task in result.tasks.items():
+        cells = "  ".join(f"{r.length}: {r.score:.2f}" for r in task.scores)
+        print(f"{name:<18} {cells}   effective length {task.effective_length}")
+    print(f"wrote {result.paths['summary']} and {result.paths['accuracy_vs_length']}")
     return 0
 
 

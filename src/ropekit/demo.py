@@ -251,8 +251,11 @@ def _method_row(
     name: str, spec: str, folder: Path, out: Path, extend: ExtendRecord | None
 ) -> dict[str, Any]:
     """One method's numbers, read back from the JSON its stages wrote."""
+    from ropekit.evals.runner import TasksResult
+    from ropekit.results import read_record
+
     ppl = _perplexity(folder / "ppl" / "ppl.json")
-    tasks = _read_json(folder / "tasks" / "summary.json")
+    tasks = read_record(folder / "tasks" / "summary.json", TasksResult)
     return {
         "name": name,
         "spec": spec,
@@ -261,8 +264,8 @@ def _method_row(
         "final_loss": None if extend is None else extend.final_loss,
         "bpb": {str(r.length): r.bits_per_byte for r in ppl.results},
         "tasks": {
-            t: {str(s["length"]): s["score"] for s in entry["scores"]}
-            for t, entry in tasks["tasks"].items()
+            t: {str(n): score for n, score in entry.by_length().items()}
+            for t, entry in tasks.tasks.items()
         },
         "files": {
             "ppl": (folder / "ppl" / "ppl.json").relative_to(out).as_posix(),

@@ -111,6 +111,7 @@ _OWNERS: dict[str, str] = {
     "perplexity": "ropekit.evals.perplexity",
     "probes": "ropekit.evals.probes",
     "search": "ropekit.train.search",
+    "tasks": "ropekit.evals.runner",
 }
 
 

@@ -47,17 +47,17 @@ def results(copy_lm, short_sighted_lm, tmp_path_factory):
 
 @pytest.mark.parametrize("task", TASKS)
 def test_a_model_that_retrieves_scores_high_at_every_length_and_depth(results, task):
-    entry = results["retriever"]["tasks"][task]
-    assert all(cell["score"] >= 0.99 for cell in entry["cells"])
-    assert entry["effective_length"] == max(LENGTHS)
+    entry = results["retriever"].tasks[task]
+    assert all(cell.score >= 0.99 for cell in entry.cells)
+    assert entry.effective_length == max(LENGTHS)
 
 
 @pytest.mark.parametrize("task", TASKS)
 def test_a_model_whose_attention_does_not_reach_scores_near_zero(results, task):
-    entry = results["short_sighted"]["tasks"][task]
-    assert all(s["score"] <= 0.1 for s in entry["scores"])
-    assert entry["effective_length"] is None
-    assert results["short_sighted"]["effective_length"]["average"] is None
+    entry = results["short_sighted"].tasks[task]
+    assert all(s.score <= 0.1 for s in entry.scores)
+    assert entry.effective_length is None
+    assert results["short_sighted"].effective_length.average is None
 
 
 # ----------------------------------------------------------------------------- a trained model
@@ -153,9 +153,9 @@ def trained_scores(trained_retriever, tmp_path_factory):
         torch.set_num_threads(threads)
     scores = {}
     for name, summary in summaries.items():
-        (cell,) = summary["tasks"][TRAINED_TASK]["scores"]
-        assert cell["length"] == length and cell["n"] == TRAINED_SAMPLES
-        scores[name] = cell["score"]
+        (cell,) = summary.tasks[TRAINED_TASK].scores
+        assert cell.length == length and cell.n == TRAINED_SAMPLES
+        scores[name] = cell.score
     return scores
 
 

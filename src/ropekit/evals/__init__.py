@@ -9,7 +9,8 @@ Modules:
 - `perplexity`: `evaluate_perplexity`, `run_perplexity` (`ropekit eval ppl`) and what they
   return (`PerplexityResult`, ppl.json's record; `PerplexityRun`),
   `check_single_documents` / `DocumentsTooShort` (do single-document spans fit?).
-- `runner`: `run_needle`, `run_passkey`, `run_ruler`, `run_tasks`: staged, resumable.
+- `runner`: `run_needle`, `run_passkey`, `run_ruler`, `run_tasks`: staged, resumable; each
+  returns a `TasksResult` (summary.json's record).
 - `probes`: `ProbeConfig`, `run_probes` (`ropekit eval probes`; returns a `ProbesResult`):
   many retrieval probes per long prefill, the KV cache cropped back to the haystack for each
   question.
@@ -37,6 +38,7 @@ from ropekit.evals.probes import ProbeConfig, ProbesResult, run_probes
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.runner import (
     EvalConfig,
+    TasksResult,
     run_needle,
     run_passkey,
     run_ruler,
@@ -78,6 +80,7 @@ __all__ = [
     "Sample",
     "TaskDoesNotFit",
     "TaskSpec",
+    "TasksResult",
     "accuracy_entry",
     "as_language_model",
     "check_single_documents",

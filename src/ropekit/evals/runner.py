@@ -3,7 +3,10 @@
 Holds:
 - `EvalConfig`: lengths, samples, depths, seed, batching, answer budget, chat, thresholds.
 - `run_tasks(model, tasks, config, out_dir)`: the pipeline; `run_needle`, `run_passkey`,
-  `run_ruler` name its task sets (`ropekit eval needle|passkey|ruler`).
+  `run_ruler` name its task sets (`ropekit eval needle|passkey|ruler`). It returns the run's
+  summary, a `TasksResult` (the ``tasks`` kind at `VERSION`: a `TaskEntry` per task with its
+  `TaskScore`s, `TaskSkip`s and needle `DepthCell`s, the `AverageScore`s and the
+  `EffectiveLength`s).
 
 Output layout (stages talk through files, as in RULER):
 
@@ -35,8 +38,9 @@ single process writes.
 from __future__ import annotations
 
 import functools
+import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -61,15 +65,17 @@ from ropekit.evals.tasks import (
     RULER_TASKS,
     Sample,
     TaskDoesNotFit,
+    TaskRecord,
     TaskSpec,
     generate_sample,
     get_task,
 )
 from ropekit.results import (
     check_replaceable,
-    make_record,
     read_records,
+    register,
     run_metadata,
+    to_json,
     write_records,
     write_result,
 )
@@ -337,7 +343,7 @@ def run_tasks(
     progress: bool = True,
     overwrite: bool = False,
     processes: Processes | None = None,
-) -> dict[str, Any]:
+) -> TasksResult:
     """Run every task at every length of `config` into `out_dir` (see the module docstring);
     return the overall summary (also written to `out_dir/summary.json`). `model` is a
     Backbone, a Decoder, a Hugging Face causal LM or a `LanguageModel` (with `tokenizer` when
@@ -368,12 +374,15 @@ def run_tasks(
     ]
     _run_stages(stages, lm, fmt, config, overwrite, progress, procs)
     stage_summaries = [_score(stage, write=procs.is_main) for stage in stages]
-    summary = _summary(specs, stage_summaries, config, out, kind, spec, fmt, lm, procs)
-    meta = run_metadata(command, spec=spec, seed=config.seed)
+    summary = replace(
+        _summary(specs, stage_summaries, config, out, kind, spec, fmt, lm, procs),
+        meta=run_metadata(command, spec=spec, seed=config.seed),
+        provenance=json.loads(to_json(provenance)),  # as the file holds it
+    )
     if procs.is_main:
-        write_result(out / "summary.json", "tasks", summary, meta=meta, provenance=provenance)
+        write_result(out / "summary.json", "tasks", summary)
     procs.barrier()  # the files are complete when any process returns
-    return make_record("tasks", summary, meta=meta, provenance=provenance)
+    return summary
 
 
 def _run_stages(
@@ -413,29 +422,113 @@ def _run_stages(
                 _predict(stage, lm, fmt, config, stop, bar, procs)
 
 
+# ----------------------------------------------------------------------------- the record
+@dataclass(frozen=True)
+class TaskScore:
+    length: int
+    score: float  # mean over the samples (0..1)
+    n: int  # samples scored
+
+
+@dataclass(frozen=True)
+class TaskSkip:
+    length: int
+    reason: str  # why the task does not fit the length
+
+
+@dataclass(frozen=True)
+class DepthCell:
+    """A needle task's score at one length and needle depth (the heatmap's cell)."""
+
+    length: int
+    depth: float
+    score: float
+    n: int
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    """One task of a run."""
+
+    spec: TaskRecord
+    scores: tuple[TaskScore, ...]  # the lengths it was scored at
+    skipped: tuple[TaskSkip, ...]  # the lengths it does not fit
+    effective_length: int | None  # absolute bar (``effective_length``); None: none scored
+    effective_length_relative: int | None  # relative bar
+    cells: tuple[DepthCell, ...] | None  # needle tasks; None for the others
+
+    def by_length(self) -> dict[int, float]:
+        """length -> score."""
+        return {s.length: s.score for s in self.scores}
+
+
+@dataclass(frozen=True)
+class AverageScore:
+    length: int
+    score: float  # mean over the tasks (only where every task was scored)
+
+
+@dataclass(frozen=True)
+class EffectiveLength:
+    rule: str  # in words
+    threshold: float
+    relative_threshold: float
+    average: int | None  # of the task average; None: no length has every task
+    average_relative: int | None
+
+
+VERSION = 3  # 3: typed, every field written (2: the untyped layout)
+
+
+def _from_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """The untyped layout wrote ``cells`` only for needle tasks."""
+    tasks = {name: {"cells": None, **entry} for name, entry in data["tasks"].items()}
+    return {**data, "tasks": tasks}
+
+
+@register("tasks", VERSION, {2: _from_v2})
+@dataclass(frozen=True)
+class TasksResult:
+    """summary.json of ``run_tasks`` (also what it returns)."""
+
+    meta: dict[str, Any]  # run_metadata
+    provenance: dict[str, Any]  # the model: what a rerun in the folder must match
+    run: str  # tasks, needle, passkey or ruler
+    spec: str | None  # the encoding spec the model carried, as the caller named it
+    seed: int
+    format: str  # the prompt format (PromptFormat.name)
+    config: EvalConfig
+    tasks: dict[str, TaskEntry]  # by name, in the order asked
+    average: tuple[AverageScore, ...]
+    effective_length: EffectiveLength
+    model: dict[str, Any]  # LanguageModel.describe()
+    paths: dict[str, str]  # summary, accuracy_vs_length, heatmap_<task>
+
+
 def _task_entry(
     task: TaskSpec, mine: list[dict[str, Any]], config: EvalConfig
-) -> tuple[dict[str, Any], dict[int, float]]:
-    """One task's part of the summary and its scores by length."""
-    done = [s for s in mine if s.get("score") is not None]
+) -> tuple[TaskEntry, dict[int, float]]:
+    """One task's part of the summary (from its stages' summaries) and its scores by length."""
+    done = [s for s in mine if "skipped" not in s and s["score"] is not None]
     by_length = {s["length"]: s["score"] for s in done}
-    entry: dict[str, Any] = {
-        "spec": task.to_json(),
-        "scores": [{"length": s["length"], "score": s["score"], "n": s["n"]} for s in done],
-        "skipped": [
-            {"length": s["length"], "reason": s["skipped"]} for s in mine if "skipped" in s
-        ],
-        "effective_length": effective_length(by_length, config.threshold) if by_length else None,
-        "effective_length_relative": effective_length(
+    entry = TaskEntry(
+        spec=TaskRecord(**task.to_json()),
+        scores=tuple(TaskScore(s["length"], s["score"], s["n"]) for s in done),
+        skipped=tuple(TaskSkip(s["length"], s["skipped"]) for s in mine if "skipped" in s),
+        effective_length=effective_length(by_length, config.threshold) if by_length else None,
+        effective_length_relative=effective_length(
             by_length, config.relative_threshold, relative=True
         )
         if by_length
         else None,
-    }
-    if task.needle:
-        entry["cells"] = [
-            {"length": s["length"], **cell} for s in done for cell in s.get("by_depth", [])
-        ]
+        cells=tuple(
+            DepthCell(s["length"], c["depth"], c["score"], c["n"])
+            for s in done
+            for c in s["by_depth"]  # a needle task's scored stage has one
+        )
+        if task.needle
+        else None,
+    )
     return entry, by_length
 
 
@@ -449,20 +542,21 @@ def _summary(
     fmt: PromptFormat,
     lm: LanguageModel,
     procs: Processes,
-) -> dict[str, Any]:
-    """The run's summary (and, on the main process, its figures)."""
-    tasks_out: dict[str, Any] = {}
+) -> TasksResult:
+    """The run's summary without metadata or provenance (and, on the main process, its
+    figures)."""
+    tasks_out: dict[str, TaskEntry] = {}
     scores: dict[str, dict[int, float]] = {}
     paths: dict[str, str] = {}
     for task in specs:
         entry, scores[task.name] = _task_entry(
             task, [s for s in stage_summaries if s["task"] == task.name], config
         )
-        if entry.get("cells"):
+        if entry.cells:
             heatmap = out / task.name / "heatmap.png"
             if procs.is_main:
                 title = " ".join(filter(None, [task.name, spec]))
-                plot_heatmap(entry["cells"], heatmap, title=title)
+                plot_heatmap([asdict(c) for c in entry.cells], heatmap, title=title)
             paths[f"heatmap_{task.name}"] = str(heatmap)
         tasks_out[task.name] = entry
     # The task average exists only where every task was scored, so skipped tasks never make
@@ -484,19 +578,19 @@ def _summary(
         "longest evaluated length L such that every length <= L scores >= the bar; absolute "
         "bar = threshold, relative bar = relative_threshold x the score at the shortest length"
     )
-    return {
-        "run": kind, "spec": spec, "seed": config.seed, "format": fmt.name,
-        "config": asdict(config), "tasks": tasks_out,
-        "average": [{"length": n, "score": s} for n, s in average.items()],
-        "effective_length": {
-            "rule": rule, "threshold": config.threshold,
-            "relative_threshold": config.relative_threshold,
-            "average": effective_length(average, config.threshold) if average else None,
-            "average_relative": effective_length(average, config.relative_threshold, relative=True)
+    return TasksResult(
+        meta={}, provenance={}, run=kind, spec=spec, seed=config.seed, format=fmt.name,
+        config=config, tasks=tasks_out,
+        average=tuple(AverageScore(n, s) for n, s in average.items()),
+        effective_length=EffectiveLength(
+            rule=rule, threshold=config.threshold,
+            relative_threshold=config.relative_threshold,
+            average=effective_length(average, config.threshold) if average else None,
+            average_relative=effective_length(average, config.relative_threshold, relative=True)
             if average else None,
-        },
-        "model": lm.describe(), "paths": paths,
-    }  # fmt: skip
+        ),
+        model=lm.describe(), paths=paths,
+    )  # fmt: skip
 
 
 def run_needle(
@@ -506,7 +600,7 @@ def run_needle(
     *,
     task: str = "niah_single_2",
     **options: Any,
-) -> dict[str, Any]:
+) -> TasksResult:
     """Needle in a haystack over length x depth (default: a number in Paul Graham essays).
     `options` are `run_tasks`'s keyword arguments."""
     return run_tasks(model, [task], config, out_dir, kind="needle", **options)
@@ -519,7 +613,7 @@ def run_passkey(
     *,
     task: str = "passkey",
     **options: Any,
-) -> dict[str, Any]:
+) -> TasksResult:
     """Pass-key retrieval over length x depth, in the retrieval mixture's format.
     `options` are `run_tasks`'s keyword arguments."""
     return run_tasks(model, [task], config, out_dir, kind="passkey", **options)
@@ -532,7 +626,7 @@ def run_ruler(
     *,
     tasks: list[str] | tuple[str, ...] = RULER_TASKS,
     **options: Any,
-) -> dict[str, Any]:
+) -> TasksResult:
     """RULER's synthetic tasks (all of them by default), needle depths spread per sample.
     `options` are `run_tasks`'s keyword arguments."""
     return run_tasks(model, list(tasks), config, out_dir, kind="ruler", **options)

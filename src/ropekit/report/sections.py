@@ -34,6 +34,7 @@ from .document import Block, Details, Figure, Heading, Table, Text, figure_probl
 if TYPE_CHECKING:
     from ropekit.evals.perplexity import PerplexityResult
     from ropekit.evals.probes import Accuracy, ProbesResult
+    from ropekit.evals.runner import TasksResult
     from ropekit.train.extend import ExtendRecord
     from ropekit.train.search import SearchRecord
 
@@ -277,19 +278,19 @@ def perplexity_section(results: Sequence[Result], root: Path) -> list[Block]:
 
 def tasks_section(results: Sequence[Result], root: Path) -> list[Block]:
     labels, first, values = [], [], []
-    for r in results:
-        for name, task in r.data["tasks"].items():
+    records: list[TasksResult] = [r.data for r in results]
+    for r, d in zip(results, records, strict=True):
+        for name, task in d.tasks.items():
             labels.append(r.label)
-            scores = task["scores"]
             first.append(
                 [
-                    f"`{r.data['spec']}`",
+                    f"`{d.spec}`",
                     name,
-                    fmt(scores[0]["n"] if scores else None),
-                    fmt(task["effective_length"]),
+                    fmt(task.scores[0].n if task.scores else None),
+                    fmt(task.effective_length),
                 ]
             )
-            values.append({s["length"]: s["score"] for s in scores})
+            values.append(task.by_length())
     table = length_table(
         labels,
         first,
@@ -299,17 +300,17 @@ def tasks_section(results: Sequence[Result], root: Path) -> list[Block]:
         caption="Accuracy by context length (exact match of the recalled value).",
     )
     skipped = [
-        f"{r.label}: {name} skipped at {s['length']} ({s['reason']})"
-        for r in results
-        for name, task in r.data["tasks"].items()
-        for s in task["skipped"]
+        f"{r.label}: {name} skipped at {s.length} ({s.reason})"
+        for r, d in zip(results, records, strict=True)
+        for name, task in d.tasks.items()
+        for s in task.skipped
     ]
     blocks: list[Block] = [table]
     if skipped:
         blocks.append(Text("Skipped: " + "; ".join(skipped)))
 
     def heatmaps(r: Result) -> list[str]:
-        return [f"{name}/heatmap.png" for name in r.data["tasks"]]
+        return [f"{name}/heatmap.png" for name in r.data.tasks]
 
     return [*blocks, *_figures(results, root, heatmaps)]
 
