@@ -4,5 +4,10 @@ suite neither collects nor needs them. The registry's own tests there run everyw
 
 import os
 
-_REAL = ["engines/test_engines.py", "engines/test_lm_eval.py", "engines/run_*.py"]
+_REAL = [
+    "engines/test_engines.py",
+    "engines/test_lm_eval.py",
+    "engines/test_vllm_remaps.py",
+    "engines/run_*.py",
+]
 collect_ignore_glob = [] if os.environ.get("ROPEKIT_SERVING") else _REAL

@@ -36,7 +36,10 @@ block table and computes ropekit's banded attention for its new queries
 in the cache, prompt blocks found in the prefix cache, and decoding steps alike. A request's
 positions come from the step's metadata (``query_start_loc``, ``seq_lens``: its new tokens
 are the last of its keys). Length-following remaps (DCA's logit scale, STRING's shift of the
-attended length) take L = the request's keys at that step, as ropekit's cached decoding does.
+attended length) take L = the request's keys at that step, as ropekit's cached decoding does;
+as in any cached decoder, an earlier token's keys in layers > 0 carry the length of the step
+that computed them, and with prefix caching that can be another request's step (a block is
+reused by every request with the same prefix).
 
 Needs vLLM and torch only (ropekit is installed into vLLM's environment with ``--no-deps``:
 vLLM pins another transformers than ropekit.hf supports, and nothing here imports it).

@@ -1,7 +1,7 @@
 """Prompt log-probabilities from vLLM (the CPU build), run in its own environment.
 
     python run_vllm.py MODEL_DIR IDS.npy:OUT.npy [IDS.npy:OUT.npy ...] [--max-model-len N]
-                       [--decode N] [--compile]
+                       [--decode N] [--compile] [--max-num-batched-tokens N] [--bench N]
 
 For each prompt: feeds the token ids as they are (``TokensPrompt``), asks for
 ``prompt_logprobs=0`` (the log-probability of each prompt token only) and writes
@@ -14,9 +14,13 @@ so with ``--decode N`` prefix caching is on and a second request for the same pr
 generates N greedy tokens with their log-probabilities: its prompt comes from the cached
 blocks (the cached-token count is reported) and every decoding step reads the cache. Those
 go to OUT.decode.npz (``tokens``, ``logprobs``). Eager mode unless ``--compile`` (compiling
-SmolLM2 adds about a minute to each start here). Start-up runs under the ``__main__``
-guard: vLLM starts worker processes. Prints one ``RESULT {json}`` line; an engine that
-refuses the folder reports its error there.
+SmolLM2 adds about a minute to each start here). ``--max-num-batched-tokens`` sets vLLM's
+token budget per step, so a prompt's chunks are known. ``--bench N`` (with ``--decode``) times,
+after the rest, each prompt's prefill (prefix cache emptied, one token generated, no
+log-probabilities) and N greedy tokens decoded from its cached prompt (the time of 1 + N
+generated tokens minus that of 1), reported as tokens per second. Start-up runs under the
+``__main__`` guard: vLLM starts worker processes. Prints one ``RESULT {json}`` line; an engine
+that refuses the folder reports its error there.
 """
 
 import argparse
@@ -35,7 +39,11 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=0)
     parser.add_argument("--decode", type=int, default=0)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0)
+    parser.add_argument("--bench", type=int, default=0)
     args = parser.parse_args()
+    if args.bench and not args.decode:
+        parser.error("--bench decodes from the prefix cache: give --decode too")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -49,6 +57,11 @@ def main() -> int:
             enable_prefix_caching=args.decode > 0,
             enforce_eager=not args.compile,
             seed=0,
+            **(
+                {"max_num_batched_tokens": args.max_num_batched_tokens}
+                if args.max_num_batched_tokens
+                else {}
+            ),
         )
     except Exception as e:  # reported, not raised: the test records what the engine did
         print("RESULT " + json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
@@ -88,8 +101,37 @@ def main() -> int:
             )
             run["cached_tokens"] = decoded.num_cached_tokens
         info["runs"].append(run)
+    if args.bench:
+        info["bench"] = [_bench(llm, pair.split(":")[0], args.bench) for pair in args.prompts]
     print("RESULT " + json.dumps(info), flush=True)
     return 0
+
+
+def _bench(llm, ids_path: str, n: int) -> dict:
+    """Prefill and decoding speed of one prompt (module docstring), tokens per second."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ids = [int(t) for t in np.load(ids_path)]
+    prompt = TokensPrompt(prompt_token_ids=ids)
+
+    def timed(tokens: int) -> float:
+        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0)
+        t0 = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    llm.reset_prefix_cache()
+    prefill = timed(1)  # the whole prompt, nothing cached
+    one, more = timed(1), timed(1 + n)  # both read the cached prompt
+    return {
+        "ids": ids_path,
+        "tokens": len(ids),
+        "prefill_s": round(prefill, 3),
+        "prefill_tok_s": len(ids) / prefill,
+        "decode_s": round(more - one, 3),
+        "decode_tok_s": n / (more - one),
+    }
 
 
 if __name__ == "__main__":
