@@ -156,19 +156,65 @@ def compiled():
     set_compile(before["mode"], before["min_numel"])
 
 
-def test_auto_mode_keeps_small_tensors_on_the_eager_kernel():
+def test_auto_mode_keeps_small_tensors_and_inference_on_the_eager_kernel():
     from ropekit.encodings import rotary
 
+    x = torch.empty(4, 4, 4, 4)
     before = compile_settings()
     try:
         set_compile("auto", min_numel=1 << 30)
-        assert not rotary._use_compiled(torch.empty(4, 4, 4, 4))
+        assert not rotary._use_compiled(x, training=True)
         set_compile("never", min_numel=0)
-        assert not rotary._use_compiled(torch.empty(4, 4, 4, 4))
+        assert not rotary._use_compiled(x, training=True)
         set_compile("auto", min_numel=0)
-        assert rotary._use_compiled(torch.empty(4, 4, 4, 4))
+        assert rotary._use_compiled(x, training=True)
+        assert not rotary._use_compiled(x, training=False)
+        set_compile("always", min_numel=1 << 30)
+        assert rotary._use_compiled(x, training=False)
         with pytest.raises(ValueError, match="mode='fast'"):
             set_compile("fast")
+    finally:
+        set_compile(before["mode"], before["min_numel"])
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+def test_auto_mode_compiles_what_autograd_records_and_nothing_else(monkeypatch, learnable):
+    """Training (a recorded rotation and its backward) takes the compiled kernel; inference,
+    under no_grad or on tensors that need no gradient, stays eager even when its inputs are
+    parameters (AdaRoPE's theta evaluated under no_grad)."""
+    from ropekit.encodings import rotary
+
+    calls: list[bool] = []
+
+    def spy(x, cos, sin, pairing):
+        calls.append(True)
+        return None  # as if this variant could not compile: the eager kernel runs
+
+    monkeypatch.setattr(rotary, "_compiled", spy)
+    before = compile_settings()
+    set_compile("auto", min_numel=0)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 2, 5, 8, generator=g)
+        pos = torch.arange(5)[None]
+        theta = torch.rand(2, 4, dtype=torch.float64, generator=g).requires_grad_(learnable)
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if learnable:
+                return rotary.rotate_angles(x, pos, theta)
+            cos, sin = tables(angles(pos[:, None], theta.detach()[:1]))
+            return rotate(x, cos, sin)
+
+        with torch.no_grad():
+            run(x.requires_grad_(True))
+        assert calls == []
+        if not learnable:
+            run(x.detach())
+            assert calls == []
+        out = run(x.detach().requires_grad_(True))
+        assert len(calls) == 1
+        out.sum().backward()
+        assert len(calls) == 2  # the backward's inverse rotation
     finally:
         set_compile(before["mode"], before["min_numel"])
 

@@ -21,13 +21,20 @@ The fast path has two kernels for the rotation itself (``rotate_tensor``):
   (four passes over memory);
 - compiled: the same formula through ``torch.compile`` (inductor emits one fused loop, a
   single read of x and write of the output: the speed of a copy). Compilation costs seconds
-  (about 5-15 s on this 2-core CPU, once per new shape class, cached on disk by inductor), so
-  ``auto`` uses it only for tensors of at least ``min_numel`` elements (2^21 by default, where
-  one call saves ~10 ms here and the compile pays for itself within about a thousand calls)
-  and only where compilation works; any compile failure falls back to eager for the rest of
-  the process, with one warning. ``ROPEKIT_COMPILE=auto|always|never`` (read when the first
-  encoding is built or the first rotation runs, not at import; a bad value is a one-line
-  ValueError there) or ``set_compile`` choose; ``never`` is the eager path everywhere.
+  (about 5-15 s on this 2-core CPU, once per new shape class, cached on disk by inductor) and
+  keeps the compiler resident (30-50 MiB of the process, whatever the length), so ``auto``
+  uses it only where it pays: in training, i.e. for a rotation autograd records (a forward
+  and its backward on every step of the same shapes), on tensors of at least ``min_numel``
+  elements (2^21 by default, where one call saves ~10 ms here and the compile pays for itself
+  within about a thousand calls), and only where compilation works. Inference runs the eager
+  kernel: there a model's attention and matmuls dominate (SmolLM2-135M, a 4,096-token
+  forward patched with YaRN: 22.5 s eager against 23.3 s compiled, one thread), and the
+  compiler's memory was the whole of a patched model's extra resident peak (+32 MiB at 16k;
+  with the eager kernel patched and unpatched peaks are equal). Any compile failure falls back
+  to eager for the rest of the process, with one warning. ``ROPEKIT_COMPILE=auto|always|never``
+  (read when the first encoding is built or the first rotation runs, not at import; a bad
+  value is a one-line ValueError there) or ``set_compile`` choose; ``always`` compiles
+  inference too, ``never`` is the eager path everywhere.
 
 Learnable frequencies (AdaRoPE, tuned-yarn) rotate through ``rotate_angles``: it takes the
 positions and the frequencies theta instead of tables, forms cos/sin inside, and in backward
@@ -177,9 +184,10 @@ _kernels: dict[tuple, Any] = {}
 
 
 def set_compile(mode: str = "auto", min_numel: int | None = None) -> None:
-    """Choose the rotation kernel: ``auto`` (compiled for tensors of at least ``min_numel``
-    elements, where compilation works), ``always`` (compiled wherever it works) or ``never``
-    (eager everywhere). Also forgets recorded compile failures, so the next call tries again."""
+    """Choose the rotation kernel: ``auto`` (compiled in training, for tensors of at least
+    ``min_numel`` elements, where compilation works), ``always`` (compiled wherever it works,
+    inference included) or ``never`` (eager everywhere). Also forgets recorded compile
+    failures, so the next call tries again."""
     if mode not in COMPILE_MODES:
         raise ValueError(f"mode={mode!r} is not allowed; use one of {COMPILE_MODES}")
     if min_numel is not None and min_numel < 0:
@@ -198,11 +206,12 @@ def compile_settings() -> dict[str, Any]:
     return {k: _settings[k] for k in ("mode", "min_numel", "failed")}
 
 
-def _use_compiled(x: Tensor) -> bool:
+def _use_compiled(x: Tensor, training: bool) -> bool:
+    """Whether this rotation takes the compiled kernel; ``training``: autograd records it."""
     mode = _mode()
     if mode == "never" or _settings["failed"] is not None:
         return False
-    if mode == "auto" and x.numel() < _settings["min_numel"]:
+    if mode == "auto" and (not training or x.numel() < _settings["min_numel"]):
         return False
     # Inside someone else's torch.compile trace the caller's compiler fuses the eager ops.
     return x.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling()
@@ -238,11 +247,14 @@ def _compiled(x: Tensor, cos: Tensor, sin: Tensor, pairing: str) -> Tensor | Non
         return None
 
 
-def rotate_tensor(x: Tensor, cos: Tensor, sin: Tensor, pairing: str) -> Tensor:
+def rotate_tensor(
+    x: Tensor, cos: Tensor, sin: Tensor, pairing: str, *, training: bool = False
+) -> Tensor:
     """R(phi) x as a new contiguous tensor, no autograd: tables already in x's dtype and
-    broadcastable to x's leading dims. The compiled kernel where it pays (module docstring),
-    else the eager one."""
-    if _use_compiled(x):
+    broadcastable to x's leading dims. ``training``: the call is part of a step autograd
+    records (a forward whose backward will run, or that backward). The compiled kernel where
+    it pays (module docstring), else the eager one."""
+    if _use_compiled(x, training):
         out = _compiled(x, cos, sin, pairing)
         if out is not None:
             return out
@@ -253,9 +265,9 @@ def rotate_tensor(x: Tensor, cos: Tensor, sin: Tensor, pairing: str) -> Tensor:
 
 class _Rotate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, pairing: str) -> Tensor:
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor, pairing: str, training: bool) -> Tensor:
         c, s = cos.to(x.dtype), sin.to(x.dtype)
-        out = rotate_tensor(x, c, s, pairing)
+        out = rotate_tensor(x, c, s, pairing, training=training)
         ctx.pairing = pairing
         ctx.save_for_backward(
             x if ctx.needs_input_grad[1] or ctx.needs_input_grad[2] else None, c, s
@@ -270,7 +282,7 @@ class _Rotate(torch.autograd.Function):
         grad_x = grad_cos = grad_sin = None
         if ctx.needs_input_grad[0]:
             # R(phi)^T = R(-phi): the inverse rotation carries the gradient back.
-            grad_x = rotate_tensor(grad, c, -s, pairing)
+            grad_x = rotate_tensor(grad, c, -s, pairing, training=True)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             # At least float32 (a bf16 table gradient summed over positions loses digits),
             # float64 when the activations are: a float64 check must see float64 throughout.
@@ -281,7 +293,14 @@ class _Rotate(torch.autograd.Function):
                 grad_cos = _sum_to(g1 * x1 + g2 * x2, c.shape).to(ctx.table_dtype)
             if ctx.needs_input_grad[2]:
                 grad_sin = _sum_to(g2 * x1 - g1 * x2, s.shape).to(ctx.table_dtype)
-        return grad_x, grad_cos, grad_sin, None
+        return grad_x, grad_cos, grad_sin, None, None
+
+
+def _recorded(*inputs: Tensor) -> bool:
+    """Whether autograd records a rotation of these inputs (its backward may run): decided
+    before ``Function.apply``, since grad mode is off inside ``forward`` and
+    ``ctx.needs_input_grad`` is set under ``torch.no_grad`` too."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor, pairing: str = "half") -> Tensor:
@@ -293,7 +312,7 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor, pairing: str = "half") -> Tensor
     _check(x, cos, sin, pairing)
     if cos.dim() != x.dim():
         raise ValueError(f"tables {tuple(cos.shape)} must have as many dims as x {tuple(x.shape)}")
-    return _Rotate.apply(x, cos, sin, pairing)
+    return _Rotate.apply(x, cos, sin, pairing, _recorded(x, cos, sin))
 
 
 def _angle_tables(
@@ -315,10 +334,10 @@ class _RotateAngles(torch.autograd.Function):
     """R(positions * theta) x, tables formed in forward and again in backward, never saved."""
 
     @staticmethod
-    def forward(ctx, x, positions, theta, factor, pairing, table_dtype):
+    def forward(ctx, x, positions, theta, factor, pairing, table_dtype, training):
         with torch.no_grad():
             cos, sin = _angle_tables(positions, theta, factor, table_dtype, x)
-        out = rotate_tensor(x, cos, sin, pairing)
+        out = rotate_tensor(x, cos, sin, pairing, training=training)
         tensor_factor = isinstance(factor, Tensor)
         need_out = ctx.needs_input_grad[2] or (tensor_factor and ctx.needs_input_grad[3])
         ctx.save_for_backward(
@@ -335,7 +354,7 @@ class _RotateAngles(torch.autograd.Function):
         grad_x = grad_theta = grad_factor = None
         cos, sin = _angle_tables(positions, theta, factor, ctx.table_dtype, grad)
         if ctx.needs_input_grad[0]:
-            grad_x = rotate_tensor(grad, cos, -sin, ctx.pairing)  # R(phi)^T = R(-phi)
+            grad_x = rotate_tensor(grad, cos, -sin, ctx.pairing, training=True)  # R^T = R(-phi)
         del cos, sin
         want_theta = ctx.needs_input_grad[2]
         want_factor = factor_tensor is not None and ctx.needs_input_grad[3]
@@ -364,7 +383,7 @@ class _RotateAngles(torch.autograd.Function):
                 # out is linear in the factor: dL/da = sum(g . out) / a over the rotated pairs.
                 dot = (g1 * o1).sum(dtype=torch.float64) + (g2 * o2).sum(dtype=torch.float64)
                 grad_factor = (dot / factor).to(factor_tensor.dtype).reshape(factor_tensor.shape)
-        return grad_x, None, grad_theta, grad_factor, None, None
+        return grad_x, None, grad_theta, grad_factor, None, None, None
 
 
 def rotate_angles(
@@ -397,4 +416,5 @@ def rotate_angles(
         raise ValueError(f"theta {tuple(theta.shape)} must be (K|1, F) with K = {x.shape[1]}")
     if 2 * theta.shape[-1] > x.shape[-1]:
         raise ValueError(f"{theta.shape[-1]} rotary pairs need head dim >= {2 * theta.shape[-1]}")
-    return _RotateAngles.apply(x, positions, theta, factor, pairing, table_dtype)
+    training = _recorded(x, theta, *([factor] if isinstance(factor, Tensor) else []))
+    return _RotateAngles.apply(x, positions, theta, factor, pairing, table_dtype, training)
