@@ -13,6 +13,7 @@ import importlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -341,6 +342,12 @@ def test_smollm2_16k_remaps_rows_run_as_a_user_runs_them_and_resume(tmp_path):
     before = (tmp_path / "results" / "results.json").read_bytes()
     remaps.main(args)  # every stage is recorded: nothing runs, the same results
     assert (tmp_path / "results" / "results.json").read_bytes() == before
+    # A method scored in an earlier session whose run folder is gone (runs/ is not
+    # committed) stays in the results: the next session's collect does not drop it.
+    shutil.rmtree(tmp_path / "runs" / "remaps" / "rope")
+    remaps.main([*args, "--collect"])
+    again = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert again["methods"] == data["methods"] and again["not_run"] == []
     config["methods"]["dca"] = "dca"
     path.write_text(json.dumps(config))
     remaps.main([*args, "--collect"])

@@ -288,18 +288,39 @@ def _stages_done(folder: Path) -> set[str]:
     return set(read_record(path)) if path.exists() else set()
 
 
+def _earlier(cfg: RemapsConfig, results: Path) -> dict[str, dict[str, Any]]:
+    """The methods a results.json of this same config already holds, by label: a method
+    scored in an earlier session whose run folder (``runs/``, not committed) is gone stays in
+    the results instead of being dropped by the next session's collect. A results.json of
+    another config is not read (its numbers are another run's)."""
+    from ropekit.results import read_result
+
+    path = results / "results.json"
+    if not path.exists():
+        return {}
+    data = read_result(path, "experiment")
+    if data["provenance"] != provenance("remaps", cfg):
+        return {}
+    return {label: job for label, job in data["methods"].items() if label in cfg.methods}
+
+
 def collect(cfg: RemapsConfig, runs: Path, results: Path, command: str) -> str:
     """Write results from the methods whose perplexity has finished (nothing runs); methods
     and probes not run yet are named, so a partial run is committed as what it is."""
     jobs, missing, unprobed = [], [], []
+    earlier = _earlier(cfg, results)
     for label, spec in cfg.methods.items():
         folder = runs / "remaps" / label
         done = _stages_done(folder)
-        if "perplexity" not in done:
+        if "perplexity" not in done and label in earlier:
+            done = set(earlier[label]["stages"])  # scored by an earlier run, folder gone
+            jobs.append(earlier[label])
+        elif "perplexity" not in done:
             missing.append(label)
             continue
-        stages = read_record(folder / "stages.json")
-        jobs.append({"label": label, "spec": spec, "stages": stages, **_read(folder, cfg)})
+        else:
+            stages = read_record(folder / "stages.json")
+            jobs.append({"label": label, "spec": spec, "stages": stages, **_read(folder, cfg)})
         if any(_stage_name(cfg, t) not in done for t in _retrieval(cfg)):
             unprobed.append(label)
     markdown = _table(cfg, jobs, _committed()) if jobs else "No method has finished yet.\n"
