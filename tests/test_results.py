@@ -7,18 +7,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 
 from ropekit import results
 from ropekit.results import (
     ResultError,
+    check_provenance,
+    check_replaceable,
     decode,
     encode,
     make_record,
     read_record,
     read_result,
     register,
+    run_metadata,
     write_result,
 )
 
@@ -38,11 +43,19 @@ class _Toy:
     note: str | None = None
 
 
+def _private_registry(monkeypatch) -> None:
+    """A copy of the registry for one test. Every owner is imported first: an owner imported
+    while the copy is in place would register into the copy alone, and be lost after."""
+    for kind in results._OWNERS:
+        results.schema_of(kind)
+    monkeypatch.setattr(results, "_SCHEMAS", dict(results._SCHEMAS))
+
+
 @pytest.fixture
 def toy_kind(monkeypatch):
     """``_Toy`` registered as the ``demo`` kind at version 4 for one test: version 2 renamed
     ``rows`` to ``by_length`` (3), and 3 added ``by_lr`` (4)."""
-    monkeypatch.setattr(results, "_SCHEMAS", dict(results._SCHEMAS))
+    _private_registry(monkeypatch)
 
     def rename(data):
         data = dict(data)
@@ -136,3 +149,414 @@ def test_decode_reads_unions_in_order_and_keeps_any_as_is():
         decode(int, True, "x")  # a bool is not a count
     assert decode(float, 2, "x") == 2.0 and isinstance(decode(float, 2, "x"), float)
     assert encode({1: (_Cell(1.0, None),)}) == {"1": [{"ppl": 1.0, "blocks": None}]}
+
+
+# --------------------------------------------------------------------------- encode / decode
+@dataclasses.dataclass(frozen=True)
+class _Inner:
+    n: int
+    x: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Every:
+    """One field of each hint the decoder reads."""
+
+    count: int
+    flag: bool
+    name: str
+    ratio: float
+    by_int: dict[int, float]
+    by_float: dict[float, str]
+    inner: _Inner
+    maybe: _Inner | None
+    pairs: tuple[tuple[int, float], ...]
+    names: list[str]
+    loose: dict
+    mapping: Mapping[str, int]
+    anything: Any
+    later: int = 7
+    listed: tuple[int, ...] = dataclasses.field(default_factory=tuple)
+
+
+def _every() -> _Every:
+    pairs = ((1, 1.5), (2, 2.5))
+    return _Every(3, True, "a", 0.5, {8: 1.0, 16: math.nan}, {0.01: "low"}, _Inner(1, 2.0), None,
+                  pairs, ["x"], {"k": [1]}, {"m": 4}, {"free": None}, 9, (5,))  # fmt: skip
+
+
+def test_every_hint_round_trips_through_json():
+    value = _every()
+    raw = json.loads(results.to_json(encode(value)))
+    assert raw["by_int"] == {"8": 1.0, "16": None} and raw["by_float"] == {"0.01": "low"}
+    assert raw["pairs"] == [[1, 1.5], [2, 2.5]] and raw["inner"] == {"n": 1, "x": 2.0}
+    assert list(raw) == [f.name for f in dataclasses.fields(_Every)]  # field order kept
+    back = decode(_Every, raw, "every")
+    assert math.isnan(back.by_int[16]) and back.by_int[8] == 1.0
+    assert dataclasses.replace(back, by_int={}) == dataclasses.replace(value, by_int={})
+    assert isinstance(back.pairs, tuple) and isinstance(back.pairs[0], tuple)
+    assert isinstance(back.names, list) and list(back.by_int) == [8, 16]
+    assert list(back.by_float) == [0.01] and isinstance(back.inner, _Inner)
+
+
+def test_fields_with_defaults_may_be_absent_and_others_may_not():
+    raw = encode(_every())
+    del raw["later"], raw["listed"]
+    back = decode(_Every, raw, "every")
+    assert back.later == 7 and back.listed == ()
+    del raw["maybe"]
+    with pytest.raises(ResultError, match=r"^every\.maybe is missing \(_Every needs it\)$"):
+        decode(_Every, raw, "every")
+
+
+@pytest.mark.parametrize(
+    "kind, value, message",
+    [
+        (_Inner, [1], "w is [1], not a _Inner object"),
+        (_Inner, {"n": 1, "x": 1.0, "y": 2}, "w.y is not a field of _Inner (renamed? it has n, x)"),
+        (_Inner, {"n": 1.5, "x": 1.0}, "w.n is 1.5, expected int"),
+        (_Inner, {"n": "1", "x": 1.0}, 'w.n is "1", expected int'),
+        (_Inner, {"n": 1, "x": "1"}, 'w.x is "1", expected float'),
+        (_Inner, {"n": 1, "x": True}, "w.x is true, expected float"),
+        (tuple[int, ...], {"a": 1}, 'w is {"a": 1}, not a list'),
+        (list[int], "ab", 'w is "ab", not a list'),
+        (tuple[int, ...], [1, "b"], 'w[1] is "b", expected int'),
+        (tuple[int, str], [1, 2], "w[1] is 2, expected str"),
+        (tuple[int, str], [1], "w has 1 items, expected 2"),
+        (dict[int, int], [1], "w is [1], not an object"),
+        (dict, 3, "w is 3, not an object"),
+        (dict[str, int], {"a": "b"}, 'w.a is "b", expected int'),
+        (dict[float, int], {"x": 1}, "w: key 'x', expected float"),
+        (bool, 1, "w is 1, expected bool"),
+        (str, None, "w is null, expected str"),
+        (int | None, "a", 'w is "a", expected int'),
+        (int, "x" * 100, 'w is "' + "x" * 39 + ", expected int"),
+    ],
+)
+def test_decode_refuses_by_one_line_naming_where(kind, value, message):
+    with pytest.raises(ResultError) as error:
+        decode(kind, value, "w")
+    assert str(error.value) == message
+
+
+def test_decode_reads_the_plain_hints():
+    assert decode(bool, False, "w") is False and decode(int, 0, "w") == 0
+    assert decode(float, None, "w") != decode(float, None, "w")  # NaN
+    assert decode(dict, {"1": 2}, "w") == {"1": 2}  # a bare dict keeps string keys
+    assert decode(Mapping[int, int], {"1": 2}, "w") == {1: 2}
+    assert decode(tuple[int, str], [1, "a"], "w") == (1, "a")
+    assert decode(list[Any], [None], "w") == [None]
+    assert decode(_Inner | None, None, "w") is None
+    assert decode(_Inner | None, {"n": 1, "x": 2}, "w") == _Inner(1, 2.0)
+    assert decode(int | str, "3", "w") == "3" and decode(int | str, 3, "w") == 3
+    assert decode(float | str, "inf", "w") == "inf" and decode(float | str, 2, "w") == 2.0
+    assert decode(Any, {"x": [1]}, "w") == {"x": [1]}
+
+
+def test_encode_leaves_scalars_and_turns_containers_into_json_shapes():
+    assert encode(_Inner(1, 2.0)) == {"n": 1, "x": 2.0}
+    assert encode(_Inner) is _Inner  # a class is not a record
+    assert encode({(1): [_Inner(2, 3.0)], "a": (1, 2)}) == {"1": [{"n": 2, "x": 3.0}], "a": [1, 2]}
+    assert encode(None) is None and encode("s") == "s" and encode(1.5) == 1.5
+
+
+# --------------------------------------------------------------------------- the registry
+def test_register_checks_the_kind_the_migrations_and_the_class(monkeypatch):
+    _private_registry(monkeypatch)
+    with pytest.raises(ValueError, match=r"^kind='nope' is not allowed; use one of pretrain, tr"):
+        register("nope", 2)
+    with pytest.raises(ValueError, match=r"^demo: no migration from format_version 2 to 3$"):
+        register("demo", 3)
+    with pytest.raises(ValueError, match=r"^demo: no migration from format_version 3 to 5$"):
+        register("demo", 5, {2: dict, 4: dict})
+    loose = dataclasses.dataclass(type("Loose", (), {"__annotations__": {"a": int}}))
+    with pytest.raises(TypeError, match=r"^Loose must be a frozen dataclass to record 'demo'$"):
+        register("demo", 2)(loose)
+    with pytest.raises(TypeError, match=r"^int must be a frozen dataclass"):
+        register("demo", 2)(int)
+    assert register("demo", 2)(_Inner) is _Inner
+    schema = results.schema_of("demo")
+    assert (schema.kind, schema.cls, schema.version, dict(schema.migrations)) == (
+        "demo",
+        _Inner,
+        2,
+        {},
+    )
+    assert results.record_kind(_Inner) == "demo"
+
+
+def test_schema_of_imports_the_owner_of_a_kind_first(monkeypatch, tmp_path):
+    (tmp_path / "_owner_of_demo.py").write_text(
+        "import dataclasses\nfrom ropekit.results import register\n\n"
+        "@register('demo', 2)\n@dataclasses.dataclass(frozen=True)\nclass Owned:\n    a: int\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _private_registry(monkeypatch)
+    monkeypatch.setattr(results, "_SCHEMAS", {})
+    monkeypatch.setattr(results, "_OWNERS", {"demo": "_owner_of_demo"})
+    assert results.schema_of("demo").cls.__name__ == "Owned"
+    assert results.schema_of("schedules") is None  # untyped: no owner, no schema
+    with pytest.raises(ValueError, match=r"^_Inner is not a registered result record$"):
+        results.record_kind(_Inner)
+
+
+def test_every_owner_registers_its_kind():
+    for kind, module in results._OWNERS.items():
+        schema = results.schema_of(kind)
+        assert schema is not None and schema.kind == kind and schema.cls.__module__ == module
+        assert schema.version > results.FORMAT_VERSION
+        assert set(range(results.FORMAT_VERSION, schema.version)) <= set(schema.migrations)
+
+
+def test_migrations_run_in_order_and_stop_at_the_current_version(monkeypatch, tmp_path):
+    _private_registry(monkeypatch)
+    seen = []
+
+    def step(v):
+        def migrate(data):
+            seen.append((v, data["format_version"]))
+            return {**data, "steps": [*data.get("steps", []), v]}
+
+        return migrate
+
+    @register("demo", 5, {2: step(2), 3: step(3), 4: step(4), 5: step(5)})
+    @dataclasses.dataclass(frozen=True)
+    class Stepped:
+        meta: dict
+        provenance: dict
+        steps: tuple[int, ...]
+
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"kind": "demo", "format_version": 3, "meta": {}, "provenance": {}}))
+    assert read_record(path, Stepped).steps == (3, 4)
+    assert seen == [(3, 3), (4, 4)]  # never past the writer's version
+    path.write_text(json.dumps({"kind": "demo", "format_version": 5, "meta": {}, "provenance": {},
+                                "steps": []}))  # fmt: skip
+    assert read_record(path, Stepped).steps == () and seen == [(3, 3), (4, 4)]
+    path.write_text(json.dumps({"kind": "demo", "format_version": 6, "meta": {}, "provenance": {}}))
+    with pytest.raises(ResultError, match="format_version=6; this ropekit reads 5: recompute it"):
+        read_record(path, Stepped)
+
+
+# --------------------------------------------------------------------------- files
+def test_read_result_says_what_is_wrong_with_a_file(tmp_path):
+    path = tmp_path / "r.json"
+    with pytest.raises(ResultError, match=rf"^{path} does not exist$"):
+        read_result(path)
+    path.write_text("{")
+    with pytest.raises(ResultError, match=rf"^{path} is not valid JSON \(corrupted\?\): "):
+        read_result(path)
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(ResultError, match="is not valid JSON"):
+        read_result(path)
+    for content in ("[1]", '{"kind": "nope"}', "{}"):
+        path.write_text(content)
+        with pytest.raises(
+            ResultError, match=rf"^{path} is not a ropekit result \(no known 'kind'\)$"
+        ):
+            read_result(path)
+    path.write_text(json.dumps({"kind": "schedules", "format_version": 2}))
+    with pytest.raises(ResultError, match=rf"^{path} is a 'schedules' result, not a 'demo' one$"):
+        read_result(path, "demo")
+    assert read_result(path) == {"kind": "schedules", "format_version": 2}
+    assert read_result(path, "schedules")["kind"] == "schedules"
+    path.write_text(json.dumps({"kind": "schedules"}))
+    with pytest.raises(ResultError, match="format_version=None; this ropekit reads 2"):
+        read_result(path)
+
+
+def test_make_record_puts_the_header_first_and_keeps_the_payloads_own(monkeypatch):
+    monkeypatch.setattr(results, "run_metadata", lambda: {"command": "default"})
+    record = make_record("schedules", {"kind": "x", "format_version": 9, "a": 1, "meta": {"m": 0}},
+                         provenance={"model": "m"})  # fmt: skip
+    assert list(record) == ["kind", "format_version", "meta", "provenance", "a"]
+    assert record == {"kind": "schedules", "format_version": 2, "meta": {"command": "default"},
+                      "provenance": {"model": "m"}, "a": 1}  # fmt: skip
+    assert make_record("schedules", {}, meta={"own": 1})["meta"] == {"own": 1}
+    assert make_record("schedules", {}, meta={})["provenance"] == {}
+    with pytest.raises(ValueError, match=r"^kind='nope' is not allowed; use one of pretrain, "):
+        make_record("nope", {})
+
+
+def test_a_records_own_meta_and_provenance_are_the_header_unless_given(toy_kind):
+    toy = _Toy({"command": "c"}, {"model": "m"}, {}, {})
+    record = make_record("demo", toy)
+    assert record["meta"] == {"command": "c"} and record["provenance"] == {"model": "m"}
+    assert record["format_version"] == 4 and record["by_lr"] == {}
+    other = make_record("demo", toy, meta={"command": "d"}, provenance={"model": "n"})
+    assert other["meta"] == {"command": "d"} and other["provenance"] == {"model": "n"}
+
+
+def test_run_metadata_records_the_command_spec_seed_and_versions(monkeypatch):
+    monkeypatch.setattr(results.sys, "argv", ["ropekit", "eval", "ppl"])
+    meta = run_metadata(spec="yarn:factor=2", seed=3)
+    assert list(meta) == ["command", "spec", "seed", "versions", "machine"]
+    assert meta["command"] == "ropekit eval ppl" and meta["spec"] == "yarn:factor=2"
+    assert meta["seed"] == 3 and run_metadata("given")["command"] == "given"
+    assert {"ropekit", "torch", "python", "transformers", "numpy"} <= set(meta["versions"])
+    assert meta["versions"]["python"] == results.platform.python_version()
+    assert meta["machine"].endswith(" cpus") and run_metadata()["seed"] is None
+
+
+def test_plain_writes_non_finite_floats_as_null_and_paths_as_text(tmp_path):
+    value = {1: [math.nan, math.inf, -math.inf, 1.5], "p": (tmp_path, 2), "s": "x"}
+    assert results.plain(value) == {"1": [None, None, None, 1.5], "p": [str(tmp_path), 2], "s": "x"}
+    assert results.plain(True) is True and results.plain(0.0) == 0.0
+    text = results.to_json({"a": math.nan, "b": object.__new__(object)}, indent=None)
+    assert text.startswith('{"a": null, "b": "<object object')
+    assert results.to_json({"a": [1]}) == '{\n  "a": [\n    1\n  ]\n}'
+
+
+def test_digest_is_stable_across_key_order_and_runs():
+    # Pinned: a digest names cached work on disk, so it must not change between versions.
+    assert results.digest({"b": [1, 2.5, None], "a": "x"}) == "d0816bdf78f5c27aa5f75b5e28fcea64"
+    assert results.digest({"a": "x", "b": [1, 2.5, None]}) == "d0816bdf78f5c27aa5f75b5e28fcea64"
+    assert results.digest({"a": 1}, 4) == "5b09908e"
+    assert results.digest(math.nan) == results.digest(None) == "941dffce4e4308ceb33e87326003257d"
+    assert results.digest({"a": 2}) != results.digest({"a": 1}, 16)
+
+
+def test_result_kind_is_none_for_anything_but_a_result(tmp_path):
+    path = tmp_path / "r.json"
+    assert results.result_kind(path) is None  # absent
+    for content, kind in [("{", None), ("[]", None), ('{"kind": 3}', None), ('{"a": 1}', None),
+                          ('{"kind": "anything"}', "anything")]:  # fmt: skip
+        path.write_text(content)
+        assert results.result_kind(path) == kind
+    path.write_bytes(b"\xff")
+    assert results.result_kind(path) is None
+
+
+@pytest.mark.parametrize(
+    "recorded, current, field",
+    [
+        ({"a": 1, "b": 2}, {"a": 1, "b": 3}, "b"),
+        ({"b": 1, "a": 1}, {"b": 2, "a": 2}, "a"),  # sorted: a before b
+        ({"a": {"x": 1, "y": [1]}}, {"a": {"x": 1, "y": [2]}}, "a.y"),
+        ({"a": 1}, {"a": 1, "c": 0}, "c"),
+        ({"a": {"x": 1}}, {"a": 5}, "a"),
+    ],
+)
+def test_check_provenance_names_the_first_differing_field(recorded, current, field):
+    with pytest.raises(results.ProvenanceMismatch) as error:
+        check_provenance(recorded, current, "run/x.json")
+    assert str(error.value).startswith(f"run/x.json was made with other settings: {field} is ")
+    assert str(error.value).endswith(
+        "now; use another output folder, or --overwrite to recompute it"
+    )
+
+
+def test_check_provenance_shows_both_values_and_passes_equal_ones():
+    check_provenance({"a": math.nan, "b": (1, 2)}, {"b": [1, 2], "a": None}, "f")  # as JSON: equal
+    check_provenance({}, {}, "f")
+    with pytest.raises(results.ProvenanceMismatch) as error:
+        check_provenance({"m": {"n": "x" * 100}}, {"m": {"n": "y"}}, "f")
+    assert f'm.n is "{"x" * 56}... there, "y" now;' in str(error.value)
+    with pytest.raises(results.ProvenanceMismatch) as error:
+        check_provenance({"a": {"k": 1}}, {}, "f")
+    assert 'a is {"k": 1} there, null now' in str(error.value)
+    short = "z" * 58  # with its quotes exactly 60 characters: shown whole
+    with pytest.raises(results.ProvenanceMismatch, match=f'a is "{short}" there'):
+        check_provenance({"a": short}, {"a": 0}, "f")
+
+
+def test_check_replaceable_reuses_only_the_same_kind_and_provenance(tmp_path):
+    path = tmp_path / "r.json"
+    assert check_replaceable(path, "schedules", {"a": 1}) is False  # free
+    write_result(path, "schedules", {"x": 1}, meta={}, provenance={"a": 1})
+    assert check_replaceable(path, "schedules", {"a": 1}) is True
+    assert check_replaceable(path, "schedules") is True  # no provenance asked: any
+    assert check_replaceable(path, "schedules", {"a": 2}, overwrite=True) is False
+    with pytest.raises(results.ProvenanceMismatch, match="a is 1 there, 2 now"):
+        check_replaceable(path, "schedules", {"a": 2})
+    with pytest.raises(ResultError) as error:
+        check_replaceable(path, "demo")
+    assert str(error.value) == (
+        f"{path} holds a 'schedules' result, not a 'demo' result; use another output folder, "
+        "or --overwrite to replace it"
+    )
+    path.write_text("notes")
+    with pytest.raises(ResultError, match=rf"^{path} holds a file ropekit did not write, not a"):
+        check_replaceable(path, "schedules")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"kind": "schedules", "format_version": 1, "provenance": {}}))
+    with pytest.raises(ResultError, match="format_version=1"):
+        check_replaceable(old, "schedules")
+
+
+def test_check_replaceable_refuses_what_is_not_a_regular_file(tmp_path):
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(ResultError, match="exists and is not a regular file; use another output"):
+        check_replaceable(tmp_path / "dir.json", "schedules")
+    write_result(tmp_path / "real.json", "schedules", {}, meta={})
+    (tmp_path / "link.json").symlink_to(tmp_path / "real.json")
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "gone.json")
+    for name in ("link.json", "dangling.json"):
+        with pytest.raises(ResultError, match="is not a regular file"):
+            check_replaceable(tmp_path / name, "schedules")
+    assert check_replaceable(tmp_path / "link.json", "schedules", overwrite=True) is False
+
+
+def test_a_typed_file_its_class_cannot_read_is_not_reused(toy_kind, tmp_path):
+    path = write_result(tmp_path / "demo.json", "demo", _Toy({}, {"a": 1}, {}, {}))
+    assert check_replaceable(path, "demo", {"a": 1}) is True
+    data = json.loads(path.read_text())
+    data["by_lr"] = {"fast": 1.0}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultError, match=r"demo\.by_lr: key 'fast', expected float"):
+        check_replaceable(path, "demo", {"a": 1})
+
+
+def test_write_result_replaces_atomically_and_refuses_when_told(tmp_path):
+    path = tmp_path / "sub" / "r.json"
+    write_result(path, "schedules", {"x": [1, math.nan]}, meta={}, indent=None)
+    assert path.read_text() == (
+        '{"kind": "schedules", "format_version": 2, "meta": {}, "provenance": {}, "x": [1, null]}\n'
+    )
+    write_result(path, "schedules", {"x": 2}, meta={})
+    assert json.loads(path.read_text())["x"] == 2 and path.read_text().startswith('{\n  "kind"')
+    assert sorted(p.name for p in path.parent.iterdir()) == ["r.json"]  # no temporary left
+    write_result(path, "schedules", {"x": 3}, meta={}, provenance={}, overwrite=False)
+    with pytest.raises(results.ProvenanceMismatch):
+        write_result(path, "schedules", {"x": 4}, meta={}, provenance={"a": 1}, overwrite=False)
+    assert json.loads(path.read_text())["x"] == 3  # refused: left as it was
+    assert write_result(path, "schedules", {}, meta={}) == path
+
+
+def test_read_record_names_the_file_and_leaves_out_the_header(toy_kind, tmp_path):
+    path = write_result(tmp_path / "demo.json", "demo", _Toy({"c": 1}, {}, {}, {}, note="n"))
+    assert read_record(path, _Toy).note == "n" and read_record(path, _Toy).meta == {"c": 1}
+    with pytest.raises(ValueError, match="_Inner is not a registered result record"):
+        read_record(path, _Inner)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "meta": []}))
+    with pytest.raises(ResultError, match=rf"^{path}: demo\.meta is \[\], not an object$"):
+        read_record(path, _Toy)
+
+
+# --------------------------------------------------------------------------- JSONL stages
+def test_records_round_trip_one_per_line(tmp_path):
+    path = tmp_path / "stage.jsonl"
+    assert results.read_records(path) == []
+    rows = [{"a": 1, "b": math.nan}, {"a": (2, 3)}]
+    assert results.write_records(path, rows) == path
+    assert path.read_text() == '{"a": 1, "b": null}\n{"a": [2, 3]}\n'
+    assert results.read_records(path) == [{"a": 1, "b": None}, {"a": [2, 3]}]
+    results.write_records(path, [])
+    assert path.read_text() == "" and results.read_records(path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage.jsonl"]
+
+
+def test_a_torn_last_line_is_dropped_and_a_damaged_one_elsewhere_is_named(tmp_path):
+    path = tmp_path / "stage.jsonl"
+    path.write_text('{"a": 1}\n\n   \n{"a": 2}\n{"a": ')
+    assert results.read_records(path) == [{"a": 1}, {"a": 2}]
+    path.write_text('{"a": 1}\n{"a": \n{"a": 3}\n')
+    with pytest.raises(ResultError, match=rf"^{path}, line 2, is not valid JSON \(corrupted\?\)$"):
+        results.read_records(path)
+    path.write_bytes(b'{"a": "\xff"}\n{"b": 1}\n')  # a stray byte is read, not a crash
+    assert results.read_records(path) == [{"a": "\ufffd"}, {"b": 1}]
+    path.write_text('{"a": 1}\n{"a": 2')  # torn, no newline
+    assert results.read_records(path) == [{"a": 1}]
+    path.write_text('{"a": \n\n')  # the only record torn, blank lines after it
+    with pytest.raises(ResultError, match="line 1"):
+        results.read_records(path)

@@ -197,7 +197,8 @@ def _scalar(kind: type, value: Any, where: str) -> Any:
 
 def decode(kind: Any, value: Any, where: str) -> Any:
     """``value`` (JSON) as a value of type ``kind``: a dataclass from an object whose keys are
-    exactly its fields (those with defaults may be absent), containers element by element.
+    exactly its fields (those with defaults may be absent), containers element by element (a
+    ``tuple[int, float]`` place by place, a ``tuple[int, ...]`` of any length).
     Raises ResultError naming the field (``where``, dotted) that is missing, unknown or of
     another type."""
     if kind is Any:
@@ -216,6 +217,11 @@ def decode(kind: Any, value: Any, where: str) -> Any:
     if origin in (tuple, list):
         if not isinstance(value, list):
             raise ResultError(f"{where} is {json.dumps(value)[:40]}, not a list")
+        if origin is tuple and args and args[-1] is not Ellipsis:  # fixed: one hint a place
+            if len(value) != len(args):
+                raise ResultError(f"{where} has {len(value)} items, expected {len(args)}")
+            places = enumerate(zip(args, value, strict=True))
+            return tuple(decode(a, v, f"{where}[{i}]") for i, (a, v) in places)
         item = args[0] if args else Any
         items = [decode(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
