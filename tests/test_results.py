@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -291,6 +292,7 @@ def test_schema_of_imports_the_owner_of_a_kind_first(monkeypatch, tmp_path):
         "@register('demo', 2)\n@dataclasses.dataclass(frozen=True)\nclass Owned:\n    a: int\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "_owner_of_demo", raising=False)  # a run before this one
     _private_registry(monkeypatch)
     monkeypatch.setattr(results, "_SCHEMAS", {})
     monkeypatch.setattr(results, "_OWNERS", {"demo": "_owner_of_demo"})
