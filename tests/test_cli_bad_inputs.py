@@ -22,14 +22,14 @@ import torch
 
 from ropekit.cli import main
 
-from .hf.tiny import llama_folder
+from .tiny import llama_folder
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--batch-size", "2", "--warmup", "1"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _hf_folder(folder: Path, max_positions: int = 64) -> Path:
-    """tests/hf/tiny.py's Hugging Face folder with one layer and a tokenizer of one essay."""
+    """tests/tiny.py's Hugging Face folder with one layer and a tokenizer of one essay."""
     return llama_folder(folder, layers=1, max_positions=max_positions, essays=1)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ropekit.cli import main
 
-from .hf.tiny import llama_folder
+from .tiny import llama_folder
 
 
 @pytest.fixture(scope="module")

@@ -24,9 +24,9 @@ from ropekit.cli import main
 from ropekit.data import load_corpus
 from ropekit.model import load_decoder
 
-from .hf.tiny import llama_folder
 from .processes import launch, writes
 from .test_cli_processes import PRETRAIN
+from .tiny import llama_folder
 
 
 @pytest.fixture(autouse=True)

@@ -46,8 +46,8 @@ def tiny_decoder(
 
 
 def tiny_llama(*, attn_implementation: str = "sdpa", seed: int = 0) -> nn.Module:
-    """The shared tiny Llama (tests/hf/tiny.py) with transformers' default special tokens."""
-    from ..hf.tiny import tiny_model  # transformers: a slow import, only where needed
+    """The shared tiny Llama (tests/tiny.py) with transformers' default special tokens."""
+    from ..tiny import tiny_model  # transformers: a slow import, only where needed
 
     return tiny_model(
         "llama", seed=seed, attn_implementation=attn_implementation, pad_token_id=None,

@@ -23,7 +23,7 @@ from ropekit.backbone import (
 from ropekit.backbone.adapters import OTHER_WEIGHTS_ENV, add_lora, load_lora, save_lora
 from ropekit.hf import encoding_of, patch
 
-from ..hf.tiny import VOCAB, perturb, tiny_model
+from ..tiny import VOCAB, perturb, tiny_model
 
 IDS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(2))
 
@@ -41,17 +41,19 @@ def trained(tmp_path: Path) -> tuple[torch.nn.Module, Path]:
     return model, save_adapter(model, tmp_path / "adapter")
 
 
-def test_round_trip_reproduces_logits_exactly(trained) -> None:
+def test_round_trip_reproduces_logits_exactly(trained, tiny_llama) -> None:
     model, folder = trained
-    fresh = tiny_model("llama")  # same backbone, unpatched
+    fresh = tiny_llama()  # same backbone, unpatched
     encoding = load_adapter(fresh, folder)
     assert encoding.spec == encoding_of(model).spec
     assert torch.equal(_logits(fresh), _logits(model))
 
 
-def test_loading_into_a_model_patched_with_the_same_spec_replaces_its_values(trained) -> None:
+def test_loading_into_a_model_patched_with_the_same_spec_replaces_its_values(
+    trained, tiny_llama
+) -> None:
     model, folder = trained
-    other = tiny_model("llama")
+    other = tiny_llama()
     perturb(patch(other, "adarope:init=yarn,factor=2"), seed=9)
     assert not torch.equal(_logits(other), _logits(model))
     load_adapter(other, folder)
@@ -77,8 +79,8 @@ def test_adapter_holds_only_the_positional_parameters(trained) -> None:
     assert meta["spec"] == encoding.spec
 
 
-def test_frozen_parameters_are_saved_too(tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_frozen_parameters_are_saved_too(tmp_path: Path, tiny_llama) -> None:
+    model = tiny_llama()
     perturb(patch(model, "adarope"))
     model.requires_grad_(False)  # an evaluation setup
     save_adapter(model, tmp_path)
@@ -116,24 +118,24 @@ def test_a_different_model_is_refused_naming_the_mismatch(
     assert encoding_of(other) is None
 
 
-def test_a_different_base_is_refused(trained) -> None:
+def test_a_different_base_is_refused(trained, tiny_llama) -> None:
     _, folder = trained
-    other = tiny_model("llama", {"rope_type": "default", "rope_theta": 5e5})
+    other = tiny_llama({"rope_type": "default", "rope_theta": 5e5})
     with pytest.raises(AdapterError, match=r"base: expected 10000(\.0)?, got 500000\.0"):
         load_adapter(other, folder)
 
 
-def test_corrupted_weights_are_reported(trained) -> None:
+def test_corrupted_weights_are_reported(trained, tiny_llama) -> None:
     _, folder = trained
     weights = folder / ADAPTER_WEIGHTS
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0xFF
     weights.write_bytes(bytes(data))
     with pytest.raises(AdapterError, match="corrupted"):
-        load_adapter(tiny_model("llama"), folder)
+        load_adapter(tiny_llama(), folder)
 
 
-def test_unreadable_weights_with_a_matching_checksum_are_reported(trained) -> None:
+def test_unreadable_weights_with_a_matching_checksum_are_reported(trained, tiny_llama) -> None:
     _, folder = trained
     (folder / ADAPTER_WEIGHTS).write_bytes(b"not a safetensors file")
     meta = json.loads((folder / ADAPTER_CONFIG).read_text())
@@ -141,7 +143,7 @@ def test_unreadable_weights_with_a_matching_checksum_are_reported(trained) -> No
     meta.pop("meta_sha256")  # as a file written before the metadata checksum
     (folder / ADAPTER_CONFIG).write_text(json.dumps(meta))
     with pytest.raises(AdapterError, match="not a safetensors file"):
-        load_adapter(tiny_model("llama"), folder)
+        load_adapter(tiny_llama(), folder)
 
 
 def test_truncated_json_and_missing_files_are_reported(trained) -> None:
@@ -155,7 +157,7 @@ def test_truncated_json_and_missing_files_are_reported(trained) -> None:
         read_adapter(folder)
 
 
-def test_weights_that_do_not_fit_the_spec_are_reported(trained) -> None:
+def test_weights_that_do_not_fit_the_spec_are_reported(trained, tiny_llama) -> None:
     _, folder = trained
     meta, tensors = read_adapter(folder)
     tensors["log_tau"] = torch.zeros(3, 3)
@@ -165,7 +167,7 @@ def test_weights_that_do_not_fit_the_spec_are_reported(trained) -> None:
     meta.pop("meta_sha256")  # as a file written before the metadata checksum
     (folder / ADAPTER_CONFIG).write_text(json.dumps(meta))
     with pytest.raises(AdapterError, match=r"log_tau has shape \(3, 3\)"):
-        load_adapter(tiny_model("llama"), folder)
+        load_adapter(tiny_llama(), folder)
 
 
 @pytest.mark.parametrize(
@@ -176,7 +178,7 @@ def test_weights_that_do_not_fit_the_spec_are_reported(trained) -> None:
     ],
     ids=["spec", "fingerprint"],
 )
-def test_an_edited_adapter_json_is_refused(trained, edit) -> None:
+def test_an_edited_adapter_json_is_refused(trained, edit, tiny_llama) -> None:
     """The checksum covers the metadata, not only the weights: a spec edited from factor 2
     to 3 once loaded silently, as factor 3 with factor 2's trained parameters."""
     _, folder = trained
@@ -184,22 +186,22 @@ def test_an_edited_adapter_json_is_refused(trained, edit) -> None:
     edit(meta)
     (folder / ADAPTER_CONFIG).write_text(json.dumps(meta))
     with pytest.raises(AdapterError, match="was edited after it was written"):
-        load_adapter(tiny_model("llama"), folder)
+        load_adapter(tiny_llama(), folder)
 
 
-def test_an_adapter_written_before_the_metadata_checksum_still_loads(trained) -> None:
+def test_an_adapter_written_before_the_metadata_checksum_still_loads(trained, tiny_llama) -> None:
     model, folder = trained
     meta = json.loads((folder / ADAPTER_CONFIG).read_text())
     meta.pop("meta_sha256")
     (folder / ADAPTER_CONFIG).write_text(json.dumps(meta))
-    fresh = tiny_model("llama")
+    fresh = tiny_llama()
     load_adapter(fresh, folder)
     assert torch.equal(_logits(fresh), _logits(model))
 
 
-def test_saving_an_unpatched_model_is_refused(tmp_path: Path) -> None:
+def test_saving_an_unpatched_model_is_refused(tmp_path: Path, tiny_llama) -> None:
     with pytest.raises(AdapterError, match="not patched"):
-        save_adapter(tiny_model("llama"), tmp_path)
+        save_adapter(tiny_llama(), tmp_path)
 
 
 def _lora_run(tmp_path: Path, rank: int) -> tuple[torch.nn.Module, Path]:
@@ -220,11 +222,11 @@ def _lora_run(tmp_path: Path, rank: int) -> tuple[torch.nn.Module, Path]:
     return model, run
 
 
-def test_lora_weights_round_trip_and_are_checked(tmp_path: Path) -> None:
+def test_lora_weights_round_trip_and_are_checked(tmp_path: Path, tiny_llama) -> None:
     from ropekit.backbone import LORA_WEIGHTS
 
     model, run = _lora_run(tmp_path, rank=4)
-    fresh = tiny_model("llama")
+    fresh = tiny_llama()
     load_adapter(fresh, run)
     assert torch.equal(_logits(fresh), _logits(model))  # positional + LoRA, exactly
     # Another run's LoRA file of another rank, swapped in: refused, not loaded.
@@ -233,7 +235,7 @@ def test_lora_weights_round_trip_and_are_checked(tmp_path: Path) -> None:
     shutil.copytree(run, swapped)
     shutil.copy2(other / LORA_WEIGHTS, swapped / LORA_WEIGHTS)
     with pytest.raises(AdapterError, match="sha256"):
-        load_adapter(tiny_model("llama"), swapped)
+        load_adapter(tiny_llama(), swapped)
     # One flipped bit in the LoRA weights: refused.
     flipped = tmp_path / "flipped"
     shutil.copytree(run, flipped)
@@ -241,40 +243,42 @@ def test_lora_weights_round_trip_and_are_checked(tmp_path: Path) -> None:
     data[-3] ^= 0x10
     (flipped / LORA_WEIGHTS).write_bytes(bytes(data))
     with pytest.raises(AdapterError, match="corrupted"):
-        load_adapter(tiny_model("llama"), flipped)
+        load_adapter(tiny_llama(), flipped)
     # LoRA weights without their lora.json: refused (nothing says what they are).
     bare = tmp_path / "bare"
     shutil.copytree(run, bare)
     (bare / "lora.json").unlink()
     with pytest.raises(AdapterError, match=r"lora\.json is missing"):
-        load_adapter(tiny_model("llama"), bare)
+        load_adapter(tiny_llama(), bare)
 
 
-def test_another_models_adapter_of_the_same_shape_is_refused(trained) -> None:
+def test_another_models_adapter_of_the_same_shape_is_refused(trained, tiny_llama) -> None:
     """The fingerprint is the shape; the weights sample names the model: an adapter made on
     one model and loaded onto another of the same shape once loaded silently."""
     _, folder = trained
     with pytest.raises(AdapterError, match="made for another model: its weights_sample"):
-        load_adapter(tiny_model("llama", seed=1), folder)
+        load_adapter(tiny_llama(seed=1), folder)
 
 
-def test_the_same_model_in_another_dtype_loads(trained) -> None:
+def test_the_same_model_in_another_dtype_loads(trained, tiny_llama) -> None:
     _, folder = trained
-    load_adapter(tiny_model("llama").to(torch.bfloat16), folder)
+    load_adapter(tiny_llama().to(torch.bfloat16), folder)
 
 
-def test_another_models_adapter_loads_when_the_user_says_so(trained, monkeypatch) -> None:
+def test_another_models_adapter_loads_when_the_user_says_so(
+    trained, monkeypatch, tiny_llama
+) -> None:
     _, folder = trained
     monkeypatch.setenv(OTHER_WEIGHTS_ENV, "1")
-    load_adapter(tiny_model("llama", seed=1), folder)
+    load_adapter(tiny_llama(seed=1), folder)
 
 
-def test_another_models_lora_is_refused(tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_another_models_lora_is_refused(tmp_path: Path, tiny_llama) -> None:
+    model = tiny_llama()
     patch(model, "yarn:factor=2")
     backbone = as_backbone(model)
     targets = add_lora(backbone, 2, 4)
     save_lora(backbone, tmp_path, 2, 4, targets)
-    other = as_backbone(tiny_model("llama", seed=1))
+    other = as_backbone(tiny_llama(seed=1))
     with pytest.raises(AdapterError, match="made for another model"):
         load_lora(other, tmp_path)

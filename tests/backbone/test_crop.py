@@ -16,10 +16,10 @@ import torch
 from ropekit.backbone import as_backbone
 from ropekit.hf import patch, spec_from_config
 
-from ..hf.tiny import L0, VOCAB, perturb
-from ..hf.tiny import tiny_model as tiny_hf
 from ..model.tiny import CONTEXT
 from ..model.tiny import tiny_model as tiny_decoder
+from ..tiny import L0, VOCAB, perturb
+from ..tiny import tiny_model as tiny_hf
 
 ATOL = 1e-5
 DECODER_SPECS = [

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from ropekit.backbone import as_backbone
 from ropekit.hf import patch
 
-from ..hf.tiny import L0, VOCAB
-from ..hf.tiny import tiny_model as tiny_hf
 from ..model.tiny import tiny_model as tiny_decoder
+from ..tiny import L0, VOCAB
+from ..tiny import tiny_model as tiny_hf
 
 
 def _full_nll(backbone, ids: torch.Tensor) -> torch.Tensor:

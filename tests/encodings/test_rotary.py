@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from ropekit.encodings import build
 from ropekit.encodings.rotary import PAIRINGS, angles, rotate, rotate_reference, tables
+
+from ..tiny import tiny_config
 
 # Tolerances tied to dtype: measured float noise of one multiply-add chain.
 TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float64: 1e-12}
@@ -69,13 +70,12 @@ def test_half_pairing_matches_transformers_apply_rotary_pos_emb(rope_parameters,
         # Llama's default init ignores partial_rotary_factor; "linear" with factor 1 honours it
         # and is plain RoPE (tested in test_schedules).
         rope_parameters = {"rope_type": "linear", "factor": 1.0}
-    config = LlamaConfig(
+    config = tiny_config(
+        "llama",
+        {"rope_theta": base, "partial_rotary_factor": fraction, **rope_parameters},
         hidden_size=4 * head_dim,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=head_dim,
         max_position_embeddings=1024,
-        rope_parameters={"rope_theta": base, "partial_rotary_factor": fraction, **rope_parameters},
     )
     spec = {
         "default": "rope",

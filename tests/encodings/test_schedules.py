@@ -7,10 +7,11 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ropekit.encodings import schedules
+
+from ..tiny import tiny_config
 
 DIM, BASE, L0 = 64, 10000.0, 512
 
@@ -74,12 +75,13 @@ def test_partial_rope_has_fewer_pairs_with_transformers_exponents():
 
 # ----------------------------------------------------------------------------- parity
 def _hf(rope_type: str, head_dim: int, base: float, max_len: int, seq_len=None, **params):
-    config = LlamaConfig(
+    config = tiny_config(
+        "llama",
+        {"rope_type": rope_type, "rope_theta": base, **params},
         hidden_size=head_dim * 2,
         num_attention_heads=2,
         head_dim=head_dim,
         max_position_embeddings=max_len,
-        rope_parameters={"rope_type": rope_type, "rope_theta": base, **params},
     )
     inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
     return inv_freq.double(), factor

@@ -8,7 +8,7 @@ Holds:
                    context, and copies the token found there. `window` limits how far back it
                    may attend: a model whose attention does not reach the needle.
     tiny_decoder   a randomly initialised 1-layer ropekit Decoder.
-    tiny_llama     a randomly initialised 2-layer LlamaForCausalLM over bytes.
+    tiny_llama     the shared tiny Llama (tests/tiny.py) over bytes, context 4096.
 
 Shapes: B batch · T new tokens · S all tokens (cached + new) · V vocabulary.
 """
@@ -117,11 +117,11 @@ def tiny_decoder(seed: int = 0, encoding: str = "rope"):
 
 
 def tiny_llama(seed: int = 0, vocab_size: int = 256, attn: str = "sdpa"):
-    """The shared tiny Llama (tests/hf/tiny.py) with a long context and no special tokens."""
-    from ..hf.tiny import tiny_model
+    """The shared tiny Llama (tests/tiny.py), SMALL, with a long context and no special
+    tokens."""
+    from ..tiny import tiny_model  # transformers: a slow import, only where needed
 
     return tiny_model(
-        "llama", seed=seed, attn_implementation=attn, vocab_size=vocab_size, hidden_size=32,
-        intermediate_size=64, head_dim=8, max_position_embeddings=4096, initializer_range=0.02,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        "llama", seed=seed, attn_implementation=attn, small=True, vocab_size=vocab_size,
+        max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )  # fmt: skip

@@ -37,8 +37,8 @@ from ropekit.evals.tasks import TaskDoesNotFit
 from ropekit.hf import patch
 from ropekit.results import ProvenanceMismatch, ResultError, encode, read_record, read_records
 
-from ..hf.tiny import tiny_model as sharp_llama
 from ..model.tiny import tiny_model as sharp_decoder
+from ..tiny import tiny_model as sharp_llama
 from .models import SuffixCopyLM, tiny_llama
 
 OPTIONS = {"progress": False}

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from ropekit.hf import patch, spec_from_config
 
-from .tiny import VOCAB, tiny_model
+from ..tiny import VOCAB, tiny_model
 
 ATOL = 1e-5
 

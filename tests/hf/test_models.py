@@ -18,7 +18,7 @@ from ropekit.hf import KNOWN_MODELS, cache_dir, list_models, load_model, model_d
 from ropekit.hf.models import find_source, resolve_model
 from ropekit.outdir import OutDirLocked
 
-from .tiny import VOCAB, tiny_model
+from ..tiny import VOCAB, tiny_model
 
 # A model folder whose config points at code inside the folder (transformers' auto_map).
 REMOTE_CONFIG = """

@@ -1,6 +1,6 @@
 """patch/unpatch: properties of the patched model, then parity with transformers' own RoPE.
 
-Every model here is a tiny random fp32 model (tests/hf/tiny.py); tolerances are fp32 noise:
+Every model here is a tiny random fp32 model (tests/tiny.py); tolerances are fp32 noise:
 ropekit forms angles in float64, transformers in float32, which at positions < 64 differs by
 about 1e-6 in cos/sin and by a few 1e-6 in logits of magnitude ~3.
 """
@@ -23,7 +23,7 @@ from ropekit.hf import (
     unpatch,
 )
 
-from .tiny import ARCH_NAMES, L0, VOCAB, perturb, tiny_model
+from ..tiny import ARCH_NAMES, L0, VOCAB, perturb, tiny_model
 
 ATOL = 1e-5  # fp32 logits, see the module docstring
 

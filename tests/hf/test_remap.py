@@ -10,16 +10,8 @@ from transformers import DynamicCache
 
 from ropekit.hf import encoding_of, patch, spec_from_config
 
-from .tiny import (
-    ARCH_NAMES,
-    L0,
-    VOCAB,
-    greedy_cached,
-    greedy_reference,
-    last_logits,
-    positions_from_mask,
-    tiny_model,
-)
+from ..tiny import ARCH_NAMES, L0, VOCAB, tiny_model
+from .generation import greedy_cached, greedy_reference, last_logits, positions_from_mask
 
 ATOL = 1e-5
 REMAPS = [

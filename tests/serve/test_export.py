@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from ropekit.backbone import load_adapter, save_adapter
 from ropekit.hf import ExportRefused, encoding_of, patch
 from ropekit.serve.exporting import EXPORT_RECORD, export
-from tests.hf.tiny import VOCAB, perturb, tiny_model
+from tests.tiny import VOCAB, perturb, tiny_model
 
 ATOL = 1e-5
 
@@ -57,8 +57,10 @@ STATIC_SPECS = [
 
 
 @pytest.mark.parametrize("spec", STATIC_SPECS)
-def test_fixed_schedules_export_to_transformers_rope_types(spec: str, tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_fixed_schedules_export_to_transformers_rope_types(
+    spec: str, tmp_path: Path, tiny_llama
+) -> None:
+    model = tiny_llama()
     patch(model, spec)
     out = export(model, None, tmp_path / "out")
     _assert_serves_like(model, out)
@@ -96,9 +98,9 @@ SHARED = "adarope:init=yarn,factor=2,share_heads=true,share_layers=true"
     ],
 )
 def test_shared_learned_frequencies_export_as_longrope(
-    spec: str, scale: bool, tmp_path: Path
+    spec: str, scale: bool, tmp_path: Path, tiny_llama
 ) -> None:
-    model = tiny_model("llama")
+    model = tiny_llama()
     encoding = patch(model, spec)
     if encoding.config.share_heads:
         perturb(encoding, scale=scale)
@@ -120,8 +122,10 @@ def test_a_constant_adascale_temperature_folds_into_the_attention_factor(tmp_pat
     _assert_serves_like(model, out)
 
 
-def test_a_length_dependent_temperature_is_refused_or_frozen_on_request(tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_a_length_dependent_temperature_is_refused_or_frozen_on_request(
+    tmp_path: Path, tiny_llama
+) -> None:
+    model = tiny_llama()
     encoding = patch(model, SHARED)
     perturb(encoding)  # gamma > 0
     with pytest.raises(ExportRefused, match="grows with the query position"):
@@ -132,8 +136,8 @@ def test_a_length_dependent_temperature_is_refused_or_frozen_on_request(tmp_path
     assert any(note.startswith("approximate") for note in notes)
 
 
-def test_per_head_frequencies_are_refused_with_the_reason(tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_per_head_frequencies_are_refused_with_the_reason(tmp_path: Path, tiny_llama) -> None:
+    model = tiny_llama()
     perturb(patch(model, "adarope:init=yarn,factor=2"))
     with pytest.raises(ExportRefused, match="differ across") as info:
         export(model, None, tmp_path / "out")
@@ -142,8 +146,8 @@ def test_per_head_frequencies_are_refused_with_the_reason(tmp_path: Path) -> Non
     assert "share_heads=true,share_layers=true" in message
 
 
-def test_per_head_temperatures_are_refused(tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_per_head_temperatures_are_refused(tmp_path: Path, tiny_llama) -> None:
+    model = tiny_llama()
     encoding = patch(model, "adarope:freq=false")
     with torch.no_grad():
         encoding.log_tau.copy_(
@@ -172,17 +176,17 @@ def test_tuned_yarn_exports_exactly(tmp_path: Path) -> None:
     ],
 )
 def test_what_llama_attention_cannot_compute_is_refused(
-    spec: str, why: str, tmp_path: Path
+    spec: str, why: str, tmp_path: Path, tiny_llama
 ) -> None:
-    model = tiny_model("llama")
+    model = tiny_llama()
     patch(model, spec)
     with pytest.raises(ExportRefused, match=why):
         export(model, None, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
-def test_export_from_a_folder_and_an_adapter(tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_export_from_a_folder_and_an_adapter(tmp_path: Path, tiny_llama) -> None:
+    model = tiny_llama()
     model.save_pretrained(tmp_path / "base")
     perturb(patch(model, SHARED.replace("share_heads", "scale=false,share_heads")))
     adapter = save_adapter(model, tmp_path / "adapter")
@@ -191,7 +195,7 @@ def test_export_from_a_folder_and_an_adapter(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError, match="overwrite"):
         export(tmp_path / "base", adapter, tmp_path / "out")
     export(tmp_path / "base", adapter, tmp_path / "out", overwrite=True)
-    fresh = tiny_model("llama")
+    fresh = tiny_llama()
     load_adapter(fresh, adapter)
     _assert_serves_like(fresh, out, lengths=(40,))
 
@@ -211,10 +215,12 @@ def test_export_from_a_folder_and_an_adapter(tmp_path: Path) -> None:
         ("rope", 32, {}),
     ],
 )
-def test_exports_set_the_length_vllm_reads(spec: str, max_pos: int, extra, tmp_path) -> None:
+def test_exports_set_the_length_vllm_reads(
+    spec: str, max_pos: int, extra, tmp_path, tiny_llama
+) -> None:
     from ropekit.serve.engines import vllm_max_length
 
-    model = tiny_model("llama")
+    model = tiny_llama()
     patch(model, spec)
     out = export(model, None, tmp_path / "out")
     config = json.loads((out / "config.json").read_text())
@@ -225,8 +231,8 @@ def test_exports_set_the_length_vllm_reads(spec: str, max_pos: int, extra, tmp_p
     _assert_serves_like(model, out)  # and transformers still computes the patched model
 
 
-def test_longrope_exports_carry_vllms_mscales(tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_longrope_exports_carry_vllms_mscales(tmp_path: Path, tiny_llama) -> None:
+    model = tiny_llama()
     perturb(patch(model, SHARED.replace("share_heads", "scale=false,share_heads")))
     params = json.loads((export(model, None, tmp_path / "o") / "config.json").read_text())[
         "rope_parameters"
@@ -241,8 +247,8 @@ def test_longrope_exports_carry_vllms_mscales(tmp_path: Path) -> None:
         assert "Unrecognized keys" in text and "vLLM's" in text
 
 
-def test_every_export_folder_says_what_serves_it(tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_every_export_folder_says_what_serves_it(tmp_path: Path, tiny_llama) -> None:
+    model = tiny_llama()
     perturb(patch(model, "adarope:init=yarn,factor=2"))
     plugin = (export(model, None, tmp_path / "v", format="vllm") / "README.md").read_text()
     assert "vllm+ropekit" in plugin and "Without the plugin" in plugin
@@ -253,7 +259,7 @@ def test_every_export_folder_says_what_serves_it(tmp_path: Path) -> None:
         assert f"`--format {fmt}` for {engines}" in readme and "Without the plugin" not in readme
 
 
-def test_max_length_and_the_tokenizer_cap(tmp_path: Path) -> None:
+def test_max_length_and_the_tokenizer_cap(tmp_path: Path, tiny_llama) -> None:
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
@@ -261,7 +267,7 @@ def test_max_length_and_the_tokenizer_cap(tmp_path: Path) -> None:
         tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")),
         model_max_length=32,
     )
-    model = tiny_model("llama")
+    model = tiny_llama()
     patch(model, "yarn:factor=4")
     out = export(model, None, tmp_path / "o", tokenizer=tokenizer, max_length=100)
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 100
@@ -272,10 +278,10 @@ def test_max_length_and_the_tokenizer_cap(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- nearest, plugin
-def test_nearest_exports_a_per_head_schedule_as_its_mean(tmp_path: Path) -> None:
+def test_nearest_exports_a_per_head_schedule_as_its_mean(tmp_path: Path, tiny_llama) -> None:
     from ropekit.serve.nearest import nearest_shared
 
-    model = tiny_model("llama")
+    model = tiny_llama()
     encoding = perturb(patch(model, "adarope:init=yarn,factor=2"))
     with pytest.raises(ExportRefused):
         export(model, None, tmp_path / "refused")
@@ -290,10 +296,10 @@ def test_nearest_exports_a_per_head_schedule_as_its_mean(tmp_path: Path) -> None
     assert low < fit.temperature < high  # a geometric mean of distinct temperatures
 
 
-def test_nearest_of_a_shared_schedule_is_the_schedule(tmp_path: Path) -> None:
+def test_nearest_of_a_shared_schedule_is_the_schedule(tmp_path: Path, tiny_llama) -> None:
     from ropekit.serve.nearest import nearest_shared
 
-    model = tiny_model("llama")
+    model = tiny_llama()
     encoding = perturb(patch(model, SHARED), scale=False)
     fit = nearest_shared(encoding, length=64)
     torch.testing.assert_close(
@@ -302,12 +308,12 @@ def test_nearest_of_a_shared_schedule_is_the_schedule(tmp_path: Path) -> None:
     assert fit.max_log_freq_spread == 0 and fit.temperature == pytest.approx(1.0)
 
 
-def test_vllm_plugin_rotary_on_flat_rows_is_ropekit_on_heads(tmp_path: Path) -> None:
+def test_vllm_plugin_rotary_on_flat_rows_is_ropekit_on_heads(tmp_path: Path, tiny_llama) -> None:
     """vLLM hands the rotary (N, H*D) rows and (N,) positions; the plugin's reshape must give
     exactly what the patched model computes on (B, H, T, D) (no vLLM needed for this)."""
     from ropekit.serve.vllm_plugin import ADAPTER_DIR, RopekitRotary, load_adapter_encoding
 
-    model = tiny_model("llama")
+    model = tiny_llama()
     encoding = perturb(patch(model, "adarope:init=yarn,factor=2"))
     out = export(model, None, tmp_path / "v", format="vllm")
     config = json.loads((out / "config.json").read_text())
@@ -340,8 +346,10 @@ def test_vllm_plugin_rotary_on_flat_rows_is_ropekit_on_heads(tmp_path: Path) -> 
         ("string", "only Self-Extend"),
     ],
 )
-def test_gguf_refuses_remaps_llamacpp_cannot_serve(spec: str, why: str, tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_gguf_refuses_remaps_llamacpp_cannot_serve(
+    spec: str, why: str, tmp_path: Path, tiny_llama
+) -> None:
+    model = tiny_llama()
     patch(model, spec)
     with pytest.raises(ExportRefused, match=why):
         export(model, None, tmp_path / "out", format="gguf")

@@ -18,7 +18,7 @@ from ropekit.hf import ExportRefused, patch
 from ropekit.serve.engines import llamacpp_rope, transformers_rope
 from ropekit.serve.exporting import export
 from ropekit.serve.gguf_file import GGUF_NAME, gguf_rope, interleave_rows
-from tests.hf.tiny import L0, perturb, tiny_config, tiny_model
+from tests.tiny import L0, perturb, tiny_config, tiny_model
 
 SHARED = "adarope:init=yarn,factor=2,share_heads=true,share_layers=true,scale=false"
 
@@ -52,8 +52,10 @@ def test_interleaved_rows_rotate_like_rotate_half() -> None:
     ("spec", "kind"),
     [("yarn:factor=2", "yarn"), ("linear:factor=2", "linear"), ("rope", "none")],
 )
-def test_metadata_carries_llama_cpp_rope_keys(spec: str, kind: str, tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_metadata_carries_llama_cpp_rope_keys(
+    spec: str, kind: str, tmp_path: Path, tiny_llama
+) -> None:
+    model = tiny_llama()
     patch(model, spec)
     out = export(model, None, tmp_path / "g", format="gguf")
     fields, tensors = _fields(out / GGUF_NAME)
@@ -75,8 +77,8 @@ def test_metadata_carries_llama_cpp_rope_keys(spec: str, kind: str, tmp_path: Pa
 
 
 @pytest.mark.parametrize("spec", ["llama3:factor=2,low_freq_factor=1,high_freq_factor=4", SHARED])
-def test_per_pair_schedules_travel_as_rope_freqs(spec: str, tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_per_pair_schedules_travel_as_rope_freqs(spec: str, tmp_path: Path, tiny_llama) -> None:
+    model = tiny_llama()
     encoding = patch(model, spec)
     if spec.startswith("adarope"):
         perturb(encoding, scale=False)

@@ -18,7 +18,7 @@ from ropekit.hf import patch
 from ropekit.serve.engines import transformers_rope, vllm_max_length, vllm_rope
 from ropekit.serve.exporting import export
 from ropekit.serve.inspection import inspect_folder
-from tests.hf.tiny import L0, perturb, tiny_config, tiny_model
+from tests.tiny import L0, perturb, tiny_config, tiny_model
 
 from .test_gguf import PARAMS
 
@@ -208,10 +208,12 @@ LEARNED = "adarope:init=yarn,factor=2,share_heads=true,share_layers=true,scale=f
 @pytest.mark.parametrize(
     "spec", ["rope", "linear:factor=2", "yarn:factor=2", "llama3:factor=4", LEARNED]
 )
-def test_inspect_reads_a_gguf_export_and_finds_llamacpp_exact(spec: str, tmp_path: Path) -> None:
+def test_inspect_reads_a_gguf_export_and_finds_llamacpp_exact(
+    spec: str, tmp_path: Path, tiny_llama
+) -> None:
     from ropekit.serve.inspection import format_report
 
-    model = tiny_model("llama", {"rope_type": "default", "rope_theta": 5e5})  # not the default
+    model = tiny_llama({"rope_type": "default", "rope_theta": 5e5})  # not the default
     perturb(patch(model, spec))  # the learned one: rope_freqs and an attention factor != 1
     out = export(model, None, tmp_path / "g", format="gguf")
     params = json.loads((out / "ropekit_export.json").read_text())["rope_parameters"]
@@ -229,10 +231,10 @@ def test_inspect_reads_a_gguf_export_and_finds_llamacpp_exact(spec: str, tmp_pat
         assert "GGUF was written from" in "\n".join(format_report(report))
 
 
-def test_inspect_reads_what_the_gguf_file_says(tmp_path: Path) -> None:
+def test_inspect_reads_what_the_gguf_file_says(tmp_path: Path, tiny_llama) -> None:
     """llama.cpp's row comes from the file's keys: without the record nothing is compared; a
     record that says another schedule than the file is a disagreement."""
-    model = tiny_model("llama")
+    model = tiny_llama()
     patch(model, "yarn:factor=2")
     out = export(model, None, tmp_path / "g", format="gguf")
     record_file = out / "ropekit_export.json"
@@ -256,21 +258,25 @@ def test_inspect_refuses_what_is_no_export(tmp_path: Path, capsys) -> None:
         assert message in err and len(err.splitlines()) == 1, err
 
 
-def test_inspect_says_transformers_dynamic_ntk_is_not_exact_through_its_cache(tmp_path) -> None:
-    model = tiny_model("llama")
+def test_inspect_says_transformers_dynamic_ntk_is_not_exact_through_its_cache(
+    tmp_path, tiny_llama
+) -> None:
+    model = tiny_llama()
     patch(model, "dynamic-ntk:factor=2")
     report = inspect_folder(export(model, None, tmp_path / "d"))
     (mine,) = [d for d in report["disagreements"] if d["engine"] == "transformers"]
     assert "KV cache" in mine["what"] and "yarn" in mine["fix"]
 
 
-def test_inspect_says_llamacpp_serves_a_self_extend_export_through_the_recipe(tmp_path) -> None:
+def test_inspect_says_llamacpp_serves_a_self_extend_export_through_the_recipe(
+    tmp_path, tiny_llama
+) -> None:
     """A self-extend:mode=llama.cpp GGUF holds its base schedule; the record and inspect name
     the recipe (ropekit.serve.llamacpp_self_extend) with the group and window, and the target
     is Self-Extend's reach: the longest prompt whose distances stay below L0."""
     from ropekit.serve.inspection import format_report
 
-    model = tiny_model("llama")
+    model = tiny_llama()
     patch(model, "self-extend:group=4,window=8,mode=llama.cpp")
     out = export(model, None, tmp_path / "g", format="gguf")
     record = json.loads((out / "ropekit_export.json").read_text())

@@ -10,7 +10,7 @@ from ropekit.hf import patch
 from ropekit.model import Decoder, DecoderConfig
 from ropekit.serve.engines import ENGINES
 from ropekit.serve.serving import served_by
-from tests.hf.tiny import perturb, tiny_model
+from tests.tiny import perturb
 
 PER_HEAD = "adarope:init=yarn,factor=2"
 SHARED = "adarope:init=yarn,factor=2,share_heads=true,share_layers=true,scale=false"
@@ -38,8 +38,8 @@ ALL = set(ENGINES)
         ("rerope:window=8", set()),
     ],
 )
-def test_the_engines_that_serve_each_method_exactly(spec: str, exact: set[str]) -> None:
-    model = tiny_model("llama")
+def test_the_engines_that_serve_each_method_exactly(spec: str, exact: set[str], tiny_llama) -> None:
+    model = tiny_llama()
     encoding = patch(model, spec)
     if encoding.positional_parameters():
         perturb(encoding)  # trained values: per head really differs per head
@@ -50,8 +50,8 @@ def test_the_engines_that_serve_each_method_exactly(spec: str, exact: set[str]) 
         assert bool(s.why) != s.exact and "\n" not in s.why  # why not, in one line
 
 
-def test_what_the_plain_engines_say_about_dynamic_ntk() -> None:
-    model = tiny_model("llama")
+def test_what_the_plain_engines_say_about_dynamic_ntk(tiny_llama) -> None:
+    model = tiny_llama()
     patch(model, "dynamic-ntk:factor=2")
     served = served_by(as_backbone(model))
     assert "KV cache" in served["transformers"].why
@@ -66,8 +66,8 @@ def test_ropekits_own_decoder_is_served_by_no_engine() -> None:
     assert all("ropekit's own decoder" in s.why for s in served.values())
 
 
-def test_what_the_engines_say_about_self_extend() -> None:
-    model = tiny_model("llama")
+def test_what_the_engines_say_about_self_extend(tiny_llama) -> None:
+    model = tiny_llama()
     patch(model, "self-extend:group=4,window=8,mode=llama.cpp")
     served = served_by(as_backbone(model))
     assert "--format gguf" in served["transformers"].why

@@ -19,7 +19,7 @@ from ropekit.serve.exporting import export
 from ropekit.serve.inspection import format_report, inspect_folder
 from ropekit.serve.serving import served_by
 from ropekit.serve.vllm_plugin import ARCHITECTURE, load_adapter_encoding
-from tests.hf.tiny import L0, tiny_model
+from tests.tiny import L0
 
 REMAPS = (
     "rerope:window=8",
@@ -33,8 +33,10 @@ REMAPS = (
 
 
 @pytest.mark.parametrize("spec", REMAPS)
-def test_a_remap_exports_for_the_plugin_with_its_base_schedule(spec: str, tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_a_remap_exports_for_the_plugin_with_its_base_schedule(
+    spec: str, tmp_path: Path, tiny_llama
+) -> None:
+    model = tiny_llama()
     encoding = patch(model, spec)
     out = export(model, None, tmp_path / "v", format="vllm", max_length=4 * L0)
     config = json.loads((out / "config.json").read_text())
@@ -42,7 +44,7 @@ def test_a_remap_exports_for_the_plugin_with_its_base_schedule(spec: str, tmp_pa
     assert config["architectures"] == [ARCHITECTURE]
     assert config["max_position_embeddings"] == 4 * L0 == record["target_length"]
     # What an engine without the plugin computes: the base schedule, as its own export says.
-    base = tiny_model("llama")
+    base = tiny_llama()
     patch(base, encoding.inner.spec)
     plain = json.loads((export(base, None, tmp_path / "b") / "config.json").read_text())
     assert config["rope_parameters"] == plain["rope_parameters"]
@@ -94,8 +96,10 @@ def test_the_reach_is_the_longest_prompt_whose_distances_stay_below_L0(spec: str
     assert _largest_distance(spec, reach + more) > L0 - 1
 
 
-def test_remaps_without_a_reach_need_the_length_and_others_default_to_it(tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_remaps_without_a_reach_need_the_length_and_others_default_to_it(
+    tmp_path: Path, tiny_llama
+) -> None:
+    model = tiny_llama()
     for spec in ("rerope:window=8", "dca:chunk_size=24,local_size=4", "string:window=4"):
         patch(model, spec)
         with pytest.raises(ExportRefused, match="max-length"):
@@ -106,8 +110,8 @@ def test_remaps_without_a_reach_need_the_length_and_others_default_to_it(tmp_pat
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == reach
 
 
-def test_inspect_and_served_by_name_the_plugin_for_a_remap(tmp_path: Path) -> None:
-    model = tiny_model("llama")
+def test_inspect_and_served_by_name_the_plugin_for_a_remap(tmp_path: Path, tiny_llama) -> None:
+    model = tiny_llama()
     patch(model, "rerope:window=8,leaky=4")
     report = inspect_folder(export(model, None, tmp_path / "v", format="vllm"))
     assert report["serve_with"]["engine"] == "vllm+ropekit"
@@ -119,8 +123,8 @@ def test_inspect_and_served_by_name_the_plugin_for_a_remap(tmp_path: Path) -> No
     assert {name for name, s in served.items() if s.exact} == {"vllm+ropekit"}
 
 
-def test_a_remap_without_a_reach_is_served_at_a_given_target() -> None:
-    model = tiny_model("llama")
+def test_a_remap_without_a_reach_is_served_at_a_given_target(tiny_llama) -> None:
+    model = tiny_llama()
     patch(model, "rerope:window=8")
     assert "max-length" in served_by(as_backbone(model))["vllm+ropekit"].why
     served = served_by(as_backbone(model), target=4 * L0)

@@ -15,10 +15,10 @@ from ropekit.data import PoseDataset, PoseLayout, draw_layout
 from ropekit.hf import patch
 from ropekit.train.extend import ExtendConfig
 from ropekit.train.loss import backbone_loss, causal_lm_loss
-from tests.hf.tiny import perturb
-from tests.hf.tiny import tiny_model as tiny_hf
 from tests.model.tiny import random_ids
 from tests.model.tiny import tiny_model as tiny_decoder
+from tests.tiny import perturb
+from tests.tiny import tiny_model as tiny_hf
 
 
 # ----------------------------------------------------------------------------- layout laws

@@ -28,9 +28,9 @@ from ropekit.train import causal_lm_loss, latest_checkpoint, load_checkpoint, tr
 from ropekit.train.checkpoint import CheckpointError, CheckpointWarning, verify_checkpoint
 from ropekit.train.sharding import ShardPlan, clip_grad_norm, plan_for
 
-from ..hf.tiny import ARCH_NAMES
-from ..hf.tiny import tiny_model as tiny_hf
 from ..model.tiny import tiny_model as tiny_decoder
+from ..tiny import ARCH_NAMES
+from ..tiny import tiny_model as tiny_hf
 from .tiny import CountingData, perturb, tiny_config, tiny_llama
 
 NOISE_FACTOR = 4

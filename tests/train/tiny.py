@@ -1,7 +1,7 @@
 """A tiny Llama and a tiny synthetic dataset for the training-loop tests, and a script.
 
 Holds:
-    tiny_llama      a randomly initialised 2-layer LlamaForCausalLM (vocab 64, hidden 32).
+    tiny_llama      the shared tiny Llama (tests/tiny.py), SMALL, vocab 64, in train mode.
     tiny_config     a TrainConfig that trains it in a dozen steps.
     CountingData    random start tokens followed by +1 counting: random, yet learnable in steps.
     main            `python tiny.py OUT_DIR [options]` trains the two above; the tests launch it
@@ -24,10 +24,10 @@ from transformers import LlamaForCausalLM
 from ropekit.train import TrainConfig, causal_lm_loss, train
 
 try:
-    from ..hf.tiny import tiny_model
+    from ..tiny import tiny_model
 except ImportError:  # run as a script: the process tests launch this file by its path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from tests.hf.tiny import tiny_model
+    from tests.tiny import tiny_model
 
 VOCAB = 64
 
@@ -36,9 +36,8 @@ def tiny_llama(seed: int = 0, dropout: float = 0.0) -> LlamaForCausalLM:
     """The same weights for the same seed, in any process; `dropout` on attention weights
     makes training draw random numbers (resume tests then check the RNG state too)."""
     return tiny_model(
-        "llama", seed=seed, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, head_dim=8,
-        max_position_embeddings=64, initializer_range=0.02, pad_token_id=None, eos_token_id=2,
-        attention_dropout=dropout,
+        "llama", seed=seed, small=True, vocab_size=VOCAB, max_position_embeddings=64,
+        pad_token_id=None, eos_token_id=2, attention_dropout=dropout,
         use_cache=False,  # training: no KV cache to build and throw away
     ).train()  # fmt: skip
 

@@ -14,7 +14,7 @@ from ropekit.hf import patch
 from ropekit.serve.engines import ENGINES, FORMATS, Engine, engine, is_plugin_folder
 from ropekit.serve.exporting import export
 from ropekit.serve.inspection import format_report, inspect_folder, read_folder
-from tests.hf.tiny import perturb, tiny_model
+from tests.tiny import perturb, tiny_model
 
 SERVING = Path(__file__).parents[3] / "docs" / "serving" / "serving.json"
 

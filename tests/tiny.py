@@ -1,14 +1,19 @@
-"""Tiny randomly initialised Llama, Mistral, Qwen2 and Qwen3 models for the hf tests.
+"""The one factory of tiny randomly initialised Hugging Face models every test builds from:
+Llama (and Mistral, Qwen2, Qwen3, the other architectures ropekit.hf patches).
 
 Holds:
     ARCH_NAMES      the four architectures ropekit.hf patches.
-    tiny_config     a small config (4 query heads over 2 kv heads, head dim 16, L0 = 32).
+    VOCAB, L0       the default vocabulary and original length (max_position_embeddings).
+    SMALL           the overrides of the smaller shape (hidden 32, head dim 8, init std 0.02)
+                    that the training, evaluation and CLI tests use.
+    tiny_config     a small config (4 query heads over 2 kv heads, head dim 16, L0 = 32);
+                    ``small=True`` applies SMALL; keyword overrides set any config field.
     tiny_model      a model from that config, the same weights for the same seed; ``like=``
                     copies another model's weights (same shapes, other RoPE settings).
     perturb         moves learnable encodings away from init (trained-looking parameters).
-    positions_from_mask  the position_ids generate() derives from a left-padded mask.
-    last_logits, greedy_reference  uncached full forwards: the references generation must match.
-    greedy_cached   model.generate with the KV cache, returning its per-step logits.
+    llama_folder    a saved tiny Llama with a trained byte-level BPE tokenizer, for the CLI.
+
+The ``tiny_llama`` fixture (tests/conftest.py) is ``tiny_model`` with ``arch="llama"``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -40,9 +45,23 @@ ARCHS: dict[str, tuple[type, type]] = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
 ARCH_NAMES = tuple(ARCHS)
+# The smaller shape: 4 query heads over 2 kv heads of dim 8, init std transformers' default.
+SMALL: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "head_dim": 8,
+    "initializer_range": 0.02,
+}
 
 
-def tiny_config(arch: str = "llama", rope_parameters: dict[str, Any] | None = None, **overrides):
+def tiny_config(
+    arch: str = "llama",
+    rope_parameters: dict[str, Any] | None = None,
+    *,
+    small: bool = False,
+    **overrides: Any,
+):
+    """The config of ``arch``: the default shape, or SMALL's; ``overrides`` win over both."""
     config_cls, _ = ARCHS[arch]
     options: dict[str, Any] = {
         "vocab_size": VOCAB,
@@ -65,6 +84,8 @@ def tiny_config(arch: str = "llama", rope_parameters: dict[str, Any] | None = No
         options["sliding_window"] = None
     if arch == "qwen2":
         options["attention_bias"] = True
+    if small:
+        options.update(SMALL)
     options.update(overrides)
     return config_cls(**options)
 
@@ -76,11 +97,12 @@ def tiny_model(
     seed: int = 0,
     like: nn.Module | None = None,
     attn_implementation: str = "sdpa",
+    small: bool = False,
     **overrides: Any,
 ) -> nn.Module:
     """A float32 model in eval mode; with ``like``, a copy of that model's weights."""
     _, model_cls = ARCHS[arch]
-    config = tiny_config(arch, rope_parameters, **overrides)
+    config = tiny_config(arch, rope_parameters, small=small, **overrides)
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -102,47 +124,11 @@ def perturb(encoding: PositionEncoding, *, seed: int = 0, scale: bool = True) ->
     return encoding
 
 
-def positions_from_mask(mask: Tensor) -> Tensor:
-    """What generate computes for left padding: cumsum(mask) - 1, pads at 0."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-@torch.no_grad()
-def last_logits(model: nn.Module, ids: Tensor) -> Tensor:
-    """Logits of the last position of an uncached full forward: (B, V)."""
-    return model(ids, use_cache=False).logits[:, -1]
-
-
-@torch.no_grad()
-def greedy_reference(model: nn.Module, ids: Tensor, steps: int) -> tuple[Tensor, list[Tensor]]:
-    """Greedy decoding by full forwards (no cache): (tokens (B, T + steps), per-step logits)."""
-    logits = []
-    for _ in range(steps):
-        step = last_logits(model, ids)
-        logits.append(step)
-        ids = torch.cat([ids, step.argmax(-1, keepdim=True)], dim=-1)
-    return ids, logits
-
-
-@torch.no_grad()
-def greedy_cached(model: nn.Module, ids: Tensor, steps: int, **kwargs: Any):
-    """model.generate with the KV cache: (tokens, per-step logits)."""
-    out = model.generate(
-        ids,
-        max_new_tokens=steps,
-        do_sample=False,
-        return_dict_in_generate=True,
-        output_logits=True,
-        **kwargs,
-    )
-    return out.sequences, list(out.logits)
-
-
 def llama_folder(
     folder: Path, *, layers: int = 2, max_positions: int = 64, essays: int = 2
 ) -> Path:
-    """A Hugging Face folder for CLI tests: a tiny random Llama (``layers`` layers, hidden 32,
-    4 heads over 2 kv heads, L0 = ``max_positions``) and a byte-level BPE tokenizer of 300 ids
+    """A Hugging Face folder for CLI tests: a tiny random Llama (SMALL, ``layers`` layers,
+    L0 = ``max_positions``) and a byte-level BPE tokenizer of 300 ids
     trained here on ``essays`` essays; the same files for the same call."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -161,17 +147,9 @@ def llama_folder(
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(
         folder
     )
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        eos_token_id=0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    model = tiny_model(
+        "llama", small=True, vocab_size=300, num_hidden_layers=layers,
+        max_position_embeddings=max_positions, pad_token_id=None, eos_token_id=0,
+    )  # fmt: skip
+    model.save_pretrained(folder)
     return folder
