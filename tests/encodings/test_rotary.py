@@ -3,14 +3,19 @@ backward; precision at long positions."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from ropekit.encodings import build
+from ropekit.encodings import build, rotary
 from ropekit.encodings.rotary import PAIRINGS, angles, rotate, rotate_reference, tables
 
 from ..tiny import tiny_config
+from .conftest import SHAPE
 
 # Tolerances tied to dtype: measured float noise of one multiply-add chain.
 TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float64: 1e-12}
@@ -131,3 +136,31 @@ def test_the_stored_table_rotation_passes_gradcheck_in_float64(pairing):
     # float32 sums are off by ~1e-7: within 1e-8 (the finite differences hold ~1e-10), only
     # a float64 backward passes
     assert torch.autograd.gradcheck(rotated, (x, cos, sin), atol=1e-8, rtol=0)
+
+
+# ----------------------------------------------------------------------------- ROPEKIT_COMPILE
+def test_a_bad_compile_mode_is_a_one_line_value_error_at_first_use(monkeypatch):
+    """First use is building an encoding (a program stops when it makes its model) or, for
+    code that calls the kernels directly, the first rotation."""
+    enc = build("rope", **SHAPE)
+    q = torch.randn(1, SHAPE["n_heads"], 3, SHAPE["head_dim"])
+    cos, sin = enc.tables(torch.arange(3)[None])
+    monkeypatch.setenv("ROPEKIT_COMPILE", "banana")
+    monkeypatch.setitem(rotary._settings, "mode", None)  # as in a fresh process
+    for first_use in (lambda: build("rope", **SHAPE), lambda: rotary.rotate(q, cos, sin)):
+        with pytest.raises(ValueError, match="ROPEKIT_COMPILE='banana'") as info:
+            first_use()
+        message = str(info.value)
+        assert "\n" not in message and "auto" in message and "never" in message
+    monkeypatch.setenv("ROPEKIT_COMPILE", "never")
+    assert torch.equal(enc.rotate_q(q), enc.rotate_q(q))  # read again once it is fixed
+    assert rotary.compile_settings()["mode"] == "never"
+
+
+def test_importing_with_a_bad_compile_mode_succeeds():
+    env = {**os.environ, "ROPEKIT_COMPILE": "banana"}
+    code = "import ropekit.encodings, ropekit.model; print('ok')"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-500:]

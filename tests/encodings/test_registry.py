@@ -10,10 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ropekit.encodings import REGISTRY, Spec, build, describe, names
+from ropekit.encodings import Spec, build, describe, names
 from ropekit.encodings.adarope import AdaRoPEConfig
-from ropekit.encodings.mixed import MIXABLE
-from ropekit.encodings.remap import RemapConfig, ReRopeConfig
+from ropekit.encodings.remap import ReRopeConfig
 from ropekit.encodings.rope import YarnConfig
 
 SHAPE = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "n_layers": 2}
@@ -65,18 +64,6 @@ def test_an_init_names_its_schedule_exactly():
     for config in (AdaRoPEConfig, ReRopeConfig):
         with pytest.raises(ValueError, match="does not match init='linear'"):
             config(init="linear", schedule=YarnConfig(factor=2, original_length=256))
-
-
-def test_the_mixed_window_wraps_every_rotary_entry_of_the_registry_but_the_remaps():
-    def rotates(name: str) -> bool:
-        spec = Spec.parse(name)
-        if spec.takes("factor"):
-            spec = spec.with_options(factor=2)
-        return build(spec, **SHAPE, original_length=64).rotary_dim > 0
-
-    remaps = {n for n, e in REGISTRY.items() if issubclass(e.config, RemapConfig)}
-    rotary = {n for n in REGISTRY if n != "mixed" and n not in remaps and rotates(n)}
-    assert set(MIXABLE) == rotary and len(rotary) == 9
 
 
 def test_context_fills_what_the_spec_leaves_out_and_the_spec_wins():

@@ -1,16 +1,11 @@
-"""Table caches key on the positions' values, not on the tensor's identity; the compile switch
-is read at first use, not at import."""
+"""Table caches key on the positions' values (PositionsKey), not on the tensor's identity."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from ropekit.encodings import build, rotary
+from ropekit.encodings import build
 from ropekit.encodings.positions import PositionsKey
 
 from .conftest import ROTARY_SPECS, SHAPE, perturb
@@ -56,31 +51,3 @@ def test_inference_tensors_are_compared_by_value():
         pos += 3
         assert not torch.equal(enc.rotate_q(q, pos), before)
         torch.testing.assert_close(enc.rotate_q(q, pos), enc.rotate_q(q, pos.clone()))
-
-
-# ----------------------------------------------------------------------------- ROPEKIT_COMPILE
-def test_a_bad_compile_mode_is_a_one_line_value_error_at_first_use(monkeypatch):
-    """First use is building an encoding (a program stops when it makes its model) or, for
-    code that calls the kernels directly, the first rotation."""
-    enc = build("rope", **SHAPE)
-    q = torch.randn(1, SHAPE["n_heads"], 3, SHAPE["head_dim"])
-    cos, sin = enc.tables(torch.arange(3)[None])
-    monkeypatch.setenv("ROPEKIT_COMPILE", "banana")
-    monkeypatch.setitem(rotary._settings, "mode", None)  # as in a fresh process
-    for first_use in (lambda: build("rope", **SHAPE), lambda: rotary.rotate(q, cos, sin)):
-        with pytest.raises(ValueError, match="ROPEKIT_COMPILE='banana'") as info:
-            first_use()
-        message = str(info.value)
-        assert "\n" not in message and "auto" in message and "never" in message
-    monkeypatch.setenv("ROPEKIT_COMPILE", "never")
-    assert torch.equal(enc.rotate_q(q), enc.rotate_q(q))  # read again once it is fixed
-    assert rotary.compile_settings()["mode"] == "never"
-
-
-def test_importing_with_a_bad_compile_mode_succeeds():
-    env = {**os.environ, "ROPEKIT_COMPILE": "banana"}
-    code = "import ropekit.encodings, ropekit.model; print('ok')"
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-500:]
