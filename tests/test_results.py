@@ -126,6 +126,16 @@ def test_a_bad_field_is_one_line_naming_the_file_and_the_field(toy_kind, tmp_pat
     assert text.startswith(f"{path}: ") and message in text and "\n" not in text
 
 
+def test_a_file_not_in_the_layout_of_its_version_is_one_line(toy_kind, tmp_path):
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps({"kind": "demo", "format_version": 2, "meta": {}, "provenance": {}}))
+    with pytest.raises(ResultError) as error:  # version 2 had "rows", which rename() moves
+        read_record(path, _Toy)
+    assert str(error.value) == (
+        f"{path} does not read as format_version 2 (KeyError: 'rows'); recompute it (--overwrite)"
+    )
+
+
 def test_a_version_without_a_migration_is_refused(toy_kind, tmp_path):
     path = tmp_path / "demo.json"
     path.write_text(json.dumps({"kind": "demo", "format_version": 1, "meta": {}, "provenance": {}}))

@@ -599,11 +599,11 @@ def add_analyze(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from ropekit.analysis import AnalysisConfig, analyze, summary_lines
+    from ropekit.analysis import AnalysisConfig, analyze
 
     config = from_args(AnalysisConfig, args, args.fields)
     backbone = _load(args)
-    result = analyze(
+    run = analyze(
         backbone,
         config,
         args.out,
@@ -611,7 +611,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         command=_command(),
         overwrite=args.overwrite,
     )
-    for line in summary_lines(result):
+    for line in run.lines():
         print(line)
     return 0
 

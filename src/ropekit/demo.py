@@ -43,6 +43,7 @@ from ropekit.encodings import Spec
 from ropekit.train.recipe import BaseRecipe
 
 if TYPE_CHECKING:  # imported where used: the demo's commands load what they need
+    from ropekit.analysis import AnalysisRun
     from ropekit.evals.perplexity import PerplexityResult
     from ropekit.train.extend import ExtendRecord
 
@@ -394,7 +395,7 @@ def _extend_all(
     return rows, adarope_model
 
 
-def _analyze(config: DemoConfig, model: Any, out: Path, command: str) -> dict[str, Any]:
+def _analyze(config: DemoConfig, model: Any, out: Path, command: str) -> AnalysisRun:
     """Stage 3: inside the AdaRoPE model."""
     from ropekit.analysis import AnalysisConfig, analyze
 
@@ -504,7 +505,7 @@ def run_demo(
         lengths=config.lengths, data=config.data, extend_samples=config.extend_samples,
         task_samples=config.task_samples, tasks=list(config.tasks),
         base=_base_record(config, base_dir, reused), methods=rows,
-        analysis=Path(analysis["paths"]["json"]).relative_to(out).as_posix(),
+        analysis=analysis.json.relative_to(out).as_posix(),
         figures=figures, notes=_notes(config, rows), timings=timings,
     )  # fmt: skip
     write_result(out / DEMO_JSON, "demo", state, meta=meta)

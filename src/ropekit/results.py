@@ -106,6 +106,7 @@ _SCHEMAS: dict[str, Schema] = {}
 # imports the owner by name here: the registry is complete whatever was imported first, and
 # results.py itself imports nothing above it.
 _OWNERS: dict[str, str] = {
+    "analysis": "ropekit.analysis.record",
     "compare": "ropekit.compare.record",
     "extend": "ropekit.train.extend",
     "perplexity": "ropekit.evals.perplexity",
@@ -458,7 +459,13 @@ def _migrated(data: dict[str, Any], path: Path) -> dict[str, Any]:
     schema, version = schema_of(data["kind"]), data.get("format_version")
     current = _version(data["kind"])
     while schema is not None and version in schema.migrations and version != current:
-        data = {**schema.migrations[version](data), "format_version": version + 1}
+        try:
+            data = {**schema.migrations[version](data), "format_version": version + 1}
+        except (KeyError, TypeError, AttributeError) as e:  # not the layout its version says
+            raise ResultError(
+                f"{path} does not read as format_version {version} ({type(e).__name__}: {e}); "
+                "recompute it (--overwrite)"
+            ) from None
         version = data["format_version"]
     if version != current:
         raise ResultError(

@@ -3,6 +3,7 @@ files it writes for a ropekit Decoder and a patched Hugging Face model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -10,10 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit.analysis import AnalysisConfig, analyze, analyze_windows, summary_lines
-from ropekit.analysis.run import held_out_windows
+from ropekit.analysis import (
+    AnalysisConfig,
+    AnalysisResult,
+    AnalysisRun,
+    Sections,
+    analyze,
+    analyze_windows,
+)
+from ropekit.analysis.record import Influence, InfluenceKind, InfluenceUnit
+from ropekit.analysis.run import _profile_heads, held_out_windows
 from ropekit.data import Document, encode_documents
 from ropekit.data.tokenizers import ByteTokenizer
+from ropekit.results import encode, read_record
 
 from .tiny import LLAMA_VOCAB, perturb, tiny_decoder, tiny_llama, windows
 
@@ -43,8 +53,10 @@ def test_config_normalises_lengths_and_sizes_the_windows() -> None:
     assert config.primary_beta == 1 and config.influence_length == 96
 
 
-def _mean(result: dict, key: str = "window_mean") -> torch.Tensor:
-    return torch.tensor(result["effective_length"][key], dtype=torch.float64)  # (n_b, n_L, L, H)
+def _mean(result: Sections) -> torch.Tensor:
+    return torch.tensor(
+        result.effective_length.window_mean, dtype=torch.float64
+    )  # (n_b, n_L, L, H)
 
 
 @torch.no_grad()
@@ -71,9 +83,9 @@ def test_dynamic_schedules_run_each_length_on_its_own() -> None:
     config = dict(n_windows=2, influence=False, qk_pairs=32)
     both = analyze_windows(model, model.encoding, data, AnalysisConfig((16, 64), **config))
     short = analyze_windows(model, model.encoding, data, AnalysisConfig((16,), **config))
-    assert both["effective_length"]["dynamic_schedule"] is True
+    assert both.effective_length.dynamic_schedule is True
     assert torch.allclose(_mean(both)[:, 0], _mean(short)[:, 0], rtol=1e-12)
-    assert both["influence"] is None and "influence" in both["skipped"]
+    assert both.influence is None and "influence" in both.skipped
 
 
 @torch.no_grad()
@@ -82,8 +94,8 @@ def test_non_rotary_encodings_get_effective_length_only() -> None:
     result = analyze_windows(
         model, model.encoding, windows(2, 32), AnalysisConfig((8, 32), n_windows=2)
     )
-    assert result["utilization"] is None and result["schedule"] is None
-    assert set(result["skipped"]) == {"utilization", "schedule", "influence"}
+    assert result.utilization is None and result.schedule is None
+    assert list(result.skipped) == ["utilization", "schedule", "influence"]
     assert _mean(result).shape == (1, 2, 2, 4)
 
 
@@ -129,8 +141,13 @@ def _strict_json(path: Path) -> dict:
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
-def _check_outputs(result: dict, out: Path, expected_figures: set[str]) -> dict:
+def _check_outputs(run: AnalysisRun, out: Path, expected_figures: set[str]) -> dict:
     saved = _strict_json(out / "analysis.json")
+    assert saved["format_version"] == 3
+    # the file reads back as the record analyze returned (NaN compares unequal: via JSON)
+    back = read_record(out / "analysis.json", AnalysisResult)
+    assert json.dumps(encode(back)) == json.dumps(encode(run.result))
+    assert run.json == out / "analysis.json" and run.reused is False
     assert saved["kind"] == "analysis"
     for key in ("spec", "seed", "config", "data", "model", "provenance"):
         assert key in saved
@@ -139,11 +156,11 @@ def _check_outputs(result: dict, out: Path, expected_figures: set[str]) -> dict:
     assert set(saved["figures"]) == expected_figures
     for name, file in saved["figures"].items():
         assert (out / file).read_bytes()[:8] == PNG_MAGIC
-        assert result["paths"]["figures"][name] == str(out / file)
+        assert run.figures[name] == out / file
     assert not list(out.glob("*.tmp")) and not list(out.glob(".*"))  # atomic writes left nothing
-    lines = summary_lines(result)
+    lines = run.lines()
     assert all(isinstance(line, str) and line for line in lines)
-    assert str(out / "analysis.json") in lines[-1]
+    assert lines[-1].startswith(f"wrote {out / 'analysis.json'} and {len(expected_figures)} ")
     return saved
 
 
@@ -182,11 +199,17 @@ def test_analyze_a_tiny_adarope_decoder_end_to_end(tmp_path: Path) -> None:
     util = saved["utilization"]
     assert torch.tensor(util["mean_abs"]).shape == (2, 4, 4) and util["pairing"] == "half"
     assert torch.tensor(util["distance_profile"]["heads"][0]["contribution"]).shape == (4, 16)
-    influence = saved["influence"]
-    assert len(influence["freq"]["units"]) == 4 and len(influence["scale"]["units"]) == 8
-    top = influence["freq"]["top"]
-    assert [u["delta_nll"] for u in top] == sorted((u["delta_nll"] for u in top), reverse=True)
-    assert any(u["delta_nll"] != 0 for u in influence["freq"]["units"])
+    influence = result.result.influence
+    assert len(influence.freq.units) == 4 and len(influence.scale.units) == 8
+    top = influence.freq.top
+    assert [u.delta_nll for u in top] == sorted((u.delta_nll for u in top), reverse=True)
+    assert any(u.delta_nll != 0 for u in influence.freq.units)
+    # the most influential AdaFreq kv head's first query head has its distance profile drawn
+    picked = [(h.layer, h.head) for h in result.result.utilization.distance_profile.heads]
+    assert (top[0].layer, top[0].head * 2) in picked
+    again = analyze(model, config, tmp_path, data=windows(4, 48), progress=False)
+    assert again.reused and json.dumps(encode(again.result)) == json.dumps(encode(result.result))
+    assert again.lines()[-1].startswith(f"found {tmp_path / 'analysis.json'}")
 
 
 def test_analyze_a_patched_hugging_face_model_end_to_end(tmp_path: Path) -> None:
@@ -203,8 +226,29 @@ def test_analyze_a_patched_hugging_face_model_end_to_end(tmp_path: Path) -> None
     )
     saved = _check_outputs(result, tmp_path, ALL_FIGURES)
     assert saved["capture"] == "encoding" and saved["model"]["patched_for_analysis"] is False
+    assert saved["model"]["class_name"] == "LlamaForCausalLM" and "class" not in saved["model"]
     assert saved["model"]["n_kv_heads"] == 2 and saved["influence"]["windows"] == 1
     assert saved["effective_length"]["betas"] == [2.0, "inf"]  # JSON has no infinity
     e2, e_inf = torch.tensor(saved["effective_length"]["window_mean"], dtype=torch.float64)
     assert bool((e_inf <= e2 + 1e-9).all())
     assert encoding_of(model) is not None and "rotate_q" not in encoding_of(model).__dict__
+
+
+def test_the_profiled_heads_are_the_extremes_of_cov_and_a_reader_of_the_top_adafreq_head():
+    cov = torch.tensor([[0.5, 2.0, 1.0, 1.0], [0.1, 1.0, 1.0, math.nan]])  # (L, H)
+    unit = InfluenceUnit(layer=0, head=1, label="L0/K1", delta_nll=0.3, computed=True)
+    top = InfluenceKind(units=(unit,), top=(unit,))
+    influence = Influence(target_length=8, windows=1, baseline_nll=2.0, freq=top, scale=None)
+    assert _profile_heads(cov, influence, group=2) == [
+        (0, 1, "max CoV (concentrated)"),
+        (1, 0, "min CoV (uniform)"),
+        (0, 2, "top AdaFreq influence"),  # kv head 1's first query head
+    ]
+    assert _profile_heads(cov, None, group=2) == _profile_heads(cov, influence, group=2)[:2]
+    shared = dataclasses.replace(unit, layer=None)  # a row shared by every layer: no one head
+    no_one = dataclasses.replace(influence, freq=InfluenceKind(units=(shared,), top=(shared,)))
+    assert len(_profile_heads(cov, no_one, group=2)) == 2
+    repeat = dataclasses.replace(unit, head=0)  # the max-CoV head's reader: listed once
+    once = InfluenceKind(units=(repeat,), top=(repeat,))
+    cov[0, 0] = 3.0
+    assert len(_profile_heads(cov, dataclasses.replace(influence, freq=once), group=2)) == 2

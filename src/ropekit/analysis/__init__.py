@@ -12,12 +12,13 @@ Modules:
 - ``schedules``: frequencies per layer and kv head, effective base, learned minus initial.
 - ``influence``: revert one head's AdaFreq or AdaScale parameters and measure delta NLL.
 - ``plots``: the PNGs.
+- ``record``: ``AnalysisResult``, analysis.json as a typed record (its sections as dataclasses).
 - ``run``: ``analyze`` (the library function behind ``ropekit analyze``) and ``summary_lines``.
 
 Typical use:
 
-    result = analyze(model, "bytes", lengths=(64, 128, 256), out_dir="runs/analysis")
-    print("\\n".join(summary_lines(result)))
+    run = analyze(model, AnalysisConfig((64, 128, 256)), "runs/analysis")
+    print("\\n".join(summary_lines(run.result)))
 """
 
 from .capture import capture_qk, model_encoding, own_encoding
@@ -32,12 +33,23 @@ from .metrics import (
     pair_contributions,
     weighted_mean,
 )
-from .run import AnalysisConfig, analyze, analyze_windows, held_out_windows, summary_lines
+from .record import AnalysisResult, Sections
+from .run import (
+    AnalysisConfig,
+    AnalysisRun,
+    analyze,
+    analyze_windows,
+    held_out_windows,
+    summary_lines,
+)
 from .schedules import effective_bases, head_log_frequencies, learned_schedule, rotary_layout
 
 __all__ = [
     "AnalysisConfig",
+    "AnalysisResult",
+    "AnalysisRun",
     "HeadStatistics",
+    "Sections",
     "Unit",
     "analyze",
     "analyze_windows",

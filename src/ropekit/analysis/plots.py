@@ -1,7 +1,8 @@
 """Pictures of an analysis result (matplotlib on an explicit Agg canvas, written atomically).
 
-Each figure is drawn from the JSON-ready result of ``analyze`` alone, so a saved
-``analysis.json`` can be re-plotted. Figures whose section is absent (a non-rotary encoding, no
+Each figure is drawn from the result of ``analyze`` alone (an ``AnalysisResult``, or the
+``Sections`` of ``analyze_windows``), so a saved ``analysis.json`` can be re-plotted from its
+record (``read_record``). Figures whose section is absent (a non-rotary encoding, no
 learned schedule, no influence run) are not drawn; ``planned_figures`` says which will be.
 
 - ``effective_length.png``: E_beta (window mean) against context length, one line per head, one
@@ -26,7 +27,7 @@ figure.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,13 @@ import numpy as np
 
 from ropekit.figures import figure, save
 
+from .record import AnalysisResult, Sections
+
+Drawn = AnalysisResult | Sections  # what a figure is drawn from: both hold every section
+
 
 def _array(values: Any) -> np.ndarray:
-    """JSON lists (None for non-finite) -> float array (NaN)."""
+    """A record's nested tuples (NaN for non-finite) -> float array."""
     return np.array(values, dtype=float)
 
 
@@ -46,11 +51,11 @@ def beta_label(beta: float | str) -> str:
     return "inf" if math.isinf(value) else f"{value:g}"
 
 
-def plot_effective_length(result: Mapping[str, Any], path: Path) -> Path:
-    section = result["effective_length"]
-    betas, lengths = section["betas"], section["lengths"]
-    b = section["primary_beta_index"]
-    values = _array(section["window_mean"])[b]  # (n_L, L, H)
+def plot_effective_length(result: Drawn, path: Path) -> Path:
+    section = result.effective_length
+    betas, lengths = section.betas, section.lengths
+    b = section.primary_beta_index
+    values = _array(section.window_mean)[b]  # (n_L, L, H)
     n_layers, n_heads = values.shape[1], values.shape[2]
     ncols = min(4, n_layers)
     nrows = math.ceil(n_layers / ncols)
@@ -83,13 +88,13 @@ def plot_effective_length(result: Mapping[str, Any], path: Path) -> Path:
     if n_heads <= 12:
         axes[0][0].legend(fontsize=6, ncol=2)
     fig.suptitle(
-        f"effective attention length per head (mean over a window's queries)\n{result['spec']}",
+        f"effective attention length per head (mean over a window's queries)\n{result.spec}",
         fontsize=10,
     )
     return save(fig, path)
 
 
-def _length_axis(ax, lengths: list[int]) -> None:
+def _length_axis(ax, lengths: tuple[int, ...]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(lengths), [str(n) for n in lengths], rotation=45, fontsize=7)
     ax.minorticks_off()
@@ -119,9 +124,9 @@ def _colors(n: int) -> list:
     return [cmap(i / max(n - 1, 1)) if n > 10 else cmap(i) for i in range(n)]
 
 
-def plot_utilization(result: Mapping[str, Any], path: Path) -> Path:
-    section = result["utilization"]
-    u = _array(section["mean_abs"])  # (L, H, F)
+def plot_utilization(result: Drawn, path: Path) -> Path:
+    section = _present(result.utilization)
+    u = _array(section.mean_abs)  # (L, H, F)
     n_layers, n_heads, n_pairs = u.shape
     share = u / u.sum(-1, keepdims=True)  # each head's distribution over pairs
     fig, axes = figure(
@@ -144,7 +149,7 @@ def plot_utilization(result: Mapping[str, Any], path: Path) -> Path:
     ticks = [layer * n_heads for layer in range(0, n_layers, every)]
     ax_map.set_yticks(ticks, [f"L{layer}" for layer in range(0, n_layers, every)], fontsize=7)
     fig.colorbar(image, ax=ax_map, fraction=0.04)
-    cov = _array(section["cov"])  # (L, H)
+    cov = _array(section.cov)  # (L, H)
     ax_box.boxplot([row[np.isfinite(row)] for row in cov], showmeans=True)
     every = max(1, math.ceil(n_layers / 16))
     ax_box.set_xticks(
@@ -157,18 +162,16 @@ def plot_utilization(result: Mapping[str, Any], path: Path) -> Path:
         title="utilization coefficient of variation per head",
     )
     ax_box.legend(fontsize=7)
-    fig.suptitle(
-        f"frequency utilization at length {section['length']}\n{result['spec']}", fontsize=10
-    )
+    fig.suptitle(f"frequency utilization at length {section.length}\n{result.spec}", fontsize=10)
     return save(fig, path)
 
 
-def plot_distance_profile(result: Mapping[str, Any], path: Path) -> Path:
-    section = result["utilization"]["distance_profile"]
-    heads, distances = section["heads"], section["distances"]
+def plot_distance_profile(result: Drawn, path: Path) -> Path:
+    section = _present(result.utilization).distance_profile
+    heads, distances = section.heads, section.distances
     fig, axes = figure(4.6 * len(heads), 3.8, 1, len(heads), constrained=True)
     for ax, head in zip(axes[0], heads, strict=True):
-        c = _array(head["contribution"])  # (F, R)
+        c = _array(head.contribution)  # (F, R)
         vmax = float(np.nanmax(np.abs(c))) or 1.0
         image = ax.imshow(
             c,
@@ -182,18 +185,19 @@ def plot_distance_profile(result: Mapping[str, Any], path: Path) -> Path:
         ax.set(
             xlabel="relative distance Δ (tokens)",
             ylabel="rotary pair f",
-            title=f"layer {head['layer']} head {head['head']}: {head['why']}",
+            title=f"layer {head.layer} head {head.head}: {head.why}",
         )
         ax.title.set_fontsize(8)
         _pair_ticks(ax, c.shape[0], axis="y")
         fig.colorbar(image, ax=ax, fraction=0.05)
-    fig.suptitle(f"mean logit contribution q_f·k_f / √D by distance\n{result['spec']}", fontsize=10)
+    fig.suptitle(f"mean logit contribution q_f·k_f / √D by distance\n{result.spec}", fontsize=10)
     return save(fig, path)
 
 
-def plot_effective_base(result: Mapping[str, Any], path: Path) -> Path:
-    section = result["schedule"]["effective_base"]
-    per_head, per_layer = _array(section["per_head"]), _array(section["per_layer"])  # (L, K), (L,)
+def plot_effective_base(result: Drawn, path: Path) -> Path:
+    schedule = _present(result.schedule)
+    section = schedule.effective_base
+    per_head, per_layer = _array(section.per_head), _array(section.per_layer)  # (L, K), (L,)
     layers = np.arange(len(per_layer))
     fig, axes = figure(6, 4, constrained=True)
     ax = axes[0][0]
@@ -207,7 +211,7 @@ def plot_effective_base(result: Mapping[str, Any], path: Path) -> Path:
             label="kv heads" if k == 0 else None,
         )
     ax.plot(layers, per_layer, "o-", color="tab:red", lw=1.6, label="layer (geometric mean)")
-    initial = result["schedule"].get("initial_base")
+    initial = schedule.initial_base
     if initial:
         ax.axhline(initial, color="gray", ls="--", lw=1, label="initial schedule")
     values = np.concatenate([per_head.ravel(), [initial or np.nan]])
@@ -215,17 +219,15 @@ def plot_effective_base(result: Mapping[str, Any], path: Path) -> Path:
     if values.size:  # a fixed schedule is one value: widen so the log axis is not singular
         ax.set_ylim(values.min() / 2, values.max() * 2)
     ax.set_yscale("log")
-    ax.set(
-        xlabel="layer", ylabel="effective base Θ", title=f"effective RoPE base, {result['spec']}"
-    )
+    ax.set(xlabel="layer", ylabel="effective base Θ", title=f"effective RoPE base, {result.spec}")
     ax.set_xticks(layers)
     ax.legend(fontsize=7)
     return save(fig, path)
 
 
-def plot_dxi(result: Mapping[str, Any], path: Path) -> Path:
-    learned = result["schedule"]["learned"]
-    dxi = _array(learned["dxi"])  # (L|1, K|1, F)
+def plot_dxi(result: Drawn, path: Path) -> Path:
+    learned = _present(_present(result.schedule).learned)
+    dxi = _array(learned.dxi)  # (L|1, K|1, F)
     rows = dxi.reshape(-1, dxi.shape[-1])
     fig, axes = figure(8, min(14.0, max(3.0, 0.16 * rows.shape[0] + 1.5)), constrained=True)
     ax = axes[0][0]
@@ -239,7 +241,7 @@ def plot_dxi(result: Mapping[str, Any], path: Path) -> Path:
     ax.set(
         xlabel="rotary pair f (fast → slow)",
         ylabel="layer · kv head",
-        title=f"learned − initial log-frequency Δξ ({learned['kind']}), {result['spec']}",
+        title=f"learned − initial log-frequency Δξ ({learned.kind}), {result.spec}",
     )
     ax.title.set_fontsize(9)
     _pair_ticks(ax, rows.shape[1])
@@ -247,76 +249,87 @@ def plot_dxi(result: Mapping[str, Any], path: Path) -> Path:
     return save(fig, path)
 
 
-def plot_adascale(result: Mapping[str, Any], path: Path) -> Path:
-    learned = result["schedule"]["learned"]
+def plot_adascale(result: Drawn, path: Path) -> Path:
+    learned = _present(_present(result.schedule).learned)
     fig, axes = figure(9, 3.6, 1, 2, constrained=True)
-    for ax, name, symbol in ((axes[0][0], "gamma", "γ"), (axes[0][1], "tau", "τ")):
-        values = _array(learned[name]).ravel()
+    for ax, name, symbol, rows in (
+        (axes[0][0], "gamma", "γ", learned.gamma),
+        (axes[0][1], "tau", "τ", learned.tau),
+    ):
+        values = _array(rows).ravel()
         ax.hist(values, bins=min(30, max(5, values.size // 2)), color="tab:blue", alpha=0.8)
         ax.axvline(0.0 if name == "gamma" else 1.0, color="gray", ls="--", lw=1, label="init")
         ax.set(xlabel=symbol, ylabel="heads", title=f"AdaScale {symbol} per head")
         ax.legend(fontsize=7)
-    fig.suptitle(result["spec"])
+    fig.suptitle(result.spec)
     return save(fig, path)
 
 
-def plot_influence(result: Mapping[str, Any], path: Path) -> Path:
-    section = result["influence"]
-    kinds = [k for k in ("freq", "scale") if section.get(k)]
+def plot_influence(result: Drawn, path: Path) -> Path:
+    section = _present(result.influence)
+    kinds = section.kinds()
     fig, axes = figure(4.8 * len(kinds), 3.6, 1, len(kinds), constrained=True)
     names = {"freq": "AdaFreq (revert one kv head's Δξ)", "scale": "AdaScale (revert γ, τ)"}
-    for ax, kind in zip(axes[0], kinds, strict=True):
-        deltas = np.array([u["delta_nll"] for u in section[kind]["units"]], dtype=float)
+    for ax, (kind, measured) in zip(axes[0], kinds.items(), strict=True):
+        deltas = np.array([u.delta_nll for u in measured.units], dtype=float)
         ax.hist(deltas, bins=min(30, max(5, deltas.size // 2)), color="tab:orange", alpha=0.85)
         ax.axvline(0, color="gray", ls="--", lw=1)
         ax.set(xlabel="Δ NLL (nats/token)", ylabel="heads", title=names[kind])
         ax.title.set_fontsize(9)
     fig.suptitle(
-        f"head influence at length {section['target_length']} "
-        f"({section['windows']} windows), {result['spec']}"
+        f"head influence at length {section.target_length} "
+        f"({section.windows} windows), {result.spec}"
     )
     return save(fig, path)
 
 
-def _has_learned(result: Mapping[str, Any], name: str) -> bool:
-    learned = (result.get("schedule") or {}).get("learned")
-    return bool(learned) and learned.get(name) is not None
+def _present(section: Any) -> Any:
+    """A section a figure needs (``FIGURES`` draws a figure only when it is there)."""
+    if section is None:
+        raise ValueError("this result does not hold the section the figure draws")
+    return section
+
+
+def _has_dxi(result: Drawn) -> bool:
+    learned = None if result.schedule is None else result.schedule.learned
+    return learned is not None and learned.dxi is not None
+
+
+def _has_adascale(result: Drawn) -> bool:
+    learned = None if result.schedule is None else result.schedule.learned
+    return learned is not None and learned.gamma is not None
 
 
 # name -> (file, is drawable for this result, plot function)
-FIGURES: dict[str, tuple[str, Callable[[Mapping[str, Any]], bool], Callable[..., Path]]] = {
-    "effective_length": (
-        "effective_length.png",
-        lambda r: bool(r.get("effective_length")),
-        plot_effective_length,
-    ),
-    "utilization": ("utilization.png", lambda r: bool(r.get("utilization")), plot_utilization),
+FIGURES: dict[str, tuple[str, Callable[[Drawn], bool], Callable[[Drawn, Path], Path]]] = {
+    "effective_length": ("effective_length.png", lambda r: True, plot_effective_length),
+    "utilization": ("utilization.png", lambda r: r.utilization is not None, plot_utilization),
     "distance_profile": (
         "distance_profile.png",
-        lambda r: bool((r.get("utilization") or {}).get("distance_profile", {}).get("heads")),
+        lambda r: r.utilization is not None and bool(r.utilization.distance_profile.heads),
         plot_distance_profile,
     ),
     "effective_base": (
         "effective_base.png",
-        lambda r: bool((r.get("schedule") or {}).get("effective_base")),
+        lambda r: r.schedule is not None,
         plot_effective_base,
     ),
-    "dxi": ("dxi.png", lambda r: _has_learned(r, "dxi"), plot_dxi),
-    "adascale": ("adascale.png", lambda r: _has_learned(r, "gamma"), plot_adascale),
+    "dxi": ("dxi.png", _has_dxi, plot_dxi),
+    "adascale": ("adascale.png", _has_adascale, plot_adascale),
     "influence": (
         "influence.png",
-        lambda r: any((r.get("influence") or {}).get(k) for k in ("freq", "scale")),
+        lambda r: r.influence is not None and bool(r.influence.kinds()),
         plot_influence,
     ),
 }
 
 
-def planned_figures(result: Mapping[str, Any]) -> dict[str, str]:
+def planned_figures(result: Drawn) -> dict[str, str]:
     """Figure name -> file name for every figure this result can draw."""
     return {name: file for name, (file, drawable, _) in FIGURES.items() if drawable(result)}
 
 
-def write_figures(result: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
+def write_figures(result: Drawn, out_dir: str | Path) -> dict[str, Path]:
     """Draw every planned figure into ``out_dir``; returns name -> path."""
     out = Path(out_dir)
     paths = {}

@@ -23,9 +23,10 @@ target_length) tokens drawn at seeded random places from the held-out stream:
 
 The capture forwards stop once every layer has been seen (the LM head is never run), so no
 (B, W, V) logits tensor is made. Writes JSON first (spec, seed, versions, command, config,
-data), then the figures of ``plots``.
+data), then the figures of ``plots``. The result is an ``AnalysisResult`` (``record``), read
+back by ``read_record``.
 
-Holds: AnalysisConfig, held_out_windows, analyze_windows, analyze, summary_lines.
+Holds: AnalysisConfig, AnalysisRun, held_out_windows, analyze_windows, analyze, summary_lines.
 """
 
 from __future__ import annotations
@@ -50,14 +51,7 @@ from ropekit.data.streams import TokenStream
 from ropekit.data.tokenizers import Tokenizer
 from ropekit.encodings import PositionEncoding
 from ropekit.encodings.base import check_choice
-from ropekit.results import (
-    check_replaceable,
-    make_record,
-    plain,
-    read_result,
-    run_metadata,
-    write_result,
-)
+from ropekit.results import check_replaceable, read_record, run_metadata, write_result
 
 from .capture import CAPTURE_METHODS, capture_qk, forward_logits
 from .heads import HeadStatistics
@@ -71,6 +65,23 @@ from .metrics import (
     weighted_mean,
 )
 from .plots import beta_label, planned_figures, write_figures
+from .record import (
+    AnalysisResult,
+    DistanceProfile,
+    EffectiveBase,
+    EffectiveLength,
+    Influence,
+    InfluenceKind,
+    InfluenceUnit,
+    Learned,
+    ModelShape,
+    ProfileHead,
+    Schedule,
+    Sections,
+    Utilization,
+    Windows,
+    nested,
+)
 from .schedules import effective_bases, head_log_frequencies, learned_schedule, rotary_layout
 
 JSON_NAME = "analysis.json"
@@ -258,7 +269,7 @@ def _beta_json(beta: float) -> float | str:
 
 
 def _profile_heads(
-    cov: Tensor, influence: dict[str, Any] | None, group: int
+    cov: Tensor, influence: Influence | None, group: int
 ) -> list[tuple[int, int, str]]:
     """The heads whose distance profile is kept: the most concentrated and the most uniform
     utilization (paper, Figure 2 b vs a), and a reader of the most influential AdaFreq kv head
@@ -272,9 +283,9 @@ def _profile_heads(
             (int(torch.nan_to_num(flat, nan=math.inf).argmin()), "min CoV (uniform)"),
         ):
             picks.append((index // n_heads, index % n_heads, why))
-    top = ((influence or {}).get("freq") or {}).get("top") or []
-    if top and top[0]["layer"] is not None and top[0]["head"] is not None:
-        picks.append((top[0]["layer"], top[0]["head"] * group, "top AdaFreq influence"))
+    top = influence.freq.top if influence is not None and influence.freq is not None else ()
+    if top and top[0].layer is not None and top[0].head is not None:
+        picks.append((top[0].layer, top[0].head * group, "top AdaFreq influence"))
     seen, unique = set(), []
     for layer, head, why in picks:
         if (layer, head) not in seen:
@@ -289,7 +300,7 @@ def _effective_lengths(
     windows: Tensor,
     config: AnalysisConfig,
     progress: bool,
-) -> tuple[dict[str, Any], HeadStatistics, str]:
+) -> tuple[EffectiveLength, HeadStatistics, str]:
     """Section 1: E_beta per layer and head against length; the statistics at max(lengths)
     (utilization and the distance profile read them) and the capture path used."""
     n_layers, H, K = encoding.n_layers, encoding.n_heads, encoding.n_kv_heads
@@ -327,21 +338,25 @@ def _effective_lengths(
             at_max = stats
     bar.close()
     assert at_max is not None
-    section = {
-        "betas": [_beta_json(b) for b in config.betas],
-        "primary_beta_index": config.primary_beta,
-        "lengths": list(lengths),
-        "dynamic_schedule": encoding.dynamic,
-        "window_mean": window_mean.tolist(),  # (n_b, n_L, L, H)
-        "last_quarter": last_quarter.tolist(),  # (n_b, n_L, L, H)
-    }
+    section = EffectiveLength(
+        betas=tuple(_beta_json(b) for b in config.betas),
+        primary_beta_index=config.primary_beta,
+        lengths=lengths,
+        dynamic_schedule=encoding.dynamic,
+        window_mean=nested(window_mean.tolist()),  # (n_b, n_L, L, H)
+        last_quarter=nested(last_quarter.tolist()),  # (n_b, n_L, L, H)
+    )
     return section, at_max, method
 
 
 def _utilization(
-    encoding: PositionEncoding, at_max: HeadStatistics, config: AnalysisConfig
-) -> tuple[dict[str, Any], Tensor]:
-    """Section 2 (rotary encodings): per-pair utilization at max(lengths) and its CoV."""
+    encoding: PositionEncoding,
+    at_max: HeadStatistics,
+    config: AnalysisConfig,
+    influence: Influence | None,
+) -> Utilization:
+    """Section 2 (rotary encodings): per-pair utilization at max(lengths), its CoV, and the
+    distance profile of the heads ``_profile_heads`` picks."""
     n_layers, H, K = encoding.n_layers, encoding.n_heads, encoding.n_kv_heads
     layout, L_max = rotary_layout(encoding), config.max_length
     u = at_max.utilization()  # (L, H, F)
@@ -352,35 +367,45 @@ def _utilization(
     )  # (L, H, F)
     weighted_log = weighted_mean(log_theta, u)  # (L, H)
     mean_log = log_theta.mean(-1)  # (L, H)
-    section = {
-        "length": L_max,
-        "pairing": layout.pairing,
-        "n_pairs": layout.n_pairs,
-        "qk_pairs_per_window": config.qk_pairs,
-        "mean_abs": u.tolist(),  # (L, H, F) in logit units
-        "cov": cov.tolist(),  # (L, H)
-        "max_cov": math.sqrt(layout.n_pairs - 1),
-        "weighted_frequency": weighted_mean(log_theta.exp(), u).tolist(),  # (L, H)
-        "weighted_log_frequency": weighted_log.tolist(),  # (L, H)
-        "mean_log_frequency": mean_log.tolist(),  # (L, H)
+    profile = at_max.distance_profile()  # (L, H, F, R)
+    heads = _profile_heads(cov, influence, encoding.n_heads // encoding.n_kv_heads)
+    return Utilization(
+        length=L_max,
+        pairing=layout.pairing,
+        n_pairs=layout.n_pairs,
+        qk_pairs_per_window=config.qk_pairs,
+        mean_abs=nested(u.tolist()),  # (L, H, F) in logit units
+        cov=nested(cov.tolist()),  # (L, H)
+        max_cov=math.sqrt(layout.n_pairs - 1),
+        weighted_frequency=nested(weighted_mean(log_theta.exp(), u).tolist()),  # (L, H)
+        weighted_log_frequency=nested(weighted_log.tolist()),  # (L, H)
+        mean_log_frequency=nested(mean_log.tolist()),  # (L, H)
         # Paper, Figure 8 right: learned mean ln theta vs utilization-weighted mean ln theta.
-        "log_frequency_correlation": _pearson(mean_log, weighted_log),
-    }
-    return section, cov
+        log_frequency_correlation=_pearson(mean_log, weighted_log),
+        distance_profile=DistanceProfile(
+            distances=tuple(at_max.distances.tolist()),
+            heads=tuple(
+                ProfileHead(layer, head, why, nested(profile[layer, head].tolist()))  # (F, R)
+                for layer, head, why in heads
+            ),
+        ),
+    )
 
 
-def _schedule(encoding: PositionEncoding, config: AnalysisConfig) -> dict[str, Any] | None:
+def _schedule(encoding: PositionEncoding, config: AnalysisConfig) -> Schedule | None:
     """Section 3: effective base per layer and kv head; what AdaRoPE / tuned-yarn learned."""
     bases = effective_bases(encoding, config.max_length)
     if bases is None:
         return None
     layout = rotary_layout(encoding)
-    learned = learned_schedule(encoding)
+    state = learned_schedule(encoding)
+    learned = None if state is None else Learned.of(state)
     initial = None
     if learned is not None and layout is not None and layout.n_pairs >= 2:
-        xi_init = torch.tensor(learned["xi_init"], dtype=torch.float64)
+        xi_init = torch.tensor(learned.xi_init, dtype=torch.float64)
         initial = float(fit_effective_base(xi_init, layout.rotary_dim)[0])
-    return {"effective_base": bases, "initial_base": initial, "learned": learned}
+    fit = EffectiveBase(**{k: nested(v) for k, v in bases.items()})
+    return Schedule(effective_base=fit, initial_base=initial, learned=learned)
 
 
 def _influence(
@@ -389,7 +414,7 @@ def _influence(
     windows: Tensor,
     config: AnalysisConfig,
     progress: bool,
-) -> dict[str, Any]:
+) -> Influence:
     """Section 4 (AdaRoPE): delta NLL at the target length per head whose AdaFreq or
     AdaScale parameters are reverted to init."""
     T = config.influence_length
@@ -397,17 +422,18 @@ def _influence(
     sample = windows[:n, :T]
     batch = max(1, config.batch_tokens // T)
     baseline = mean_nll(model, sample, batch)
-    section: dict[str, Any] = {"target_length": T, "windows": n, "baseline_nll": baseline}
+    kinds: dict[str, InfluenceKind | None] = {}
     for kind in INFLUENCE_KINDS:
         if not influence_units(encoding, kind):
-            section[kind] = None
+            kinds[kind] = None
             continue
         rows = head_influence(
             model, encoding, sample, kind, batch_size=batch, baseline=baseline, progress=progress
         )["units"]
-        top = sorted(rows, key=lambda r: r["delta_nll"], reverse=True)[: config.top_k]
-        section[kind] = {"units": rows, "top": top}
-    return section
+        units = tuple(InfluenceUnit(**row) for row in rows)
+        top = sorted(units, key=lambda u: u.delta_nll, reverse=True)[: config.top_k]
+        kinds[kind] = InfluenceKind(units=units, top=tuple(top))
+    return Influence(target_length=T, windows=n, baseline_nll=baseline, **kinds)
 
 
 def analyze_windows(
@@ -416,50 +442,56 @@ def analyze_windows(
     windows: Tensor,
     config: AnalysisConfig,
     progress: bool = False,
-) -> dict[str, Any]:
+) -> Sections:
     """The numbers of the analysis (module docstring) on windows (N, W); writes nothing."""
     skipped: dict[str, str] = {}
     effective, at_max, method = _effective_lengths(model, encoding, windows, config, progress)
-    result: dict[str, Any] = {
-        "kind": "analysis",
-        "effective_length": effective,
-        "utilization": None,
-        "schedule": None,
-        "influence": None,
-    }
-    cov = None
-    if rotary_layout(encoding) is None:
-        skipped["utilization"] = f"encoding {encoding.spec!r} has no rotary pairs"
-    else:
-        result["utilization"], cov = _utilization(encoding, at_max, config)
-    result["schedule"] = _schedule(encoding, config)
-    if result["schedule"] is None:
-        skipped["schedule"] = f"encoding {encoding.spec!r} has no rotary frequencies"
+    influence = None
     if not config.influence:
         skipped["influence"] = "influence=False"
     elif not any(influence_units(encoding, kind) for kind in INFLUENCE_KINDS):
         skipped["influence"] = f"encoding {encoding.spec!r} has no per-head learned parameters"
+    else:  # before utilization: its distance profile shows the most influential head
+        influence = _influence(model, encoding, windows, config, progress)
+    utilization = None
+    if rotary_layout(encoding) is None:
+        skipped["utilization"] = f"encoding {encoding.spec!r} has no rotary pairs"
     else:
-        result["influence"] = _influence(model, encoding, windows, config, progress)
-    if cov is not None:
-        profile = at_max.distance_profile()  # (L, H, F, R)
-        result["utilization"]["distance_profile"] = {
-            "distances": at_max.distances.tolist(),
-            "heads": [
-                {
-                    "layer": layer,
-                    "head": head,
-                    "why": why,
-                    "contribution": profile[layer, head].tolist(),  # (F, R)
-                }
-                for layer, head, why in _profile_heads(
-                    cov, result["influence"], encoding.n_heads // encoding.n_kv_heads
-                )
-            ],
-        }
-    result["capture"] = method
-    result["skipped"] = skipped
-    return result
+        utilization = _utilization(encoding, at_max, config, influence)
+    schedule = _schedule(encoding, config)
+    if schedule is None:
+        skipped["schedule"] = f"encoding {encoding.spec!r} has no rotary frequencies"
+    return Sections(
+        spec=encoding.spec,
+        effective_length=effective,
+        utilization=utilization,
+        schedule=schedule,
+        influence=influence,
+        capture=method,
+        skipped=dict(sorted(skipped.items(), key=lambda item: _SECTION_ORDER.index(item[0]))),
+    )
+
+
+# The order of the sections in a result (and of the reasons they were skipped).
+_SECTION_ORDER = ("utilization", "schedule", "influence")
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalysisRun:
+    """What ``analyze`` returns: the result and where it is (or was found)."""
+
+    result: AnalysisResult
+    json: Path  # analysis.json
+    figures: dict[str, Path]  # figure name -> its PNG
+    reused: bool  # found there, of this model, data and config: nothing was measured
+
+    def lines(self) -> list[str]:
+        """``summary_lines`` and where the files are, for the CLI."""
+        wrote = "found" if self.reused else "wrote"
+        return [
+            *summary_lines(self.result),
+            f"{wrote} {self.json} and {len(self.figures)} figures in {self.json.parent}",
+        ]
 
 
 def analyze(
@@ -472,7 +504,7 @@ def analyze(
     command: str = "",
     progress: bool = True,
     overwrite: bool = False,
-) -> dict[str, Any]:
+) -> AnalysisRun:
     """Analyse the heads of ``model`` as ``config`` says and write ``analysis.json`` and PNGs
     into ``out_dir``.
 
@@ -482,8 +514,7 @@ def analyze(
     model's own; bytes for Decoders); ``data`` is a corpus name, files, a TokenStream or id
     tensor (``held_out_windows``). The result's provenance is the model, the windows (a digest
     of their tokens) and the config: an ``analysis.json`` of exactly that provenance is returned
-    as it is; one of another is refused, naming the field, unless ``overwrite``. Returns the
-    result as written, plus ``paths`` (the JSON and each figure).
+    as it is; one of another is refused, naming the field, unless ``overwrite``.
     """
     out = Path(out_dir)
     json_path = out / JSON_NAME
@@ -500,32 +531,43 @@ def analyze(
             }  # fmt: skip
             if check_replaceable(json_path, "analysis", provenance, overwrite=overwrite):
                 return _reused(json_path, out)
-            result = analyze_windows(backbone, encoding, windows, config, progress)
+            sections = analyze_windows(backbone, encoding, windows, config, progress)
     finally:
         module.train(was_training)
-    result = {
-        **result,
-        "spec": encoding.spec,
-        "seed": config.seed,
-        "model": {
-            "class": type(module).__name__,
-            "n_layers": encoding.n_layers,
-            "n_heads": encoding.n_heads,
-            "n_kv_heads": encoding.n_kv_heads,
-            "head_dim": encoding.head_dim,
-            # An unpatched Hugging Face model is analysed with its own RoPE, patched meanwhile.
-            "patched_for_analysis": patched_here,
-        },
-        "data": data_info,
-        "config": _config_json(config),
-    }
-    result["figures"] = planned_figures(result)
+    shape = ModelShape(
+        class_name=type(module).__name__,
+        n_layers=encoding.n_layers,
+        n_heads=encoding.n_heads,
+        n_kv_heads=encoding.n_kv_heads,
+        head_dim=encoding.head_dim,
+        patched_for_analysis=patched_here,
+    )
     meta = run_metadata(command, spec=encoding.spec, seed=config.seed)
-    result = plain(make_record("analysis", result, meta=meta, provenance=provenance))
-    write_result(json_path, "analysis", result, meta=meta, provenance=provenance, indent=1)
+    fields = {f.name: getattr(sections, f.name) for f in dataclasses.fields(Sections)}
+    result = AnalysisResult(
+        meta=meta,
+        provenance=provenance,
+        **fields,
+        seed=config.seed,
+        model=shape,
+        data=_windows(data_info),
+        config=_config_json(config),
+        figures=planned_figures(sections),
+    )
+    write_result(json_path, "analysis", result, indent=1)
     figures = write_figures(result, out)
-    result["paths"] = {"json": str(json_path), "figures": {k: str(p) for k, p in figures.items()}}
-    return result
+    return AnalysisRun(result, json_path, figures, reused=False)
+
+
+def _windows(info: dict[str, Any]) -> Windows:
+    """``held_out_windows``' description (with the tokens' digest) as its record. The
+    description stays as it is in the provenance (an older file's provenance must still
+    match), so the fields it leaves out (no tokenizer for given ids, no split but for a data
+    spec) are filled in here."""
+    fields = {"tokenizer": None, "split": None, **info}
+    fields["source"] = nested(fields["source"])
+    fields["starts"] = nested(fields["starts"])
+    return Windows(**fields)
 
 
 def _config_json(config: AnalysisConfig) -> dict[str, Any]:
@@ -535,13 +577,11 @@ def _config_json(config: AnalysisConfig) -> dict[str, Any]:
     return out
 
 
-def _reused(json_path: Path, out: Path) -> dict[str, Any]:
+def _reused(json_path: Path, out: Path) -> AnalysisRun:
     """A finished analysis of this very model, data and config, read back."""
-    result = read_result(json_path, "analysis")
-    figures = {name: str(out / file) for name, file in result["figures"].items()}
-    result["paths"] = {"json": str(json_path), "figures": figures}
-    result["reused"] = True
-    return result
+    result = read_record(json_path, AnalysisResult)
+    figures = {name: out / file for name, file in result.figures.items()}
+    return AnalysisRun(result, json_path, figures, reused=True)
 
 
 def _stats(values: np.ndarray) -> tuple[float, float, float]:
@@ -551,18 +591,19 @@ def _stats(values: np.ndarray) -> tuple[float, float, float]:
     return float(np.median(values)), float(values.min()), float(values.max())
 
 
-def summary_lines(result: dict[str, Any]) -> list[str]:
-    """A short human summary of an ``analyze`` result, one line per finding, for the CLI."""
-    m, data = result["model"], result.get("data", {})
+def summary_lines(result: AnalysisResult) -> list[str]:
+    """A short human summary of an analysis, one line per finding, for the CLI and the
+    report."""
+    m, data = result.model, result.data
     lines = [
-        f"{m['class']} with {result['spec']}: {m['n_layers']} layers x {m['n_heads']} heads "
-        f"({m['n_kv_heads']} kv); {data.get('n_windows')} held-out windows of "
-        f"{data.get('window_length')} tokens; capture via {result.get('capture')}"
+        f"{m.class_name} with {result.spec}: {m.n_layers} layers x {m.n_heads} heads "
+        f"({m.n_kv_heads} kv); {data.n_windows} held-out windows of {data.window_length} "
+        f"tokens; capture via {result.capture}"
     ]
-    el = result["effective_length"]
-    b, lengths = el["primary_beta_index"], el["lengths"]
-    beta = beta_label(el["betas"][b])
-    e = np.array(el["window_mean"], dtype=float)[b]  # (n_L, L, H)
+    el = result.effective_length
+    b, lengths = el.primary_beta_index, el.lengths
+    beta = beta_label(el.betas[b])
+    e = np.array(el.window_mean, dtype=float)[b]  # (n_L, L, H)
     med, lo, hi = _stats(e[-1].ravel())
     lines.append(
         f"effective length E_{beta} at {lengths[-1]} tokens (mean over queries): median "
@@ -574,54 +615,52 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
             f"  growth {lengths[0]} -> {lengths[-1]} tokens (x{lengths[-1] / lengths[0]:g}): "
             f"median x{med:.2f}, min x{lo:.2f}, max x{hi:.2f}"
         )
-    util = result.get("utilization")
-    if util:
-        med, lo, hi = _stats(np.array(util["cov"], dtype=float).ravel())
+    util = result.utilization
+    if util is not None:
+        med, lo, hi = _stats(np.array(util.cov, dtype=float).ravel())
         lines.append(
-            f"frequency utilization CoV across {util['n_pairs']} pairs: median {med:.2f}, "
-            f"min {lo:.2f}, max {hi:.2f} (one pair only: {util['max_cov']:.2f})"
+            f"frequency utilization CoV across {util.n_pairs} pairs: median {med:.2f}, "
+            f"min {lo:.2f}, max {hi:.2f} (one pair only: {util.max_cov:.2f})"
         )
-    schedule = result.get("schedule")
-    if schedule:
-        per_layer = schedule["effective_base"]["per_layer"]
+    if result.schedule is not None:
+        lines += _schedule_lines(result.schedule)
+    influence = result.influence
+    names = {"freq": "AdaFreq", "scale": "AdaScale"}
+    for kind, section in (influence.kinds() if influence is not None else {}).items():
+        top = ", ".join(f"{u.label} {u.delta_nll:+.4f}" for u in section.top[:3])
         lines.append(
-            "effective base per layer: "
-            + ", ".join(f"{v:.3g}" for v in per_layer)
-            + (f" (initial {schedule['initial_base']:.3g})" if schedule.get("initial_base") else "")
+            f"{names[kind]} influence at {influence.target_length} tokens (baseline NLL "
+            f"{influence.baseline_nll:.4f} nats): top {top}"
         )
-        learned = schedule.get("learned") or {}
-        if learned.get("dxi") is not None:
-            dxi = np.abs(np.array(learned["dxi"], dtype=float))
-            lines.append(
-                f"learned - initial ln theta: mean |dxi| {dxi.mean():.3g}, max {dxi.max():.3g}"
-            )
-        if learned.get("gamma") is not None:
-            gamma = np.array(learned["gamma"], dtype=float).ravel()
-            tau = np.array(learned["tau"], dtype=float).ravel()
-            lines.append(
-                f"AdaScale gamma: mean {gamma.mean():.3f} (range {gamma.min():.3f} to "
-                f"{gamma.max():.3f}); tau: median {np.median(tau):.3f} (range {tau.min():.3f} "
-                f"to {tau.max():.3f})"
-            )
-        if learned.get("knobs"):
-            knobs = ", ".join(f"{k} {v:.4g}" for k, v in learned["knobs"].items())
-            lines.append(f"tuned-yarn knobs: {knobs}")
-    influence = result.get("influence")
-    if influence:
-        for kind, name in (("freq", "AdaFreq"), ("scale", "AdaScale")):
-            section = influence.get(kind)
-            if section:
-                top = ", ".join(f"{u['label']} {u['delta_nll']:+.4f}" for u in section["top"][:3])
-                lines.append(
-                    f"{name} influence at {influence['target_length']} tokens (baseline NLL "
-                    f"{influence['baseline_nll']:.4f} nats): top {top}"
-                )
-    for what, why in (result.get("skipped") or {}).items():
-        lines.append(f"skipped {what}: {why}")
-    paths = result.get("paths")
-    if paths:
+    lines += [f"skipped {what}: {why}" for what, why in result.skipped.items()]
+    return lines
+
+
+def _schedule_lines(schedule: Schedule) -> list[str]:
+    per_layer = schedule.effective_base.per_layer
+    initial = schedule.initial_base
+    lines = [
+        "effective base per layer: "
+        + ", ".join(f"{v:.3g}" for v in per_layer)
+        + (f" (initial {initial:.3g})" if initial else "")
+    ]
+    learned = schedule.learned
+    if learned is None:
+        return lines
+    if learned.dxi is not None:
+        dxi = np.abs(np.array(learned.dxi, dtype=float))
         lines.append(
-            f"wrote {paths['json']} and {len(paths['figures'])} figures to "
-            f"{Path(paths['json']).parent}"
+            f"learned - initial ln theta: mean |dxi| {dxi.mean():.3g}, max {dxi.max():.3g}"
         )
+    if learned.gamma is not None and learned.tau is not None:
+        gamma = np.array(learned.gamma, dtype=float).ravel()
+        tau = np.array(learned.tau, dtype=float).ravel()
+        lines.append(
+            f"AdaScale gamma: mean {gamma.mean():.3f} (range {gamma.min():.3f} to "
+            f"{gamma.max():.3f}); tau: median {np.median(tau):.3f} (range {tau.min():.3f} "
+            f"to {tau.max():.3f})"
+        )
+    if learned.knobs:
+        knobs = ", ".join(f"{k} {v:.4g}" for k, v in learned.knobs.items())
+        lines.append(f"tuned-yarn knobs: {knobs}")
     return lines

@@ -32,6 +32,7 @@ from ropekit.results import ResultError, read_record, read_result, result_kind, 
 from .document import Block, Details, Figure, Heading, Table, Text, figure_problem
 
 if TYPE_CHECKING:
+    from ropekit.analysis import AnalysisResult
     from ropekit.evals.perplexity import PerplexityResult
     from ropekit.evals.probes import Accuracy, ProbesResult
     from ropekit.evals.runner import TasksResult
@@ -356,21 +357,22 @@ def analysis_section(results: Sequence[Result], root: Path) -> list[Block]:
     for r in results:
         if len(results) > 1:
             blocks.append(Heading(r.label, 3))
-        data = {k: v for k, v in r.data.items() if k != "paths"}
-        blocks += [Text(line) for line in summary_lines(data)]
-        influence = r.data["influence"]  # None: not measured (the analysis says why)
+        d: AnalysisResult = r.data
+        blocks += [Text(line) for line in summary_lines(d)]
+        influence = d.influence  # None: not measured (the analysis says why)
+        names = {"freq": "AdaFreq", "scale": "AdaScale"}
         rows = [
-            [name, u["label"], fmt(u["delta_nll"], 4)]
-            for kind, name in (("freq", "AdaFreq"), ("scale", "AdaScale"))
-            if influence is not None and influence[kind] is not None
-            for u in influence[kind]["top"][:5]
+            [names[kind], u.label, fmt(u.delta_nll, 4)]
+            for kind, section in (influence.kinds() if influence is not None else {}).items()
+            for u in section.top[:5]
         ]
         if rows:
+            assert influence is not None
             blocks.append(
                 Table(
                     ["parameters reverted", "head", "Δ NLL (nats/token)"],
                     rows,
-                    f"Most influential heads at {influence['target_length']} tokens: NLL "
+                    f"Most influential heads at {influence.target_length} tokens: NLL "
                     "increase when one head's learned parameters return to their init.",
                 )
             )
