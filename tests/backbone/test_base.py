@@ -1,6 +1,7 @@
-"""Backbone.token_nll: chunked scoring through the KV cache equals one forward for static
-encodings; a length-following one (dynamic NTK, DCA's scale, STRING's shift) is read in one
-forward per window, so its early chunks do not see a shorter length."""
+"""What the Backbone base class does for every kind of model. token_nll: chunked scoring
+through the KV cache equals one forward for static encodings; a length-following one (dynamic
+NTK, DCA's scale, STRING's shift) is read in one forward per window, so its early chunks do not
+see a shorter length. parameter_digest: equal exactly for bit-identical weights."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ropekit.backbone import as_backbone
+from ropekit.backbone.base import parameter_digest
 from ropekit.hf import patch
 
 from ..model.tiny import tiny_model as tiny_decoder
@@ -65,3 +67,15 @@ def test_a_length_following_encoding_is_scored_in_one_forward(make, static, foll
     # Through the cache in chunks, the following encoding's early chunks saw shorter lengths.
     drift = (_chunked_through_cache(backbone, ids, 16) - got).abs().max()
     assert drift > 1e-3, (following, drift)
+
+
+def test_parameter_digest_names_bit_identical_weights_whatever_their_order():
+    a = {"x": torch.arange(4.0), "y": torch.ones(2, 2, dtype=torch.float64)}
+    same = {"y": a["y"].clone(), "x": a["x"].clone()}
+    assert parameter_digest(a) == parameter_digest(same)
+    moved = {"x": a["x"].clone(), "y": a["y"].clone()}
+    moved["x"][2] = torch.nextafter(moved["x"][2], torch.tensor(10.0))  # one ulp
+    assert parameter_digest(moved) != parameter_digest(a)
+    assert parameter_digest({"x": a["x"], "y": a["y"].float()}) != parameter_digest(a)  # dtype
+    assert parameter_digest({"z": a["x"], "y": a["y"]}) != parameter_digest(a)  # name
+    assert parameter_digest({"x": a["x"].reshape(2, 2), "y": a["y"]}) != parameter_digest(a)
