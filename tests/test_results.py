@@ -4,10 +4,13 @@ missing, unknown or of another type (a renamed field never reads as a default)."
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib.metadata
 import json
 import math
 import sys
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -572,3 +575,102 @@ def test_a_torn_last_line_is_dropped_and_a_damaged_one_elsewhere_is_named(tmp_pa
     path.write_text('{"a": \n\n')  # the only record torn, blank lines after it
     with pytest.raises(ResultError, match="line 1"):
         results.read_records(path)
+
+
+# --------------------------------------------------------------------------- edges mutants found
+def test_a_union_tries_every_option_but_the_last_in_order():
+    assert decode(bool | int | str, 3, "w") == 3  # bool fails, int reads it
+    assert decode(bool | int | str, "3", "w") == "3"
+    with pytest.raises(ResultError, match=r"^w is \[\], expected str$"):
+        decode(bool | int | str, [], "w")  # the last option's error
+
+
+def test_a_one_place_tuple_and_unparametrized_containers():
+    assert decode(tuple[int], [1], "w") == (1,)
+    assert decode(typing.List, [1, "a"], "w") == [1, "a"]  # noqa: UP006 (no item hint)
+    assert decode(typing.Tuple, [None], "w") == (None,)  # noqa: UP006
+
+
+@pytest.mark.parametrize(
+    "kind, tail",
+    [
+        (list[int], "not a list"),
+        (dict[str, int], "not an object"),
+        (_Inner, "not a _Inner object"),
+    ],
+)
+def test_a_long_value_is_cut_at_40_characters_in_the_error(kind, tail):
+    with pytest.raises(ResultError) as error:
+        decode(kind, "y" * 100, "w")
+    assert str(error.value) == f'w is "{"y" * 39}, {tail}'
+
+
+def test_run_metadata_records_every_installed_package_and_skips_a_missing_one(monkeypatch):
+    installed = {}
+    for package in ("transformers", "accelerate", "peft", "safetensors", "numpy"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            installed[package] = importlib.metadata.version(package)
+    assert {k: v for k, v in run_metadata("c")["versions"].items() if k in installed} == installed
+    real = importlib.metadata.version
+
+    def version(package):
+        if package == "peft":
+            raise importlib.metadata.PackageNotFoundError(package)
+        return real(package)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert "peft" not in run_metadata("c")["versions"]
+
+
+def test_digest_and_provenance_write_what_json_cannot_hold_as_text():
+    assert results.digest({"x": {1}}) == results.digest({"x": "{1}"})
+    with pytest.raises(results.ProvenanceMismatch, match=r'x is "\{1\}" there, "\{2\}" now'):
+        check_provenance({"x": {1}}, {"x": {2}}, "f")
+
+
+def test_check_provenance_sorts_mixed_keys_and_shows_values_with_sorted_keys():
+    with pytest.raises(results.ProvenanceMismatch, match=r"f was made with other settings: 1 is"):
+        check_provenance({1: 0, "b": 1}, {1: 2, "b": 1}, "f")
+    with pytest.raises(results.ProvenanceMismatch) as error:
+        check_provenance({"m": {"b": 1, "a": 2}}, {"m": 3}, "f")
+    assert 'm is {"a": 2, "b": 1} there, 3 now' in str(error.value)
+
+
+def test_check_provenance_names_dotted_and_x_keys_as_they_are():
+    with pytest.raises(results.ProvenanceMismatch, match=r": model\.name is 1 there, 2 now;"):
+        check_provenance({"model.name": 1}, {"model.name": 2}, "f")  # a key with a dot
+    with pytest.raises(results.ProvenanceMismatch, match=r": XL\.X is 1 there, 2 now;"):
+        check_provenance({"XL": {"X": 1}}, {"XL": {"X": 2}}, "f")
+
+
+def test_check_provenance_cuts_a_value_over_60_characters():
+    long = "z" * 59  # with its quotes 61 characters: cut to 57 and "..."
+    with pytest.raises(results.ProvenanceMismatch, match=f'a is "{"z" * 56}... there'):
+        check_provenance({"a": long}, {"a": 0}, "f")
+
+
+def test_check_replaceable_names_the_file_whose_provenance_differs(tmp_path):
+    path = write_result(tmp_path / "r.json", "schedules", {}, meta={}, provenance={"a": 1})
+    with pytest.raises(results.ProvenanceMismatch, match=rf"^{path} was made with other"):
+        check_replaceable(path, "schedules", {"a": 2})
+
+
+def test_write_result_replaces_by_default_whatever_was_there(tmp_path):
+    path = write_result(tmp_path / "r.json", "schedules", {}, meta={}, provenance={"a": 1})
+    write_result(path, "schedules", {}, meta={}, provenance={"a": 2})
+    assert json.loads(path.read_text())["provenance"] == {"a": 2}
+
+
+def test_a_record_of_an_untyped_kind_is_refused():
+    with pytest.raises(ValueError, match=r"^a _Inner is not a 'schedules' record$"):
+        make_record("schedules", _Inner(1, 2.0))
+
+
+def test_read_errors_name_the_file(toy_kind, tmp_path):
+    path = tmp_path / "demo.json"
+    path.write_text(json.dumps({"kind": "demo", "format_version": 9, "meta": {}}))
+    with pytest.raises(ResultError, match=rf"^{path} has format_version=9; this ropekit reads 4"):
+        read_result(path)
+    write_result(path, "schedules", {}, meta={})
+    with pytest.raises(ResultError, match=rf"^{path} is a 'schedules' result, not a 'demo' one$"):
+        read_record(path, _Toy)

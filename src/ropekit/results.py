@@ -316,27 +316,28 @@ def result_kind(path: str | Path) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-def _first_difference(recorded: Any, current: Any, where: str) -> str | None:
+def _first_difference(recorded: Any, current: Any) -> tuple[Any, ...] | None:
+    """The keys down to the first field (keys in sorted order, depth first) whose values
+    differ as JSON; None when none does."""
     if isinstance(recorded, Mapping) and isinstance(current, Mapping):
         for key in sorted(set(recorded) | set(current), key=str):
-            found = _first_difference(recorded.get(key), current.get(key), f"{where}.{key}")
+            found = _first_difference(recorded.get(key), current.get(key))
             if found is not None:
-                return found
+                return (key, *found)
         return None
-    return None if plain(recorded) == plain(current) else where
+    return None if plain(recorded) == plain(current) else ()
 
 
 def check_provenance(recorded: Mapping[str, Any], current: Mapping[str, Any], what: str) -> None:
     """Raise ProvenanceMismatch naming the first field in which ``what`` (a file or folder) was
-    made by something else than ``current`` describes."""
-    field = _first_difference(dict(recorded), dict(current), "")
-    if field is None:
+    made by something else than ``current`` describes (nested fields dotted: ``data.tokens``)."""
+    keys = _first_difference(dict(recorded), dict(current))
+    if keys is None:
         return
-    path = field.lstrip(".")
 
     def value(tree: Any) -> Any:
-        for part in path.split("."):
-            tree = tree.get(part) if isinstance(tree, Mapping) else None
+        for key in keys:  # every key but the last was found in a mapping on both sides
+            tree = tree.get(key)
         return tree
 
     def short(v: Any) -> str:
@@ -344,8 +345,9 @@ def check_provenance(recorded: Mapping[str, Any], current: Mapping[str, Any], wh
         return text if len(text) <= 60 else text[:57] + "..."
 
     raise ProvenanceMismatch(
-        f"{what} was made with other settings: {path} is {short(value(recorded))} there, "
-        f"{short(value(current))} now; use another output folder, or --overwrite to recompute it"
+        f"{what} was made with other settings: {'.'.join(map(str, keys))} is "
+        f"{short(value(recorded))} there, {short(value(current))} now; use another output "
+        "folder, or --overwrite to recompute it"
     )
 
 
