@@ -19,6 +19,7 @@ import dataclasses
 from typing import Any
 
 from ropekit.evals.perplexity import PositionCurve
+from ropekit.evals.probes import NeedleAccuracy
 from ropekit.results import register
 
 from .config import CompareConfig
@@ -91,36 +92,20 @@ class LrSearch:
 
 
 @dataclasses.dataclass(frozen=True)
-class SeedAccuracy:
+class SeedAccuracy(NeedleAccuracy):
     """One seed's probes at one length (a probes summary's by_length entry)."""
 
     length: int
-    correct: int
-    n: int
-    accuracy: float
-    low: float  # Wilson interval
-    high: float
-    confidence: float
-    # wrong answers naming another needle's value, and of those the nearest needle's; None in
-    # probe summaries written before they were counted
-    other_needle: int | None
-    nearest_needle: int | None
     seed: int
 
 
 @dataclasses.dataclass(frozen=True)
-class Retrieval:
-    """Accuracy at one length pooled over seeds (correct and n summed, one Wilson interval)."""
+class Retrieval(NeedleAccuracy):
+    """Accuracy at one length pooled over seeds (correct and n summed, one Wilson interval;
+    the wrong answers naming another needle summed too, None when a seed did not count
+    them)."""
 
-    correct: int
-    n: int
-    accuracy: float
-    low: float
-    high: float
-    confidence: float
     runs: int  # seeds pooled
-    other_needle: int | None  # summed over seeds; None when a seed did not count them
-    nearest_needle: int | None
     per_seed: tuple[SeedAccuracy, ...]
 
 

@@ -63,7 +63,13 @@ from ropekit.evals import (
     run_probes,
 )
 from ropekit.evals.perplexity import LengthScore
-from ropekit.evals.probes import ProbesResult, build_haystack, check_probe_sizes, probe_task
+from ropekit.evals.probes import (
+    NeedleAccuracy,
+    ProbesResult,
+    build_haystack,
+    check_probe_sizes,
+    probe_task,
+)
 from ropekit.results import (
     ResultError,
     check_replaceable,
@@ -581,6 +587,12 @@ def _stretch(stream: TokenStream, start: int, n_tokens: int) -> tuple[Stretch, .
     return tuple(out)
 
 
+def _needle_accuracy(entry: NeedleAccuracy) -> dict[str, Any]:
+    """The fields ``entry`` shares with every needle accuracy (a probes summary's by_length
+    entry carries its stage's own fields beside them)."""
+    return {f.name: getattr(entry, f.name) for f in dataclasses.fields(NeedleAccuracy)}
+
+
 def _retrieval(probes: dict[str, dict[int, ProbesResult]]) -> dict[str, dict[int, Retrieval]]:
     """label -> length -> accuracy pooled over the seeds' probes (correct and n summed, one
     Wilson interval), with each seed's own entry beside it."""
@@ -589,14 +601,9 @@ def _retrieval(probes: dict[str, dict[int, ProbesResult]]) -> dict[str, dict[int
         by_length: dict[int, list[SeedAccuracy]] = {}
         for seed in sorted(by_seed):
             for e in by_seed[seed].by_length:
-                # wrong answers naming another needle's value (evals.probes.distractor_answers)
-                # are None in summaries written before they were counted
                 by_length.setdefault(e.length, []).append(
-                    SeedAccuracy(
-                        e.length, e.correct, e.n, e.accuracy, e.low, e.high, e.confidence,
-                        e.other_needle, e.nearest_needle, seed,
-                    )
-                )  # fmt: skip
+                    SeedAccuracy(**_needle_accuracy(e), length=e.length, seed=seed)
+                )
         out[label] = {n: pooled_retrieval(es) for n, es in sorted(by_length.items())}
     return out
 

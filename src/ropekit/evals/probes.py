@@ -664,14 +664,20 @@ class Accuracy:
 
 
 @dataclass(frozen=True)
-class LengthAccuracy(Accuracy):
+class NeedleAccuracy(Accuracy):
+    """An accuracy of needle probes with its wrong answers that name another needle's value,
+    and of those the nearest needle's (``distractor_answers``); both None in a summary
+    written before they were counted."""
+
+    other_needle: int | None
+    nearest_needle: int | None
+
+
+@dataclass(frozen=True)
+class LengthAccuracy(NeedleAccuracy):
     """One length: its accuracy, the wrong answers naming another needle, its stage."""
 
     length: int
-    # wrong answers naming another needle's value, and of those the nearest needle's; None
-    # in a summary written before they were counted
-    other_needle: int | None
-    nearest_needle: int | None
     haystacks: int  # prefills
     mean_prefix_tokens: float
     stage: str  # the stage's digest
