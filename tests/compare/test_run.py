@@ -1,9 +1,9 @@
-"""`ropekit compare` end to end on toy settings (two methods, toy lengths, two domains), its
-method parser, its statistics and its recommendation rule."""
+"""`ropekit compare` end to end on toy settings (two methods, toy lengths, two domains): what it
+trains, scores, probes and judges, what a rerun reuses, what it refuses before it trains. (Its
+config: test_config.py; its report: test_report.py.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -12,76 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekit.cli import build_parser, main
-from ropekit.compare import CompareConfig, parse_methods
+from ropekit.cli import main
+from ropekit.compare import CompareConfig
 from ropekit.compare.record import (
     CompareResult,
-    Method,
-    ProbeSettings,
-    SeedAccuracy,
-    Stat,
-    SummaryEntry,
 )
-from ropekit.compare.verdict import accuracy_text, pooled_retrieval
+from ropekit.compare.verdict import accuracy_text
 from ropekit.evals import probes, wilson_interval
 from ropekit.results import read_record
 
-# A committed comparison: the base the report's unit tests change a few fields of.
-COMMITTED = Path(__file__).resolve().parents[1] / "experiments/smollm2_16k/ood/compare.json"
-
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--batch-size", "4", "--warmup", "2"]
-
-
-def test_methods_split_where_an_encoding_name_starts():
-    assert parse_methods("rope,yarn:factor=4,beta_fast=16,adarope:init=yarn,factor=2") == (
-        "rope",
-        "yarn:factor=4,beta_fast=16",
-        "adarope:init=yarn,factor=2",
-    )
-
-
-def test_the_report_counts_answers_that_name_another_needle_when_a_haystack_holds_several():
-    from ropekit.compare.report import _retrieval_table
-
-    seed = SeedAccuracy(64, 1, 10, 0.1, 0.0, 0.4, 0.95, other_needle=8, nearest_needle=7, seed=0)
-    data = dataclasses.replace(
-        read_record(COMMITTED, CompareResult),
-        methods=(Method("rope", "rope", False),),
-        probes=ProbeSettings(lengths=(64,), needles=5, haystacks=2, task="t", probes_per_run=10),
-        retrieval={"rope": {64: pooled_retrieval([seed])}},
-    )
-    blocks = _retrieval_table(data)
-    assert blocks[-1].rows == [["rope", "8 of 9 (7)"]]
-    assert "probe_needles=1" in blocks[-1].caption
-    one = dataclasses.replace(data, probes=dataclasses.replace(data.probes, needles=1))
-    assert len(_retrieval_table(one)) == 2  # the heading and the accuracies only
-
-
-def test_bad_configs_are_refused():
-    with pytest.raises(ValueError, match="names"):
-        CompareConfig("m", 64, ("rope", "yarn"), names=("a",))
-    with pytest.raises(ValueError, match="above target_length"):
-        CompareConfig("m", 64, ("rope",), lengths=(128,))
-    with pytest.raises(ValueError, match="margin"):
-        CompareConfig("m", 64, ("rope",), margin=2.0)
-    with pytest.raises(ValueError, match="seeds"):
-        CompareConfig("m", 64, ("rope",), seeds=(0, 0))
-
-
-def test_the_compute_dtype_is_part_of_the_config_only_when_it_is_not_float32():
-    """A field added after comparisons were committed keeps their provenance: at its default
-    it is left out of the config's JSON (so those folders stay resumable); set, it is in."""
-    assert "dtype" not in CompareConfig("m", 64, ("rope",)).to_dict()
-    assert CompareConfig("m", 64, ("rope",), dtype="bfloat16").to_dict()["dtype"] == "bfloat16"
-    with pytest.raises(ValueError, match="dtype='int8' is not allowed; allowed: float32"):
-        CompareConfig("m", 64, ("rope",), dtype="int8")
-
-
-def test_single_documents_is_on_unless_turned_off():
-    parse = build_parser().parse_args
-    assert parse(["compare", "--out", "x"]).single_documents is None  # the config's default
-    assert parse(["compare", "--no-single-documents", "--out", "x"]).single_documents is False
-    assert CompareConfig("m", 64, ("rope",)).single_documents is True
 
 
 def test_the_help_of_a_no_flag_says_it_turns_the_default_off(capsys):
@@ -451,41 +391,3 @@ def test_the_report_names_the_held_out_documents_and_times_only_its_own_jobs(
     jobs = [t["job"] for t in data["times"]]
     assert "train methods/stopped-method/s0" not in jobs and "train methods/yarn/s0" in jobs
     assert "stopped-method" not in report
-
-
-def test_a_corpus_no_method_trains_on_can_be_scored_whole():
-    """KJV's validation split (7 books by text hash) holds no 32k-token book; a comparison
-    that trains on Shakespeare only may score all of KJV, every book held out from training."""
-    whole = CompareConfig("m", 64, ("rope",), whole_untrained_corpora=True)
-    assert whole.heldout_split("kjv") == "all"
-    assert whole.heldout_split("shakespeare") == "validation"  # trained on: its split only
-    assert CompareConfig("m", 64, ("rope",)).heldout_split("kjv") == "validation"  # default
-    assert CompareConfig("m", 64, ("rope",)).heldout_split("/my/book.txt") == "all"
-    trains_on_kjv = CompareConfig("m", 64, ("rope",), train_data=("shakespeare", "kjv"),
-                                  whole_untrained_corpora=True)  # fmt: skip
-    assert trains_on_kjv.heldout_split("kjv") == "validation"
-    assert "whole_untrained_corpora" not in CompareConfig("m", 64, ("rope",)).to_dict()
-
-
-def test_a_collapsed_method_does_not_flatten_the_perplexity_figures(tmp_path):
-    """The unmodified model at 286.7 against 30-ish: the axis stops at 3x the best value and
-    the caption names the method above it."""
-    from ropekit.compare.report import _figures
-
-    def entry(ppl: float) -> SummaryEntry:
-        return SummaryEntry(Stat(ppl, 0.0, 1), Stat(ppl, 0.0, 1))
-
-    summary = {
-        "rope": {"d": {8: entry(30.0), 32: entry(286.7)}},
-        "yarn": {"d": {8: entry(30.5), 32: entry(31.0)}},
-    }
-    data = dataclasses.replace(
-        read_record(COMMITTED, CompareResult), summary=summary, domains=("d",), table={},
-        trained_at=8, target_length=32, verdict=None,
-    )  # fmt: skip
-    figures = _figures(data, tmp_path)
-    captions = [f.caption for f in figures if f.path.startswith("ppl_")]
-    assert len(captions) == 2
-    assert all("stops at 3x the best method's value; above it: rope." in c for c in captions)
-    alike = dataclasses.replace(data, summary={"yarn": summary["yarn"], "ntk": summary["yarn"]})
-    assert not any("stops at" in f.caption for f in _figures(alike, tmp_path))

@@ -1,0 +1,63 @@
+"""The comparison's report, from a committed compare.json with a few fields changed: retrieval
+counts answers naming another needle; a collapsed method does not flatten the perplexity
+figures."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ropekit.compare.record import (
+    CompareResult,
+    Method,
+    ProbeSettings,
+    SeedAccuracy,
+    Stat,
+    SummaryEntry,
+)
+from ropekit.compare.verdict import pooled_retrieval
+from ropekit.results import read_record
+
+# A committed comparison: the base the report's unit tests change a few fields of.
+COMMITTED = Path(__file__).resolve().parents[2] / "experiments/smollm2_16k/ood/compare.json"
+
+
+def test_the_report_counts_answers_that_name_another_needle_when_a_haystack_holds_several():
+    from ropekit.compare.report import _retrieval_table
+
+    seed = SeedAccuracy(64, 1, 10, 0.1, 0.0, 0.4, 0.95, other_needle=8, nearest_needle=7, seed=0)
+    data = dataclasses.replace(
+        read_record(COMMITTED, CompareResult),
+        methods=(Method("rope", "rope", False),),
+        probes=ProbeSettings(lengths=(64,), needles=5, haystacks=2, task="t", probes_per_run=10),
+        retrieval={"rope": {64: pooled_retrieval([seed])}},
+    )
+    blocks = _retrieval_table(data)
+    assert blocks[-1].rows == [["rope", "8 of 9 (7)"]]
+    assert "probe_needles=1" in blocks[-1].caption
+    one = dataclasses.replace(data, probes=dataclasses.replace(data.probes, needles=1))
+    assert len(_retrieval_table(one)) == 2  # the heading and the accuracies only
+
+
+def test_a_collapsed_method_does_not_flatten_the_perplexity_figures(tmp_path):
+    """The unmodified model at 286.7 against 30-ish: the axis stops at 3x the best value and
+    the caption names the method above it."""
+    from ropekit.compare.report import _figures
+
+    def entry(ppl: float) -> SummaryEntry:
+        return SummaryEntry(Stat(ppl, 0.0, 1), Stat(ppl, 0.0, 1))
+
+    summary = {
+        "rope": {"d": {8: entry(30.0), 32: entry(286.7)}},
+        "yarn": {"d": {8: entry(30.5), 32: entry(31.0)}},
+    }
+    data = dataclasses.replace(
+        read_record(COMMITTED, CompareResult), summary=summary, domains=("d",), table={},
+        trained_at=8, target_length=32, verdict=None,
+    )  # fmt: skip
+    figures = _figures(data, tmp_path)
+    captions = [f.caption for f in figures if f.path.startswith("ppl_")]
+    assert len(captions) == 2
+    assert all("stops at 3x the best method's value; above it: rope." in c for c in captions)
+    alike = dataclasses.replace(data, summary={"yarn": summary["yarn"], "ntk": summary["yarn"]})
+    assert not any("stops at" in f.caption for f in _figures(alike, tmp_path))
