@@ -22,7 +22,7 @@ from ropekit.evals import (
     get_task,
     register_task,
 )
-from ropekit.evals.haystack import NOISE, load_haystack
+from ropekit.evals.haystack import NOISE
 from ropekit.evals.tasks import zipf_counts
 
 # Lengths at which every task fits; the full-size cwe needs more.
@@ -194,13 +194,6 @@ def test_passkey_uses_the_retrieval_mixture_format(byte_tok):
     assert sample.input.endswith("\nWhat is the pass key? The pass key is")
     haystack = sample.input.replace(f"\nThe pass key is {key}. Remember it.\n", " ")
     assert set(haystack.rsplit("\n", 1)[0].split()) <= set(NOISE.split())
-
-
-def test_pieces_at_the_ends_of_the_haystack():
-    hay = load_haystack("noise")
-    first = hay.context(40, [(0.0, "FIRST"), (1.0, "LAST")])
-    assert first.text.startswith("FIRST\nThe grass") and first.text.endswith("\nLAST")
-    assert [first.text[a:b] for a, b in first.spans] == ["FIRST", "LAST"]
 
 
 def test_registry_errors_name_what_is_allowed(byte_tok):
