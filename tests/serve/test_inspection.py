@@ -1,7 +1,6 @@
-"""inspect's rules (ropekit.serve.engines) and reports, without engines: transformers' rule is
-held to transformers' own rope functions; ropekit's exports show no disagreement where the
-engines agree, and the known engine differences are found with the change that removes them.
-The same rules are checked against the real vLLM in ``make test-serving``."""
+"""inspect's reports, without engines: ropekit's exports show no disagreement where the engines
+agree, and the known engine differences are found with the change that removes them. (Each
+engine's rule: tests/serve/engines/; against the real engines: ``make test-serving``.)"""
 
 from __future__ import annotations
 
@@ -10,69 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ropekit.cli import main
 from ropekit.hf import patch
-from ropekit.serve.engines import transformers_rope, vllm_max_length, vllm_rope
+from ropekit.serve.engines import transformers_rope
 from ropekit.serve.exporting import export
 from ropekit.serve.inspection import inspect_folder
-from tests.tiny import L0, perturb, tiny_config, tiny_model
-
-from .test_gguf import PARAMS
-
-
-@pytest.mark.parametrize("params", PARAMS, ids=lambda p: p["rope_type"])
-@pytest.mark.parametrize("length", [100, 4096])
-def test_the_transformers_rule_is_transformers(params: dict, length: int) -> None:
-    config = tiny_config(
-        "llama", rope_parameters=dict(params), head_dim=64, max_position_embeddings=2048
-    )
-    ours = transformers_rope({**config.to_dict(), "rope_parameters": params}, length)
-    if params["rope_type"] == "default":
-        theirs, af = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
-    else:
-        theirs, af = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu", seq_len=length)
-    # transformers forms inv_freq in float32; ropekit's float64 agrees to float32 rounding.
-    torch.testing.assert_close(ours.inv_freq.float(), theirs, rtol=1e-6, atol=0)
-    assert ours.attention_factor == pytest.approx(af, rel=1e-6)
-
-
-def test_dynamic_rule_follows_the_length_like_transformers() -> None:
-    params = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
-    config = tiny_config("llama", rope_parameters=params, head_dim=64, max_position_embeddings=512)
-    for length in (256, 512, 1024, 4096):
-        ours = transformers_rope({**config.to_dict(), "rope_parameters": params}, length)
-        theirs, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=length)
-        torch.testing.assert_close(ours.inv_freq.float(), theirs, rtol=1e-6, atol=0)
-
-
-def test_vllm_lengths_follow_its_rule() -> None:
-    base = {"max_position_embeddings": 8192, "hidden_size": 64, "num_attention_heads": 4}
-    yarn = {**base, "rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}
-    linear = {**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
-    assert vllm_max_length(yarn)[0] == 8192  # yarn: max_position_embeddings as it is
-    assert vllm_max_length(linear)[0] == 16384  # linear: times the factor
-    assert vllm_max_length(yarn, {"model_max_length": 4096})[0] == 4096  # the tokenizer caps
-
-
-def test_vllm_dynamic_is_static_plain_rope_by_default() -> None:
-    params = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
-    config = {
-        "max_position_embeddings": 512,
-        "head_dim": 64,
-        "hidden_size": 256,
-        "num_attention_heads": 4,
-        "rope_parameters": params,
-    }
-    plain = transformers_rope(
-        {**config, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, 1
-    )
-    for length in (100, 1024):
-        view = vllm_rope(config, length)
-        torch.testing.assert_close(view.inv_freq, plain.inv_freq, rtol=0, atol=0)
-    assert any("cache holds 512" in n for n in vllm_rope(config, 1024).notes)
+from tests.tiny import L0, perturb, tiny_model
 
 
 def _folder(spec: str, tmp_path: Path, *, learned: bool = False) -> Path:
