@@ -277,67 +277,6 @@ def test_max_length_and_the_tokenizer_cap(tmp_path: Path, tiny_llama) -> None:
         export(model, None, tmp_path / "x", format="onnx")
 
 
-# --------------------------------------------------------------------------- nearest, plugin
-def test_nearest_exports_a_per_head_schedule_as_its_mean(tmp_path: Path, tiny_llama) -> None:
-    from ropekit.serve.nearest import nearest_shared
-
-    model = tiny_llama()
-    encoding = perturb(patch(model, "adarope:init=yarn,factor=2"))
-    with pytest.raises(ExportRefused):
-        export(model, None, tmp_path / "refused")
-    out = export(model, None, tmp_path / "near", nearest=True)
-    record = json.loads((out / EXPORT_RECORD).read_text())
-    assert any("nearest shared schedule" in note for note in record["notes"])
-    fit = nearest_shared(encoding, length=64)
-    xi = torch.stack([encoding.xi(layer).detach().expand(2, -1) for layer in range(2)])
-    torch.testing.assert_close(fit.theta.log(), xi.double().mean(dim=(0, 1)), rtol=0, atol=1e-12)
-    assert fit.max_log_freq_spread > 0
-    low, high = fit.temperature_range
-    assert low < fit.temperature < high  # a geometric mean of distinct temperatures
-
-
-def test_nearest_of_a_shared_schedule_is_the_schedule(tmp_path: Path, tiny_llama) -> None:
-    from ropekit.serve.nearest import nearest_shared
-
-    model = tiny_llama()
-    encoding = perturb(patch(model, SHARED), scale=False)
-    fit = nearest_shared(encoding, length=64)
-    torch.testing.assert_close(
-        fit.theta, encoding.xi(0).detach().double()[0].exp(), rtol=1e-12, atol=0
-    )
-    assert fit.max_log_freq_spread == 0 and fit.temperature == pytest.approx(1.0)
-
-
-def test_vllm_plugin_rotary_on_flat_rows_is_ropekit_on_heads(tmp_path: Path, tiny_llama) -> None:
-    """vLLM hands the rotary (N, H*D) rows and (N,) positions; the plugin's reshape must give
-    exactly what the patched model computes on (B, H, T, D) (no vLLM needed for this)."""
-    from ropekit.serve.vllm_plugin import ADAPTER_DIR, RopekitRotary, load_adapter_encoding
-
-    model = tiny_llama()
-    encoding = perturb(patch(model, "adarope:init=yarn,factor=2"))
-    out = export(model, None, tmp_path / "v", format="vllm")
-    config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["RopekitLlamaForCausalLM"]
-    assert (out / ADAPTER_DIR / "adapter.safetensors").is_file()
-    loaded = load_adapter_encoding(out, model.config)
-    g = torch.Generator().manual_seed(1)
-    n, heads, kv, d = 11, 4, 2, 16
-    positions = torch.randint(0, 200, (n,), generator=g)  # any order: chunked prefill, decode
-    q = torch.randn(n, heads * d, generator=g)
-    k = torch.randn(n, kv * d, generator=g)
-    for layer in range(2):
-        got_q, got_k = RopekitRotary(loaded, layer, d)(positions, q, k)
-        want_q = encoding.rotate_q(
-            q.view(n, heads, d).transpose(0, 1)[None], positions[None], layer
-        )
-        want_k = encoding.rotate_k(k.view(n, kv, d).transpose(0, 1)[None], positions[None], layer)
-        torch.testing.assert_close(got_q, want_q[0].transpose(0, 1).reshape(n, -1), rtol=0, atol=0)
-        torch.testing.assert_close(got_k, want_k[0].transpose(0, 1).reshape(n, -1), rtol=0, atol=0)
-    with pytest.raises(ExportRefused, match="sequence length"):
-        patch(model, "dynamic-ntk:factor=2")
-        export(model, None, tmp_path / "dyn", format="vllm")
-
-
 @pytest.mark.parametrize(
     ("spec", "why"),
     [

@@ -9,10 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from ropekit.backbone import as_backbone
-from ropekit.encodings import build
 from ropekit.hf import ExportRefused, patch
 from ropekit.serve.engines.vllm_ropekit import remap_reach
 from ropekit.serve.exporting import export
@@ -56,44 +54,6 @@ def test_a_remap_exports_for_the_plugin_with_its_base_schedule(
     # The plugin rebuilds the very remap from the folder.
     loaded = load_adapter_encoding(out, model.config)
     assert loaded.remaps_distance and loaded.spec == encoding.spec
-
-
-def _largest_distance(spec: str, length: int) -> float:
-    """The largest distance a remap shows any pair of a ``length``-token prompt: every query
-    against key 0 (the farthest), read from the band that covers key 0 for that query."""
-    encoding = build(spec, n_heads=2, head_dim=8, original_length=L0)
-    q_pos, k_pos = torch.arange(length)[None], torch.tensor([[0]])
-    largest = torch.full((length,), float("nan"), dtype=torch.float64)
-    for band in encoding.bands(q_pos, k_pos):
-        covers = torch.ones(length, dtype=torch.bool)
-        if band.lo is not None:
-            covers &= band.lo[0] <= 0
-        if band.hi is not None:
-            covers &= band.hi[0] > 0
-        distance = (band.q_positions[0] - band.k_positions[0, 0]).double()
-        largest = torch.where(covers, distance.expand(length), largest)
-    assert not largest.isnan().any(), f"some query of {spec} has no band over key 0"
-    return float(largest.max())
-
-
-@pytest.mark.parametrize(
-    "spec",
-    [
-        "self-extend:group=4,window=8",
-        "self-extend:group=4,window=12",
-        "self-extend:group=4,window=8,mode=llama.cpp",
-        "rerope:window=8,leaky=4",
-        "rerope:window=5,leaky=2.5",
-    ],
-)
-def test_the_reach_is_the_longest_prompt_whose_distances_stay_below_L0(spec: str) -> None:
-    encoding = build(spec, n_heads=2, head_dim=8, original_length=L0)
-    reach = remap_reach(encoding, L0)
-    assert reach is not None and reach > L0
-    assert _largest_distance(spec, reach) <= L0 - 1
-    # One token more (llama.cpp's blocks: one block more) passes L0.
-    more = encoding.config.window if "llama.cpp" in spec else 1
-    assert _largest_distance(spec, reach + more) > L0 - 1
 
 
 def test_remaps_without_a_reach_need_the_length_and_others_default_to_it(
