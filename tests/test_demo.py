@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ropekit.cli import main
-from ropekit.demo import METHODS, PRESETS, DemoConfig, check_data, claim_out_dir
+from ropekit.demo import METHODS, PRESETS, check_data, claim_out_dir
 from ropekit.report.sections import fmt
 from ropekit.train.recipe import base_model_dir, prepare_base_model
 
@@ -126,19 +126,6 @@ def test_missing_corpus_names_make_setup(monkeypatch):
     monkeypatch.setattr("ropekit.data.load_corpus", not_installed)
     with pytest.raises(FileNotFoundError, match="make setup"):
         check_data(PRESETS["tiny"])
-
-
-def test_base_key_follows_the_base_settings_only():
-    config = PRESETS["full"]
-    key = config.base.key()
-    assert key == DemoConfig(preset="full").base.key()
-    # The key of the recipe as it was before it moved out of demo.py: cached models stay valid.
-    assert key == "L128-d192x4-1200steps-fb3695ae4c18"
-    # Extension and evaluation settings do not touch the base model: same cache entry.
-    for change in ({"extend_samples": 5}, {"task_samples": 3}, {"factor": 4}):
-        assert dataclasses.replace(config, **change).base.key() == key
-    for change in ({"base_steps": 7}, {"recall_steps": 0}, {"lr": 2e-3}, {"seed": 1}):
-        assert dataclasses.replace(config.base, **change).key() != key
 
 
 @pytest.mark.parametrize(
