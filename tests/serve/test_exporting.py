@@ -1,7 +1,7 @@
 """export: plain transformers reloads the folder and computes the patched model's logits.
 
 Reloads use ``AutoModelForCausalLM.from_pretrained`` with nothing from ropekit; fp32
-tolerance as in test_patch (transformers forms angles in float32)."""
+tolerance as in tests/hf/test_patching.py (transformers forms angles in float32)."""
 
 from __future__ import annotations
 
