@@ -25,7 +25,10 @@ COMMITTED = Path(__file__).resolve().parents[2] / "experiments/smollm2_16k/ood/c
 def test_the_report_counts_answers_that_name_another_needle_when_a_haystack_holds_several():
     from ropekit.compare.report import _retrieval_table
 
-    seed = SeedAccuracy(64, 1, 10, 0.1, 0.0, 0.4, 0.95, other_needle=8, nearest_needle=7, seed=0)
+    seed = SeedAccuracy(
+        correct=1, n=10, accuracy=0.1, low=0.0, high=0.4, confidence=0.95, other_needle=8,
+        nearest_needle=7, length=64, seed=0,
+    )  # fmt: skip
     data = dataclasses.replace(
         read_record(COMMITTED, CompareResult),
         methods=(Method("rope", "rope", False),),
