@@ -67,3 +67,16 @@ def test_head_rows_name_adaropes_per_head_parameters():
     assert build("tuned-yarn:factor=2,original_length=8", **SHAPE).head_rows("freq") is None
     with pytest.raises(ValueError, match="kind"):
         ada.head_rows("bogus")
+
+
+def test_adascale_is_its_formula_at_length_position_plus_one():
+    """lambda_h(L) = exp(-log_tau_h) ln(1 + max(L, l_ref) / l_ref)^gamma_h, L = position + 1
+    (DESIGN.md, "AdaRoPE"): flat at l_ref and below, then growing with the length."""
+    ada = perturb(build("adarope:l_ref=8", **SHAPE))
+    layer = 2
+    pos = torch.tensor([[0, 6, 7, 8, 100]])  # L = 1, 7, 8, 9, 101
+    length = torch.tensor([8.0, 8.0, 8.0, 9.0, 101.0], dtype=torch.float64)
+    log_tau, gamma = ada.log_tau[layer].detach().double(), ada.gamma[layer].detach().double()
+    expected = torch.exp(-log_tau[:, None]) * torch.log1p(length / 8)[None] ** gamma[:, None]
+    got = ada.temperature(pos, layer)[0, :, :, 0].double()  # (H, T)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
