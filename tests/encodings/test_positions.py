@@ -51,3 +51,19 @@ def test_inference_tensors_are_compared_by_value():
         pos += 3
         assert not torch.equal(enc.rotate_q(q, pos), before)
         torch.testing.assert_close(enc.rotate_q(q, pos), enc.rotate_q(q, pos.clone()))
+
+
+def test_many_positions_are_keyed_by_identity_and_version():
+    """More than BY_VALUE positions (a prefill) are not copied: the same tensor at the same
+    version is a match, an in-place write or another tensor is not."""
+    pos = torch.arange(PositionsKey.BY_VALUE + 1)[None]
+    key = PositionsKey(pos)
+    assert key.values is None and key.matches(pos)
+    assert not key.matches(pos.clone())
+    pos[0, 3] = 99  # an in-place write through indexing bumps the version
+    assert not key.matches(pos)
+    enc = build("rope", **SHAPE)
+    first = enc.tables(pos)[0]
+    pos += 1
+    torch.testing.assert_close(enc.tables(pos)[0], enc.tables(pos.clone())[0], rtol=0, atol=0)
+    assert not torch.equal(enc.tables(pos)[0], first)
