@@ -1,5 +1,6 @@
 """`python -m benchmarks` (what `make bench` runs): every benchmark, a table of ratios, and
-benchmarks/results.json (name, ratio, target, note, device).
+benchmarks/results.json (a ``benchmarks`` result of ``ropekit.results``: its rows are name,
+ratio, target, note, device; ``common.read_results`` reads them as ``Row``).
 
 `python -m benchmarks rotary memory` runs only the named modules (results.json keeps the
 other rows). Modules: rotary, training, memory, bands, hf, evals, probes, smollm2 (the last

@@ -4,12 +4,13 @@ thresholds.
 Holds: best_time (median of repeats after warm-up), compare (candidates interleaved round by
 round, median of each: load that drifts during a run hits every candidate alike; compare_stats
 adds the minimum),
-peak_memory (peak bytes of torch allocations while a function runs), Result, write_results.
+peak_memory (peak bytes of torch allocations while a function runs), Result (a row as a
+module measures it), Row (a row of results.json: the result and its device), Benchmarks (the
+file, a typed ``benchmarks`` result of ``ropekit.results``), read_results, write_results.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -17,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from ropekit.results import FORMAT_VERSION, read_record, register, run_metadata, write_result
 
 RESULTS = Path(__file__).with_name("results.json")
 
@@ -114,8 +117,12 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Result:
+    """One benchmark row as a module measures it: a ratio of ropekit to the reference measured
+    side by side in one run, its target (None: reported, not held to one) and a note with the
+    absolute figures."""
+
     name: str
     ratio: float  # ropekit / reference; lower is better
     target: float | None
@@ -124,6 +131,31 @@ class Result:
     @property
     def met(self) -> bool | None:
         return None if self.target is None else self.ratio <= self.target
+
+
+@dataclass(frozen=True)
+class Row(Result):
+    """A row of results.json: a result and the device it was measured on (rows are keyed by
+    name and device, so a GPU run keeps the CPU rows beside its own)."""
+
+    device: str
+
+
+# The first layout of the kind (results.json was a bare list of rows before it, converted
+# in place when it became a typed result).
+@register("benchmarks", FORMAT_VERSION)
+@dataclass(frozen=True)
+class Benchmarks:
+    """benchmarks/results.json: every row measured so far, in the order they were merged."""
+
+    meta: dict  # run_metadata of the last run that merged rows
+    provenance: dict  # empty: a row's note says what it ran on
+    rows: tuple[Row, ...]
+
+
+def read_results(path: Path = RESULTS) -> Benchmarks | None:
+    """The rows results.json holds (None when there is none yet)."""
+    return read_record(path, Benchmarks) if path.exists() else None
 
 
 def print_table(results: list[Result]) -> None:
@@ -135,11 +167,10 @@ def print_table(results: list[Result]) -> None:
 
 
 def write_results(results: list[Result], device: str, path: Path = RESULTS) -> None:
-    """Merge this run's results (keyed by name and device) into results.json."""
-    old = json.loads(path.read_text()) if path.exists() else []
+    """Merge this run's results into results.json: a row of the same name and device is
+    replaced, the others kept."""
+    earlier = read_results(path)
     names = {(r.name, device) for r in results}
-    kept = [o for o in old if (o["name"], o.get("device")) not in names]
-    rows = kept + [{**asdict(r), "device": device} for r in results]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rows, indent=2) + "\n")
-    tmp.replace(path)
+    kept = [r for r in (earlier.rows if earlier else ()) if (r.name, r.device) not in names]
+    rows = (*kept, *(Row(**asdict(r), device=device) for r in results))
+    write_result(path, "benchmarks", Benchmarks(run_metadata("python -m benchmarks"), {}, rows))

@@ -79,6 +79,7 @@ KINDS: dict[str, str] = {
     "experiment": "an experiment script's committed results (results.json)",
     "compare": "ropekit compare: methods x domains x lengths and the verdict (compare.json)",
     "inspect": "ropekit inspect --json: what each serving engine does with a folder's rope config",
+    "benchmarks": "python -m benchmarks (the repository's benchmarks/results.json): ratio rows",
 }
 
 

@@ -1,0 +1,50 @@
+"""benchmarks/results.json as a typed result: rows merged by name and device, read back as
+their classes, a renamed field refused, the committed file readable."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from benchmarks.common import RESULTS, Benchmarks, Result, Row, read_results, write_results
+
+from ropekit.results import ResultError, read_result
+
+
+def test_rows_merge_by_name_and_device(tmp_path: Path) -> None:
+    path = tmp_path / "results.json"
+    assert read_results(path) is None
+    write_results([Result("a", 1.5, 2.0, "first"), Result("b", 0.5, None, "")], "cpu", path)
+    write_results([Result("a", 1.0, 2.0, "gpu")], "cuda", path)
+    write_results([Result("a", 1.2, 2.0, "again"), Result("c", 3.0, 1.0, "")], "cpu", path)
+    rows = read_results(path).rows
+    assert [(r.name, r.device, r.note) for r in rows] == [
+        ("b", "cpu", ""), ("a", "cuda", "gpu"), ("a", "cpu", "again"), ("c", "cpu", ""),
+    ]  # fmt: skip
+    assert all(type(r) is Row for r in rows)
+    assert rows[0].target is None and rows[0].met is None
+    assert rows[2].met is True and rows[3].met is False
+    assert read_result(path)["kind"] == "benchmarks"
+
+
+def test_a_renamed_field_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "results.json"
+    write_results([Result("a", 1.5, 2.0, "")], "cpu", path)
+    data = json.loads(path.read_text())
+    data["rows"][0]["speedup"] = data["rows"][0].pop("ratio")
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultError, match="ratio"):
+        read_results(path)
+    with pytest.raises(ResultError, match="ratio"):
+        write_results([Result("b", 1.0, None, "")], "cpu", path)  # nothing merged over it
+    assert "speedup" in path.read_text()
+
+
+def test_the_committed_rows_read() -> None:
+    result = read_results(RESULTS)
+    assert isinstance(result, Benchmarks) and len(result.rows) > 100
+    names = [(r.name, r.device) for r in result.rows]
+    assert len(names) == len(set(names))
+    assert all(math.isfinite(r.ratio) and r.ratio > 0 for r in result.rows)
