@@ -34,7 +34,7 @@ for sliding-window layers). The attention of the newest query in every layer is 
 what a full forward at the final length computes from the same layer inputs. What a cache
 cannot change is the past tokens' hidden states: in layers > 0 the keys and values of an earlier
 token were computed (in the layers below) at the length of its own step, as in any cached
-decoder; only recomputing the prefix removes that (measured on ``tests/hf/tiny.py``'s 2-layer
+decoder; only recomputing the prefix removes that (measured on ``tests/tiny.py``'s 2-layer
 Llama, 24 prompt + 24 new tokens past L0 = 32: max |cached - full| logit 0.035 for
 dynamic-ntk x4, 0.11 for longrope, against a logit std of 0.65; one layer: 1e-7).
 ``cache.crop`` (assisted decoding) drops the newest positions with the newest keys; beam

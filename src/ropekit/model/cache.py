@@ -21,7 +21,7 @@ What the keys hold depends on the encoding (the decoder decides, this class only
   original length of 8 on ``tests/model/tiny.py``'s sharp-attention decoder, logit std 1.4):
   max |cached - full forward of the prefix| = 9e-15 with one layer, 1.15 (dynamic-ntk x2) and
   2.0 (longrope) with two layers, 0.9 and 1.7 with four; within the original length 1e-14.
-  On ``tests/hf/tiny.py``'s 2-layer Llama (L0 = 32, 24 prompt + 24 new tokens, logit std
+  On ``tests/tiny.py``'s 2-layer Llama (L0 = 32, 24 prompt + 24 new tokens, logit std
   0.65): 0.035 (dynamic-ntk x4) and 0.11 (longrope); one layer 1e-7.
 
 Positions of every cached key are kept too: bias encodings (ALiBi) need them, dynamic
