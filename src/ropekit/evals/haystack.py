@@ -113,8 +113,9 @@ class Haystack:
     def context(self, n: int, pieces: Sequence[tuple[float, str]]) -> Context:
         """The first n units with each (depth, text) piece inserted on its own line.
 
-        Pieces at one boundary keep their given order. Whitespace around a piece is replaced
-        by one newline on each side, so a piece reads the same at any depth.
+        Pieces at one boundary keep their given order. The haystack's whitespace next to a
+        piece is replaced by one newline on each side (the piece itself is inserted as given),
+        so a piece reads the same at any depth.
         """
         slots = sorted(
             ((self.snap(depth, n), k) for k, (depth, _) in enumerate(pieces)),
