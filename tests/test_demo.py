@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from ropekit.cli import main
-from ropekit.demo import METHODS, PRESETS, check_data, claim_out_dir
+from ropekit.demo import METHODS, PRESETS, VERSION, DemoResult, check_data, claim_out_dir
 from ropekit.report.sections import fmt
+from ropekit.results import read_record
 from ropekit.train.recipe import base_model_dir, prepare_base_model
 
 
@@ -46,24 +47,26 @@ def test_demo_quick_runs_end_to_end_and_caches_its_base_model(tmp_path, cache, c
         assert f"[{stage}/5]" in first
     assert f"wrote {out / 'report.md'} and {out / 'report.html'}" in first
 
-    demo = _json(out / "demo.json")
-    assert demo["status"] == "done" and demo["config"]["preset"] == "tiny"
-    assert [m["name"] for m in demo["methods"]] == list(METHODS)
-    assert Path(demo["base"]["path"]).parent == cache / "demo"
+    assert _json(out / "demo.json")["format_version"] == VERSION
+    demo = read_record(out / "demo.json", DemoResult)
+    outcome = demo.finished()
+    assert demo.status == "done" and demo.config == PRESETS["tiny"]
+    assert [m.name for m in outcome.methods] == list(METHODS)
+    assert Path(outcome.base.path).parent == cache / "demo"
     # The terminal table and the report have a row for every method...
     md = (out / "report.md").read_text()
     for name in METHODS:
         assert re.search(rf"^{re.escape(name)} +\d", first, re.M)
         assert f"| {name} |" in md
     # ...with the numbers of the run's own JSON files.
-    for m in demo["methods"]:
-        ppl = _json(out / m["files"]["ppl"])
-        bpb = {str(r["length"]): r["bits_per_byte"] for r in ppl["results"]}
-        assert m["bpb"] == bpb
-        row = next(line for line in md.splitlines() if line.startswith(f"| {m['name']} | "))
-        for n in demo["lengths"]:
-            assert f"| {fmt(bpb[str(n)])} |" in row
-    trained = {m["name"]: m["trainable"] for m in demo["methods"]}
+    for m in outcome.methods:
+        ppl = _json(out / m.files.ppl)
+        bpb = {r["length"]: r["bits_per_byte"] for r in ppl["results"]}
+        assert m.bpb == bpb and sorted(bpb) == demo.config.lengths
+        row = next(line for line in md.splitlines() if line.startswith(f"| {m.name} | "))
+        for n in demo.config.lengths:
+            assert f"| {fmt(bpb[n])} |" in row
+    trained = {m.name: m.trainable for m in outcome.methods}
     assert trained["rope"] == trained["linear"] == trained["yarn"] == 0
     assert trained["adarope"] > trained["tuned-yarn"] > 0
     for figure in ("bpb_vs_length.png", "nll_vs_position.png", "retrieval_vs_length.png"):

@@ -816,16 +816,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             base[name] = getattr(args, name)
     config = dataclasses.replace(config, base=dataclasses.replace(config.base, **base))
-    result = run_demo(args.out, config, overwrite=args.overwrite, command=_command())
+    run = run_demo(args.out, config, overwrite=args.overwrite, command=_command())
     print()
-    for line in summary_table(result):
+    for line in summary_table(run.result):
         print(line)
-    for note in result["notes"]:
+    outcome = run.result.finished()
+    for note in outcome.notes:
         print(note)
-    base_record = result["base"]
-    state = "reused" if base_record["reused"] else "trained and cached"
-    print(f"base model ({state}): {base_record['path']}")
-    print(f"wrote {result['report'].markdown} and {result['report'].html} (results in {args.out})")
+    state = "reused" if outcome.base.reused else "trained and cached"
+    print(f"base model ({state}): {outcome.base.path}")
+    print(f"wrote {run.report.markdown} and {run.report.html} (results in {args.out})")
     return 0
 
 

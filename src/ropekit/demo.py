@@ -12,12 +12,17 @@ trained once and cached; the experiments use the same recipe.
 Holds:
 - `DemoConfig`: every setting (the base recipe in `base`), with the presets `PRESETS`
   (`full`, `quick`, and `tiny` for the test suite).
-- `run_demo(out_dir, config)`: the pipeline; returns the content of ``demo.json``.
+- `DemoResult`: demo.json as a typed record (registered as the ``demo`` kind at `VERSION`;
+  ``_from_v2`` migrates the untyped layout): the config, and once the run is done its
+  `Outcome` (the `BaseModel` with its `BaseStage`s, one `MethodRow` with `MethodFiles` per
+  method, figures, notes, timings).
+- `run_demo(out_dir, config)`: the pipeline; returns a `DemoRun` (the record, where it is and
+  the report's paths).
 - `summary_table`: the terminal table; `check_data`, `claim_out_dir`.
 
 Layout of ``out_dir`` (every file but the report is JSON or a PNG drawn from JSON):
 
-    demo.json                   config, base model, per-method numbers, timings, notes
+    demo.json                   config; once done, base model, per-method numbers, notes, timings
     report.md, report.html      `ropekit.report.build_report(out_dir)`
     bpb_vs_length.png, nll_vs_position.png, retrieval_vs_length.png
     base/pretrain.json          the base model's training summary (copied from the cache)
@@ -33,6 +38,7 @@ The base model lives in ``$ROPEKIT_CACHE/demo/<key>/`` (``ropekit.train.recipe``
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -40,15 +46,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ropekit.encodings import Spec
+from ropekit.results import register
 from ropekit.train.recipe import BaseRecipe
 
 if TYPE_CHECKING:  # imported where used: the demo's commands load what they need
     from ropekit.analysis import AnalysisRun
     from ropekit.evals.perplexity import PerplexityResult
+    from ropekit.report.build import ReportPaths
     from ropekit.train.extend import ExtendRecord
 
 METHODS: tuple[str, ...] = ("rope", "linear", "ntk", "yarn", "tuned-yarn", "adarope")
 DEMO_JSON = "demo.json"
+VERSION = 3  # of demo.json. 3: typed, a finished run's numbers under outcome (2: untyped)
 # What an earlier `make demo` (the schedule comparison) left in runs/demo: safe to replace.
 _OLD_DEMO_FILES = {"schedules.json", "schedules.png"}
 
@@ -163,6 +172,120 @@ PRESETS: dict[str, DemoConfig] = {
 }
 
 
+# ----------------------------------------------------------------------------- demo.json
+@dataclasses.dataclass(frozen=True)
+class BaseStage:
+    """One training stage of the base model (``ropekit.train.recipe``)."""
+
+    name: str  # "recall" or "mixture"
+    context: int  # bytes per sample
+    steps: int
+    batch_size: int
+    retrieval_ratio: float  # share of samples carrying a retrieval record
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseModel:
+    """The base model the methods extend: where it is cached and how it was trained (from
+    its pretrain.json)."""
+
+    key: str  # its cache key (``BaseRecipe.key``)
+    path: str  # its folder in the cache
+    reused: bool  # found in the cache: this run trained nothing
+    encoding: str
+    parameters: int
+    steps: int
+    stages: tuple[BaseStage, ...]
+    final_loss: float  # nats per byte
+    elapsed_s: float
+    tokens_per_s: float
+    settings: dict[str, Any]  # ``BaseRecipe.settings()``: what keys the cache
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodFiles:
+    """A method's result files, relative to the demo folder."""
+
+    ppl: str
+    tasks: str
+    extend: str | None  # None: `rope` is not extended
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodRow:
+    """One method's numbers, copied from the files its stages wrote (``files``)."""
+
+    name: str  # one of METHODS
+    spec: str  # the encoding evaluated
+    trainable: int  # parameters the extension trained
+    extend_s: float | None  # None: not extended
+    final_loss: float | None  # of the extension; None: nothing trained
+    bpb: dict[int, float]  # length -> bits per byte on held-out text
+    tasks: dict[str, dict[int, float]]  # task -> length -> accuracy (lengths it fits only)
+    files: MethodFiles
+
+    def score(self, task: str, length: int) -> float | None:
+        """Accuracy on ``task`` at ``length``; None where the task does not fit in ``length``
+        bytes (its scores skip that length). Every method ran every task: an unknown one is a
+        KeyError, not a blank."""
+        return self.tasks[task].get(length)  # a typed map: a missing length is the answer
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What a finished demo measured (the rest of demo.json is the config)."""
+
+    base: BaseModel
+    methods: tuple[MethodRow, ...]  # in METHODS order
+    analysis: str  # the AdaRoPE analysis.json, relative to the demo folder
+    figures: dict[str, str]  # file -> caption
+    notes: tuple[str, ...]  # plain-language readings (``_notes``)
+    timings: dict[str, float]  # stage -> wall seconds
+
+
+def _from_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """The untyped layout: a finished run's numbers at the top level beside copies of the
+    config's context, target length, lengths, data, sample counts and tasks (dropped: the
+    config holds them); a running one had only its status and config."""
+    data = dict(data)
+    copies = ("context", "target_length", "lengths", "data", "extend_samples", "task_samples")
+    outcome = ("base", "methods", "analysis", "figures", "notes", "timings")
+    if data["status"] != "done":
+        return {**data, "outcome": None}
+    for key in (*copies, "tasks"):
+        del data[key]
+    data["outcome"] = {key: data.pop(key) for key in outcome}
+    return data
+
+
+@register("demo", VERSION, {2: _from_v2})
+@dataclasses.dataclass(frozen=True)
+class DemoResult:
+    """demo.json. Written when the run starts (``outcome`` None: the folder is a demo's from
+    then on) and again when it is done."""
+
+    meta: dict[str, Any]  # run_metadata
+    provenance: dict[str, Any]  # {}: the base model's cache key is in outcome.base
+    status: str  # "running" or "done"
+    config: DemoConfig
+    outcome: Outcome | None  # None until the run is done
+
+    def finished(self) -> Outcome:
+        """The outcome; ValueError naming the status when the run has not finished."""
+        if self.outcome is None:
+            raise ValueError(f"the demo has not finished (status {self.status!r})")
+        return self.outcome
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoRun:
+    """What ``run_demo`` returns: the finished result and where it and the report are."""
+
+    result: DemoResult
+    json: Path  # demo.json
+    report: ReportPaths
+
+
 # ----------------------------------------------------------------------------- preparation
 def check_data(config: DemoConfig) -> None:
     """Raise FileNotFoundError naming `make setup` when the demo's corpus is not installed."""
@@ -250,41 +373,37 @@ def _evaluate(model: Any, config: DemoConfig, folder: Path, spec: str, command: 
 
 def _method_row(
     name: str, spec: str, folder: Path, out: Path, extend: ExtendRecord | None
-) -> dict[str, Any]:
+) -> MethodRow:
     """One method's numbers, read back from the JSON its stages wrote."""
     from ropekit.evals.runner import TasksResult
     from ropekit.results import read_record
 
     ppl = _perplexity(folder / "ppl" / "ppl.json")
     tasks = read_record(folder / "tasks" / "summary.json", TasksResult)
-    return {
-        "name": name,
-        "spec": spec,
-        "trainable": 0 if extend is None else extend.trainable.total,
-        "extend_s": None if extend is None else extend.elapsed_s,
-        "final_loss": None if extend is None else extend.final_loss,
-        "bpb": {str(r.length): r.bits_per_byte for r in ppl.results},
-        "tasks": {
-            t: {str(n): score for n, score in entry.by_length().items()}
-            for t, entry in tasks.tasks.items()
-        },
-        "files": {
-            "ppl": (folder / "ppl" / "ppl.json").relative_to(out).as_posix(),
-            "tasks": (folder / "tasks" / "summary.json").relative_to(out).as_posix(),
-            "extend": None
-            if extend is None
-            else (folder / "extend.json").relative_to(out).as_posix(),
-        },
-    }
+    files = MethodFiles(
+        ppl=(folder / "ppl" / "ppl.json").relative_to(out).as_posix(),
+        tasks=(folder / "tasks" / "summary.json").relative_to(out).as_posix(),
+        extend=None if extend is None else (folder / "extend.json").relative_to(out).as_posix(),
+    )
+    return MethodRow(
+        name=name,
+        spec=spec,
+        trainable=0 if extend is None else extend.trainable.total,
+        extend_s=None if extend is None else extend.elapsed_s,
+        final_loss=None if extend is None else extend.final_loss,
+        bpb={r.length: r.bits_per_byte for r in ppl.results},
+        tasks={t: entry.by_length() for t, entry in tasks.tasks.items()},
+        files=files,
+    )
 
 
-def _figures(out: Path, config: DemoConfig, rows: list[dict[str, Any]]) -> dict[str, str]:
+def _figures(out: Path, config: DemoConfig, rows: list[MethodRow]) -> dict[str, str]:
     """The comparison figures, drawn from the methods' JSON; returns file -> caption."""
     from ropekit.figures import plot_vs_length
     from ropekit.report.plots import plot_nll_vs_position, plot_tasks_vs_length
 
     L = config.context
-    bpb = {r["name"]: {int(n): v for n, v in r["bpb"].items()} for r in rows}
+    bpb = {r.name: r.bpb for r in rows}
     plot_vs_length(
         bpb,
         out / "bpb_vs_length.png",
@@ -295,14 +414,11 @@ def _figures(out: Path, config: DemoConfig, rows: list[dict[str, Any]]) -> dict[
     longest = max(config.lengths)
     curves = {}
     for r in rows:
-        at = _perplexity(out / r["files"]["ppl"]).at(longest)
+        at = _perplexity(out / r.files.ppl).at(longest)
         if at.position_nll is not None:
-            curves[r["name"]] = at.position_nll
+            curves[r.name] = at.position_nll
     plot_nll_vs_position(curves, out / "nll_vs_position.png", length=longest, train_length=L)
-    tasks = {
-        t: {r["name"]: {int(n): v for n, v in r["tasks"].get(t, {}).items()} for r in rows}
-        for t in config.tasks
-    }
+    tasks = {t: {r.name: r.tasks[t] for r in rows} for t in config.tasks}
     plot_tasks_vs_length(tasks, out / "retrieval_vs_length.png", train_length=L)
     return {
         "bpb_vs_length.png": "Bits per byte vs evaluation length, one line per method.",
@@ -312,23 +428,23 @@ def _figures(out: Path, config: DemoConfig, rows: list[dict[str, Any]]) -> dict[
     }
 
 
-def _notes(config: DemoConfig, rows: list[dict[str, Any]]) -> list[str]:
+def _notes(config: DemoConfig, rows: list[MethodRow]) -> list[str]:
     """Plain-language readings of the numbers (computed here, never written by hand)."""
-    L, longest = str(config.context), str(max(config.lengths))
-    by_name = {r["name"]: r for r in rows}
+    L, longest = config.context, max(config.lengths)
+    rope = next((r for r in rows if r.name == "rope"), None)
+    if rope is None:  # the readings compare every method with unmodified RoPE
+        return []
     notes = []
-    scored = [r for r in rows if r["bpb"].get(longest) is not None]
-    if scored and "rope" in by_name:
-        best = min(scored, key=lambda r: r["bpb"][longest])
+    scored = [r for r in rows if longest in r.bpb and not math.isnan(r.bpb[longest])]
+    if scored:
+        best = min(scored, key=lambda r: r.bpb[longest])
         notes.append(
-            f"At {longest} bytes the lowest bits per byte is {best['name']} "
-            f"({best['bpb'][longest]:.3f}), against {by_name['rope']['bpb'][longest]:.3f} for "
-            f"unmodified RoPE and {by_name['rope']['bpb'][L]:.3f} for RoPE at its training "
-            f"length {L}."
+            f"At {longest} bytes the lowest bits per byte is {best.name} "
+            f"({best.bpb[longest]:.3f}), against {rope.bpb[longest]:.3f} for unmodified RoPE "
+            f"and {rope.bpb[L]:.3f} for RoPE at its training length {L}."
         )
-    base_scores = by_name.get("rope", {}).get("tasks", {})
-    for task, by_length in base_scores.items():
-        at_l = by_length.get(L)
+    for task in rope.tasks:
+        at_l = rope.score(task, L)
         if at_l is None:
             notes.append(f"{task} does not fit in {L} bytes; it is scored at longer lengths only.")
         elif at_l < 0.5:
@@ -338,16 +454,16 @@ def _notes(config: DemoConfig, rows: list[dict[str, Any]]) -> list[str]:
                 "says little about the extension methods."
             )
         else:
-            far = {r["name"]: r["tasks"].get(task, {}).get(longest) for r in rows}
-            far = {name: v for name, v in far.items() if v is not None}
-            if far:
-                best = max(far.values())
-                winners = ", ".join(name for name, v in far.items() if v == best)
+            far = {r.name: r.score(task, longest) for r in rows}
+            scores = {name: v for name, v in far.items() if v is not None}
+            if scores:
+                best_score = max(scores.values())
+                winners = ", ".join(name for name, v in scores.items() if v == best_score)
                 at_far = (
                     f"no method retrieves it at {longest} bytes"
-                    if best == 0
-                    else f"at {longest} bytes the best is {winners} with {100 * best:.0f}% "
-                    f"(unmodified RoPE {100 * far.get('rope', 0):.0f}%)"
+                    if best_score == 0
+                    else f"at {longest} bytes the best is {winners} with {100 * best_score:.0f}% "
+                    f"(unmodified RoPE {100 * (far['rope'] or 0):.0f}%)"
                 )
                 notes.append(
                     f"The base model retrieves on {task} at its training length ({100 * at_l:.0f}% "
@@ -359,7 +475,7 @@ def _notes(config: DemoConfig, rows: list[dict[str, Any]]) -> list[str]:
 # ----------------------------------------------------------------------------- the pipeline
 def _extend_all(
     config: DemoConfig, base_dir: Path, out: Path, command: str, log: Callable[[str], None]
-) -> tuple[list[dict[str, Any]], Any]:
+) -> tuple[list[MethodRow], Any]:
     """Stage 2: extend a fresh copy of the base model with every method and evaluate it;
     returns the method rows and the AdaRoPE model (analysed next)."""
     from ropekit.backbone import as_backbone
@@ -409,7 +525,9 @@ def _analyze(config: DemoConfig, model: Any, out: Path, command: str) -> Analysi
     return analyze(model, analysis, out / "analysis", data=config.data, command=command)
 
 
-def _all_figures(config: DemoConfig, out: Path, rows: list[dict[str, Any]], command: str) -> dict:
+def _all_figures(
+    config: DemoConfig, out: Path, rows: list[MethodRow], command: str
+) -> dict[str, str]:
     """Stage 4: the fixed schedules at init and the comparison figures."""
     from ropekit.report.schedules import compare_schedules, write_schedules
 
@@ -427,24 +545,26 @@ def _all_figures(config: DemoConfig, out: Path, rows: list[dict[str, Any]], comm
     return _figures(out, config, rows)
 
 
-def _base_record(config: DemoConfig, base_dir: Path, reused: bool) -> dict[str, Any]:
+def _base_record(config: DemoConfig, base_dir: Path, reused: bool) -> BaseModel:
+    """The base model as pretrain.json (an untyped kind) describes it."""
     base = _read_json(base_dir / "pretrain.json")
-    return {
-        "key": config.base.key(),
-        "path": str(base_dir),
-        "reused": reused,
-        "encoding": base["encoding"],
-        "parameters": base["parameters"],
-        "steps": base["steps"],
-        "stages": [
-            {k: st[k] for k in ("name", "context", "steps", "batch_size", "retrieval_ratio")}
-            for st in base["stages"]
-        ],
-        "final_loss": base["final_loss"],
-        "elapsed_s": base["elapsed_s"],
-        "tokens_per_s": base["tokens_per_s"],
-        "settings": config.base.settings(),
-    }
+    stages = tuple(
+        BaseStage(st["name"], st["context"], st["steps"], st["batch_size"], st["retrieval_ratio"])
+        for st in base["stages"]
+    )
+    return BaseModel(
+        key=config.base.key(),
+        path=str(base_dir),
+        reused=reused,
+        encoding=base["encoding"],
+        parameters=base["parameters"],
+        steps=base["steps"],
+        stages=stages,
+        final_loss=base["final_loss"],
+        elapsed_s=base["elapsed_s"],
+        tokens_per_s=base["tokens_per_s"],
+        settings=config.base.settings(),
+    )
 
 
 def run_demo(
@@ -454,11 +574,11 @@ def run_demo(
     overwrite: bool = False,
     command: str = "",
     log: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """Run the whole demo into ``out_dir`` (see the module docstring) and return demo.json's
-    content, with ``report`` (the report paths) added."""
+) -> DemoRun:
+    """Run the whole demo into ``out_dir`` (see the module docstring); returns demo.json's
+    record and where it and the report are."""
     from ropekit.report.build import build_report
-    from ropekit.results import make_record, run_metadata, write_result
+    from ropekit.results import run_metadata, write_result
     from ropekit.train.recipe import prepare_base_model
 
     config = config or PRESETS["full"]
@@ -467,9 +587,8 @@ def run_demo(
     check_data(config)
     replaced = claim_out_dir(out, overwrite)
     meta = run_metadata(command, seed=config.seed)
-    state: dict[str, Any] = {"status": "running", "config": dataclasses.asdict(config)}
     # Marks the folder as a demo's from the start.
-    write_result(out / DEMO_JSON, "demo", state, meta=meta)
+    write_result(out / DEMO_JSON, "demo", DemoResult(meta, {}, "running", config, None))
     if replaced:
         log(f"replaced the previous demo in {out}")
     timings: dict[str, float] = {}
@@ -500,35 +619,39 @@ def run_demo(
     figures = _all_figures(config, out, rows, command)
     stage(5, "figures")
     timings["total (before the report)"] = time.perf_counter() - started
-    state.update(
-        status="done", context=config.context, target_length=config.target_length,
-        lengths=config.lengths, data=config.data, extend_samples=config.extend_samples,
-        task_samples=config.task_samples, tasks=list(config.tasks),
-        base=_base_record(config, base_dir, reused), methods=rows,
+    outcome = Outcome(
+        base=_base_record(config, base_dir, reused),
+        methods=tuple(rows),
         analysis=analysis.json.relative_to(out).as_posix(),
-        figures=figures, notes=_notes(config, rows), timings=timings,
-    )  # fmt: skip
-    write_result(out / DEMO_JSON, "demo", state, meta=meta)
+        figures=figures,
+        notes=tuple(_notes(config, rows)),
+        timings=timings,
+    )
+    result = DemoResult(meta, {}, "done", config, outcome)
+    path = write_result(out / DEMO_JSON, "demo", result)
     title = f"ropekit demo: a small byte-level model extended {config.factor}x"
-    paths = build_report(out, title=title)
-    return {**make_record("demo", state, meta=meta), "report": paths}
+    return DemoRun(result, path, build_report(out, title=title))
 
 
-def summary_table(result: dict[str, Any]) -> list[str]:
-    """The terminal summary: bits per byte and retrieval accuracy per method and length."""
-    lengths = [str(n) for n in result["lengths"]]
-    columns = [("bpb", None, n) for n in lengths]
-    columns += [(t.removesuffix("_shakespeare"), t, n) for t in result["tasks"] for n in lengths]
+def summary_table(result: DemoResult) -> list[str]:
+    """The terminal summary: bits per byte and retrieval accuracy per method and length (a
+    length a task does not fit is "-")."""
+    config, lengths = result.config, result.config.lengths
+    columns: list[tuple[str, str | None, int]] = [("bpb", None, n) for n in lengths]
+    columns += [(t.removesuffix("_shakespeare"), t, n) for t in config.tasks for n in lengths]
     width = max(8, *(len(f"{name}@{n}") + 1 for name, _, n in columns))
     header = f"{'method':<11} {'trained':>7} " + "".join(
-        f"{name + '@' + n:>{width}}" for name, _, n in columns
+        f"{f'{name}@{n}':>{width}}" for name, _, n in columns
     )
     lines = [header, "-" * len(header)]
-    for m in result["methods"]:
+    for m in result.finished().methods:
         cells = []
         for _, task, n in columns:
-            value = m["bpb"].get(n) if task is None else m["tasks"].get(task, {}).get(n)
-            text = "-" if value is None else f"{value:.3f}" if task is None else f"{value:.0%}"
+            if task is None:
+                text = f"{m.bpb[n]:.3f}"
+            else:
+                value = m.score(task, n)
+                text = "-" if value is None else f"{value:.0%}"
             cells.append(f"{text:>{width}}")
-        lines.append(f"{m['name']:<11} {m['trainable']:>7,} " + "".join(cells))
+        lines.append(f"{m.name:<11} {m.trainable:>7,} " + "".join(cells))
     return lines

@@ -109,6 +109,7 @@ _SCHEMAS: dict[str, Schema] = {}
 _OWNERS: dict[str, str] = {
     "analysis": "ropekit.analysis.record",
     "compare": "ropekit.compare.record",
+    "demo": "ropekit.demo",
     "extend": "ropekit.train.extend",
     "perplexity": "ropekit.evals.perplexity",
     "probes": "ropekit.evals.probes",

@@ -465,64 +465,64 @@ def demo_section(results: Sequence[Result], root: Path) -> list[Block]:
     """The demo's comparison: one row per method, every number read from ``demo.json``."""
     blocks: list[Block] = []
     for r in results:
-        d = r.data
-        if d["status"] != "done":
-            blocks.append(Text(f"The demo in {r.label} has not finished ({d['status']})."))
+        d = r.data  # a ropekit.demo.DemoResult (a floor above the report: not imported)
+        if d.outcome is None:
+            blocks.append(Text(f"The demo in {r.label} has not finished ({d.status})."))
             continue
-        folder = r.path.parent
-        base, lengths = d["base"], [int(n) for n in d["lengths"]]
-        reused = "reused from the cache" if base["reused"] else "trained by this run"
+        folder, config, base = r.path.parent, d.config, d.outcome.base
+        lengths = config.lengths
+        reused = "reused from the cache" if base.reused else "trained by this run"
         stages = "; then ".join(
-            f"{fmt(st['steps'])} steps on {st['context']}-byte samples, "
-            f"{100 * st['retrieval_ratio']:.0f}% carrying a retrieval record"
-            for st in base["stages"]
+            f"{fmt(st.steps)} steps on {st.context}-byte samples, "
+            f"{100 * st.retrieval_ratio:.0f}% carrying a retrieval record"
+            for st in base.stages
         )
         blocks.append(
             Text(
-                f"A {fmt(base['parameters'])}-parameter byte-level decoder "
-                f"(`{base['encoding']}`) trained at L = {d['context']} bytes ({reused}: "
-                f"{stages}; final training loss {fmt(base['final_loss'], 3)} nats) is "
-                f"extended to {d['target_length']} bytes by each method, then evaluated at "
-                f"{', '.join(map(str, lengths))} bytes on held-out text ({d['data']}). Trained "
-                f"methods see the same {d['extend_samples']} samples of {d['target_length']} "
-                "bytes from the training split, with the backbone frozen."
+                f"A {fmt(base.parameters)}-parameter byte-level decoder "
+                f"(`{base.encoding}`) trained at L = {config.context} bytes ({reused}: "
+                f"{stages}; final training loss {fmt(base.final_loss, 3)} nats) is "
+                f"extended to {config.target_length} bytes by each method, then evaluated at "
+                f"{', '.join(map(str, lengths))} bytes on held-out text ({config.data}). Trained "
+                f"methods see the same {config.extend_samples} samples of "
+                f"{config.target_length} bytes from the training split, with the backbone frozen."
             )
         )
-        tasks = list(d["tasks"])
+        tasks = list(config.tasks)
         headers = ["method", "trained params"]
         headers += [f"bpb @{n}" for n in lengths]
         headers += [f"{t} @{n}" for t in tasks for n in lengths]
         rows = []
-        for m in d["methods"]:
+        for m in d.outcome.methods:
             # A length a task does not fit is missing from its scores: shown as "-".
-            row = [f"{m['name']}", fmt(m["trainable"])]
-            row += [fmt(m["bpb"].get(str(n))) for n in lengths]
-            row += [_pct(m["tasks"].get(t, {}).get(str(n))) for t in tasks for n in lengths]
+            row = [m.name, fmt(m.trainable)]
+            row += [fmt(m.bpb[n]) for n in lengths]
+            row += [_pct(m.score(t, n)) for t in tasks for n in lengths]
             rows.append(row)
         blocks.append(
             Table(
                 headers,
                 rows,
                 "Bits per byte (lower is better) and retrieval accuracy by evaluation length "
-                f"(bytes); {d['task_samples']} samples per length for each task.",
+                f"(bytes); {config.task_samples} samples per length for each task.",
             )
         )
-        blocks += [Text(note) for note in d["notes"]]
+        blocks += [Text(note) for note in d.outcome.notes]
         blocks.append(
             Table(
                 ["method", "encoding", "extension time"],
-                [[m["name"], f"`{m['spec']}`", _seconds(m["extend_s"])] for m in d["methods"]],
+                [[m.name, f"`{m.spec}`", _seconds(m.extend_s)] for m in d.outcome.methods],
             )
         )
-        for name, caption in d["figures"].items():
+        for name, caption in d.outcome.figures.items():
             path = (folder / name).as_posix()
             if (root / path).is_file():
                 blocks.append(Figure(path, caption))
         blocks.append(
             Table(
                 ["stage", "wall time"],
-                [[k, _seconds(v)] for k, v in d["timings"].items()],
-                f"Wall time on {d['meta']['machine']}.",
+                [[k, _seconds(v)] for k, v in d.outcome.timings.items()],
+                f"Wall time on {d.meta['machine']}.",
             )
         )
     return blocks
