@@ -25,7 +25,7 @@ from ropekit.report.build import build_report
 from ropekit.report.sections import fmt
 from ropekit.results import ResultError, read_record, result_kind, schema_of, write_result
 
-DATA = Path(__file__).parent / "data" / "demo"
+DATA = Path(__file__).parent / "demo_data"  # demo.json files written at older versions
 # demo.json files written by the untyped ``ropekit demo`` (format_version 2): the quick preset
 # (two tasks the base model retrieves at L, three lengths), the tiny one (a task it does not
 # retrieve) and a quick run stopped after its first write (status and config only).

@@ -131,9 +131,10 @@ def llamacpp_from_config(config: Any, length: int, target: int) -> EngineRoPE:
 def self_extend_reach(group: int, window: int, original_length: int) -> int:
     """The longest prompt of whole W-token blocks whose every query-key distance stays below
     L0 under Self-Extend in llama.cpp's blocks (a few tokens into the next block may still
-    stay below it; the reach is counted in blocks, as the recipe shifts them): the query at true position i (block b) sits at b W / G + (i mod W) and
-    key 0 at 0, so the largest distance, b W / G + W - 1 at the end of block b, is < L0 while
-    b W / G <= L0 - W, i.e. T = (floor((L0 - W) G / W) + 1) W tokens."""
+    stay below it; the reach is counted in blocks, as the recipe shifts them): the query at
+    true position i (block b) sits at b W / G + (i mod W) and key 0 at 0, so the largest
+    distance, b W / G + W - 1 at the end of block b, is < L0 while b W / G <= L0 - W, i.e.
+    T = (floor((L0 - W) G / W) + 1) W tokens."""
     if window >= original_length:
         return original_length
     return ((original_length - window) * group // window + 1) * window
