@@ -25,6 +25,8 @@ from ropekit.report.build import build_report
 from ropekit.report.sections import fmt
 from ropekit.results import ResultError, read_record, result_kind, schema_of, write_result
 
+from .records import assert_refused
+
 DATA = Path(__file__).parent / "demo_data"  # demo.json files written at older versions
 # demo.json files written by the untyped ``ropekit demo`` (format_version 2): the quick preset
 # (two tasks the base model retrieves at L, three lengths), the tiny one (a task it does not
@@ -150,11 +152,7 @@ def _current(tmp_path: Path) -> tuple[Path, dict]:
 def test_a_renamed_missing_or_mistyped_field_is_refused_naming_it(tmp_path, change, message):
     path, data = _current(tmp_path)
     change(data)
-    path.write_text(json.dumps(data))
-    with pytest.raises(ResultError) as error:
-        read_record(path, DemoResult)
-    text = str(error.value)
-    assert text.startswith(f"{path}: ") and message in text and "\n" not in text
+    assert_refused(path, data, DemoResult, message)
 
 
 def test_an_old_finished_file_without_a_copied_field_is_not_its_version(tmp_path: Path):

@@ -15,6 +15,8 @@ from ropekit.analysis.plots import planned_figures, write_figures
 from ropekit.analysis.record import VERSION, nested
 from ropekit.results import ResultError, encode, read_record, result_kind, schema_of, write_result
 
+from ..records import assert_refused
+
 DATA = Path(__file__).parent / "data"
 # analysis.json files written by the untyped ``analyze`` (format_version 2): an AdaRoPE decoder
 # on given ids (influence; no tokenizer, no split; AdaRoPE's learned fields only), tuned-yarn
@@ -119,11 +121,7 @@ def _current(tmp_path: Path) -> tuple[Path, dict]:
 def test_a_renamed_missing_or_mistyped_field_is_refused_naming_it(tmp_path, change, message):
     path, data = _current(tmp_path)
     change(data)
-    path.write_text(json.dumps(data))
-    with pytest.raises(ResultError) as error:
-        read_record(path, AnalysisResult)
-    text = str(error.value)
-    assert text.startswith(f"{path}: ") and message in text and "\n" not in text
+    assert_refused(path, data, AnalysisResult, message)
 
 
 def test_an_old_file_with_a_current_field_name_is_not_read_as_current(tmp_path: Path):
