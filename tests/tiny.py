@@ -11,6 +11,7 @@ Holds:
     tiny_model      a model from that config, the same weights for the same seed; ``like=``
                     copies another model's weights (same shapes, other RoPE settings).
     perturb         moves learnable encodings away from init (trained-looking parameters).
+    bpe_tokenizer_folder  a byte-level BPE trained on the essays, saved as a folder.
     llama_folder    a saved tiny Llama with a trained byte-level BPE tokenizer, for the CLI.
 
 The ``tiny_llama`` fixture (tests/conftest.py) is ``tiny_model`` with ``arch="llama"``.
@@ -124,12 +125,10 @@ def perturb(encoding: PositionEncoding, *, seed: int = 0, scale: bool = True) ->
     return encoding
 
 
-def llama_folder(
-    folder: Path, *, layers: int = 2, max_positions: int = 64, essays: int = 2
-) -> Path:
-    """A Hugging Face folder for CLI tests: a tiny random Llama (SMALL, ``layers`` layers,
-    L0 = ``max_positions``) and a byte-level BPE tokenizer of 300 ids
-    trained here on ``essays`` essays; the same files for the same call."""
+def bpe_tokenizer_folder(folder: Path, *, vocab_size: int, essays: int) -> Path:
+    """A byte-level BPE (GPT-2 style, EOS ``<|endoftext|>``) of ``vocab_size`` ids trained on
+    the first ``essays`` essays, saved as a Hugging Face tokenizer folder; the same files for
+    the same call (no test downloads a tokenizer)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -139,7 +138,7 @@ def llama_folder(
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300,
+        vocab_size=vocab_size,
         special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -147,6 +146,16 @@ def llama_folder(
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>").save_pretrained(
         folder
     )
+    return folder
+
+
+def llama_folder(
+    folder: Path, *, layers: int = 2, max_positions: int = 64, essays: int = 2
+) -> Path:
+    """A Hugging Face folder for CLI tests: a tiny random Llama (SMALL, ``layers`` layers,
+    L0 = ``max_positions``) and a byte-level BPE tokenizer of 300 ids
+    trained here on ``essays`` essays; the same files for the same call."""
+    bpe_tokenizer_folder(folder, vocab_size=300, essays=essays)
     model = tiny_model(
         "llama", small=True, vocab_size=300, num_hidden_layers=layers,
         max_position_embeddings=max_positions, pad_token_id=None, eos_token_id=0,
