@@ -3,8 +3,10 @@
 Reads ``mutmut results --all true`` (one ``module.x_function__mutmut_N: status`` line per
 mutant) and writes a Markdown table: per module, the mutants killed by a test, survived, not
 reached by any selected test, timed out, and not run (a stopped run), with the score killed /
-(mutants run, timeouts excepted: a mutant that loops forever is caught, only by the clock), and
-the surviving mutants per function, to be read with ``mutmut show NAME``.
+(mutants run, timeouts excepted: a mutant that loops forever is caught, only by the clock).
+Then the mutants not killed: those ``tests/mutation_equivalent.txt`` explains (one
+``NAME: why no test can tell it from the original`` line each) with their reason, and the rest
+per function, to be read with ``mutmut show NAME``: each of those is a test still to write.
 
 Usage: python tests/mutation.py OUT.md [SECONDS]
 """
@@ -16,26 +18,91 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+EQUIVALENT = Path(__file__).with_name("mutation_equivalent.txt")
+NOT_KILLED = ("survived", "no tests")
 
-def scores(lines: list[str]) -> dict[str, Counter]:
-    """{module: Counter(status)} from mutmut's result lines."""
+
+def parse(lines: list[str]) -> dict[str, str]:
+    """{mutant name: status} from mutmut's result lines."""
+    out = {}
+    for line in lines:
+        name, _, status = line.strip().rpartition(": ")
+        if "__mutmut_" in name:
+            out[name] = status
+    return out
+
+
+def module_of(name: str) -> str:
+    return name.split(".x_", 1)[0].split(".xǁ", 1)[0]
+
+
+def scores(status: dict[str, str]) -> dict[str, Counter]:
+    """{module: Counter(status)}."""
     out: dict[str, Counter] = defaultdict(Counter)
-    for line in lines:
-        name, _, status = line.strip().rpartition(": ")
-        if "__mutmut_" not in name:
+    for name, s in status.items():
+        out[module_of(name)][s] += 1
+    return dict(out)
+
+
+def equivalents(text: str) -> dict[str, str]:
+    """{mutant name: reason} from ``NAME: reason`` lines (blank lines and # comments skipped);
+    a line without a reason is an error, so no survivor is waved through unexplained."""
+    out = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
             continue
-        module = name.split(".x_", 1)[0].split(".xǁ", 1)[0]
-        out[module][status] += 1
-    return dict(out)
+        name, _, reason = line.partition(": ")
+        if "__mutmut_" not in name or not reason.strip():
+            raise ValueError(f"{EQUIVALENT.name}:{number}: expected 'NAME__mutmut_N: reason'")
+        out[name] = reason.strip()
+    return out
 
 
-def survivors(lines: list[str]) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = defaultdict(list)
-    for line in lines:
-        name, _, status = line.strip().rpartition(": ")
-        if status in ("survived", "no tests"):
-            out[name.split("__mutmut_", 1)[0]].append(name.rsplit("_", 1)[1])
-    return dict(out)
+def report(status: dict[str, str], explained: dict[str, str], seconds: str | None) -> str:
+    header = (
+        "| module | mutants | killed | survived | no tests | timeout | not run | score "
+        "| equivalent | to kill |"
+    )
+    rows = [header, "|---" * 10 + "|"]
+    unexplained: dict[str, list[str]] = defaultdict(list)
+    listed = []
+    for name, s in sorted(status.items()):
+        if s not in NOT_KILLED:
+            continue
+        if name in explained:
+            listed.append(f"- `{name}` ({s}): {explained[name]}")
+        else:
+            fn, _, number = name.rpartition("__mutmut_")
+            unexplained[fn].append(number)
+    for module, c in sorted(scores(status).items()):
+        total = sum(c.values())
+        judged = total - c["timeout"] - c["not checked"]  # a stopped run: what it reached
+        score = f"{c['killed'] / judged:.1%}" if judged else "-"
+        alive = [n for n, s in status.items() if module_of(n) == module and s in NOT_KILLED]
+        known = sum(n in explained for n in alive)
+        rows.append(
+            f"| `{module}` | {total} | {c['killed']} | {c['survived']} | {c['no tests']} | "
+            f"{c['timeout']} | {c['not checked']} | {score} | {known} | {len(alive) - known} |"
+        )
+    left = [
+        f"- `{fn}`: {', '.join(sorted(ids, key=int))}" for fn, ids in sorted(unexplained.items())
+    ]
+    timing = f" in {seconds} s on this machine's 2 cores" if seconds else ""
+    return (
+        "# Mutation scores\n\n"
+        f"`make mutation` (mutmut 3.8.1{timing}; the modules and the tests it runs per mutant "
+        "are `[tool.mutmut]` in pyproject.toml). Score: killed / (mutants run - timeouts). "
+        "'equivalent': mutants not killed that no test can tell from the original, each with "
+        "its reason below (from tests/mutation_equivalent.txt); 'to kill': the rest.\n\n"
+        + "\n".join(rows)
+        + "\n\n## Mutants not killed, still to kill (read one with `mutmut show "
+        "NAME__mutmut_N`)\n\n"
+        + ("\n".join(left) or "None.")
+        + "\n\n## Equivalent mutants\n\n"
+        + ("\n".join(listed) or "None.")
+        + "\n"
+    )
 
 
 def main(out: Path, seconds: str | None) -> None:
@@ -43,32 +110,8 @@ def main(out: Path, seconds: str | None) -> None:
         [Path(sys.executable).with_name("mutmut"), "results", "--all", "true"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
-    lines = done.stdout.splitlines()
-    header = "| module | mutants | killed | survived | no tests | timeout | not run | score |"
-    rows = [header, "|---" * 8 + "|"]
-    for module, c in sorted(scores(lines).items()):
-        total = sum(c.values())
-        judged = total - c["timeout"] - c["not checked"]  # a stopped run: what it reached
-        score = f"{c['killed'] / judged:.1%}" if judged else "-"
-        rows.append(
-            f"| `{module}` | {total} | {c['killed']} | {c['survived']} | {c['no tests']} | "
-            f"{c['timeout']} | {c['not checked']} | {score} |"
-        )
-    left = [
-        f"- `{fn}`: {', '.join(sorted(ids, key=int))}"
-        for fn, ids in sorted(survivors(lines).items())
-    ]
-    timing = f" in {seconds} s on this machine's 2 cores" if seconds else ""
-    text = (
-        "# Mutation scores\n\n"
-        f"`make mutation` (mutmut 3.8.1{timing}; the modules and the tests it runs per mutant "
-        "are `[tool.mutmut]` in pyproject.toml). Score: killed / (mutants run - timeouts).\n\n"
-        + "\n".join(rows)
-        + "\n\n## Mutants not killed (read one with `mutmut show NAME__mutmut_N`)\n\n"
-        + "\n".join(left)
-        + "\n"
-    )
-    out.write_text(text, encoding="utf-8")
+    explained = equivalents(EQUIVALENT.read_text(encoding="utf-8")) if EQUIVALENT.exists() else {}
+    out.write_text(report(parse(done.stdout.splitlines()), explained, seconds), encoding="utf-8")
     print(f"wrote {out}")
 
 

@@ -1,0 +1,39 @@
+"""tests/mutation.py, the script that turns mutmut's results into docs/mutation.md: scores per
+module, and every mutant not killed either explained as equivalent or listed to kill."""
+
+import pytest
+
+from tests.mutation import equivalents, parse, report
+
+LINES = [
+    "    ropekit.a.x_f__mutmut_1: killed",
+    "    ropekit.a.x_f__mutmut_2: survived",
+    "    ropekit.a.xǁCǁg__mutmut_1: no tests",
+    "    ropekit.a.x_f__mutmut_3: timeout",
+    "    ropekit.b.x_h__mutmut_1: not checked",
+    "    ropekit.b.x_h__mutmut_2: killed",
+    "not a result line",
+]
+
+
+def test_scores_count_killed_over_mutants_run_without_timeouts():
+    text = report(parse(LINES), {}, "12")
+    # module a: 1 killed of 3 run (the timeout is not judged); b: 1 of 1 (one not run)
+    assert "| `ropekit.a` | 4 | 1 | 1 | 1 | 1 | 0 | 33.3% | 0 | 2 |" in text
+    assert "| `ropekit.b` | 2 | 1 | 0 | 0 | 0 | 1 | 100.0% | 0 | 0 |" in text
+    assert "in 12 s" in text
+    assert "- `ropekit.a.x_f`: 2" in text and "- `ropekit.a.xǁCǁg`: 1" in text
+
+
+def test_an_explained_survivor_moves_from_to_kill_to_equivalent_with_its_reason():
+    explained = equivalents("# why\n\nropekit.a.x_f__mutmut_2: a default no caller uses\n")
+    text = report(parse(LINES), explained, None)
+    assert "| 33.3% | 1 | 1 |" in text
+    assert "- `ropekit.a.x_f__mutmut_2` (survived): a default no caller uses" in text
+    assert "- `ropekit.a.x_f`: 2" not in text
+
+
+@pytest.mark.parametrize("line", ["ropekit.a.x_f__mutmut_2:", "ropekit.a.x_f: reason"])
+def test_an_equivalent_line_without_a_mutant_or_a_reason_is_refused(line):
+    with pytest.raises(ValueError, match=":1: expected 'NAME__mutmut_N: reason'"):
+        equivalents(line)
