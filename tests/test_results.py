@@ -251,6 +251,23 @@ def test_decode_refuses_by_one_line_naming_where(kind, value, message):
     assert str(error.value) == message
 
 
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    n: int
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"n={self.n} is not allowed; it must be >= 1")
+
+
+def test_a_record_its_own_checks_refuse_is_a_result_error_naming_where():
+    """A file whose values break the record's own checks (a config's __post_init__) is a bad
+    result file like any other, so readers that skip bad files (the report) skip it too."""
+    with pytest.raises(ResultError) as error:
+        decode(_Checked, {"n": 0}, "w")
+    assert str(error.value) == "w is not a valid _Checked: n=0 is not allowed; it must be >= 1"
+
+
 def test_decode_reads_the_plain_hints():
     assert decode(bool, False, "w") is False and decode(int, 0, "w") == 0
     assert decode(float, None, "w") != decode(float, None, "w")  # NaN

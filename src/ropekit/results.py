@@ -253,7 +253,12 @@ def _decode_class(cls: type, value: Any, where: str) -> Any:
             kwargs[f.name] = decode(hints[f.name], value[f.name], f"{where}.{f.name}")
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ResultError(f"{where}.{f.name} is missing ({cls.__name__} needs it)")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ResultError:
+        raise
+    except (ValueError, TypeError) as e:  # the record's own checks (__post_init__) refuse it
+        raise ResultError(f"{where} is not a valid {cls.__name__}: {e}") from None
 
 
 class ResultError(ValueError):

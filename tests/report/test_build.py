@@ -90,6 +90,16 @@ def test_discover_finds_each_result_once_and_skips_non_results(run_dir):
     assert result_kind(run_dir / "adarope" / "train" / "summary.json") == "train"
 
 
+def test_discover_skips_a_demo_whose_config_breaks_its_own_checks(run_dir):
+    """A demo.json with a factor the demo refuses (1: no extension) is a bad result file:
+    discovery skips it as it skips any unreadable result, instead of stopping the report."""
+    data = _json(Path(__file__).parents[1] / "demo_data" / "v2" / "quick" / "demo.json")
+    data["config"]["factor"] = 1
+    (run_dir / "demo").mkdir()
+    (run_dir / "demo" / "demo.json").write_text(json.dumps(data))
+    assert all(r.kind != "demo" for r in discover(run_dir))
+
+
 def test_report_has_a_section_per_kind_with_numbers_from_the_json(run_dir, capsys):
     assert main(["report", str(run_dir)]) == 0
     out = capsys.readouterr().out
