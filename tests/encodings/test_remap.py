@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ropekit.encodings import banded_attention, build
+from ropekit.encodings.bands import band_membership
+from ropekit.encodings.remap import dca_logit_scale
 
 from .conftest import perturb
 
@@ -365,10 +367,11 @@ def test_self_extend_llama_cpp_mode_matches_llama_cpp_group_attention(G, W):
         ("rerope:window=0", ["window", ">= 1"]),
         ("rerope:leaky=0.5", ["leaky", ">= 1"]),
         ("rerope:logn=true", ["original_length is required"]),
-        ("self-extend:group=0", ["group", ">= 1"]),
-        ("self-extend:mode=vllm", ["mode", "paper", "llama.cpp"]),
+        ("self-extend:group=0", ["group=0 is not allowed", ">= 1"]),
+        ("self-extend:window=0", ["window=0 is not allowed", ">= 1"]),
+        ("self-extend:mode=vllm", ["mode='vllm'", "paper", "llama.cpp"]),
         ("self-extend:group=3,window=8,mode=llama.cpp", ["multiple", "grp-attn"]),
-        ("dca:scale=none", ["chunk_size is required"]),
+        ("dca:scale=none", ["chunk_size is required", "the model's training length"]),
         ("dca", ["original_length is required for dca with scale=chunkllama", "scale=none"]),
         ("dca:chunk_size=8,local_size=8,scale=none", ["local_size", "[0, chunk_size=8)"]),
         ("dca:original_length=16,scale=yarn", ["scale", "chunkllama", "vllm", "none"]),
@@ -424,3 +427,98 @@ def test_context_supplies_the_original_length_defaults_derive_from():
         build("dca:chunk_size=100,local_size=10", **SHAPE, original_length=64).config.chunk_len
         == 90
     )
+
+
+@pytest.mark.parametrize(
+    ("rule", "length", "expected"),
+    [
+        # ChunkLlama's get_mscale: 0.05 ln(L / L0) + 1 beyond L0, 1 within; squared on logits
+        ("chunkllama", 24, (0.05 * math.log(24 / 16) + 1) ** 2),  # 1 < L / L0 < 2
+        ("chunkllama", 64, (0.05 * math.log(64 / 16) + 1) ** 2),
+        ("chunkllama", 16, 1.0),
+        ("chunkllama", 8, 1.0),
+        # vLLM's dual-chunk backend: max(0.1 ln(L / L0) + 1, 1)
+        ("vllm", 24, (0.1 * math.log(24 / 16) + 1) ** 2),
+        ("vllm", 8, 1.0),
+        ("none", 64, 1.0),
+        ("none", 8, 1.0),
+    ],
+)
+def test_dca_logit_scale_follows_each_authors_rule(rule, length, expected):
+    """The factor on DCA's logits for a call over L keys with L0 = 16, from each rule's
+    formula (module docstring; the CASES above check it inside the attention at L = 45)."""
+    assert dca_logit_scale(rule, length, 16) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "spec", ["rerope:window=6", "self-extend:group=4,window=8,init=linear,factor=2", "dca"]
+)
+def test_rotate_q_and_rotate_k_rotate_at_the_true_positions(spec):
+    """Outside ``bands``, a remap rotates queries and keys as its base schedule does at their
+    own positions (the identity band): pair by pair, by the base schedule's frequencies."""
+    enc = build(spec, **SHAPE, original_length=16).double()
+    q, k, _, positions = _inputs()
+    theta, factor = enc.inv_freq(0)
+    phi = positions[:, None, :, None].double() * theta[0]  # (B, 1, T, F)
+    cos, sin = phi.cos() * float(factor), phi.sin() * float(factor)
+    for layer in range(SHAPE["n_layers"]):
+        torch.testing.assert_close(
+            enc.rotate_q(q, positions, layer), rotate_pairs(q, cos, sin, enc.pairing), **TOL
+        )
+        torch.testing.assert_close(
+            enc.rotate_k(k, positions, layer), rotate_pairs(k, cos, sin, enc.pairing), **TOL
+        )
+
+
+def llama_cpp_distance(G: int, W: int):
+    """self-extend:mode=llama.cpp's d'(i, j) in closed form (module docstring; the decoding
+    test above holds it to llama.cpp's cache): keys of completed blocks of W at floor(j / G),
+    the query's own block continuing from floor(i / W) * W / G."""
+
+    def remap(i: int, j: int) -> float:
+        block = i // W
+        if j >= block * W:
+            return float(i - j)
+        return float(block * (W // G) + i % W - j // G)
+
+    return remap
+
+
+BIG = 1 << 25  # past 2^24: float32 no longer holds every integer position
+
+
+@pytest.mark.parametrize(
+    ("spec", "remap"),
+    [
+        ("rerope:window=6", rerope_distance(6, None)),
+        ("rerope:window=6,leaky=4", rerope_distance(6, 4)),
+        ("self-extend:group=3,window=7", self_extend_distance(3, 7)),
+        ("self-extend:group=4,window=8,mode=llama.cpp", llama_cpp_distance(4, 8)),
+        ("self-extend:group=2,window=6,mode=llama.cpp", llama_cpp_distance(2, 6)),
+        ("dca:chunk_size=12,local_size=3,scale=none", dca_distance(12, 3)),
+        ("string:shift=9,window=3,scale=none", string_distance(9, 3)),
+    ],
+)
+def test_bands_give_every_pair_its_remapped_distance_exactly_at_large_positions(spec, remap):
+    """Each causal pair is covered by exactly one band, and that band's query position minus
+    key position is d'(i, j) of the definition, exactly, also at positions past 2^24 (the
+    bands hold int64 or float64 positions, never float32)."""
+    enc = build(spec, **SHAPE)
+    positions = torch.arange(T)[None] + BIG
+    covered = torch.zeros(T, T, dtype=torch.long)
+    got = torch.zeros(T, T, dtype=torch.float64)
+    for band in enc.bands(positions, positions):
+        assert band.q_positions.dtype in (torch.int64, torch.float64), spec
+        assert band.k_positions.dtype in (torch.int64, torch.float64), spec
+        member = band_membership(band, positions, 0, T)
+        member = torch.ones(T, T, dtype=torch.bool) if member is None else member[0, 0]
+        dist = band.q_positions[0].double()[:, None] - band.k_positions[0].double()[None, :]
+        covered += member.long()
+        got = torch.where(member, dist, got)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    assert torch.equal(covered[causal], torch.ones(int(causal.sum()), dtype=torch.long))
+    expected = torch.tensor(
+        [[remap(BIG + i, BIG + j) if j <= i else 0.0 for j in range(T)] for i in range(T)],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(got[causal], expected[causal], rtol=0, atol=1e-6)
