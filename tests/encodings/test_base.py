@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ropekit.encodings import build, names
+from ropekit.encodings.registry import Spec
 from ropekit.encodings.rope import LongRopeConfig, RotaryEncoding, YarnConfig
 
 from .conftest import SHAPE, perturb
@@ -112,6 +113,10 @@ def test_declarations_agree_with_behaviour(name):
         ("tuned-yarn:factor=2,original_length=32", 10000.0, 2.0, 32),
         ("alibi", None, None, None),
         ("nope", None, None, None),
+        # a distance remap: its base schedule's base and factor, its own L0
+        ("rerope", 10000.0, None, None),
+        ("dca:original_length=4096,init=linear,factor=2,base=500000", 500000.0, 2.0, 4096),
+        ("string:init=yarn,factor=4,original_length=64", 10000.0, 4.0, 64),
     ],
 )
 def test_base_factor_and_original_length_come_from_the_base_schedule(
@@ -151,3 +156,44 @@ def test_every_encoding_rebuilds_from_its_spec(name):
     enc = perturb(build(DECLARED[name][0], **SHAPE))
     again = build(enc.spec, **SHAPE)
     assert again.config == enc.config and again.spec == enc.spec
+
+
+@pytest.mark.parametrize("name", ["nope", "sinusoidal", "learned", "alibi"])
+def test_a_config_that_does_not_rotate_has_no_extension(name):
+    """Asking an encoding that does not rotate for its base or factor names it and says why."""
+    config = build(DECLARED[name][0], **SHAPE).config
+    with pytest.raises(ValueError, match=f"'{name}' is not a rotary schedule; it has no base"):
+        config.extension()
+
+
+@pytest.mark.parametrize("name", sorted(DECLARED))
+def test_the_parsed_schedule_is_not_an_option_a_spec_can_name(name):
+    """Encodings that hold an inner schedule (AdaRoPE, the remaps, mixed) keep it in a field
+    ``schedule`` parsed from their other options; a spec cannot give it."""
+    spec = Spec.parse(DECLARED[name][0])
+    assert not spec.takes("schedule")
+    assert all(spec.takes(option) for option in spec.given)
+
+
+def test_rotate_band_rotates_at_the_layer_it_is_given():
+    """The band rotation of an encoding with per-layer frequencies (AdaRoPE) is that layer's
+    rotate_q / rotate_k, which differ between layers."""
+    enc = perturb(build("adarope", **SHAPE)).double()
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, SHAPE["n_heads"], 5, SHAPE["head_dim"], generator=g, dtype=torch.float64)
+    k = torch.randn(1, SHAPE["n_kv_heads"], 5, SHAPE["head_dim"], generator=g, dtype=torch.float64)
+    pos = torch.arange(3, 8)[None]
+    for layer in range(SHAPE["n_layers"]):
+        assert torch.equal(enc.rotate_band(q, pos, True, layer), enc.rotate_q(q, pos, layer))
+        assert torch.equal(enc.rotate_band(k, pos, False, layer), enc.rotate_k(k, pos, layer))
+    assert not torch.allclose(enc.rotate_q(q, pos, 1), enc.rotate_q(q, pos, 0))
+
+
+@pytest.mark.parametrize(
+    "spec", ["rope", "yarn:factor=4,original_length=16", "tuned-yarn:factor=4,original_length=16"]
+)
+def test_log_frequencies_default_to_the_first_layer(spec):
+    """``log_frequencies()`` is layer 0's, also in a one-layer model (where layer 1 is out of
+    range)."""
+    enc = perturb(build(spec, **{**SHAPE, "n_layers": 1}))
+    torch.testing.assert_close(enc.log_frequencies(), enc.inv_freq(0)[0].log())
