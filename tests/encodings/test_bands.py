@@ -5,6 +5,7 @@ kernel's plan: test_bands_fused.py.)"""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -170,3 +171,229 @@ def test_the_fallback_warns_once_per_reason_at_the_callers_line(monkeypatch):
     assert [w.category for w in caught] == [RuntimeWarning]
     assert "reference kernel" in str(caught[0].message)
     assert caught[0].filename != bands.__file__
+
+
+# ----------------------------------------------------------------------------- the definition
+def pairwise_attention(q, k, v, band_list, key_positions, rotate, scale, visible):
+    """The module docstring's definition with full (T, S) matrices: each pair's logit from
+    the band that covers it, scale * <R(P_q^b(i)) s_b(i) q_i, R(P_k^b(j)) k_j>; ``visible``
+    (B|1, 1, T, S) bool or additive; softmax over the visible keys (none: a row of zeros)."""
+    H, K = q.shape[1], k.shape[1]
+    logits = None
+    for band in band_list:
+        qb = q if band.q_scale is None else q * band.q_scale
+        qr = rotate(qb, band.q_positions, True).double()
+        kr = rotate(k, band.k_positions, False).double().repeat_interleave(H // K, dim=1)
+        part = qr @ kr.transpose(-1, -2) * scale  # (B, H, T, S)
+        member = band_membership(band, key_positions, 0, q.shape[2])
+        inside = torch.ones_like(part, dtype=torch.bool) if member is None else member
+        logits = torch.where(inside, part, -math.inf if logits is None else logits)
+    if visible.dtype == torch.bool:
+        logits = logits.masked_fill(~visible, -math.inf)
+    else:
+        logits = logits + visible.double()
+    weights = logits.softmax(-1).nan_to_num(0.0)  # rows that see no key: zeros
+    return weights @ v.double().repeat_interleave(H // K, dim=1)
+
+
+T12 = 12
+P12 = torch.arange(T12)[None] + 3  # (1, T): key and query positions
+
+
+def _three_bands(dtype):
+    """Far (listed first, empty for the first rows: a band that covers no key of a block must
+    not stop the others), middle (fractional query positions) and near, partitioning the keys
+    of every query; the far band scales its queries."""
+    p = P12
+    scale = (1 + 0.05 * torch.arange(T12, dtype=torch.float64))[None, None, :, None]
+    return [
+        Band(p // 2, p // 3, hi=p - 6, q_scale=scale.to(dtype)),
+        Band(p.double() + 0.5, p.double(), lo=p - 6, hi=p - 2),
+        Band(p, p, lo=p - 2),
+    ]
+
+
+def _query_heavy(enc):
+    """A band rotation that treats queries and keys differently (a temperature on queries),
+    as AdaRoPE's does: the kernel must say which it is rotating."""
+
+    def rotate(x, positions, query):
+        out = enc.rotate_band(x, positions, query)
+        return out * 1.5 if query else out
+
+    return rotate
+
+
+MASKS = {
+    "causal": lambda: (0, None, torch.ones(T12, T12, dtype=torch.bool).tril()),
+    "bool": lambda: (None, torch.rand(T12, T12, generator=torch.Generator().manual_seed(3)) > 0.3),
+    "additive": lambda: (
+        None,
+        torch.randn(T12, T12, generator=torch.Generator().manual_seed(4)).tril()
+        + torch.full((T12, T12), -math.inf).triu(1),
+    ),
+}
+TOLERANCE = {
+    torch.float64: {"rtol": 1e-10, "atol": 1e-10},
+    torch.float32: {"rtol": 1e-4, "atol": 1e-4},
+    torch.bfloat16: {"rtol": 0, "atol": 5e-2},
+}
+
+
+@pytest.mark.parametrize("dtype", sorted(TOLERANCE, key=str), ids=str)
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("block_entries", [48, 240])  # blocks of 1 and of 5 query rows
+def test_the_reference_kernel_equals_the_pairwise_definition(dtype, mask, grad, block_entries):
+    """Three bands (one empty for the first rows, fractional positions, a query scale), a
+    rotation that tells queries from keys, causal / boolean / additive masks, blocks of 1 and
+    5 rows (the last one short), with and without autograd (in place or recomputed), in
+    float64, float32 and bfloat16; one query row has logits of about 100, which a softmax not
+    taken row by row from each row's maximum would underflow or overflow."""
+    enc = build("rerope:window=4", n_heads=4, n_kv_heads=2, head_dim=8, n_layers=1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, T12, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    if dtype != torch.bfloat16:
+        q[:, :, 7] *= 30  # the hot row
+    q, k, v = (t.to(dtype).requires_grad_(grad) for t in (q, k, v))
+    offset, visible = MASKS[mask]()[0], MASKS[mask]()[-1]
+    band_list, rotate = _three_bands(dtype), _query_heavy(enc)
+    got = banded_attention(
+        q, k, v, band_list, P12, rotate, kernel="reference", causal_offset=offset,
+        mask=None if offset == 0 else (lambda a, b, n: visible[a:b, :n]),
+        block_entries=block_entries,
+    )  # fmt: skip
+    expected = pairwise_attention(
+        q.detach().double(), k.detach().double(), v.detach().double(),
+        _three_bands(torch.float64), P12, rotate, 8**-0.5, visible,
+    )  # fmt: skip
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), expected, **TOLERANCE[dtype])
+    if grad:
+        got.sum().backward()
+        assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_one_unbounded_band_with_autograd_and_rows_that_see_no_key(grad):
+    """More queries than keys with a causal offset of -2: the first two rows see no key and
+    give zeros (blocks of one row), the others attend as one band of rotated q and k."""
+    enc = build("rope", n_heads=4, n_kv_heads=2, head_dim=8, n_layers=1)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 6, 8, generator=g, dtype=torch.float64, requires_grad=grad)
+    k, v = (torch.randn(1, 2, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    q_pos, k_pos = torch.arange(6)[None], torch.arange(4)[None]
+    got = banded_attention(
+        q, k, v, [Band(q_pos, k_pos)], k_pos, enc.rotate_band, kernel="reference",
+        causal_offset=-2, block_entries=32,
+    )  # fmt: skip
+    visible = torch.ones(6, 4, dtype=torch.bool).tril(-2)
+    expected = pairwise_attention(
+        q.detach(), k, v, [Band(q_pos, k_pos)], k_pos, enc.rotate_band, 8**-0.5, visible
+    )
+    assert got.shape == (1, 4, 6, 8) and not got[:, :, :2].any()
+    torch.testing.assert_close(got.detach(), expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "fused"])
+def test_both_kernels_keep_rotated_keys_for_the_next_call(kernel):
+    """With a KV cache's RotatedKeys each call rotates only the keys it has not seen."""
+    enc = build("rerope:window=3", **SHAPE)
+    calls = []
+
+    def counting(x, positions, query):
+        if not query:
+            calls.append(x.shape[2])
+        return enc.rotate_band(x, positions, query)
+
+    q, k, v = (torch.randn(1, h, 9, SHAPE["head_dim"], dtype=torch.float64) for h in (4, 2, 2))
+    pos = torch.arange(9)[None]
+    memo = bands.RotatedKeys()
+    for stop in (8, 9):
+        banded_attention(
+            q[:, :, stop - 1 : stop], k[:, :, :stop], v[:, :, :stop],
+            enc.bands(pos[:, stop - 1 : stop], pos[:, :stop]), pos[:, :stop], counting,
+            causal_offset=stop - 1, rotated_keys=memo, kernel=kernel,
+        )  # fmt: skip
+    assert calls == [8, 8, 1, 1]  # two bands: all 8 keys, then only the new one, per slot
+
+
+# ----------------------------------------------------------------------------- key ranges
+def _hull(band, key_positions, start, stop, n):
+    """The smallest index interval [a, b) holding every key in [0, n) that the band covers
+    for some query row in [start, stop) (None when it covers none)."""
+    member = band_membership(band, key_positions[:, :n], start, stop)
+    covered = torch.ones(n, dtype=torch.bool) if member is None else member.any(0).any(0).any(0)
+    idx = covered.nonzero().flatten().tolist()
+    return (idx[0], idx[-1] + 1) if idx else None
+
+
+def _remap(spec):
+    enc = build(spec, **SHAPE, original_length=8)
+    return lambda p: enc.bands(p, p)
+
+
+KEY_RANGE_CASES = {
+    "rerope": (_remap("rerope:window=3"), torch.arange(10)[None] + 2, 4),  # last block padded
+    "leaky rerope": (_remap("rerope:window=3,leaky=2"), torch.arange(10)[None] + 2, 3),
+    "dca": (_remap("dca:chunk_size=5,local_size=2,scale=none"), torch.arange(14)[None], 4),
+    "string": (_remap("string:shift=4,window=2,scale=none"), torch.arange(10)[None] + 3, 3),
+    # a repeated position (positions that never decrease may repeat)
+    "self-extend": (
+        _remap("self-extend:group=2,window=3"),
+        torch.tensor([[0, 1, 2, 2, 3, 4, 5, 6, 7]]),
+        2,
+    ),
+    "two keys": (_remap("rerope:window=1"), torch.arange(2)[None], 1),
+    # every band bounded on both sides
+    "windows": (
+        lambda p: [Band(p, p, lo=p - 2, hi=p + 1), Band(p, p, lo=p - 9, hi=p - 2)],
+        torch.arange(12)[None],
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KEY_RANGE_CASES))
+def test_key_ranges_are_the_index_span_of_each_bands_keys(case):
+    """Where key positions never decrease, each block reads, per band, exactly the index span
+    of the keys the band covers for its rows (an empty range where it covers none); one
+    batch row (over a batch the bounds are the loosest of its rows')."""
+    make, positions, rows = KEY_RANGE_CASES[case]
+    band_list = make(positions)
+    T = positions.shape[-1]
+    blocks = [(s, min(T, s + rows), min(T, s + rows)) for s in range(0, T, rows)]
+    got = bands._key_ranges(band_list, positions, rows, blocks)
+    for (start, stop, n), ranges in zip(blocks, got, strict=True):
+        for band, (a, b) in zip(band_list, ranges, strict=True):
+            hull = _hull(band, positions, start, stop, n)
+            assert (a, b) == hull if hull else b <= a, (case, start, (a, b), hull)
+
+
+def test_key_ranges_of_packed_rows_are_every_key():
+    """Positions that restart (packed documents) cannot be searched: every band reads every
+    key of the block, and membership alone selects."""
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
+    band_list = build("rerope:window=2", **SHAPE).bands(positions, positions)
+    blocks = [(0, 4, 4), (4, 8, 8)]
+    got = bands._key_ranges(band_list, positions, 4, blocks)
+    assert got == [[(0, 4), (0, 4)], [(0, 8), (0, 8)]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_reference_kernel_runs_on_the_device_of_its_inputs():
+    """Every tensor the reference kernel makes (key-range edges, causal masks) lives on the
+    inputs' device: on CUDA it gives what it gives on the CPU."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, 10, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    pos = torch.arange(10)[None]
+    results = []
+    for device in ("cpu", "cuda"):
+        enc = build("rerope:window=3", **SHAPE).double().to(device)
+        p = pos.to(device)
+        out = banded_attention(
+            q.to(device), k.to(device), v.to(device), enc.bands(p, p), p, enc.rotate_band,
+            kernel="reference", causal_offset=0, block_entries=64,
+        )  # fmt: skip
+        results.append(out.cpu())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-10, atol=1e-10)
