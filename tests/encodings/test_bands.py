@@ -200,14 +200,15 @@ T12 = 12
 P12 = torch.arange(T12)[None] + 3  # (1, T): key and query positions
 
 
-def _three_bands(dtype):
+def _three_bands():
     """Far (listed first, empty for the first rows: a band that covers no key of a block must
     not stop the others), middle (fractional query positions) and near, partitioning the keys
-    of every query; the far band scales its queries."""
+    of every query; the far band scales its queries (float64, as the remaps' scales are: the
+    kernel casts them to the queries' dtype)."""
     p = P12
     scale = (1 + 0.05 * torch.arange(T12, dtype=torch.float64))[None, None, :, None]
     return [
-        Band(p // 2, p // 3, hi=p - 6, q_scale=scale.to(dtype)),
+        Band(p // 2, p // 3, hi=p - 6, q_scale=scale),
         Band(p.double() + 0.5, p.double(), lo=p - 6, hi=p - 2),
         Band(p, p, lo=p - 2),
     ]
@@ -257,7 +258,7 @@ def test_the_reference_kernel_equals_the_pairwise_definition(dtype, mask, grad, 
         q[:, :, 7] *= 30  # the hot row
     q, k, v = (t.to(dtype).requires_grad_(grad) for t in (q, k, v))
     offset, visible = MASKS[mask]()[0], MASKS[mask]()[-1]
-    band_list, rotate = _three_bands(dtype), _query_heavy(enc)
+    band_list, rotate = _three_bands(), _query_heavy(enc)
     got = banded_attention(
         q, k, v, band_list, P12, rotate, kernel="reference", causal_offset=offset,
         mask=None if offset == 0 else (lambda a, b, n: visible[a:b, :n]),
@@ -265,7 +266,7 @@ def test_the_reference_kernel_equals_the_pairwise_definition(dtype, mask, grad, 
     )  # fmt: skip
     expected = pairwise_attention(
         q.detach().double(), k.detach().double(), v.detach().double(),
-        _three_bands(torch.float64), P12, rotate, 8**-0.5, visible,
+        _three_bands(), P12, rotate, 8**-0.5, visible,
     )  # fmt: skip
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), expected, **TOLERANCE[dtype])
