@@ -278,7 +278,8 @@ def test_the_reference_kernel_equals_the_pairwise_definition(dtype, mask, grad, 
 @pytest.mark.parametrize("grad", [False, True])
 def test_one_unbounded_band_with_autograd_and_rows_that_see_no_key(grad):
     """More queries than keys with a causal offset of -2: the first two rows see no key and
-    give zeros (blocks of one row), the others attend as one band of rotated q and k."""
+    give zeros (blocks of one row), the others attend as one band of rotated q and k; the
+    result is in v's dtype."""
     enc = build("rope", n_heads=4, n_kv_heads=2, head_dim=8, n_layers=1)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 6, 8, generator=g, dtype=torch.float64, requires_grad=grad)
@@ -294,6 +295,13 @@ def test_one_unbounded_band_with_autograd_and_rows_that_see_no_key(grad):
     )
     assert got.shape == (1, 4, 6, 8) and not got[:, :, :2].any()
     torch.testing.assert_close(got.detach(), expected, rtol=1e-10, atol=1e-10)
+    # the result is in v's dtype, the rows that see no key included
+    single = banded_attention(
+        q.detach(), k, v.float(), [Band(q_pos, k_pos)], k_pos, enc.rotate_band,
+        kernel="reference", causal_offset=-2, block_entries=32,
+    )  # fmt: skip
+    assert single.dtype == torch.float32
+    torch.testing.assert_close(single, expected.float(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", ["reference", "fused"])
