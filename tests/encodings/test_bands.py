@@ -225,13 +225,27 @@ def _query_heavy(enc):
     return rotate
 
 
+PADDED = torch.ones(T12, T12, dtype=torch.bool)
+PADDED[:, 2] = False  # a padding key
 MASKS = {
     "causal": lambda: (0, None, torch.ones(T12, T12, dtype=torch.bool).tril()),
-    "bool": lambda: (None, torch.rand(T12, T12, generator=torch.Generator().manual_seed(3)) > 0.3),
+    # the caller's mask on top of the causal offset: it is asked for each block's keys only
+    "causal and padding": lambda: (
+        0,
+        PADDED,
+        PADDED & torch.ones(T12, T12, dtype=torch.bool).tril(),
+    ),
+    "bool": lambda: (
+        None,
+        *[torch.rand(T12, T12, generator=torch.Generator().manual_seed(3)) > 0.3] * 2,
+    ),
     "additive": lambda: (
         None,
-        torch.randn(T12, T12, generator=torch.Generator().manual_seed(4)).tril()
-        + torch.full((T12, T12), -math.inf).triu(1),
+        *[
+            torch.randn(T12, T12, generator=torch.Generator().manual_seed(4)).tril()
+            + torch.full((T12, T12), -math.inf).triu(1)
+        ]
+        * 2,
     ),
 }
 TOLERANCE = {
@@ -257,11 +271,11 @@ def test_the_reference_kernel_equals_the_pairwise_definition(dtype, mask, grad, 
     if dtype != torch.bfloat16:
         q[:, :, 7] *= 30  # the hot row
     q, k, v = (t.to(dtype).requires_grad_(grad) for t in (q, k, v))
-    offset, visible = MASKS[mask]()[0], MASKS[mask]()[-1]
+    offset, given, visible = MASKS[mask]()
     band_list, rotate = _three_bands(), _query_heavy(enc)
     got = banded_attention(
         q, k, v, band_list, P12, rotate, kernel="reference", causal_offset=offset,
-        mask=None if offset == 0 else (lambda a, b, n: visible[a:b, :n]),
+        mask=None if given is None else (lambda a, b, n: given[a:b, :n]),
         block_entries=block_entries,
     )  # fmt: skip
     expected = pairwise_attention(
@@ -406,3 +420,41 @@ def test_the_reference_kernel_runs_on_the_device_of_its_inputs():
         )  # fmt: skip
         results.append(out.cpu())
     torch.testing.assert_close(results[1], results[0], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "fused"])
+def test_a_given_logit_scale_replaces_one_over_the_square_root_of_d(kernel):
+    enc = build("rerope:window=3", n_heads=4, n_kv_heads=2, head_dim=8, n_layers=1)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 9, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    pos = torch.arange(9)[None]
+    band_list = enc.bands(pos, pos)
+    got = banded_attention(q, k, v, band_list, pos, enc.rotate_band, scale=0.7, causal_offset=0,
+                           kernel=kernel)  # fmt: skip
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    expected = pairwise_attention(q, k, v, band_list, pos, enc.rotate_band, 0.7, causal)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    ("k_shape", "v_shape"),
+    [
+        ((1, 2, 6, 8), (1, 2, 5, 8)),  # v is not k's shape
+        ((2, 2, 6, 8), (2, 2, 6, 8)),  # another batch
+        ((1, 3, 6, 8), (1, 3, 6, 8)),  # 3 key heads do not divide 4 query heads
+    ],
+)
+def test_bad_shapes_and_kernels_are_refused_naming_them(k_shape, v_shape):
+    q = torch.zeros(1, 4, 6, 8)
+    k, v = torch.zeros(k_shape), torch.zeros(v_shape)
+    pos = torch.arange(6)[None]
+    band_list = [Band(pos, pos)]
+    rotate = build("rope", **SHAPE).rotate_band
+    with pytest.raises(ValueError) as info:
+        banded_attention(q, k, v, band_list, pos, rotate)
+    assert str(info.value) == (
+        f"q (1, 4, 6, 8), k {k_shape}, v {v_shape} must be (B, H, T, D) and (B, K, S, D) "
+        "with K dividing H"
+    )
+    with pytest.raises(ValueError, match="kernel='flash' is not allowed; use one of fused, ref"):
+        banded_attention(q, q[:, :2], q[:, :2], band_list, pos, rotate, kernel="flash")
