@@ -292,7 +292,7 @@ def test_the_reference_kernel_equals_the_pairwise_definition(dtype, mask, grad, 
 @pytest.mark.parametrize("grad", [False, True])
 def test_one_unbounded_band_with_autograd_and_rows_that_see_no_key(grad):
     """More queries than keys with a causal offset of -2: the first two rows see no key and
-    give zeros (blocks of one row), the others attend as one band of rotated q and k; the
+    give zeros (blocks of one row, 16 logits), the others attend as one band of rotated q and k; the
     result is in v's dtype."""
     enc = build("rope", n_heads=4, n_kv_heads=2, head_dim=8, n_layers=1)
     g = torch.Generator().manual_seed(1)
@@ -301,7 +301,7 @@ def test_one_unbounded_band_with_autograd_and_rows_that_see_no_key(grad):
     q_pos, k_pos = torch.arange(6)[None], torch.arange(4)[None]
     got = banded_attention(
         q, k, v, [Band(q_pos, k_pos)], k_pos, enc.rotate_band, kernel="reference",
-        causal_offset=-2, block_entries=32,
+        causal_offset=-2, block_entries=16,
     )  # fmt: skip
     visible = torch.ones(6, 4, dtype=torch.bool).tril(-2)
     expected = pairwise_attention(
@@ -312,7 +312,7 @@ def test_one_unbounded_band_with_autograd_and_rows_that_see_no_key(grad):
     # the result is in v's dtype, the rows that see no key included
     single = banded_attention(
         q.detach(), k, v.float(), [Band(q_pos, k_pos)], k_pos, enc.rotate_band,
-        kernel="reference", causal_offset=-2, block_entries=32,
+        kernel="reference", causal_offset=-2, block_entries=16,
     )  # fmt: skip
     assert single.dtype == torch.float32
     torch.testing.assert_close(single, expected.float(), rtol=1e-5, atol=1e-5)
@@ -320,7 +320,8 @@ def test_one_unbounded_band_with_autograd_and_rows_that_see_no_key(grad):
 
 @pytest.mark.parametrize("kernel", ["reference", "fused"])
 def test_both_kernels_keep_rotated_keys_for_the_next_call(kernel):
-    """With a KV cache's RotatedKeys each call rotates only the keys it has not seen."""
+    """With a KV cache's RotatedKeys each call rotates only the keys it has not seen; the
+    decoding query (causal offset S - 1) attends to every cached key."""
     enc = build("rerope:window=3", **SHAPE)
     calls = []
 
@@ -333,11 +334,16 @@ def test_both_kernels_keep_rotated_keys_for_the_next_call(kernel):
     pos = torch.arange(9)[None]
     memo = bands.RotatedKeys()
     for stop in (8, 9):
-        banded_attention(
-            q[:, :, stop - 1 : stop], k[:, :, :stop], v[:, :, :stop],
-            enc.bands(pos[:, stop - 1 : stop], pos[:, :stop]), pos[:, :stop], counting,
-            causal_offset=stop - 1, rotated_keys=memo, kernel=kernel,
+        band_list = enc.bands(pos[:, stop - 1 : stop], pos[:, :stop])
+        got = banded_attention(
+            q[:, :, stop - 1 : stop], k[:, :, :stop], v[:, :, :stop], band_list, pos[:, :stop],
+            counting, causal_offset=stop - 1, rotated_keys=memo, kernel=kernel,
         )  # fmt: skip
+        expected = pairwise_attention(
+            q[:, :, stop - 1 : stop], k[:, :, :stop], v[:, :, :stop], band_list, pos[:, :stop],
+            enc.rotate_band, SHAPE["head_dim"] ** -0.5, torch.ones(1, stop, dtype=torch.bool),
+        )  # fmt: skip
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)  # the new query
     assert calls == [8, 8, 1, 1]  # two bands: all 8 keys, then only the new one, per slot
 
 
