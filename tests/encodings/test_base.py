@@ -197,3 +197,13 @@ def test_log_frequencies_default_to_the_first_layer(spec):
     range)."""
     enc = perturb(build(spec, **{**SHAPE, "n_layers": 1}))
     torch.testing.assert_close(enc.log_frequencies(), enc.inv_freq(0)[0].log())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bool])
+def test_positions_must_be_an_integer_tensor(dtype):
+    """Fractional or boolean positions are refused by name (a float position would silently
+    rotate at positions the model never saw; a mask passed as positions, at 0 and 1)."""
+    enc = build("rope", **SHAPE)
+    q = torch.zeros(1, SHAPE["n_heads"], 3, SHAPE["head_dim"])
+    with pytest.raises(ValueError, match=f"positions must be an integer tensor, got {dtype}"):
+        enc.rotate_q(q, torch.zeros(1, 3, dtype=dtype))
