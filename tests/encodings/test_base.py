@@ -207,3 +207,13 @@ def test_positions_must_be_an_integer_tensor(dtype):
     q = torch.zeros(1, SHAPE["n_heads"], 3, SHAPE["head_dim"])
     with pytest.raises(ValueError, match=f"positions must be an integer tensor, got {dtype}"):
         enc.rotate_q(q, torch.zeros(1, 3, dtype=dtype))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_default_positions_live_on_the_device_of_the_queries():
+    """Without positions, 0..T-1 are made on q's device: on CUDA rotate_q(q) is rotate_q at
+    those positions."""
+    enc = build("rope", **SHAPE).to("cuda")
+    q = torch.randn(1, SHAPE["n_heads"], 5, SHAPE["head_dim"], device="cuda")
+    positions = torch.arange(5, device="cuda")[None]
+    torch.testing.assert_close(enc.rotate_q(q), enc.rotate_q(q, positions), rtol=0, atol=0)
