@@ -48,6 +48,16 @@ def test_laws(n):
     assert wilson_interval(0, n)[1] > 0.0 and wilson_interval(n, n)[0] < 1.0
 
 
+@pytest.mark.parametrize("confidence", [0.9, 0.95, 0.99])
+def test_the_ends_are_exactly_0_and_1_at_no_and_all_successes(confidence):
+    """The docstring's promise: at k = 0 the lower end is exactly 0 and at k = n the upper end
+    exactly 1, set so rather than left to rounding (the formula alone gives 0.9999999999999999
+    at n = 13 of 13 and 2.8e-17 at 0 of 10, 95%)."""
+    for n in range(1, 101):
+        assert wilson_interval(0, n, confidence)[0] == 0.0, n
+        assert wilson_interval(n, n, confidence)[1] == 1.0, n
+
+
 def test_more_probes_and_lower_confidence_narrow_it():
     widths = [wilson_interval(n // 2, n)[1] - wilson_interval(n // 2, n)[0] for n in (10, 40, 160)]
     assert widths[0] > widths[1] > widths[2]

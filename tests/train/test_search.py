@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ropekit.backbone import as_backbone, load_adapter, read_adapter
+from ropekit.backbone import DecoderBackbone, as_backbone, load_adapter, read_adapter
 from ropekit.encodings import schedules
 from ropekit.model import Decoder, DecoderConfig
 from ropekit.results import ResultError, read_record, write_result
@@ -119,6 +119,31 @@ def test_a_model_without_rotary_positions_and_an_absurd_budget_are_one_line_erro
     assert not (tmp_path / "x").exists()
     with pytest.raises(ValueError, match=r"128,000,000,000 tokens to score; the limit is"):
         SearchConfig(TARGET, budget=10**9)
+
+
+class _OwnPositions(DecoderBackbone):
+    """A backbone whose positions are its own: no ropekit encoding and no rotary base."""
+
+    @property
+    def encoding(self):
+        return None
+
+    def fingerprint(self):
+        return {"architecture": "own-positions"}
+
+
+def test_a_backbone_with_its_own_positions_is_refused_naming_them(tmp_path):
+    model = Decoder(DecoderConfig(d_model=32, n_layers=1, n_heads=2, context_length=CONTEXT))
+    with pytest.raises(ValueError, match="positions are 'its own', not rotary: a factor search"):
+        search(_OwnPositions(model), SearchConfig(TARGET), tmp_path / "x", progress=False)
+
+
+def test_overwrite_in_a_folder_without_candidates_starts_a_search(base_dir, tmp_path):
+    """overwrite=True removes earlier candidates; with none there, it is a first search."""
+    config = SearchConfig(TARGET, samples=1, budget=3, population=3, parents=1, chunk=64)
+    model = Decoder.load(base_dir).eval()
+    result = search(model, config, tmp_path / "new", overwrite=True, progress=False)
+    assert result.forwards == 3 and (tmp_path / "new" / "search.json").is_file()
 
 
 class _Distance:
