@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from ropekit.compare import recommend
-from ropekit.compare.record import EngineAnswer, TableEntry
-from ropekit.compare.verdict import per_engine, pooled_accuracy
+from ropekit.compare.record import EngineAnswer, SeedAccuracy, TableEntry, Verdict
+from ropekit.compare.verdict import per_engine, pooled_accuracy, pooled_retrieval, retrieval_note
 from ropekit.evals import wilson_interval
 from ropekit.results import encode
 
@@ -222,6 +222,84 @@ def test_pooled_retrieval_keeps_the_confidence_level_asked_for():
     pooled = pooled_accuracy([{"correct": 3, "n": 10}, {"correct": 7, "n": 10}], confidence=0.9)
     assert (pooled["low"], pooled["high"]) == wilson_interval(10, 20, 0.9)
     assert pooled["confidence"] == 0.9
+
+
+def _seed(correct, n, seed, other=None, nearest=None, confidence=0.95, length=64):
+    """One seed's probes at one length, its interval Wilson's at ``confidence``."""
+    low, high = wilson_interval(correct, n, confidence)
+    return SeedAccuracy(
+        correct=correct, n=n, accuracy=correct / n, low=low, high=high, confidence=confidence,
+        other_needle=other, nearest_needle=nearest, length=length, seed=seed,
+    )  # fmt: skip
+
+
+def test_pooled_retrieval_sums_the_probes_and_the_wrong_answers_naming_another_needle():
+    """3/10 and 7/10 pool to 10/20 with one Wilson interval; the wrong answers naming another
+    needle (and the nearest one) are summed like the probes, a seed's 0 counting as 0."""
+    seeds = [_seed(3, 10, 0, other=0, nearest=2), _seed(7, 10, 1, other=3, nearest=0)]
+    pooled = pooled_retrieval(seeds)
+    assert (pooled.correct, pooled.n, pooled.runs, pooled.accuracy) == (10, 20, 2, 0.5)
+    assert (pooled.low, pooled.high) == wilson_interval(10, 20) and pooled.confidence == 0.95
+    assert (pooled.other_needle, pooled.nearest_needle) == (3, 2)
+    assert pooled.per_seed == tuple(seeds)
+
+
+def test_pooled_retrieval_keeps_the_seeds_level_and_refuses_a_partial_count():
+    """One seed at 90%: its interval stays at 90%. A seed whose summary did not count the
+    wrong answers (None) leaves the pooled count unknown, not the other seeds' sum."""
+    one = pooled_retrieval([_seed(3, 10, 0, other=1, nearest=1, confidence=0.9)])
+    assert (one.low, one.high) == wilson_interval(3, 10, 0.9) and one.confidence == 0.9
+    assert (one.runs, one.other_needle, one.nearest_needle) == (1, 1, 1)
+    partial = pooled_retrieval([_seed(3, 10, 0, other=2, nearest=1), _seed(7, 10, 1)])
+    assert (partial.other_needle, partial.nearest_needle) == (None, None)
+
+
+def _verdict(winner="a", runner_up="b", target=32) -> Verdict:
+    return Verdict(
+        rule="r", margin=0.05, min_difference=0.0, short_length=8, target_length=target,
+        baseline="rope", costs={}, scores={}, eligible=("a", "b"), winner=winner,
+        runner_up=runner_up, difference=None, resolved=False, collapsed=(), sentence="s",
+    )  # fmt: skip
+
+
+def _probed(correct: dict[int, int], confidence=0.95) -> dict:
+    """{length: pooled 10-probe retrieval with ``correct[length]`` right}."""
+    return {
+        n: pooled_retrieval([_seed(k, 10, 0, confidence=confidence)]) for n, k in correct.items()
+    }
+
+
+def _text(correct: int, confidence=0.95) -> str:
+    low, high = wilson_interval(correct, 10, confidence)
+    return f"{correct / 10:.2f} [{low:.2f}, {high:.2f}] ({correct}/10)"
+
+
+def test_the_retrieval_note_gives_winner_and_runner_up_at_the_target_length():
+    retrieval = {"a": _probed({16: 9, 32: 7, 64: 2}), "b": _probed({16: 8, 32: 3, 64: 1})}
+    assert retrieval_note(retrieval, _verdict()) == (
+        "Retrieval at 32 tokens (accuracy, 95% Wilson interval, correct/probes), beside the "
+        f"rule, not part of it: a {_text(7)}; b {_text(3)}."
+    )
+
+
+def test_the_retrieval_note_falls_back_to_the_longest_length_both_probed():
+    """Neither probed at the target (128): the longest length both hold, 32 (b lacks 64)."""
+    retrieval = {"a": _probed({16: 9, 32: 7, 64: 2}, 0.9), "b": _probed({16: 8, 32: 3}, 0.9)}
+    assert retrieval_note(retrieval, _verdict(target=128)) == (
+        "Retrieval at 32 tokens (accuracy, 90% Wilson interval, correct/probes), beside the "
+        f"rule, not part of it: a {_text(7, 0.9)}; b {_text(3, 0.9)}."
+    )
+
+
+def test_the_retrieval_note_names_only_the_methods_probed_and_is_none_without_numbers():
+    alone = {"a": _probed({32: 7})}
+    assert retrieval_note(alone, _verdict()).endswith(f"not part of it: a {_text(7)}.")
+    assert retrieval_note(alone, _verdict(runner_up=None)).endswith(f"it: a {_text(7)}.")
+    assert retrieval_note({"b": _probed({32: 3})}, _verdict()).endswith(f"it: b {_text(3)}.")
+    assert retrieval_note(alone, _verdict(winner=None, runner_up=None)) is None
+    assert retrieval_note({}, _verdict()) is None
+    disjoint = {"a": _probed({16: 7}), "b": _probed({32: 3})}  # no length both probed
+    assert retrieval_note(disjoint, _verdict()) is None
 
 
 def _entry(ppl=None, windows=None, blocks=None) -> TableEntry:
