@@ -249,10 +249,10 @@ def _grads(fn, q, k, v, w, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_gradients_accumulate_in_float32(dtype):
-    """A key's value gradient sums one piece per block of query rows (25 blocks of 8 here):
-    summed in float32, its RMS error against the float64 reference stays within 1.2x plain
-    RoPE's own through PyTorch's attention in the same precision (0.8-0.9x measured over
-    seeds); summed in half precision it is 1.4-1.7x."""
+    """A key's gradients sum one piece per block of query rows (67 blocks of 3 here): summed
+    in float32, their RMS errors against float64 stay within 1.2x plain RoPE's own through
+    PyTorch's attention in the same precision (0.8-1.05x measured over seeds); summed in half
+    precision they are 1.35-1.45x (keys) and more (values)."""
     enc = _enc("self-extend:group=4,window=16")
     T = 200
     q, k, v = _qkv(T, T, B=1, seed=1)
@@ -260,7 +260,7 @@ def test_half_precision_gradients_accumulate_in_float32(dtype):
     positions = torch.arange(T)[None]
     # float64 fused: the reference to 1e-10 (the tests above), without its slow first backward
     exact = _grads(lambda *a: _attend(enc, *a, positions, "fused"), q, k, v, w, torch.float64)
-    low = _grads(lambda *a: _attend(enc.to(dtype), *a, positions, "fused", 8), q, k, v, w, dtype)
+    low = _grads(lambda *a: _attend(enc.to(dtype), *a, positions, "fused", 3), q, k, v, w, dtype)
     rope = {d: _enc("rope", d) for d in (dtype, torch.float64)}
 
     def plain(q, k, v):
@@ -268,12 +268,13 @@ def test_half_precision_gradients_accumulate_in_float32(dtype):
         q, k = r.rotate_q(q, positions), r.rotate_k(k, positions)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
-    own = [_grads(plain, q, k, v, w, d)[2] for d in (dtype, torch.float64)]
+    own = [_grads(plain, q, k, v, w, d) for d in (dtype, torch.float64)]
 
     def rms(a, b):
         return (a - b).pow(2).mean().sqrt()
 
-    assert rms(low[2], exact[2]) <= 1.2 * rms(*own)
+    for i, name in ((1, "keys"), (2, "values")):
+        assert rms(low[i], exact[i]) <= 1.2 * rms(own[0][i], own[1][i]), name
 
 
 def test_a_logit_scale_other_than_the_default_is_used_forward_and_backward():
