@@ -138,12 +138,15 @@ def test_a_backbone_with_its_own_positions_is_refused_naming_them(tmp_path):
         search(_OwnPositions(model), SearchConfig(TARGET), tmp_path / "x", progress=False)
 
 
-def test_overwrite_in_a_folder_without_candidates_starts_a_search(base_dir, tmp_path):
-    """overwrite=True removes earlier candidates; with none there, it is a first search."""
+def test_overwrite_in_a_folder_without_candidates_starts_a_search(base_dir, tmp_path, capsys):
+    """overwrite=True removes earlier candidates; with none there, it is a first search. With
+    progress=False a search that scores shows no bar."""
     config = SearchConfig(TARGET, samples=1, budget=3, population=3, parents=1, chunk=64)
     model = Decoder.load(base_dir).eval()
+    capsys.readouterr()
     result = search(model, config, tmp_path / "new", overwrite=True, progress=False)
     assert result.forwards == 3 and (tmp_path / "new" / "search.json").is_file()
+    assert capsys.readouterr().err == ""
 
 
 class _Distance:
