@@ -140,13 +140,17 @@ def test_a_backbone_with_its_own_positions_is_refused_naming_them(tmp_path):
 
 def test_overwrite_in_a_folder_without_candidates_starts_a_search(base_dir, tmp_path, capsys):
     """overwrite=True removes earlier candidates; with none there, it is a first search. With
-    progress=False a search that scores shows no bar."""
+    progress=False a search that scores shows no bar; its record names command, spec and seed."""
     config = SearchConfig(TARGET, samples=1, budget=3, population=3, parents=1, chunk=64)
     model = Decoder.load(base_dir).eval()
     capsys.readouterr()
-    result = search(model, config, tmp_path / "new", overwrite=True, progress=False)
-    assert result.forwards == 3 and (tmp_path / "new" / "search.json").is_file()
-    assert capsys.readouterr().err == ""
+    result = search(
+        model, config, tmp_path / "new", overwrite=True, progress=False, command="ropekit x"
+    )
+    assert result.forwards == 3 and capsys.readouterr().err == ""
+    # search.json's run metadata: the command given, the searched spec and the seed.
+    meta = json.loads((tmp_path / "new" / "search.json").read_text())["meta"]
+    assert (meta["command"], meta["spec"], meta["seed"]) == ("ropekit x", result.spec, 0)
 
 
 class _Distance:
