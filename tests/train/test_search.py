@@ -9,6 +9,7 @@ import io
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -144,13 +145,18 @@ def test_overwrite_in_a_folder_without_candidates_starts_a_search(base_dir, tmp_
     config = SearchConfig(TARGET, samples=1, budget=3, population=3, parents=1, chunk=64)
     model = Decoder.load(base_dir).eval()
     capsys.readouterr()
+    start = time.perf_counter()
     result = search(
         model, config, tmp_path / "new", overwrite=True, progress=False, command="ropekit x"
     )
+    wall = time.perf_counter() - start
     assert result.forwards == 3 and capsys.readouterr().err == ""
     # search.json's run metadata: the command given, the searched spec and the seed.
     meta = json.loads((tmp_path / "new" / "search.json").read_text())["meta"]
     assert (meta["command"], meta["spec"], meta["seed"]) == ("ropekit x", result.spec, 0)
+    record = read_record(tmp_path / "new" / "search.json", SearchRecord)
+    assert (record.factor, record.trained_at) == (TARGET / CONTEXT, CONTEXT)
+    assert 0 < record.elapsed_s == result.elapsed_s <= wall
 
 
 class _Distance:
