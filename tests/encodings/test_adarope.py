@@ -3,10 +3,14 @@ its per-head parameters named as head rows."""
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 
-from ropekit.encodings import build
+from ropekit.encodings import build, schedules
+from ropekit.encodings.adarope import TunedYarnConfig, yarn_inv_freq
 
 from .conftest import SHAPE, perturb
 
@@ -65,7 +69,7 @@ def test_head_rows_name_adaropes_per_head_parameters():
     assert (freq.shared_layers, freq.shared_heads) == (False, True)
     assert build("adarope:freq=false", **SHAPE).head_rows("freq") is None
     assert build("tuned-yarn:factor=2,original_length=8", **SHAPE).head_rows("freq") is None
-    with pytest.raises(ValueError, match="kind"):
+    with pytest.raises(ValueError, match=r"^kind='bogus' is not allowed; use one of freq, scale$"):
         ada.head_rows("bogus")
 
 
@@ -80,3 +84,109 @@ def test_adascale_is_its_formula_at_length_position_plus_one():
     expected = torch.exp(-log_tau[:, None]) * torch.log1p(length / 8)[None] ** gamma[:, None]
     got = ada.temperature(pos, layer)[0, :, :, 0].double()  # (H, T)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+
+
+def test_methods_of_one_layer_default_to_layer_0():
+    ada = perturb(build("adarope:l_ref=8", **SHAPE))
+    pos = torch.tensor([[0, 10, 100]])
+    assert not torch.equal(ada.xi(0), ada.xi(1))  # perturbed per layer
+    assert torch.equal(ada.log_frequencies(), ada.xi(0))
+    assert torch.equal(ada.query_temperature(pos), ada.temperature(pos, 0))
+    one_layer = build("tuned-yarn:factor=8,original_length=64", **{**SHAPE, "n_layers": 1})
+    assert torch.equal(one_layer.inv_freq()[0], one_layer.inv_freq(0)[0])
+
+
+# ----------------------------------------------------------------------------- learned state
+def test_adarope_learned_state_reports_its_parameters():
+    """dxi (L|1, K|1, F), gamma and tau = exp(log_tau) (L|1, H|1), the base schedule's ln theta
+    (F,) and the sharing, as plain lists; a part that is not learned is None."""
+    ada = build("adarope:l_ref=8,share_heads=true", **SHAPE)  # L = 3, F = 8
+    dxi = 0.01 * torch.arange(24, dtype=torch.float64).reshape(3, 1, 8)
+    with torch.no_grad():
+        ada.dxi.copy_(dxi)
+        ada.log_tau.fill_(math.log(2))
+        ada.gamma.fill_(0.5)
+    state = ada.learned_state()
+    assert set(state) == {"kind", "share_layers", "share_heads", "l_ref", "xi_init", "dxi"} | {
+        "gamma",
+        "tau",
+    }
+    assert state["kind"] == "adarope" and state["l_ref"] == 8
+    assert state["share_layers"] is False and state["share_heads"] is True
+    base = 10000.0  # RoPE's default: theta_f = base^(-2f/D)
+    assert state["xi_init"] == pytest.approx([-2 * f / 16 * math.log(base) for f in range(8)])
+    torch.testing.assert_close(torch.tensor(state["dxi"], dtype=torch.float64), dxi)
+    assert state["gamma"] == [[0.5]] * 3
+    assert state["tau"] == [[pytest.approx(2.0, rel=1e-6)]] * 3
+    frozen = build("adarope:freq=false,scale=false", **SHAPE).learned_state()
+    assert (frozen["dxi"], frozen["gamma"], frozen["tau"]) == (None, None, None)
+    assert build("adarope:scale=false", **SHAPE).learned_state()["dxi"] == [[[0.0] * 8] * 2] * 3
+
+
+def test_tuned_yarn_learned_state_reports_its_knobs_and_the_change_in_ln_theta():
+    """The knobs as trained and as configured, and ln theta of the YaRN schedule (no
+    truncation) at the configured knobs (xi_init) and its change at the trained ones (dxi, one
+    row for every layer and head)."""
+    tuned = build("tuned-yarn:factor=8,original_length=64", **SHAPE)  # D = 16, base 10000
+    with torch.no_grad():
+        tuned.log_factor_ratio.fill_(math.log(2))
+    state = tuned.learned_state()
+    init = {"factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0}
+    init["attention_factor"] = 0.1 * math.log(8) + 1  # YaRN, eq. 22
+    assert state["kind"] == "tuned-yarn" and state["gamma"] is None and state["tau"] is None
+    assert state["init_knobs"] == pytest.approx(init, rel=1e-12)
+    assert state["knobs"] == pytest.approx({**init, "factor": 16.0}, rel=1e-6)
+
+    def ln_theta(factor: float) -> torch.Tensor:
+        return schedules.yarn(16, 10000.0, factor, 64, truncate=False)[0].log()
+
+    xi_init = torch.tensor(state["xi_init"], dtype=torch.float64)
+    torch.testing.assert_close(xi_init, ln_theta(8.0), rtol=1e-12, atol=1e-12)
+    dxi = torch.tensor(state["dxi"], dtype=torch.float64)
+    assert dxi.shape == (1, 1, 8) and dxi.min() < -0.5  # the slowest pairs move by -ln 2
+    expected = ln_theta(state["knobs"]["factor"]) - ln_theta(8.0)
+    torch.testing.assert_close(dxi[0, 0], expected, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- tuned-yarn
+@pytest.mark.parametrize(
+    ("dim", "base", "length", "factor"),
+    [
+        (64, 10000.0, 4096, 8.0),  # the ramp lies inside: 10.5 < pair index < 22.5
+        (16, 10.0, 1024, 4.0),  # its slow end (17.7) clamped to the last channel, 15
+        (16, 10000.0, 64, 8.0),  # its fast end (below 0) clamped to 0
+    ],
+)
+def test_yarn_inv_freq_is_the_yarn_schedule_without_truncation(dim, base, length, factor):
+    beta_fast, beta_slow = 32.0, 1.0
+    expected = schedules.yarn(dim, base, factor, length, beta_fast, beta_slow, truncate=False)[0]
+    knobs = (torch.tensor(v, dtype=torch.float64) for v in (factor, beta_fast, beta_slow))
+    got = yarn_inv_freq(dim, base, length, *knobs)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ("", 0.1 * math.log(8) + 1),  # YaRN, eq. 22
+        (",mscale=1,mscale_all_dim=0.707", (0.1 * math.log(8) + 1) / (0.0707 * math.log(8) + 1)),
+        (",attention_factor=1.3", 1.3),
+        (",mscale=1,mscale_all_dim=0.707,attention_factor=1.3", 1.3),
+    ],
+)
+def test_tuned_yarn_starts_at_yarns_attention_factor(options, expected):
+    """The attention-factor knob starts where YaRN's rule puts it: an explicit value, else the
+    mscale/mscale_all_dim ratio (DeepSeek), else 0.1 ln s + 1."""
+    tuned = build(f"tuned-yarn:factor=8,original_length=64{options}", **SHAPE)
+    assert tuned.knobs()["attention_factor"].item() == pytest.approx(expected, rel=1e-12)
+    assert tuned.inv_freq()[1].item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_tuned_yarn_refuses_truncation_and_names_the_fixed_schedule():
+    message = (
+        "truncate=true is not allowed for tuned-yarn; the ramp ends must stay continuous to be "
+        "learned (use yarn:truncate=true for the fixed schedule)"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        TunedYarnConfig(factor=8.0, original_length=64, truncate=True)

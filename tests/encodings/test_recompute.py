@@ -20,6 +20,7 @@ from ropekit.encodings.rotary import (
 )
 
 from .conftest import SHAPE, perturb
+from .test_rotary import rotation_by_pairs
 
 LEARNED_SPECS = [
     "adarope",
@@ -108,6 +109,112 @@ def test_shared_table_gradient_sums_over_heads_and_batch():
     x1, x2 = x[..., :4], x[..., 4:]  # plain float64 autograd ops (rotate_reference is float32)
     (torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1) * w).sum().backward()
     torch.testing.assert_close(ours, theta.grad, rtol=1e-10, atol=1e-10)
+
+
+# (x shape, rows of positions, rows of theta, rotary pairs F, pairing): the ways rotate_angles
+# shares one angle between elements, each of which its theta gradient must sum over.
+GEOMETRIES = [
+    ((2, 2, 2, 1, 6), 2, 2, 3, "half"),  # a decode step (T = 1), g = 2 query heads per key
+    ((1, 2, 1, 3, 6), 1, 2, 3, "interleaved"),  # g = 1: as many query heads as key heads
+    ((2, 2, 3, 5), 1, 2, 2, "half"),  # positions shared by a batch of 2; partial rotation
+    ((3, 2, 1, 4), 3, 1, 2, "interleaved"),  # one position per row (T = 1), theta shared
+    ((1, 2, 3, 2), 1, 2, 1, "half"),  # one pair per head
+    ((2, 3, 2, 2, 4), 1, 1, 2, "interleaved"),  # everything shared
+]
+
+
+@pytest.mark.parametrize("learnable_factor", [False, True])
+@pytest.mark.parametrize(("x_shape", "pos_rows", "theta_rows", "n", "pairing"), GEOMETRIES)
+def test_rotate_angles_gradients_are_autograds_through_the_pairwise_rotation(
+    x_shape, pos_rows, theta_rows, n, pairing, learnable_factor
+):
+    """Gradients for x, theta and a tensor factor against autograd through the plain
+    definition: phi = position * theta, cos/sin times the factor, the pairwise rotation; in
+    float64, to round-off."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(x_shape, generator=g, dtype=torch.float64, requires_grad=True)
+    positions = torch.randint(0, 1000, (pos_rows, x_shape[-2]), generator=g)
+    theta = torch.rand(theta_rows, n, generator=g, dtype=torch.float64).requires_grad_()
+    factor = torch.tensor(1.3, dtype=torch.float64, requires_grad=True) if learnable_factor else 1.3
+    phi = positions.double()[:, None, :, None] * theta[None, :, None, :]  # (B|1, K|1, T, F)
+    if x.dim() == 5:
+        phi = phi[:, :, None]  # one angle for the g query heads of a key head
+    expected = rotation_by_pairs(x, phi.cos() * factor, phi.sin() * factor, pairing)
+    got = rotate_angles(x, positions, theta, factor, pairing, torch.float64)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    w = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    inputs = [x, theta, *([factor] if learnable_factor else [])]
+    for a, b in zip(
+        torch.autograd.grad(got, inputs, w), torch.autograd.grad(expected, inputs, w), strict=True
+    ):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_rotate_angles_with_a_frozen_theta_and_factor_back_propagates_to_x_only():
+    """A frozen schedule (theta and a tensor factor that need no gradient): x still gets its
+    gradient, the factor times the inverse rotation, without the output being kept."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    positions = torch.arange(5)[None] * 7
+    theta = torch.rand(2, 4, generator=g, dtype=torch.float64)
+    factor = torch.tensor(1.3, dtype=torch.float64)
+    out = rotate_angles(x, positions, theta, factor, "half", torch.float64)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    (grad_x,) = torch.autograd.grad(out, x, w)
+    phi = positions.double()[:, None, :, None] * theta[None, :, None, :]
+    expected = 1.3 * rotation_by_pairs(w, phi.cos(), -phi.sin(), "half")  # R(phi)^T = R(-phi)
+    torch.testing.assert_close(grad_x, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_rotate_angles_backward_uses_tables_rounded_to_table_dtype_as_forward_does():
+    """Float64 activations with float32 tables (the default table dtype): the backward is the
+    transpose of the rotation forward applied, by float32-rounded tables, so it equals the
+    stored-table path to the last bit; float64 tables in backward would be off by ~1e-8."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    positions = torch.arange(6)[None] * 9_973
+    theta = torch.rand(2, 4, generator=g, dtype=torch.float64)
+    out = rotate_angles(x, positions, theta)
+    cos, sin = tables(angles(positions[:, None], theta[None]))  # float32
+    stored = rotate(x, cos, sin)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    (grad_recomputed,) = torch.autograd.grad(out, x, w)
+    (grad_stored,) = torch.autograd.grad(stored, x, w)
+    torch.testing.assert_close(out, stored, rtol=0, atol=1e-15)
+    torch.testing.assert_close(grad_recomputed, grad_stored, rtol=0, atol=1e-15)
+
+
+def test_rotate_angles_theta_gradient_forms_bf16_products_in_float32():
+    """dL/dtheta_f = sum over rows, heads and time of position * (g2 o1 - g1 o2) (g . J out, J
+    turning (o1, o2) into (-o2, o1)). With bf16 activations each product is formed in float32
+    (exact for bf16 factors) and the sum taken in float64, so the gradient equals the float64
+    sum to float32 round-off; products rounded to bf16 would be off by ~1e-3 of it."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 2, 64, 8, generator=g).bfloat16()
+    positions = torch.arange(64)[None] * 37
+    theta = (0.1 * torch.rand(2, 4, generator=g, dtype=torch.float64)).requires_grad_()
+    out = rotate_angles(x, positions, theta)
+    w = torch.randn(out.shape, generator=g).bfloat16()
+    (grad_theta,) = torch.autograd.grad(out, theta, w)
+    o1, o2, g1, g2 = (t[..., i : i + 4].double() for t in (out, w) for i in (0, 4))
+    pos = positions.double()[:, None, :, None]
+    expected = (pos * (g2 * o1 - g1 * o2)).sum(dim=(0, 2))  # (K, F)
+    scale = (pos * ((g2 * o1).abs() + (g1 * o2).abs())).sum(dim=(0, 2))
+    assert ((grad_theta - expected).abs() <= 1e-6 * scale).all()
+
+
+def test_rotate_angles_factor_gradient_is_summed_in_float64():
+    """dL/da = sum(g . out) / a (out is linear in the factor a), summed in float64: float32
+    activations contributing 1 and 2^-30 to each half of the sum give 2 (1 + 2^-30); a float32
+    sum would round each half to 1."""
+    x = torch.tensor([1.0, 1.0, 2**-15, 2**-15]).reshape(1, 1, 2, 2)  # two positions, one pair
+    factor = torch.tensor(1.0, dtype=torch.float64, requires_grad=True)
+    theta = torch.tensor([[0.7]], dtype=torch.float64)
+    out = rotate_angles(x, torch.zeros(1, 2, dtype=torch.long), theta, factor)  # phi = 0
+    assert torch.equal(out, x)
+    (grad_factor,) = torch.autograd.grad(out, factor, x)  # g = x
+    assert grad_factor.dtype == torch.float64 and grad_factor.item() == 2 * (1 + 2**-30)
 
 
 def _saved_bytes(fn) -> int:

@@ -3,22 +3,60 @@ backward; precision at long positions."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
+import types
+import warnings
 
 import pytest
 import torch
+from torch._dynamo.exc import FailOnRecompileLimitHit
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from ropekit.encodings import build, rotary
-from ropekit.encodings.rotary import PAIRINGS, angles, rotate, rotate_reference, tables
+from ropekit.encodings.rotary import (
+    PAIRINGS,
+    angles,
+    compile_settings,
+    rotate,
+    rotate_reference,
+    rotate_tensor,
+    set_compile,
+    tables,
+)
 
 from ..tiny import tiny_config
 from .conftest import SHAPE
 
 # Tolerances tied to dtype: measured float noise of one multiply-add chain.
 TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float64: 1e-12}
+TOL64 = {"rtol": 1e-12, "atol": 1e-12}
+
+
+def rotation_by_pairs(x, cos, sin, pairing):
+    """The RoPE rotation (eq. 13) written pair by pair with explicit channel indices: pair f is
+    (f, f + F) for ``half``, (2f, 2f + 1) for ``interleaved``; channels past 2F pass through.
+    Plain autograd ops, in x's dtype."""
+    n = cos.shape[-1]
+    out = x.clone()
+    for f in range(n):
+        i, j = (f, f + n) if pairing == "half" else (2 * f, 2 * f + 1)
+        c, s = cos[..., f], sin[..., f]
+        out[..., i] = x[..., i] * c - x[..., j] * s
+        out[..., j] = x[..., j] * c + x[..., i] * s
+    return out
+
+
+def _case(x_shape, rot_pairs, seed=0, dtype=torch.float64):
+    """x (a transposed view, as attention hands q and k over) and tables (1, 1, T, F) with
+    random angles."""
+    g = torch.Generator().manual_seed(seed)
+    *lead, t, d = x_shape
+    x = torch.randn(*lead[:-1], t, lead[-1], d, generator=g, dtype=dtype).transpose(-3, -2)
+    phi = 10 * torch.rand(*[1] * len(lead), t, rot_pairs, generator=g, dtype=torch.float64)
+    return x, phi.cos().to(dtype), phi.sin().to(dtype)
 
 
 @pytest.mark.parametrize("pairing", PAIRINGS)
@@ -40,6 +78,42 @@ def test_fast_path_matches_reference_forward_and_backward(pairing, dtype, rot_pa
     ref_grads = torch.autograd.grad(ref, (x, cos, sin), grad)
     for a, b in zip(fast_grads, ref_grads, strict=True):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol * 10, atol=tol * 10)
+
+
+def test_the_reference_rotation_pairs_halves_by_default():
+    x, cos, sin = _case((2, 3, 4, 16), 6, dtype=torch.float32)
+    torch.testing.assert_close(
+        rotate_reference(x, cos, sin), rotation_by_pairs(x, cos, sin, "half"), rtol=0, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("pairing", PAIRINGS)
+@pytest.mark.parametrize("rot_pairs", [8, 6, 5])  # of D = 16: full; 2F < D <= 3F; partial
+def test_the_fused_expression_is_the_pairwise_rotation(pairing, rot_pairs):
+    """``_fused``, the expression the compiled kernel is made of, run as plain eager code on
+    tables that broadcast over batch and heads (B=2, H=3, T=4: no length equals F or D)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 3, 16, generator=g, dtype=torch.float64).transpose(1, 2)
+    phi = 10 * torch.rand(2, 1, 4, rot_pairs, generator=g, dtype=torch.float64)
+    cos, sin = phi.cos(), phi.sin()
+    got = rotary._fused(x, cos, sin, pairing)
+    torch.testing.assert_close(got, rotation_by_pairs(x, cos, sin, pairing), **TOL64)
+
+
+def test_table_gradients_are_summed_over_broadcast_dims_before_rounding_to_table_dtype():
+    """A table shared by the batch gets the batch's summed gradient, summed in x's precision
+    (float64 here) and then rounded to the float32 table: two rows contributing 1 + 1e-9 and
+    -1 leave 1e-9, which rounding each row to float32 before summing would turn into 0."""
+    x = torch.tensor([1 + 1e-9, 0.0, -1.0, 0.0], dtype=torch.float64).reshape(2, 1, 1, 2)
+    cos = torch.ones(1, 1, 1, 1, requires_grad=True)
+    sin = torch.zeros(1, 1, 1, 1, requires_grad=True)
+    out = rotate(x, cos, sin)
+    grad_cos, grad_sin = torch.autograd.grad(out, (cos, sin), torch.ones_like(out))
+    # eq. 13 differentiated: dL/dcos = sum g1 x1 + g2 x2, dL/dsin = sum g2 x1 - g1 x2
+    exact = (1 + 1e-9) - 1.0
+    for grad in (grad_cos, grad_sin):
+        assert grad.shape == cos.shape and grad.dtype == torch.float32
+        assert grad.item() == pytest.approx(exact, rel=1e-6)
 
 
 def test_fast_path_gradcheck_float64():
@@ -164,3 +238,130 @@ def test_importing_with_a_bad_compile_mode_succeeds():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-500:]
+
+
+# ------------------------------------------------------------------ the compiled kernel's logic
+# Compiling takes seconds, so these tests replace torch.compile by a recorder whose "compiled"
+# kernel runs the copied function as it is: what they check is which kernels are made, when they
+# are used and what happens when they fail (test_recompute.py has the real compiled kernel).
+@pytest.fixture
+def fake_compile(monkeypatch):
+    """torch.compile recorded (``compiled``: the functions and options it got; ``ran``: the
+    index of the kernel each call ran; ``error``: raised by every kernel call when set), with
+    an empty kernel cache and mode ``always``."""
+    recorder = types.SimpleNamespace(compiled=[], ran=[], error=None)
+
+    def compile_(fn, **options):
+        index = len(recorder.compiled)
+        recorder.compiled.append((fn, options))
+
+        def kernel(*args):
+            recorder.ran.append(index)
+            if recorder.error is not None:
+                raise recorder.error
+            return fn(*args)
+
+        return kernel
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    monkeypatch.setattr(rotary, "_kernels", {})
+    monkeypatch.setattr(rotary, "_settings", {**rotary._settings, "mode": "always", "failed": None})
+    # mutmut wraps functions in trampolines; the kernel copies the code of the plain function
+    monkeypatch.setattr(rotary, "_fused", inspect.unwrap(rotary._fused))
+    return recorder
+
+
+def _rotate_checked(x, cos, sin, pairing="half"):
+    """rotate_tensor in training, checked against the pairwise rotation."""
+    out = rotate_tensor(x, cos, sin, pairing, training=True)
+    torch.testing.assert_close(out, rotation_by_pairs(x, cos, sin, pairing), **TOL64)
+    return out
+
+
+def test_each_kernel_variant_is_compiled_once_and_reused_across_lengths(fake_compile):
+    """One kernel per (pairing, full or partial rotation, rank), whatever the length: each
+    variant's calls at T = 3 and T = 20 run the same kernel, and no two variants share one."""
+    variants = [(p, f, r) for p in PAIRINGS for f in (8, 6) for r in (4, 5)]  # D = 16
+    used: dict[tuple, set[int]] = {v: set() for v in variants}
+    for t in (3, 20):
+        for pairing, rot_pairs, rank in variants:
+            shape = (1, 2, t, 16) if rank == 4 else (1, 2, 2, t, 16)
+            _rotate_checked(*_case(shape, rot_pairs), pairing)
+            used[(pairing, rot_pairs, rank)].add(fake_compile.ran[-1])
+    assert len(fake_compile.ran) == 2 * len(variants)  # every call ran a compiled kernel
+    assert all(len(kernels) == 1 for kernels in used.values())
+    assert len(set.union(*used.values())) == len(variants) == len(fake_compile.compiled)
+
+
+def test_a_kernel_is_a_renamed_copy_of_the_fused_rotation_compiled_as_one_graph(fake_compile):
+    """Each variant compiles its own copy of ``_fused``'s code (its own recompile budget),
+    with fullgraph=True: a graph break is a compile failure (eager, with a warning) rather than
+    a kernel silently split in pieces."""
+    _rotate_checked(*_case((1, 2, 3, 16), 8), "half")
+    _rotate_checked(*_case((1, 2, 3, 16), 8), "interleaved")
+    fused = rotary._fused
+    for index, (fn, options) in enumerate(fake_compile.compiled):
+        assert options == {"fullgraph": True}
+        assert fn is not fused and fn.__code__ is not fused.__code__
+        assert fn.__code__.co_code == fused.__code__.co_code
+        assert fn.__name__ == fn.__code__.co_name == f"_fused_{index}"
+
+
+def test_a_variant_past_its_recompile_limit_turns_eager_quietly_until_set_compile(fake_compile):
+    """Too many shapes for one variant: that variant runs eagerly from then on, with no
+    warning and no recorded failure; other variants keep compiling; ``set_compile`` forgets
+    the mark (and keeps the kernels that work)."""
+    half, interleaved = _case((1, 2, 3, 16), 8), _case((1, 2, 3, 16), 8, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fake_compile.error = FailOnRecompileLimitHit("recompile_limit reached")
+        _rotate_checked(*half)
+        assert compile_settings()["failed"] is None
+        _rotate_checked(*half)
+        assert fake_compile.ran == [0]  # the second call did not try the kernel again
+        fake_compile.error = None
+        _rotate_checked(*interleaved, "interleaved")
+        assert fake_compile.ran == [0, 1]
+        set_compile("always")
+        _rotate_checked(*half)
+        _rotate_checked(*interleaved, "interleaved")
+    assert fake_compile.ran == [0, 1, 2, 1] and len(fake_compile.compiled) == 3
+
+
+def test_a_compile_failure_warns_once_and_keeps_the_eager_kernel_until_set_compile(fake_compile):
+    """Any other compiler error: one RuntimeWarning (one line naming the error, its first 200
+    characters, attributed to the caller rather than the kernel code), ``failed`` records it,
+    and every rotation runs eagerly, silently, until ``set_compile`` forgets it."""
+    message = "no working C compiler: " + "x" * 300
+    fake_compile.error = RuntimeError(message)
+    with pytest.warns(RuntimeWarning) as record:
+        _rotate_checked(*_case((1, 2, 3, 16), 8))
+    failed = f"RuntimeError: {message}"
+    assert compile_settings()["failed"] == failed
+    assert len(record) == 1 and record[0].category is RuntimeWarning
+    text = str(record[0].message)
+    assert f"({failed[:200]});" in text and "\n" not in text
+    assert "torch.compile" in text and "using the eager kernel for the rest of this process" in text
+    assert record[0].filename != rotary.__file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _rotate_checked(*_case((1, 2, 3, 16), 8, seed=1))
+        _rotate_checked(*_case((1, 2, 3, 16), 5, seed=2), "interleaved")
+    assert fake_compile.ran == [0]  # nothing compiled or ran after the failure
+    fake_compile.error = None
+    set_compile("always")
+    assert compile_settings()["failed"] is None
+    _rotate_checked(*_case((1, 2, 3, 16), 8, seed=3))
+    assert fake_compile.ran == [0, 0]
+
+
+def test_set_compile_defaults_to_auto_and_refuses_a_negative_threshold(monkeypatch):
+    monkeypatch.setattr(rotary, "_settings", {**rotary._settings})
+    set_compile("never", min_numel=5)
+    set_compile()
+    assert compile_settings() == {"mode": "auto", "min_numel": 5, "failed": None}
+    with pytest.raises(ValueError, match=r"^min_numel=-1 is not allowed; it must be >= 0$"):
+        set_compile("never", min_numel=-1)
+    assert compile_settings()["mode"] == "auto"
+    set_compile("auto", min_numel=0)
+    assert compile_settings()["min_numel"] == 0
