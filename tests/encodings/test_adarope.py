@@ -86,11 +86,46 @@ def test_adascale_is_its_formula_at_length_position_plus_one():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
 
 
+def test_adascale_in_float64_is_its_formula_to_float64_round_off():
+    """A float64 encoding forms the length ratio in float64 too."""
+    ada = perturb(build("adarope:l_ref=8", **SHAPE)).double()
+    pos = torch.tensor([[0, 8, 100, 12_345]])  # L = 1, 9, 101, 12,346
+    length = torch.tensor([8.0, 9.0, 101.0, 12_346.0], dtype=torch.float64)
+    log_tau, gamma = ada.log_tau[1].detach(), ada.gamma[1].detach()
+    expected = torch.exp(-log_tau[:, None]) * torch.log1p(length / 8)[None] ** gamma[:, None]
+    got = ada.temperature(pos, 1)[0, :, :, 0]
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-13, atol=0)
+
+
+def test_adascale_keeps_the_query_dtype():
+    ada = perturb(build("adarope:l_ref=8", **SHAPE))
+    q = torch.randn(1, SHAPE["n_heads"], 3, SHAPE["head_dim"]).bfloat16()
+    assert ada.rotate_q(q, torch.tensor([[0, 10, 100]]), 1).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("spec", ["adarope", "tuned-yarn:factor=8,original_length=64"])
+def test_a_bad_rotation_input_is_refused_naming_query_or_key(spec):
+    enc = build(spec, **SHAPE)  # 4 query heads, 2 key heads, head dim 16
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
+    five = torch.arange(5)[None]
+    for rotate_, x, what in ((enc.rotate_q, q, "query"), (enc.rotate_k, k, "key")):
+        with pytest.raises(
+            ValueError, match=rf"^positions \(1, 5\) must be \(B, T\) with T = {what} "
+        ):
+            rotate_(x, five)
+    with pytest.raises(ValueError, match=r"^query has 2 heads \(x \(1, 2, 3, 16\)\); expected 4$"):
+        enc.rotate_q(k)
+    with pytest.raises(ValueError, match=r"^key has 4 heads \(x \(1, 4, 3, 16\)\); expected 2$"):
+        enc.rotate_k(q)
+
+
 def test_methods_of_one_layer_default_to_layer_0():
     ada = perturb(build("adarope:l_ref=8", **SHAPE))
     pos = torch.tensor([[0, 10, 100]])
     assert not torch.equal(ada.xi(0), ada.xi(1))  # perturbed per layer
     assert torch.equal(ada.log_frequencies(), ada.xi(0))
+    assert torch.equal(ada.inv_freq()[0], ada.inv_freq(0)[0])
     assert torch.equal(ada.query_temperature(pos), ada.temperature(pos, 0))
     one_layer = build("tuned-yarn:factor=8,original_length=64", **{**SHAPE, "n_layers": 1})
     assert torch.equal(one_layer.inv_freq()[0], one_layer.inv_freq(0)[0])

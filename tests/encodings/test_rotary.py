@@ -116,6 +116,35 @@ def test_table_gradients_are_summed_over_broadcast_dims_before_rounding_to_table
         assert grad.item() == pytest.approx(exact, rel=1e-6)
 
 
+@pytest.mark.parametrize("wanted", ["cos", "sin"])
+def test_one_table_alone_gets_its_gradient(wanted):
+    """Only cos, or only sin, requiring grad: that table still gets dL/dcos = sum g1 x1 + g2 x2
+    or dL/dsin = sum g2 x1 - g1 x2 (eq. 13 differentiated), the other none."""
+    x, cos, sin = _case((1, 2, 4, 8), 4)
+    table = {"cos": cos, "sin": sin}[wanted].requires_grad_()
+    out = rotate(x, cos, sin)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    (got,) = torch.autograd.grad(out, table, w)
+    expected = torch.autograd.grad(rotation_by_pairs(x, cos, sin, "half"), table, w)[0]
+    torch.testing.assert_close(got, expected, **TOL64)
+
+
+def test_bf16_table_gradients_form_products_in_float32():
+    """bf16 activations: each product g x is exact in float32, so the table gradient equals its
+    float64 sum to float32 round-off; products rounded to bf16 would be off by ~1e-3 of it."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 8, 4, 8, generator=g).bfloat16()
+    phi = 10 * torch.rand(1, 1, 4, 4, generator=g, dtype=torch.float64)
+    cos, sin = phi.cos().float().requires_grad_(), phi.sin().float().requires_grad_()
+    out = rotate(x, cos, sin)
+    w = torch.randn(out.shape, generator=g).bfloat16()
+    grad_cos, grad_sin = torch.autograd.grad(out, (cos, sin), w)
+    x1, x2, g1, g2 = (t[..., i : i + 4].double() for t in (x, w) for i in (0, 4))
+    for got, a, b in ((grad_cos, g1 * x1, g2 * x2), (grad_sin, g2 * x1, -g1 * x2)):
+        expected, scale = (a + b).sum(1, keepdim=True), (a.abs() + b.abs()).sum(1, keepdim=True)
+        assert ((got.double() - expected).abs() <= 1e-6 * scale).all()
+
+
 def test_fast_path_gradcheck_float64():
     x = torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True)
     cos = torch.randn(1, 2, 5, 3, dtype=torch.float64, requires_grad=True)
