@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 import types
@@ -395,3 +396,112 @@ def test_set_compile_defaults_to_auto_and_refuses_a_negative_threshold(monkeypat
     assert compile_settings()["mode"] == "auto"
     set_compile("auto", min_numel=0)
     assert compile_settings()["min_numel"] == 0
+
+
+# ----------------------------------------------------------------------------- refused inputs
+def _tables(shape):
+    phi = torch.rand(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return phi.cos().float(), phi.sin().float()
+
+
+@pytest.mark.parametrize("fn", [rotate, rotate_reference])
+def test_rotate_refuses_bad_tables_naming_the_shapes(fn):
+    x = torch.randn(1, 2, 3, 8)
+    cos, sin = _tables((1, 1, 3, 4))
+    cases = [
+        (
+            (x, cos, sin, "diagonal"),
+            "pairing='diagonal' is not allowed; use one of ('half', 'interleaved')",
+        ),
+        ((x, cos, sin[..., :3], "half"), "cos (1, 1, 3, 4) and sin (1, 1, 3, 3) differ in shape"),
+        ((x[..., :7], cos, sin, "half"), "4 rotary pairs need head dim >= 8, got x (1, 2, 3, 7)"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            fn(*args)
+    torch.testing.assert_close(fn(x, cos, sin, "half"), rotation_by_pairs(x, cos, sin, "half"))
+
+
+def test_rotate_refuses_tables_of_another_rank():
+    x = torch.randn(1, 2, 3, 8)
+    cos, sin = _tables((3, 4))
+    message = "tables (3, 4) must have as many dims as x (1, 2, 3, 8)"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        rotate(x, cos, sin)
+
+
+def test_rotate_angles_refuses_bad_inputs_naming_what_is_wrong():
+    x = torch.randn(2, 2, 3, 8)  # B = 2, K = 2, T = 3, D = 8
+    pos = torch.arange(3)[None]
+    theta = torch.rand(2, 4, dtype=torch.float64)
+    cases = [
+        (
+            (x, pos, theta, 1.0, "diagonal"),
+            "pairing='diagonal' is not allowed; use one of ('half', 'interleaved')",
+        ),
+        ((x[0], pos, theta), "x (2, 3, 8) must be (B, K, T, D) or (B, K, g, T, D)"),
+        (
+            (x[None, None], pos, theta),
+            "x (1, 1, 2, 2, 3, 8) must be (B, K, T, D) or (B, K, g, T, D)",
+        ),
+        ((x, pos[0], theta), "positions (3,) must be (B|1, T) with T = 3"),
+        ((x, torch.arange(4)[None], theta), "positions (1, 4) must be (B|1, T) with T = 3"),
+        ((x, pos.expand(3, 3), theta), "positions (3, 3) do not match batch 2"),
+        ((x, pos, theta[0]), "theta (4,) must be (K|1, F) with K = 2"),
+        ((x, pos, theta[:1].expand(3, 4)), "theta (3, 4) must be (K|1, F) with K = 2"),
+        ((x, pos, torch.rand(2, 5, dtype=torch.float64)), "5 rotary pairs need head dim >= 10"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            rotary.rotate_angles(*args)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "pos_rows", "theta_rows"),
+    [((2, 2, 3, 8), 1, 1), ((2, 2, 3, 8), 2, 2), ((2, 2, 2, 3, 8), 2, 1)],
+)
+def test_rotate_angles_accepts_shared_or_per_row_positions_and_theta(x_shape, pos_rows, theta_rows):
+    """The edges of what is allowed: positions of 1 or B rows, theta of 1 or K rows, as many
+    pairs as the head dim holds (2F = D), 4-dim keys and 5-dim grouped queries."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(x_shape, generator=g, dtype=torch.float64)
+    pos = torch.randint(0, 100, (pos_rows, 3), generator=g)
+    theta = torch.rand(theta_rows, 4, generator=g, dtype=torch.float64)
+    phi = pos.double()[:, None, :, None] * theta[None, :, None, :]
+    if x.dim() == 5:
+        phi = phi[:, :, None]
+    expected = rotation_by_pairs(x, phi.cos(), phi.sin(), "half")
+    got = rotary.rotate_angles(x, pos, theta, 1.0, "half", torch.float64)
+    torch.testing.assert_close(got, expected, **TOL64)
+
+
+# ----------------------------------------------------------------------------- kernel choice
+def test_compile_mode_defaults_to_auto_and_names_the_allowed_modes(monkeypatch):
+    monkeypatch.setattr(rotary, "_settings", {**rotary._settings, "mode": None})
+    monkeypatch.delenv("ROPEKIT_COMPILE", raising=False)
+    assert compile_settings()["mode"] == "auto"
+    monkeypatch.setitem(rotary._settings, "mode", None)
+    monkeypatch.setenv("ROPEKIT_COMPILE", "fast")
+    message = "ROPEKIT_COMPILE='fast' is not allowed; use one of auto, always, never"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        rotary.check_environment()
+    assert rotary._settings["mode"] is None  # read again next time
+    monkeypatch.setenv("ROPEKIT_COMPILE", "always")
+    rotary.check_environment()
+    assert compile_settings()["mode"] == "always"
+
+
+def test_the_compiled_kernel_is_chosen_from_min_numel_elements_on_cpu_or_cuda(monkeypatch):
+    """``auto``: recorded rotations of at least ``min_numel`` elements; never on other devices
+    or after a compile failure."""
+    monkeypatch.setattr(rotary, "_settings", {**rotary._settings, "failed": None})
+    x = torch.empty(2, 2, 2, 2)  # 16 elements
+    set_compile("auto", min_numel=16)
+    assert rotary._use_compiled(x, training=True)
+    set_compile("auto", min_numel=17)
+    assert not rotary._use_compiled(x, training=True)
+    set_compile("always")
+    assert rotary._use_compiled(x, training=False)
+    assert not rotary._use_compiled(torch.empty(2, 2, 2, 2, device="meta"), training=True)
+    rotary._settings["failed"] = "RuntimeError: no compiler"
+    assert not rotary._use_compiled(x, training=True)
