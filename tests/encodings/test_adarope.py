@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from ropekit.encodings import build, schedules
+from ropekit.encodings import Spec, build, schedules
 from ropekit.encodings.adarope import TunedYarnConfig, yarn_inv_freq
 
 from .conftest import SHAPE, perturb
@@ -225,3 +225,51 @@ def test_tuned_yarn_refuses_truncation_and_names_the_fixed_schedule():
     )
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         TunedYarnConfig(factor=8.0, original_length=64, truncate=True)
+
+
+# ----------------------------------------------------------------------------- config and shapes
+def test_l_ref_defaults_to_the_init_length_else_the_context_else_64():
+    """AdaRoPEConfig: L_ref is the init schedule's original length (a model being extended
+    keeps its training length), else an l_ref the model supplies, else the paper's 64; one the
+    spec gives wins, and only a non-default value is written back into the spec's options."""
+    assert Spec.parse("adarope").config().l_ref == 64
+    assert Spec.parse("adarope").config(l_ref=1000).l_ref == 1000
+    yarn = "adarope:init=yarn,factor=4,original_length=512"
+    assert Spec.parse(yarn).config(l_ref=1000).l_ref == 512
+    assert Spec.parse(yarn + ",l_ref=8").config(l_ref=1000).l_ref == 8
+    assert "l_ref" not in Spec.parse(yarn).config(l_ref=1000).options()
+    assert Spec.parse(yarn + ",l_ref=8").config().options()["l_ref"] == 8
+    assert build("adarope:l_ref=1", **SHAPE).l_ref == 1
+    message = "l_ref=0 is not allowed; it must be a finite number >= 1"
+    with pytest.raises(ValueError, match=f": {re.escape(message)}$"):
+        build("adarope:l_ref=0", **SHAPE)
+
+
+def test_an_unknown_option_names_what_adarope_with_that_init_allows():
+    with pytest.raises(ValueError, match=r"\(adarope with init=yarn allows: (.*)\)$") as info:
+        build("adarope:init=yarn,factor=4,original_length=64,bogus=1", **SHAPE)
+    allowed = re.search(r"allows: (.*)\)$", str(info.value)).group(1).split(", ")
+    assert "bogus" in str(info.value).split("(adarope")[0]
+    assert {"init", "l_ref", "share_heads", "freq", "scale", "factor", "beta_fast"} <= set(allowed)
+    assert "schedule" not in allowed
+
+
+@pytest.mark.parametrize("spec", ["adarope", "tuned-yarn:factor=8,original_length=64"])
+def test_learned_rotations_refuse_shapes_and_layers_they_cannot_rotate(spec):
+    cases = [
+        ({"head_dim": 15}, "head_dim=15 is not allowed; rotary encodings need it even"),
+        ({"n_kv_heads": 3}, "n_heads=4 must be a multiple of n_kv_heads=3"),
+    ]
+    enc = build(spec, **SHAPE)  # 3 layers
+    for change, message in cases:  # built directly: the registry checks n_heads first
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            type(enc)(enc.config, **{**SHAPE, "d_model": 64, **change})
+    with pytest.raises(ValueError, match=r": fraction=0.1 rotates fewer than 2 channels$"):
+        build(f"{spec}{',' if ':' in spec else ':'}fraction=0.1", **SHAPE)  # int(1.6) channels
+    two = build(f"{spec}{',' if ':' in spec else ':'}fraction=0.125", **SHAPE)  # 2 channels
+    assert two.inv_freq(0)[0].shape[-1] == 1
+    enc.inv_freq(2)
+    for layer in (3, -1):
+        message = f"layer={layer} is out of range; this model has layers 0..2"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            enc.inv_freq(layer)
