@@ -231,12 +231,17 @@ def test_tuned_yarn_refuses_truncation_and_names_the_fixed_schedule():
 def test_l_ref_defaults_to_the_init_length_else_the_context_else_64():
     """AdaRoPEConfig: L_ref is the init schedule's original length (a model being extended
     keeps its training length), else an l_ref the model supplies, else the paper's 64; one the
-    spec gives wins, and only a non-default value is written back into the spec's options."""
+    spec gives wins, and only a non-default value is written back into the spec's options. The
+    context (base, original length) also fills the init schedule."""
     assert Spec.parse("adarope").config().l_ref == 64
     assert Spec.parse("adarope").config(l_ref=1000).l_ref == 1000
     yarn = "adarope:init=yarn,factor=4,original_length=512"
     assert Spec.parse(yarn).config(l_ref=1000).l_ref == 512
     assert Spec.parse(yarn + ",l_ref=8").config(l_ref=1000).l_ref == 8
+    # the model's context reaches the init schedule too (and L_ref follows its length)
+    extended = Spec.parse("adarope:init=yarn,factor=4").config(base=5e5, original_length=8192)
+    assert (extended.schedule.base, extended.schedule.original_length) == (5e5, 8192)
+    assert extended.l_ref == 8192
     assert "l_ref" not in Spec.parse(yarn).config(l_ref=1000).options()
     assert Spec.parse(yarn + ",l_ref=8").config().options()["l_ref"] == 8
     assert build("adarope:l_ref=1", **SHAPE).l_ref == 1
