@@ -235,6 +235,7 @@ def test_l_ref_defaults_to_the_init_length_else_the_context_else_64():
     context (base, original length) also fills the init schedule."""
     assert Spec.parse("adarope").config().l_ref == 64
     assert Spec.parse("adarope").config(l_ref=1000).l_ref == 1000
+    assert Spec.parse("adarope:l_ref=8").config(l_ref=1000).l_ref == 8
     yarn = "adarope:init=yarn,factor=4,original_length=512"
     assert Spec.parse(yarn).config(l_ref=1000).l_ref == 512
     assert Spec.parse(yarn + ",l_ref=8").config(l_ref=1000).l_ref == 8
@@ -257,6 +258,8 @@ def test_an_unknown_option_names_what_adarope_with_that_init_allows():
     assert "bogus" in str(info.value).split("(adarope")[0]
     assert {"init", "l_ref", "share_heads", "freq", "scale", "factor", "beta_fast"} <= set(allowed)
     assert "schedule" not in allowed
+    with pytest.raises(ValueError, match=r"l_ref=abc"):  # an own option's bad value, named
+        build("adarope:l_ref=abc", **SHAPE)
 
 
 @pytest.mark.parametrize("spec", ["adarope", "tuned-yarn:factor=8,original_length=64"])

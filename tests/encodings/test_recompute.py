@@ -253,6 +253,11 @@ def test_recompute_keeps_no_tables_for_backward():
     # keep anyway in a model), positions, theta and AdaScale's temperature.
     assert stored - recomputed >= 2 * 16 * table
     assert recomputed <= (q.numel() + k.numel()) * 4 + 64 * 1024
+    # The output is kept only for theta's or a learnable factor's gradient (d out / d phi =
+    # J out); x's alone (a frozen schedule, float or tensor factor) needs nothing x-sized.
+    theta = enc.inv_freq(1)[0].detach()
+    for factor in (1.3, torch.tensor(1.3, dtype=torch.float64)):
+        assert _saved_bytes(lambda f=factor: rotate_angles(k, pos, theta, f)) < k.numel() * 4
 
 
 @pytest.fixture
