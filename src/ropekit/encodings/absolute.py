@@ -89,7 +89,8 @@ class Learned(PositionEncoding):
 
     def embed(self, h: Tensor, positions: Tensor) -> Tensor:
         top = int(positions.max()) if positions.numel() else 0
-        if top >= self.config.max_length or int(positions.min()) < 0:
+        low = int(positions.min()) if positions.numel() else top
+        if top >= self.config.max_length or low < 0:
             raise ValueError(
                 f"position {top} is past the learned table of {self.config.max_length} rows; "
                 f"positions must lie in [0, {self.config.max_length - 1}] (build with a larger "
