@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 
 from ropekit.encodings import build
@@ -37,3 +40,33 @@ def test_alibi_bias_is_toeplitz_and_strictly_decreasing_with_distance():
     # Offsets into a long document give the same biases (relative).
     shifted = enc.score_bias(pos + 100_000, pos + 100_000)
     assert torch.equal(shifted, bias)
+
+
+def test_alibi_slopes_refuse_zero_heads():
+    """There is no slope for no head: the error names the value and the bound."""
+    with pytest.raises(ValueError, match=re.escape("n_heads=0 is not allowed; it must be >= 1")):
+        alibi_slopes(0)
+
+
+def test_alibi_slopes_are_not_saved_with_the_model():
+    """The slopes follow from the number of heads: they are rebuilt, not read from a
+    checkpoint, so the state dict holds nothing for ALiBi."""
+    assert "slopes" not in build("alibi", n_heads=4, head_dim=8).state_dict()
+
+
+# Positions spanning more than 2^24 (float32 stops holding every integer there), shifted by
+# 0 or to negative values: queries at a and b, keys at the origin and close to the queries.
+FAR = 2**24 + 1
+
+
+@pytest.mark.parametrize("shift", [0, 1000, -FAR])
+def test_alibi_bias_is_minus_slope_times_exact_distance(shift):
+    """score bias(i, j) = -m_h |i - j| with |i - j| exact, for any integer positions: small
+    distances stay exact even when the positions span past 2^24 or are negative."""
+    enc = build("alibi", n_heads=4, head_dim=8)
+    q = [FAR, FAR - 1, 5]
+    k = [0, FAR - 4, 2, 9]
+    bias = enc.score_bias(torch.tensor([q]) + shift, torch.tensor([k]) + shift)
+    distance = torch.tensor([[abs(i - j) for j in k] for i in q], dtype=torch.float32)
+    slopes = alibi_slopes(4).float()
+    assert torch.equal(bias[0], distance[None] * -slopes[:, None, None])
