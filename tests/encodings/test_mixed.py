@@ -227,11 +227,13 @@ def test_mixed_frequencies_and_temperature_follow_the_length():
     """inv_freq / log_frequencies of a length within the window are plain RoPE's; beyond it
     (or with no length) the wrapped schedule's at that length; queries within the window carry
     no temperature."""
-    mixed = _mixed("mixed:method=dynamic-ntk,factor=4,original_length=16")
     rope = build("rope", **SHAPE)
+    yarn = _mixed("mixed:method=yarn,factor=4,original_length=16")
+    torch.testing.assert_close(yarn.inv_freq(0, 16)[0], rope.inv_freq()[0])
+    torch.testing.assert_close(yarn.log_frequencies(0, 16), rope.log_frequencies())
+    assert not torch.allclose(yarn.inv_freq(0, 17)[0], rope.inv_freq()[0])
+    mixed = _mixed("mixed:method=dynamic-ntk,factor=4,original_length=16")
     ntk = mixed.schedule_encoding
-    torch.testing.assert_close(mixed.inv_freq(0, 16)[0], rope.inv_freq()[0])
-    torch.testing.assert_close(mixed.log_frequencies(0, 16), rope.log_frequencies())
     for length in (None, 17, 100):
         torch.testing.assert_close(mixed.inv_freq(0, length)[0], ntk.inv_freq(0, length)[0])
         torch.testing.assert_close(mixed.log_frequencies(0, length), ntk.log_frequencies(0, length))
