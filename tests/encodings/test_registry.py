@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from ropekit.encodings import Spec, build, describe, names
 from ropekit.encodings.adarope import AdaRoPEConfig
+from ropekit.encodings.registry import FROM_MODEL, FROM_TARGET, REQUIRED
 from ropekit.encodings.remap import ReRopeConfig
 from ropekit.encodings.rope import YarnConfig
 
@@ -138,6 +139,50 @@ def test_every_registered_encoding_is_described_and_builds_with_defaults_or_says
             assert "required" in str(e)
         else:
             assert enc.spec.split(":")[0] == name
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        # plain defaults: the value itself, None included
+        ("sinusoidal", [("base", "float", 10000.0), ("scale", "float | None", None)]),
+        # context fields come from the model; a factor left unset is N / L0; YaRN's paper betas
+        (
+            "yarn",
+            [
+                ("base", "float", FROM_MODEL),
+                ("pairing", "str", FROM_MODEL),
+                ("fraction", "float", FROM_MODEL),
+                ("factor", "float | None", FROM_TARGET),
+                ("original_length", "int | None", FROM_MODEL),
+                ("beta_fast", "float", 32.0),
+                ("beta_slow", "float", 1.0),
+                ("mscale", "float | None", None),
+                ("mscale_all_dim", "float | None", None),
+                ("attention_factor", "float | None", None),
+                ("truncate", "bool", True),
+            ],
+        ),
+        # AdaRoPE lists its own options, not its init schedule's (no row for ``schedule``)
+        (
+            "adarope",
+            [
+                ("init", "str", "rope"),
+                ("l_ref", "int | None", FROM_MODEL),
+                ("share_heads", "bool", False),
+                ("share_layers", "bool", False),
+                ("freq", "bool", True),
+                ("scale", "bool", True),
+            ],
+        ),
+        # a REQUIRED_OPTIONS field is required although its dataclass default is None
+        ("mixed", [("method", "str | None", REQUIRED), ("window", "int | None", None)]),
+    ],
+)
+def test_describe_says_where_each_default_comes_from(name, expected):
+    """describe gives (option, type, default): the default itself, or FROM_MODEL for context
+    fields, FROM_TARGET for an unset scaling factor, REQUIRED for what the spec must give."""
+    assert describe(name) == expected
 
 
 # ----------------------------------------------------------------------------- fuzzing
