@@ -1,11 +1,16 @@
-"""RotaryEncoding: a dynamic schedule's frequencies follow the call's length, a static
-one's do not."""
+"""RotaryEncoding and the schedule configs: a dynamic schedule's frequencies follow the call's
+length, a static one's do not; configs refuse what their schedule cannot use and pass every
+option to it."""
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 
-from ropekit.encodings import build
+from ropekit.encodings import build, schedules
+from ropekit.encodings.base import Extension
 
 from .conftest import SHAPE
 
@@ -16,3 +21,102 @@ def test_dynamic_frequencies_follow_the_length_static_ones_do_not():
     assert not torch.equal(dyn.inv_freq(0, 64)[0], dyn.inv_freq(0, 16)[0])
     yarn = build("yarn:factor=4,original_length=16", **SHAPE)
     assert torch.equal(yarn.inv_freq(0, 16)[0], yarn.inv_freq(0, 1000)[0])
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            "dynamic-ntk:factor=2,original_length=0",
+            "original_length=0 is not allowed; it must be a finite number >= 1",
+        ),
+        (
+            "yarn:factor=2,original_length=0",
+            "original_length=0 is not allowed; it must be a finite number >= 1",
+        ),
+        (
+            "llama3:factor=2,original_length=0",
+            "original_length=0 is not allowed; it must be a finite number >= 1",
+        ),
+        (
+            "yarn:factor=2,original_length=16,beta_slow=0",
+            "beta_slow=0.0 is not allowed; it must be a finite number > 0",
+        ),
+        (
+            "yarn:factor=2,original_length=16,beta_fast=2,beta_slow=2",
+            "beta_fast=2.0 is not allowed; it must exceed beta_slow=2.0",
+        ),
+        (
+            "yarn:factor=2,original_length=16,attention_factor=0",
+            "attention_factor=0.0 is not allowed; it must be a finite number > 0",
+        ),
+        (
+            "llama3:factor=2,original_length=16,low_freq_factor=0",
+            "low_freq_factor=0.0 is not allowed; it must be a finite number > 0",
+        ),
+        (
+            "llama3:factor=2,original_length=16,low_freq_factor=2,high_freq_factor=2",
+            "high_freq_factor=2.0 is not allowed; it must exceed low_freq_factor=2.0",
+        ),
+    ],
+)
+def test_schedule_configs_refuse_bad_values_naming_the_field_and_the_bound(spec, message):
+    """L0 is at least one token, YaRN's ramp needs 0 < beta_slow < beta_fast, Llama 3's bands
+    0 < low_freq_factor < high_freq_factor, an explicit attention factor is positive."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build(spec, **SHAPE)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "dynamic-ntk:factor=2,original_length=1",
+        "yarn:factor=2,original_length=1,beta_fast=1.5,beta_slow=1",
+        "llama3:factor=2,original_length=1,low_freq_factor=1,high_freq_factor=1.5",
+    ],
+)
+def test_schedule_configs_accept_the_edges_of_what_is_allowed(spec):
+    """A one-token L0, and band or ramp limits that differ by less than 1, are allowed."""
+    assert build(spec, **SHAPE).rotary_dim == SHAPE["head_dim"]
+
+
+@pytest.mark.parametrize("name", ["dynamic-ntk", "yarn", "llama3", "longrope"])
+def test_schedules_with_an_original_length_report_base_factor_and_l0(name):
+    config = build(f"{name}:factor=4,original_length=32,base=500000", **SHAPE).config
+    assert config.extension() == Extension(500000.0, 4.0, 32)
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        (
+            "yarn:factor=4,original_length=64,beta_fast=16,beta_slow=2,truncate=false,"
+            "mscale=2,mscale_all_dim=1",
+            schedules.yarn(
+                16,
+                10000.0,
+                4.0,
+                64,
+                beta_fast=16,
+                beta_slow=2,
+                mscale=2,
+                mscale_all_dim=1,
+                truncate=False,
+            ),
+        ),
+        (
+            "yarn:factor=4,original_length=64,attention_factor=1.7",
+            schedules.yarn(16, 10000.0, 4.0, 64, attention_factor=1.7),
+        ),
+        (
+            "llama3:factor=4,original_length=64,low_freq_factor=2,high_freq_factor=8",
+            schedules.llama3(16, 10000.0, 4.0, 64, 2.0, 8.0),
+        ),
+    ],
+)
+def test_schedule_options_reach_the_schedule(spec, expected):
+    """Every option of a spec reaches its schedule function (checked against transformers in
+    test_schedules): frequencies and the cos/sin attention factor."""
+    inv_freq, factor = build(spec, **SHAPE).inv_freq()
+    torch.testing.assert_close(inv_freq[0], expected[0], rtol=0, atol=0)
+    assert factor == expected[1]

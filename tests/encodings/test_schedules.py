@@ -166,3 +166,31 @@ def test_longrope_matches_transformers(head_dim, base, factor):
         torch.testing.assert_close(ours[0], theirs[0], **TOL)
         assert math.isclose(ours[1], theirs[1], rel_tol=1e-12)
         assert math.isclose(ours[1], math.sqrt(1 + math.log(factor) / math.log(4096)))
+
+
+@pytest.mark.parametrize(("low", "high"), [(1.0, 4.0), (2.0, 8.0), (0.5, 3.0)])
+def test_llama3_bands_match_transformers_at_other_band_factors(low, high):
+    """Wavelengths above L0/low_freq_factor are divided by s, below L0/high_freq_factor kept:
+    the band edges follow both factors, not only the paper's 1 and 4 (the defaults)."""
+    ours = schedules.llama3(64, 5e5, 8.0, 8192, low, high)
+    theirs = _hf(
+        "llama3",
+        64,
+        5e5,
+        8192 * 8,
+        factor=8.0,
+        original_max_position_embeddings=8192,
+        low_freq_factor=low,
+        high_freq_factor=high,
+    )
+    torch.testing.assert_close(ours[0], theirs[0], **TOL)
+    if (low, high) == (1.0, 4.0):
+        torch.testing.assert_close(schedules.llama3(64, 5e5, 8.0, 8192)[0], ours[0], rtol=0, atol=0)
+
+
+def test_llama3_divides_a_wavelength_of_exactly_l0_over_low_freq_factor():
+    """At the low band edge (wavelength = L0/low_freq_factor) the pair is divided by s, like
+    every longer wavelength: the blend meets the divided band there without a jump. With base
+    16 and d = 4 the wavelengths are exactly 2 pi and 8 pi; L0 = 8 pi puts pair 1 on the edge."""
+    inv_freq, _ = schedules.llama3(4, 16.0, 8.0, 8 * math.pi, 1.0, 4.0)
+    assert inv_freq.tolist() == [1.0, 0.25 / 8]
