@@ -175,6 +175,17 @@ def test_every_registered_encoding_is_described_and_builds_with_defaults_or_says
                 ("scale", "bool", True),
             ],
         ),
+        # the remaps' options on both sides of their init schedule are all listed
+        (
+            "rerope",
+            [
+                ("init", "str", "rope"),
+                ("original_length", "int | None", FROM_MODEL),
+                ("window", "int", 512),
+                ("leaky", "float | None", None),
+                ("logn", "bool", False),
+            ],
+        ),
         # a REQUIRED_OPTIONS field is required although its dataclass default is None
         ("mixed", [("method", "str | None", REQUIRED), ("window", "int | None", None)]),
     ],

@@ -90,13 +90,13 @@ def test_schedules_with_an_original_length_report_base_factor_and_l0(name):
     "spec, expected",
     [
         (
-            "yarn:factor=4,original_length=64,beta_fast=16,beta_slow=2,truncate=false,"
+            "yarn:factor=4,original_length=4096,beta_fast=16,beta_slow=2,truncate=false,"
             "mscale=2,mscale_all_dim=1",
             schedules.yarn(
                 16,
                 10000.0,
                 4.0,
-                64,
+                4096,
                 beta_fast=16,
                 beta_slow=2,
                 mscale=2,
