@@ -27,6 +27,27 @@ def test_dynamic_frequencies_follow_the_length_static_ones_do_not():
     "spec, message",
     [
         (
+            "longrope:factor=2,original_length=0",
+            "original_length=0 is not allowed; it must be a finite number >= 1",
+        ),
+        (
+            "longrope:factor=2,original_length=16,short_factor=[1,0]",
+            "short_factor=0.0 is not allowed; it must be a finite number > 0",
+        ),
+        (
+            "longrope:factor=2,original_length=16,long_factor=[-2]",
+            "long_factor=-2.0 is not allowed; it must be a finite number > 0",
+        ),
+        (
+            "longrope:factor=2,original_length=16,attention_factor=0",
+            "attention_factor=0.0 is not allowed; it must be a finite number > 0",
+        ),
+        (
+            "longrope:factor=2,original_length=1",
+            "original_length=1 is not allowed without attention_factor; the default "
+            "sqrt(1 + ln s / ln L0) needs L0 >= 2",
+        ),
+        (
             "dynamic-ntk:factor=2,original_length=0",
             "original_length=0 is not allowed; it must be a finite number >= 1",
         ),
@@ -62,7 +83,8 @@ def test_dynamic_frequencies_follow_the_length_static_ones_do_not():
 )
 def test_schedule_configs_refuse_bad_values_naming_the_field_and_the_bound(spec, message):
     """L0 is at least one token, YaRN's ramp needs 0 < beta_slow < beta_fast, Llama 3's bands
-    0 < low_freq_factor < high_freq_factor, an explicit attention factor is positive."""
+    0 < low_freq_factor < high_freq_factor, LongRoPE's rescale factors and an explicit
+    attention factor are positive."""
     with pytest.raises(ValueError, match=re.escape(message)):
         build(spec, **SHAPE)
 
@@ -71,6 +93,7 @@ def test_schedule_configs_refuse_bad_values_naming_the_field_and_the_bound(spec,
     "spec",
     [
         "dynamic-ntk:factor=2,original_length=1",
+        "longrope:factor=2,original_length=1,attention_factor=1",
         "yarn:factor=2,original_length=1,beta_fast=1.5,beta_slow=1",
         "llama3:factor=2,original_length=1,low_freq_factor=1,high_freq_factor=1.5",
     ],
@@ -109,6 +132,10 @@ def test_schedules_with_an_original_length_report_base_factor_and_l0(name):
             schedules.yarn(16, 10000.0, 4.0, 64, attention_factor=1.7),
         ),
         (
+            "longrope:factor=4,original_length=64,attention_factor=1.7",
+            schedules.longrope(16, 10000.0, [1.0] * 8, [1.0] * 8, 64, 4.0, 1.7),
+        ),
+        (
             "llama3:factor=4,original_length=64,low_freq_factor=2,high_freq_factor=8",
             schedules.llama3(16, 10000.0, 4.0, 64, 2.0, 8.0),
         ),
@@ -120,3 +147,15 @@ def test_schedule_options_reach_the_schedule(spec, expected):
     inv_freq, factor = build(spec, **SHAPE).inv_freq()
     torch.testing.assert_close(inv_freq[0], expected[0], rtol=0, atol=0)
     assert factor == expected[1]
+
+
+def test_longrope_follows_the_length_and_rescales_nothing_unless_told():
+    """LongRoPE's factors switch from short to long once the call's length passes L0; a
+    factor list left out means lambda = 1 (plain RoPE frequencies)."""
+    rope = build("rope", **SHAPE).inv_freq()[0]
+    given = build("longrope:factor=4,original_length=16,short_factor=[2],long_factor=[4]", **SHAPE)
+    torch.testing.assert_close(given.inv_freq(0, 16)[0], rope / 2, rtol=1e-15, atol=0)
+    torch.testing.assert_close(given.inv_freq(0, 17)[0], rope / 4, rtol=1e-15, atol=0)
+    unset = build("longrope:factor=4,original_length=16", **SHAPE)
+    for length in (None, 16, 17):
+        torch.testing.assert_close(unset.inv_freq(0, length)[0], rope, rtol=0, atol=0)

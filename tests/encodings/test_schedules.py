@@ -194,3 +194,13 @@ def test_llama3_divides_a_wavelength_of_exactly_l0_over_low_freq_factor():
     16 and d = 4 the wavelengths are exactly 2 pi and 8 pi; L0 = 8 pi puts pair 1 on the edge."""
     inv_freq, _ = schedules.llama3(4, 16.0, 8.0, 8 * math.pi, 1.0, 4.0)
     assert inv_freq.tolist() == [1.0, 0.25 / 8]
+
+
+def test_longrope_switches_to_the_long_factors_only_past_l0_and_divides_in_float64():
+    """theta_f / lambda_f with the short factors while length <= L0 (transformers: max(pos) + 1
+    > L0 switches), the long ones after; the division is float64 (1.1 is not a float32)."""
+    rope = schedules.rope(DIM, BASE)[0]
+    short, long = [1.1] * (DIM // 2), [2.7] * (DIM // 2)
+    for length, factors in ((None, short), (L0, short), (L0 + 1, long)):
+        inv_freq, _ = schedules.longrope(DIM, BASE, short, long, L0, 4.0, None, length)
+        torch.testing.assert_close(inv_freq, rope / factors[0], rtol=1e-15, atol=0)

@@ -224,6 +224,11 @@ class LongRopeConfig(RopeConfig):
                 check_positive(name, v)
         if self.attention_factor is not None:
             check_positive("attention_factor", self.attention_factor)
+        elif self.original_length == 1:
+            raise ValueError(
+                "original_length=1 is not allowed without attention_factor; the default "
+                "sqrt(1 + ln s / ln L0) needs L0 >= 2"
+            )
 
     def extension(self) -> Extension:
         return Extension(self.base, self.factor, self.original_length)
