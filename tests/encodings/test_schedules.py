@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -204,3 +205,9 @@ def test_longrope_switches_to_the_long_factors_only_past_l0_and_divides_in_float
     for length, factors in ((None, short), (L0, short), (L0 + 1, long)):
         inv_freq, _ = schedules.longrope(DIM, BASE, short, long, L0, 4.0, None, length)
         torch.testing.assert_close(inv_freq, rope / factors[0], rtol=1e-15, atol=0)
+
+
+def test_ntk_refuses_a_factor_whose_base_overflows_naming_the_factor():
+    """b * s^(d/(d-2)) past float64's range is refused with the factor the user gave."""
+    with pytest.raises(ValueError, match=re.escape("factor=1e+300 is too large: the NTK base")):
+        schedules.ntk(DIM, BASE, 1e300)
