@@ -67,3 +67,16 @@ def test_many_positions_are_keyed_by_identity_and_version():
     pos += 1
     torch.testing.assert_close(enc.tables(pos)[0], enc.tables(pos.clone())[0], rtol=0, atol=0)
     assert not torch.equal(enc.tables(pos)[0], first)
+
+
+def test_up_to_by_value_positions_are_keyed_by_their_values():
+    """At most BY_VALUE positions (a decoding step's) are copied and compared by value: a
+    fresh tensor with the same values matches, other values, shape or dtype do not."""
+    pos = torch.arange(PositionsKey.BY_VALUE)[None]
+    key = PositionsKey(pos)
+    assert key.values is not None and key.matches(pos.clone())
+    assert not key.matches(pos + 1)
+    assert not key.matches(pos.reshape(2, -1))
+    assert not key.matches(pos.int())
+    pos += 1  # the copy keeps the values the key was made from
+    assert not key.matches(pos)
