@@ -159,3 +159,13 @@ def test_longrope_follows_the_length_and_rescales_nothing_unless_told():
     unset = build("longrope:factor=4,original_length=16", **SHAPE)
     for length in (None, 16, 17):
         torch.testing.assert_close(unset.inv_freq(0, length)[0], rope, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("what", ["query", "key"])
+def test_rope_refuses_positions_of_the_wrong_length_naming_queries_or_keys(what):
+    enc = build("rope", **SHAPE)
+    heads = SHAPE["n_heads"] if what == "query" else SHAPE["n_kv_heads"]
+    x = torch.randn(1, heads, 4, SHAPE["head_dim"])
+    rotate = enc.rotate_q if what == "query" else enc.rotate_k
+    with pytest.raises(ValueError, match=re.escape(f"must be (B, T) with T = {what} length 4")):
+        rotate(x, torch.arange(5)[None])
