@@ -4,6 +4,7 @@ and of build."""
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -283,3 +284,52 @@ def test_exactly_the_listed_encodings_build_with_defaults():
         else:
             with pytest.raises(ValueError, match="required"):
                 build(name, **SHAPE)
+
+
+KNOWN = (
+    "nope, sinusoidal, learned, alibi, rope, linear, ntk, dynamic-ntk, yarn, llama3, longrope, "
+    "adarope, tuned-yarn, rerope, self-extend, dca, string, mixed"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "encoding spec '' is empty; e.g. 'rope' or 'yarn:factor=8,original_length=512'"),
+        ("Rope!", f"encoding name 'rope!' in spec 'Rope!' is malformed; known: {KNOWN}"),
+        ("ropee", f"unknown encoding 'ropee'; known: {KNOWN}"),
+        ("rope:base", "option 'base' in spec 'rope:base' must look like key=value"),
+        # the name ends at the first colon: the rest, colons included, is the options'
+        ("rope:base=1:2", "spec 'rope:base=1:2': base='1:2' is not a number"),
+        ("yarn:factor=0", "spec 'yarn:factor=0': factor=0.0 is not allowed"),
+    ],
+)
+def test_spec_errors_quote_the_spec_and_list_what_is_known(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Spec.parse(text).config(original_length=16)
+
+
+def test_spec_names_are_case_insensitive():
+    assert Spec.parse(" RoPE:base=500000") == Spec("rope", (("base", "500000"),))
+
+
+@pytest.mark.parametrize("field", ["n_heads", "head_dim", "n_kv_heads", "n_layers"])
+def test_build_refuses_a_shape_below_one_naming_the_field(field):
+    shape = {"n_heads": 2, "head_dim": 8, field: 0}
+    with pytest.raises(
+        ValueError, match=re.escape(f"{field}=0 is not allowed; it must be an integer >= 1")
+    ):
+        build("rope", **shape)
+
+
+def test_build_defaults_to_one_layer_and_one_kv_head_per_query_head():
+    """Without n_layers, n_kv_heads and d_model: one layer, multi-head attention (K = H) and
+    d_model = H * head_dim."""
+    enc = build("adarope", n_heads=2, head_dim=8)
+    assert (enc.n_layers, enc.n_kv_heads, enc.d_model) == (1, 2, 16)
+    assert enc.dxi.shape == (1, 2, 4)
+
+
+def test_build_errors_of_the_module_quote_the_spec():
+    with pytest.raises(ValueError, match=re.escape("spec 'rope': head_dim=3 is not allowed")):
+        build("rope", n_heads=2, head_dim=3)
