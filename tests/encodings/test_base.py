@@ -217,3 +217,35 @@ def test_default_positions_live_on_the_device_of_the_queries():
     q = torch.randn(1, SHAPE["n_heads"], 5, SHAPE["head_dim"], device="cuda")
     positions = torch.arange(5, device="cuda")[None]
     torch.testing.assert_close(enc.rotate_q(q), enc.rotate_q(q, positions), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [(t, True) for t in ("1", "true", "yes", "on", "TRUE", "Yes", "ON")]
+    + [(t, False) for t in ("0", "false", "no", "off", "FALSE", "No", "OFF")],
+)
+def test_every_documented_boolean_spelling_parses_in_any_case(text, value):
+    """A boolean option takes 1/true/yes/on and 0/false/no/off, case-insensitively."""
+    from ropekit.encodings.base import _parse_scalar
+
+    assert _parse_scalar(text, bool, "flag") is value
+
+
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        (True, "true"),
+        (False, "false"),
+        ((True, 2.0), "[true,2]"),
+        (1e15 - 1, "999999999999999"),  # integer-valued floats below 10^15 print as integers
+        (1e15, "1000000000000000.0"),  # from 10^15 on, as Python prints the float
+        (-1e15, "-1000000000000000.0"),
+        (0.5, "0.5"),
+    ],
+)
+def test_format_value_writes_options_as_a_spec_spells_them(value, text):
+    """Booleans in lower case (as specs are written), tuples as bracketed lists, and the
+    10^15 edge past which an integer-valued float keeps its float form."""
+    from ropekit.encodings.base import format_value
+
+    assert format_value(value) == text
