@@ -249,3 +249,25 @@ def test_format_value_writes_options_as_a_spec_spells_them(value, text):
     from ropekit.encodings.base import format_value
 
     assert format_value(value) == text
+
+
+@pytest.mark.parametrize("text", ["none", "None", "NONE", "null", "NULL", ""])
+def test_an_optional_option_reads_none_null_or_nothing_as_unset(text):
+    from ropekit.encodings.base import EncodingConfig
+
+    assert EncodingConfig.parse_value("factor", text, float | None) is None
+
+
+@pytest.mark.parametrize("text, value", [("[1,2]", (1, 2)), ("1;2", (1, 2)), (" [3] ", (3,))])
+def test_a_list_option_takes_brackets_or_none(text, value):
+    from ropekit.encodings.base import EncodingConfig
+
+    assert EncodingConfig.parse_value("xs", text, tuple[int, ...]) == value
+
+
+@pytest.mark.parametrize("text", ["[1,2", "1,2]"])
+def test_a_list_option_with_one_bracket_is_refused(text):
+    from ropekit.encodings.base import EncodingConfig
+
+    with pytest.raises(ValueError, match=r"xs='.*' is not an integer"):
+        EncodingConfig.parse_value("xs", text, tuple[int, ...])
