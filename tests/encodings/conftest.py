@@ -49,3 +49,12 @@ def perturb(encoding: PositionEncoding, seed: int = 0) -> PositionEncoding:
 @pytest.fixture(params=ROTARY_SPECS)
 def rotary(request) -> PositionEncoding:
     return perturb(build(request.param, **SHAPE)).double()
+
+
+def output_and_grads(fn, q, k, v, w) -> tuple:
+    """fn(q, k, v) and the gradients of sum(out * w) for fresh leaf copies of q, k and v: what
+    the attention tests compare between a kernel and its pairwise definition."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    (out * w).sum().backward()
+    return (out.detach(), *(t.grad for t in leaves))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ropekit.encodings import banded_attention, bands, bands_fused, build
 
+from .conftest import output_and_grads
 from .test_remap import CASES, SHAPE, brute_force
 
 TOL64 = {"rtol": 1e-10, "atol": 1e-10}
@@ -162,10 +163,7 @@ def test_fused_equals_the_pairwise_definition_forward_and_backward(
         lambda *a: _attend(enc, *a, positions, "fused", rows),
         lambda *a: brute_force(enc, *a, positions, remap, q_scale=q_scale),
     ):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves)
-        (out * w).sum().backward()
-        grads.append((out.detach(), *(t.grad for t in leaves)))
+        grads.append(output_and_grads(fn, q, k, v, w))
     for got, expected in zip(*grads, strict=True):
         torch.testing.assert_close(got, expected, **TOL64)
 
@@ -180,10 +178,8 @@ def test_fused_equals_the_reference_on_long_offset_rows_forward_and_backward(spe
     w = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     results = []
     for kernel, rows in (("fused", 48), ("fused", None), ("reference", None)):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = _attend(enc, *leaves, positions, kernel, rows)
-        (out * w).sum().backward()
-        results.append((out.detach(), *(t.grad for t in leaves)))
+        attend = lambda *a, kernel=kernel, rows=rows: _attend(enc, *a, positions, kernel, rows)  # noqa: E731
+        results.append(output_and_grads(attend, q, k, v, w))
     for fused in results[:2]:
         for got, expected in zip(fused, results[2], strict=True):
             torch.testing.assert_close(got, expected, **TOL64)
@@ -295,10 +291,7 @@ def test_a_logit_scale_other_than_the_default_is_used_forward_and_backward():
         ),
         lambda q, k, v: brute_force(enc, q * c, k, v, positions, remap),
     ):  # fmt: skip
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves)
-        (out * w).sum().backward()
-        results.append((out.detach(), *(t.grad for t in leaves)))
+        results.append(output_and_grads(fn, q, k, v, w))
     for got, expected in zip(*results, strict=True):
         torch.testing.assert_close(got, expected, **TOL64)
 
@@ -325,10 +318,8 @@ def test_caller_masks_padding_and_additive_agree_with_the_reference():
 
         results = []
         for kernel in ("fused", "reference"):
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = _attend(enc, *leaves, positions, kernel, 32, mask)
-            (out * w * keep[:, None, :, None]).sum().backward()
-            results.append((out.detach(), *(t.grad for t in leaves)))
+            attend = lambda *a, kernel=kernel: _attend(enc, *a, positions, kernel, 32, mask)  # noqa: E731
+            results.append(output_and_grads(attend, q, k, v, w * keep[:, None, :, None]))
         (out_f, *g_f), (out_r, *g_r) = results
         assert torch.isfinite(out_f).all()
         rows = keep[:, None, :, None]

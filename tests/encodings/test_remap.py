@@ -15,7 +15,7 @@ from ropekit.encodings import banded_attention, build
 from ropekit.encodings.bands import band_membership
 from ropekit.encodings.remap import dca_logit_scale
 
-from .conftest import perturb
+from .conftest import output_and_grads, perturb
 
 SHAPE = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "n_layers": 2}
 T = 40
@@ -183,10 +183,7 @@ def test_banded_attention_equals_the_pairwise_definition_forward_and_backward(sp
         lambda *a: banded(enc, *a, positions, block_entries=200),  # many blocks of a few rows
         lambda *a: brute_force(enc, *a, positions, remap, q_scale=q_scale),
     ):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = fn(*leaves)
-        (out * w).sum().backward()
-        grads.append((out.detach(), *(t.grad for t in leaves)))
+        grads.append(output_and_grads(fn, q, k, v, w))
     for got, expected in zip(*grads, strict=True):
         torch.testing.assert_close(got, expected, **TOL)
 
