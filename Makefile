@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.ropekit-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test test-slow test-serving serving-setup lint format bench mutation clean
+.PHONY: setup demo test test-slow test-serving serving-setup lint format bench mutation cuda-check clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,15 @@ mutation: $(STAMP)
 	$(BIN)/python -m pip install -q mutmut==3.8.1
 	start=$$(date +%s) && ROPEKIT_COMPILE=never $(BIN)/mutmut run --max-children 2 && \
 		$(BIN)/python tests/mutation.py docs/mutation.md $$(( $$(date +%s) - start ))
+
+# The CUDA checks (not part of `make test`, which runs where there is no GPU): on a machine
+# with a GPU and a PyTorch of its own (no setup: PY=python3), the CUDA tests and the bands
+# benchmark's CUDA rows (merged into benchmarks/results.json, device named with its torch).
+PY ?= $(BIN)/python
+cuda-check:
+	PYTHONPATH=src $(PY) -m pytest -p no:cacheprovider -rfs -k "cuda or device" \
+		tests/encodings/test_bands_fused.py tests/encodings/test_bands.py tests/encodings/test_base.py
+	PYTHONPATH=src $(PY) -m benchmarks bands
 
 lint: $(STAMP)
 	$(BIN)/ruff check --fix src tests benchmarks experiments

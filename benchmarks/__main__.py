@@ -57,7 +57,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--threads={args.threads} is not allowed; it must be >= 1")
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    label = torch.cuda.get_device_name() if device == "cuda" else f"cpu {platform.machine()}"
+    # a GPU run happens on another machine with its own torch: the label says which
+    label = (
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+        if device == "cuda"
+        else f"cpu {platform.machine()}"
+    )
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     results = []
     for name in names:

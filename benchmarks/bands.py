@@ -27,7 +27,7 @@ import torch
 from ropekit.encodings import bands, bands_fused
 from ropekit.model import Decoder, DecoderConfig, KVCache
 
-from .common import Result, compare, mib, peak_memory
+from .common import Result, compare, mib, peak_memory, sync
 
 LENGTH = 16384
 TRAIN_LENGTH = 4096
@@ -35,6 +35,9 @@ RATIOS = (2, 4, 8)
 METHODS = ("rerope", "rerope:leaky=16", "self-extend", "dca", "string")
 TARGETS = {"forward": 1.5, "decode": 1.5, "train": 2.0, "memory": 1.3}
 DCA_FORWARD = 1.3  # DCA's bands are chunk-aligned: nearly one causal attention
+# (query rows per block, per sub-block) tried on CUDA, where the kernel's calls are queued
+# launches and fewer, larger blocks may pay; the CPU's default is the first.
+SWEEP = ((768, 64), (2048, 128), (4096, 256), (8192, 512))
 
 
 def _model(spec: str, context: int, device: str) -> Decoder:
@@ -47,7 +50,7 @@ def _model(spec: str, context: int, device: str) -> Decoder:
 def _timing(spent: collections.Counter) -> Iterator[None]:
     """Add the seconds spent in the fused kernel's parts to ``spent`` while inside."""
     wrapped = {
-        (bands_fused, "_flash"): "kernel",
+        (bands_fused, "_kernel"): "kernel",
         (bands_fused, "_merge"): "merge",
         (bands_fused, "_index_bounds"): "plan",
         (bands_fused, "_blocks"): "plan",
@@ -57,10 +60,12 @@ def _timing(spent: collections.Counter) -> Iterator[None]:
 
     def timed(fn: Callable, label: str) -> Callable:
         def run(*args, **kwargs):
+            sync()  # CUDA launches kernels without waiting: time each part to its end
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                sync()
                 spent[label] += time.perf_counter() - start
                 spent[label + " calls"] += 1
 
@@ -80,8 +85,10 @@ def _split(fn: Callable[[], None], unit: str = "s", scale: float = 1.0) -> str:
     the rest of the time is their rotation, the model's other layers and bookkeeping)."""
     spent: collections.Counter = collections.Counter()
     with torch.no_grad(), _timing(spent):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         total = time.perf_counter() - start
     t = {k: v * scale for k, v in spent.items() if not k.endswith("calls")}
     return (
@@ -122,10 +129,56 @@ def _train(model: Decoder, ids: torch.Tensor) -> Callable[[], None]:
     return fn
 
 
+@contextlib.contextmanager
+def _block_size(rows: int, fine: int) -> Iterator[None]:
+    """The fused kernel's default query rows per block and per sub-block while inside."""
+    old = bands_fused.BLOCK_ROWS, bands_fused.FINE_ROWS
+    bands_fused.BLOCK_ROWS, bands_fused.FINE_ROWS = rows, fine
+    try:
+        yield
+    finally:
+        bands_fused.BLOCK_ROWS, bands_fused.FINE_ROWS = old
+
+
+def _sweep(device: str, ids: torch.Tensor) -> tuple[list[Result], tuple[int, int]]:
+    """Leaky ReRoPE's forward at 4x against RoPE's for each block size in ``SWEEP``: the rows,
+    and the fastest (rows, fine rows), which the rest of a CUDA run uses."""
+    length, spec = ids.shape[1], "rerope:leaky=16"
+    models = {s: _model(s, length // 4, device).eval() for s in ("rope", spec)}
+    results, ratios = [], {}
+    for rows, fine in SWEEP:
+        with _block_size(rows, fine):
+            times = compare({s: _forward(m, ids) for s, m in models.items()}, repeats=3)
+        ratios[(rows, fine)] = times[spec] / times["rope"]
+        results.append(
+            Result(
+                f"time forward rerope leaky vs rope at {length}, 4x, blocks of {rows} rows",
+                ratios[(rows, fine)],
+                TARGETS["forward"],
+                f"decoder d64 x2, 4x (trained length {length // 4}), 1 x {length}, no grad, "
+                f"{rows} query rows per block, {fine} per sub-block at a band boundary: "
+                f"{times[spec] * 1e3:.2f} ms vs {times['rope'] * 1e3:.2f} ms",
+            )
+        )
+    return results, min(ratios, key=ratios.__getitem__)
+
+
 def run(device: str = "cpu", length: int = LENGTH) -> list[Result]:
     ids = torch.randint(0, 256, (1, length), device=device)
     step_ids = torch.randint(0, 256, (1, length + 1), device=device)
     train_ids = torch.randint(0, 256, (1, TRAIN_LENGTH), device=device)
+    results: list[Result] = []
+    if device == "cuda":  # launches, not arithmetic, weigh most there: find the block size
+        results, best = _sweep(device, ids)
+        with _block_size(*best):
+            return results + _rows(device, length, ids, step_ids, train_ids)
+    return _rows(device, length, ids, step_ids, train_ids)
+
+
+def _rows(
+    device: str, length: int, ids: torch.Tensor, step_ids: torch.Tensor, train_ids: torch.Tensor
+) -> list[Result]:
+    """Every remap's forward, memory, decode and train rows at each ratio (module docstring)."""
     results = []
     for ratio in RATIOS:
         context = length // ratio
@@ -139,7 +192,10 @@ def run(device: str = "cpu", length: int = LENGTH) -> list[Result]:
         for spec in METHODS:
             name = f"{spec.split(':')[0]}{' leaky' if 'leaky' in spec else ''}"
             enc = models[spec].encoding.spec
-            where = f"decoder d64 x2, {ratio}x (trained length {context})"
+            where = (
+                f"decoder d64 x2, {ratio}x (trained length {context}), blocks of "
+                f"{bands_fused.BLOCK_ROWS} rows"
+            )
             split = _split(_forward(models[spec], ids))
             step_split = _split(_decode(models[spec], step_ids), "ms", 1e3)
             forward_target = DCA_FORWARD if spec == "dca" else TARGETS["forward"]

@@ -55,15 +55,16 @@ def compare_stats(
     times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(repeats):
         for name, fn in candidates.items():
-            _sync()
+            sync()
             start = time.perf_counter()
             fn()
-            _sync()
+            sync()
             times[name].append(time.perf_counter() - start)
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
-def _sync() -> None:
+def sync() -> None:
+    """Wait for the GPU's queued work (nothing on CPU): a timer read after it counts that work."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
@@ -88,10 +89,10 @@ def peak_memory(fn: Callable[[], object], device: str, live: Iterable[torch.Tens
     gradients cleared (``zero_grad(set_to_none=True)``) and no stray references.
     """
     if device == "cuda":
-        _sync()
+        sync()
         torch.cuda.reset_peak_memory_stats()
         fn()
-        _sync()
+        sync()
         return torch.cuda.max_memory_allocated()
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile

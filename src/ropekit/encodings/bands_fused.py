@@ -21,8 +21,11 @@ module computes the same thing at the speed of ordinary attention:
    R keys for a seam at a fixed distance). So each query-key pair is computed once, and
    twice only in the narrow pieces where a band boundary crosses the block.
 3. *Fused calls.* Every piece is one call of a fused attention kernel that returns its
-   outputs and the log-sum-exp of its logits, lse_p (PyTorch's CPU flash-attention op,
-   ``_scaled_dot_product_flash_attention_for_cpu``; grouped queries are native to it).
+   outputs and the log-sum-exp of its logits, lse_p: on CPU PyTorch's flash-attention op
+   (``_scaled_dot_product_flash_attention_for_cpu``; grouped queries are native to it), on
+   CUDA the memory-efficient op (``_scaled_dot_product_efficient_attention``, the CUDA kernel
+   that takes an additive mask and float32 as well as half precision; key/value heads are
+   repeated for grouped queries, and its gradients summed back over each group).
 4. *Exact merge.* With m = max_p lse_p: out = sum_p exp(lse_p - m) out_p / sum_p exp(lse_p - m)
    and lse = m + ln sum_p exp(lse_p - m), the merge FlashAttention uses across key blocks
    (Dao et al. 2022, sec. 3.1) and ring attention across devices. It is exact: the pieces
@@ -31,7 +34,7 @@ module computes the same thing at the speed of ordinary attention:
    For piece p, with P_p = exp(scale q k_p^T + mask_p - lse) (the row's final lse) and
    delta = rowsum(dO * O) (the merged output), dV_p = P_p^T dO and
    dS_p = P_p * (dO V_p^T - delta): exactly what the kernel's own backward computes when it
-   is handed the merged output and lse (``..._for_cpu_backward``), so each piece's gradients
+   is handed the merged output and lse (``..._backward``), so each piece's gradients
    are one backward call and sum into q, k and v. Nothing of size (T, S) is kept: only the
    rotated q and k, v, the output and its lse (what plain flash attention keeps).
 
@@ -39,11 +42,12 @@ Rows that see no key (padding) give zeros, as the reference does: the kernel ret
 for a fully masked row, so such rows' lse is set to -inf before the merge (+inf in backward,
 so their weights are exp(-inf) = 0 there too).
 
-Limits: the CPU flash op needs CPU tensors (float64, float32, bfloat16, float16) and key
-ranges need non-decreasing key positions; ``bands.banded_attention`` checks ``supported`` and
-otherwise takes the reference kernel, with one warning naming why.
+Limits: the CPU op takes float64, float32, bfloat16 and float16, the CUDA op all but float64;
+other devices have no kernel here; key ranges need non-decreasing key positions.
+``bands.banded_attention`` checks ``supported`` and otherwise takes the reference kernel, with
+one warning naming why.
 
-Holds: BLOCK_ROWS, supported, fused_banded_attention.
+Holds: BLOCK_ROWS, FINE_ROWS, supported, fused_banded_attention.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .positions import PositionsKey
@@ -70,17 +75,27 @@ BLOCK_ROWS = 768
 # per sub-block instead of BLOCK_ROWS^2 per block.
 FINE_ROWS = 64
 
-_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# The dtypes each device's kernel takes (module docstring, 3).
+_DTYPES = {
+    "cpu": (torch.float64, torch.float32, torch.bfloat16, torch.float16),
+    "cuda": (torch.float32, torch.bfloat16, torch.float16),
+}
+_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+_cuda_efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+_cuda_efficient_backward = torch.ops.aten._scaled_dot_product_efficient_attention_backward
+# The CUDA op reads its bias with a row stride that must be a multiple of 16 elements (what
+# F.scaled_dot_product_attention pads masks to) and pads its lse rows to a multiple of 32.
+_BIAS_ALIGN, _LSE_ALIGN = 16, 32
 
 
 def supported(q: Tensor, key_positions: Tensor) -> str | None:
     """None when the fused path can compute this call; else why not (one short phrase)."""
-    if q.device.type != "cpu":
-        return f"the fused band kernel runs on CPU only (tensors on {q.device.type})"
-    if q.dtype not in _DTYPES:
-        return f"the fused band kernel does not take {q.dtype}"
+    device = q.device.type
+    if device not in _DTYPES:
+        return f"the fused band kernel runs on CPU and CUDA only (tensors on {device})"
+    if q.dtype not in _DTYPES[device]:
+        return f"the fused band kernel on {device.upper()} does not take {q.dtype}"
     S = key_positions.shape[-1]
     if S > 1 and not bool((key_positions[:, 1:] >= key_positions[:, :-1]).all()):
         return "key positions decrease along a row (packed documents): no key ranges"
@@ -322,19 +337,21 @@ def _triangle(plan: _Plan, piece: _Piece) -> tuple[bool, bool]:
 
 
 def _attend(plan: _Plan, piece: _Piece, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """One piece on the kernel: out (B, H, R, D) and lse (B, H, R), -inf for rows that see
-    no key. An upper triangle (j >= i) is the causal one of the reversed rows and keys."""
+    """One piece on the kernel: out (B, H, R, D) and lse (B, H, R); rows that see no key get
+    out 0 and lse -inf, whatever the kernel returns there. An upper triangle (j >= i) is the
+    causal one of the reversed rows and keys."""
     causal, flip = _triangle(plan, piece)
     if causal:
         if flip:
             q, k, v = q.flip(2), k.flip(2), v.flip(2)
-        o, m = _flash(q, k, v, 0.0, True, scale=plan.scale)
+        o, m = _kernel(q, k, v, None, True, plan.scale)
         return (o.flip(2), m.flip(-1)) if flip else (o, m)
     mask = _piece_mask(plan, piece, q.dtype)
-    o, m = _flash(q, k, v, 0.0, False, attn_mask=mask, scale=plan.scale)
+    o, m = _kernel(q, k, v, mask, False, plan.scale)
     seen = _seen(mask)
     if seen is not None:
-        m = m.masked_fill(~seen, float("-inf"))  # the kernel's lse is 0 there
+        o = o.masked_fill(~seen[..., None], 0.0)
+        m = m.masked_fill(~seen, float("-inf"))  # the CPU kernel's lse is 0 there
     return o, m
 
 
@@ -349,10 +366,62 @@ def _attend_backward(
     if flip:
         grad, q, k, v, out, lse = (t.flip(-2) for t in (grad, q, k, v, out, lse[..., None]))
         lse = lse[..., 0]
-    gq, gk, gv = _flash_backward(
-        grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=plan.scale
-    )
+    gq, gk, gv = _kernel_backward(grad, q, k, v, out, lse, mask, causal, plan.scale)
     return (gq.flip(2), gk.flip(2), gv.flip(2)) if flip else (gq, gk, gv)
+
+
+def _kernel(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """One fused attention call on the inputs' device: queries (B, H, R, D) over keys and
+    values (B, K, n, D), the additive ``mask`` broadcastable to (B, H, R, n) or None, row i
+    seeing keys j <= i only where ``causal``. Returns out (B, H, R, D) and lse (B, H, R)."""
+    if q.device.type != "cuda":
+        return _cpu_flash(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    k, v, bias = _cuda_inputs(q, k, v, mask)
+    out, lse, _, _ = _cuda_efficient(q, k, v, bias, True, 0.0, causal, scale=scale)
+    return out, lse[..., : q.shape[2]]
+
+
+def _kernel_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    mask: Tensor | None, causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """The kernel's backward of ``_kernel`` given out and lse (B, H, R): (dq, dk, dv) shaped
+    as q, k and v (dk and dv in float32 where CUDA sums them over grouped queries)."""
+    if q.device.type != "cuda":
+        return _cpu_flash_backward(
+            grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
+        )
+    B, K, n, D = k.shape
+    group = q.shape[1] // K
+    k, v, bias = _cuda_inputs(q, k, v, mask)
+    lse = F.pad(lse, (0, -lse.shape[-1] % _LSE_ALIGN), value=float("inf")).contiguous()
+    unused = torch.empty((), dtype=torch.long)  # the dropout seed and offset (no dropout)
+    gq, gk, gv, _ = _cuda_efficient_backward(
+        grad, q, k, v, bias, out, lse, unused, unused, 0.0, [True, True, True, False], causal,
+        scale=scale,
+    )  # fmt: skip
+    if group > 1:  # a key/value head's gradient: the sum over the query heads it served,
+        # in float32 (the accumulation dtype of the caller's sums, module docstring, 5)
+        gk, gv = (g.view(B, K, group, n, D).sum(2, dtype=torch.float32) for g in (gk, gv))
+    return gq, gk, gv
+
+
+def _cuda_inputs(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """k and v with one head per query head, and the mask as the CUDA op's bias: expanded to
+    (B, H, R, n) on a row stride aligned to ``_BIAS_ALIGN`` elements."""
+    B, H, R, _ = q.shape
+    group = H // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if mask is None:
+        return k, v, None
+    n = k.shape[2]
+    bias = F.pad(mask, (0, -n % _BIAS_ALIGN))[..., :n]
+    return k, v, bias.expand(B, H, R, n)
 
 
 def _merge(parts: Sequence[tuple[int, int, Tensor, Tensor]], R: int) -> tuple[Tensor, Tensor]:
