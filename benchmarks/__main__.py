@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         write_results(rows, label)  # each module's rows kept as soon as it finishes
         print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     after = os.getloadavg() if hasattr(os, "getloadavg") else None
-    print(f"device: {label}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    torch_version = "" if device == "cuda" else f", torch {torch.__version__}"  # in the label
+    print(f"device: {label}{torch_version}, threads {torch.get_num_threads()}")
     if load is not None and after is not None:
         print(
             f"load average (1 min) {load[0]:.2f} at start, {after[0]:.2f} at end, "

@@ -12,7 +12,9 @@ attention is most of its time, and fixed per-call costs weigh most. Each forward
 splits the remap's time into rotation (queries per band, keys per distinct positions), the
 fused kernel calls, the merge and the planning, measured in one instrumented forward; the
 reference kernel's time (the eager block-by-block path, no longer used where the fused one
-runs) is measured at 4x for comparison.
+runs) is measured at 4x for comparison. On CUDA the run first sweeps the fused kernel's block
+size (``SWEEP``: a GPU runs small pieces in about the time of large ones) and takes the fastest,
+and adds each remap's forward on random weights in SmolLM2-135M's shape.
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ TARGETS = {"forward": 1.5, "decode": 1.5, "train": 2.0, "memory": 1.3}
 DCA_FORWARD = 1.3  # DCA's bands are chunk-aligned: nearly one causal attention
 # (query rows per block, per sub-block) tried on CUDA, where the kernel's calls are queued
 # launches and fewer, larger blocks may pay; the CPU's default is the first.
-SWEEP = ((768, 64), (2048, 128), (4096, 256), (8192, 512))
+SWEEP = ((768, 64), (2048, 128), (4096, 256), (8192, 512), (16384, 1024))
+# SmolLM2-135M's shape with random weights (CUDA only: there a small decoder's time is kernel
+# launches, and this shape shows the cost where the arithmetic weighs; the real model's CPU
+# rows are benchmarks/smollm2.py's).
+SMOLLM2_SHAPE = {"d_model": 576, "n_heads": 9, "n_kv_heads": 3, "n_layers": 30,
+                 "ffn_hidden": 1536, "vocab_size": 49152}  # fmt: skip
 
 
 def _model(spec: str, context: int, device: str) -> Decoder:
@@ -171,8 +178,33 @@ def run(device: str = "cpu", length: int = LENGTH) -> list[Result]:
     if device == "cuda":  # launches, not arithmetic, weigh most there: find the block size
         results, best = _sweep(device, ids)
         with _block_size(*best):
-            return results + _rows(device, length, ids, step_ids, train_ids)
+            results += _rows(device, length, ids, step_ids, train_ids)
+            return results + _shaped_rows(device, ids)
     return _rows(device, length, ids, step_ids, train_ids)
+
+
+def _shaped_rows(device: str, ids: torch.Tensor) -> list[Result]:
+    """Each remap's forward at 2x against RoPE's on SmolLM2-135M's shape."""
+    length, ratio = ids.shape[1], 2
+    models = {}
+    for spec in ("rope", *METHODS):
+        torch.manual_seed(0)
+        config = DecoderConfig(encoding=spec, context_length=length // ratio, **SMOLLM2_SHAPE)
+        models[spec] = Decoder(config).to(device).eval()
+    forward = compare({s: _forward(m, ids) for s, m in models.items()}, repeats=3)
+    return [
+        Result(
+            f"time forward {spec.split(':')[0]}{' leaky' if 'leaky' in spec else ''} vs rope "
+            f"at {length}, {ratio}x, SmolLM2-135M's shape",
+            forward[spec] / forward["rope"],
+            DCA_FORWARD if spec == "dca" else TARGETS["forward"],
+            f"random weights in SmolLM2-135M's shape (d576, 9 heads and 3 kv heads of 64, 30 "
+            f"layers), trained length {length // ratio}, 1 x {length}, no grad, blocks of "
+            f"{bands_fused.BLOCK_ROWS} rows: {forward[spec] * 1e3:.1f} ms vs "
+            f"{forward['rope'] * 1e3:.1f} ms",
+        )
+        for spec in METHODS
+    ]
 
 
 def _rows(

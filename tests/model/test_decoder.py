@@ -190,3 +190,28 @@ def test_bf16_autocast_agrees_with_float32_to_bf16_precision(name):
     torch.testing.assert_close(out.loss, reference, atol=0, rtol=0.02)
     out.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_grouped_attention_equals_pytorchs_with_grouped_heads():
+    from ropekit.model.decoder import _attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 30, 16, generator=g) for h in (6, 2, 2))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(_attention(q, k, v, is_causal=True), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_grouped_attention_in_float32_on_cuda_runs_on_a_fused_kernel():
+    """Without repeating the key/value heads, grouped float32 attention on CUDA has only the
+    math kernel: with the memory-efficient kernel alone allowed, PyTorch would refuse it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ropekit.model.decoder import _attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 300, 16, generator=g) for h in (6, 2, 2))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        got = _attention(q.cuda(), k.cuda(), v.cuda(), is_causal=True)
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-5)

@@ -22,14 +22,14 @@ one of two kernels, held together by tests (house style of ``rotary.py``):
 
 - ``fused`` (default, ``bands_fused``): each band's keys for a block of query rows are at most
   a few contiguous *pieces*, each one call of PyTorch's fused attention kernel returning its
-  log-sum-exp, merged by log-sum-exp (exact up to round-off); about the cost of one causal
-  attention;
+  log-sum-exp (the CPU's flash op, CUDA's memory-efficient op), merged by log-sum-exp (exact
+  up to round-off); on CPU about the cost of one causal attention;
 - ``reference``: block by block over query rows, per block and band the ordinary q k^T on the
   band's keys, the logits of each pair taken from the band that covers it, then one softmax
   over the block's row (the selected-logits form of an exact log-sum-exp merge). A block holds
   at most ``block_entries`` logits (by default as many as q has entries); with autograd each
   block is recomputed in the backward (``torch.utils.checkpoint``). It runs wherever the
-  fused one cannot (another device, packed documents), with one warning.
+  fused one cannot (another device, float64 on CUDA, packed documents), with one warning.
 
 No (T, S) tensor per head ever exists in either. Keys are rotated once per band for the whole
 sequence (once per distinct key positions: what a cache of unrotated keys needs anyway); a KV

@@ -188,10 +188,11 @@ class _Bounds:
     boundary at a fixed distance: a seam, the causal diagonal)."""
 
     def __init__(self, first: Tensor, stop: Tensor) -> None:
-        self.lows = torch.stack([first.amin(1), stop.amin(1)]).numpy()  # (2, n_bands, T)
-        self.highs = torch.stack([first.amax(1), stop.amax(1)]).numpy()
+        # planning reads these row by row in Python: on the host, whatever the inputs' device
+        self.lows = torch.stack([first.amin(1), stop.amin(1)]).cpu().numpy()  # (2, n_bands, T)
+        self.highs = torch.stack([first.amax(1), stop.amax(1)]).cpu().numpy()
         steps = torch.stack([first.diff(), stop.diff()])  # (2, n_bands, B', T - 1)
-        self.unit = (steps == 1).all(2).numpy()  # (2, n_bands, T - 1)
+        self.unit = (steps == 1).all(2).cpu().numpy()  # (2, n_bands, T - 1)
 
     def jumps(self, keys: int) -> list[int]:
         """Rows where some bound moves by more than ``keys`` keys from the row before."""
@@ -397,6 +398,10 @@ def _kernel_backward(
     group = q.shape[1] // K
     k, v, bias = _cuda_inputs(q, k, v, mask)
     lse = F.pad(lse, (0, -lse.shape[-1] % _LSE_ALIGN), value=float("inf")).contiguous()
+    # out laid out as the op's forward writes it, (B, R, H, D) in memory: its half-precision
+    # backward reads out so (measured on an H200: a (B, H, R, D)-contiguous out gave dq and dk
+    # off by 1e-1 to 1e34 RMS in bfloat16 and float16; float32 took either)
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)
     unused = torch.empty((), dtype=torch.long)  # the dropout seed and offset (no dropout)
     gq, gk, gv, _ = _cuda_efficient_backward(
         grad, q, k, v, bias, out, lse, unused, unused, 0.0, [True, True, True, False], causal,
