@@ -432,6 +432,18 @@ def test_packed_rows_fall_back_to_the_reference_with_one_warning(monkeypatch):
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
+def test_supported_names_what_the_fused_kernel_cannot_take():
+    pos = torch.arange(4)[None]
+    assert bands_fused.supported(torch.zeros(1, 2, 4, 8), pos) is None
+    assert bands_fused.supported(torch.zeros(1, 2, 4, 8, dtype=torch.float16), pos) is None
+    assert bands_fused.supported(torch.zeros(1, 2, 4, 8, device="meta"), pos) == (
+        "the fused band kernel runs on CPU and CUDA only (tensors on meta)"
+    )
+    assert bands_fused.supported(torch.zeros(1, 2, 4, 8, dtype=torch.int32), pos) == (
+        "the fused band kernel on CPU does not take torch.int32"
+    )
+
+
 def test_a_bad_kernel_name_is_refused():
     enc = _enc("string:window=8")
     q, k, v = _qkv(4, 4, B=1)

@@ -377,8 +377,9 @@ def _kernel(
     """One fused attention call on the inputs' device: queries (B, H, R, D) over keys and
     values (B, K, n, D), the additive ``mask`` broadcastable to (B, H, R, n) or None, row i
     seeing keys j <= i only where ``causal``. Returns out (B, H, R, D) and lse (B, H, R)."""
-    if q.device.type != "cuda":
+    if q.device.type != "cuda":  # pragma: no mutate (CUDA only, see below)
         return _cpu_flash(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    # pragma: no mutate block (CUDA only: `make mutation` has no GPU; `make cuda-check` tests it)
     k, v, bias = _cuda_inputs(q, k, v, mask)
     out, lse, _, _ = _cuda_efficient(q, k, v, bias, True, 0.0, causal, scale=scale)
     return out, lse[..., : q.shape[2]]
@@ -390,10 +391,11 @@ def _kernel_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """The kernel's backward of ``_kernel`` given out and lse (B, H, R): (dq, dk, dv) shaped
     as q, k and v (dk and dv in float32 where CUDA sums them over grouped queries)."""
-    if q.device.type != "cuda":
+    if q.device.type != "cuda":  # pragma: no mutate (CUDA only, see below)
         return _cpu_flash_backward(
             grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
         )
+    # pragma: no mutate block (CUDA only: `make mutation` has no GPU; `make cuda-check` tests it)
     B, K, n, D = k.shape
     group = q.shape[1] // K
     k, v, bias = _cuda_inputs(q, k, v, mask)
