@@ -6,6 +6,7 @@ where the remap is the identity; blocks, packed rows and llama.cpp's group atten
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from ropekit.encodings import banded_attention, build
 from ropekit.encodings.bands import band_membership
-from ropekit.encodings.remap import dca_logit_scale
+from ropekit.encodings.remap import DCAConfig, dca_logit_scale
 
 from .conftest import output_and_grads, perturb
 
@@ -361,27 +362,47 @@ def test_self_extend_llama_cpp_mode_matches_llama_cpp_group_attention(G, W):
 @pytest.mark.parametrize(
     ("spec", "words"),
     [
-        ("rerope:window=0", ["window", ">= 1"]),
-        ("rerope:leaky=0.5", ["leaky", ">= 1"]),
+        ("rerope:window=0", ["window=0 is not allowed", ">= 1"]),
+        ("rerope:leaky=0.5", ["leaky=0.5 is not allowed", ">= 1"]),
         ("rerope:logn=true", ["original_length is required"]),
+        ("rerope:logn=true,original_length=1", ["original_length is required", ">= 2, got 1"]),
         ("self-extend:group=0", ["group=0 is not allowed", ">= 1"]),
         ("self-extend:window=0", ["window=0 is not allowed", ">= 1"]),
         ("self-extend:mode=vllm", ["mode='vllm'", "paper", "llama.cpp"]),
         ("self-extend:group=3,window=8,mode=llama.cpp", ["multiple", "grp-attn"]),
         ("dca:scale=none", ["chunk_size is required", "the model's training length"]),
-        ("dca", ["original_length is required for dca with scale=chunkllama", "scale=none"]),
+        (
+            "dca",
+            [
+                "original_length is required for dca with scale=chunkllama",
+                "it scales logits by ln(L / L0)",
+                "or scale=none",
+            ],
+        ),
         ("dca:chunk_size=8,local_size=8,scale=none", ["local_size", "[0, chunk_size=8)"]),
-        ("dca:original_length=16,scale=yarn", ["scale", "chunkllama", "vllm", "none"]),
+        ("dca:chunk_size=0,local_size=0,scale=none", ["chunk_size=0 is not allowed", ">= 1"]),
+        (
+            "dca:original_length=16,scale=yarn",
+            ["scale='yarn' is not allowed", "chunkllama, vllm, none"],
+        ),
         ("string:shift_of=original", ["shift is required"]),
-        ("string:shift_of=l0", ["shift_of", "length", "original"]),
-        ("string:shift_ratio=1.5", ["shift_ratio", "(0, 1]"]),
-        ("string:scale=yes", ["scale", "authors", "none"]),
-        ("string:shift=4,window=5", ["window", "shift=4"]),
+        ("string:shift_of=l0", ["shift_of='l0' is not allowed", "length, original"]),
+        ("string:shift_ratio=1.5", ["shift_ratio=1.5 is not allowed", "(0, 1]"]),
+        ("string:shift_ratio=0", ["shift_ratio=0.0 is not allowed", "(0, 1]"]),
+        ("string:window=0", ["window=0 is not allowed", ">= 1"]),
+        ("string:shift=0,window=1", ["shift=0 is not allowed", ">= 1"]),
+        ("string:scale=yes", ["scale='yes' is not allowed", "authors, none"]),
+        (
+            "string:shift=4,window=5",
+            ["window=5 is not allowed", "not exceed shift=4 (window = shift is the identity)"],
+        ),
         ("dca:chunk_size=8,init=dynamic-ntk", ["init", "rope", "yarn"]),
         ("string:shift=8,original_length=16,init=yarn,factor=2,bogus=1", ["bogus", "shift"]),
     ],
 )
 def test_bad_remap_specs_name_the_problem(spec, words):
+    """The message names the option with the value refused (``window=0 is not allowed``), not
+    only the spec it quotes, and what is allowed."""
     with pytest.raises(ValueError) as info:
         build(spec, **SHAPE)
     for word in words:
@@ -399,6 +420,8 @@ def test_bad_remap_specs_name_the_problem(spec, words):
         "string:original_length=131072,init=yarn,factor=2",
         "string:original_length=131072,shift_of=original,scale=none",
         "string:shift=200,shift_ratio=0.5",
+        # a given shift that happens to equal int(0.33 L0) = 5: not shift_of=original's default
+        "string:original_length=16,shift=5,window=2",
     ],
 )
 def test_remap_specs_round_trip(spec):
@@ -434,6 +457,7 @@ def test_context_supplies_the_original_length_defaults_derive_from():
         ("chunkllama", 64, (0.05 * math.log(64 / 16) + 1) ** 2),
         ("chunkllama", 16, 1.0),
         ("chunkllama", 8, 1.0),
+        ("chunkllama", 0, 1.0),  # a call over no keys
         # vLLM's dual-chunk backend: max(0.1 ln(L / L0) + 1, 1)
         ("vllm", 24, (0.1 * math.log(24 / 16) + 1) ** 2),
         ("vllm", 8, 1.0),
@@ -445,6 +469,73 @@ def test_dca_logit_scale_follows_each_authors_rule(rule, length, expected):
     """The factor on DCA's logits for a call over L keys with L0 = 16, from each rule's
     formula (module docstring; the CASES above check it inside the attention at L = 45)."""
     assert dca_logit_scale(rule, length, 16) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("L0", [2, 3])
+def test_rerope_log_n_scaling_takes_any_training_length_from_2(L0):
+    """Su's log-n scaling multiplies queries by max(1, ln(i + 1) / ln L0), defined for every
+    L0 >= 2 (ln L0 > 0): the smallest such L0 builds and scales each band's queries so."""
+    enc = build(f"rerope:window=3,logn=true,original_length={L0}", **SHAPE)
+    positions = torch.arange(T)[None]
+    expected = [max(1.0, math.log(i + 1) / math.log(L0)) for i in range(T)]
+    for band in enc.bands(positions, positions):
+        torch.testing.assert_close(
+            band.q_scale[0, 0, :, 0], torch.tensor(expected, dtype=torch.float64), **TOL
+        )
+
+
+@pytest.mark.parametrize("local_size", [2.5, True])
+def test_dca_refuses_a_local_size_that_is_not_an_integer(local_size):
+    """local_size counts tokens: a float or a bool given to the config directly is refused
+    by name, not taken as a number of tokens."""
+    with pytest.raises(ValueError, match=re.escape(f"local_size={local_size!r} is not an integer")):
+        DCAConfig(chunk_size=8, local_size=local_size, scale="none")
+
+
+def test_string_takes_a_shift_ratio_of_1():
+    """shift_ratio lies in (0, 1]: S = int(1.0 x L) = L, every distance keeps its position."""
+    enc = build("string:shift_ratio=1,window=2", **SHAPE)
+    assert enc.config.shift_at(45) == 45
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "rerope:window=4",
+        "self-extend:group=2,window=4",
+        "dca:original_length=16",
+        "dca:chunk_size=8,local_size=1,scale=none",
+        "string:window=2",
+        "string:shift=9,window=3",
+    ],
+)
+def test_a_call_over_no_keys_gives_zeros(spec):
+    """Queries that attend over no keys at all (L = 0: an empty cache) get zeros, as rows that
+    see no key do, with every remap and scale."""
+    enc = build(spec, **SHAPE).double()
+    q, _, _, _ = _inputs(B=1)
+    empty = torch.zeros(1, SHAPE["n_kv_heads"], 0, SHAPE["head_dim"], dtype=torch.float64)
+    q_pos, k_pos = torch.arange(T)[None], torch.zeros(1, 0, dtype=torch.long)
+    out = banded_attention(q, empty, empty, enc.bands(q_pos, k_pos), k_pos, enc.rotate_band)
+    assert torch.equal(out, torch.zeros_like(q))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", ["dca:original_length=16", "string:window=2"])
+def test_the_logit_scales_live_on_the_device_of_the_positions(spec):
+    """DCA's and STRING's logit scale (each band's q_scale) is made on the positions' device:
+    on CUDA the attention gives what it gives on the CPU."""
+    q, k, v, positions = _inputs()
+    results = []
+    for device in ("cpu", "cuda"):
+        enc = build(spec, **SHAPE).double().to(device)
+        p = positions.to(device)
+        out = banded_attention(
+            q.to(device), k.to(device), v.to(device), enc.bands(p, p), p, enc.rotate_band,
+            kernel="reference", causal_offset=0,
+        )  # fmt: skip
+        results.append(out.cpu())
+    torch.testing.assert_close(results[1], results[0], **TOL)
 
 
 @pytest.mark.parametrize(
