@@ -461,6 +461,7 @@ def test_context_supplies_the_original_length_defaults_derive_from():
         # vLLM's dual-chunk backend: max(0.1 ln(L / L0) + 1, 1)
         ("vllm", 24, (0.1 * math.log(24 / 16) + 1) ** 2),
         ("vllm", 8, 1.0),
+        ("vllm", 0, 1.0),  # no keys: the max is 1 for every L <= L0 (ln 0 = -inf)
         ("none", 64, 1.0),
         ("none", 8, 1.0),
     ],
@@ -504,6 +505,7 @@ def test_string_takes_a_shift_ratio_of_1():
         "rerope:window=4",
         "self-extend:group=2,window=4",
         "dca:original_length=16",
+        "dca:original_length=16,scale=vllm",
         "dca:chunk_size=8,local_size=1,scale=none",
         "string:window=2",
         "string:shift=9,window=3",
@@ -511,7 +513,7 @@ def test_string_takes_a_shift_ratio_of_1():
 )
 def test_a_call_over_no_keys_gives_zeros(spec):
     """Queries that attend over no keys at all (L = 0: an empty cache) get zeros, as rows that
-    see no key do, with every remap and scale."""
+    see no key do, with every remap and scale (vLLM's max(0.1 ln(L / L0) + 1, 1) is 1 there)."""
     enc = build(spec, **SHAPE).double()
     q, _, _, _ = _inputs(B=1)
     empty = torch.zeros(1, SHAPE["n_kv_heads"], 0, SHAPE["head_dim"], dtype=torch.float64)

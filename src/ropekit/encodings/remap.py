@@ -241,7 +241,7 @@ def dca_logit_scale(rule: str, length: int, original_length: int) -> float:
     if rule == "chunkllama":
         m = 1.0 if ratio <= 1 else 0.05 * math.log(ratio) + 1.0
     elif rule == "vllm":
-        m = max(0.1 * math.log(ratio) + 1.0, 1.0)
+        m = max(0.1 * math.log(ratio) + 1.0, 1.0) if length else 1.0  # no keys: 1 (ln 0 = -inf)
     else:
         m = 1.0
     return m * m
