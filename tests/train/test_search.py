@@ -24,8 +24,17 @@ from ropekit.train import TrainConfig
 from ropekit.train.pretrain import pretrain
 from ropekit.train.search import VERSION as SEARCH_VERSION
 from ropekit.train.search import SearchConfig, SearchRecord, initial_factors, search
+from tests.runaway import cpu_limit
 
 CONTEXT, TARGET = 32, 128
+
+
+@pytest.fixture(autouse=True)
+def _ends():
+    """A search that never spends its budget loops forever: every test here (the slowest
+    takes about 5 s of CPU) fails after 20 s of CPU instead of hanging the run."""
+    with cpu_limit(20):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -476,3 +485,102 @@ def test_every_committed_search_reads_as_a_search_record(path, tmp_path):
     (tmp_path / "renamed.json").write_text(json.dumps(data))
     with pytest.raises(ResultError, match=r"search\.fitness is not a field of SearchRecord"):
         read_record(tmp_path / "renamed.json", SearchRecord)
+
+
+# --------------------------------------------------------------------------- edges mutants found
+COUNTS = ("target_length", "samples", "budget", "population", "parents", "chunk")
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 2.0, "3"], ids=repr)
+@pytest.mark.parametrize("name", COUNTS)
+def test_every_count_setting_refuses_what_is_not_an_integer_of_at_least_one(name, value):
+    """Zero, a negative count, a bool (an int to Python), a float and a string are each refused
+    in one line naming the setting, whatever the others hold."""
+    message = f"{name}={value!r} is not allowed; it must be an integer >= 1"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        SearchConfig(**{"target_length": TARGET, name: value})
+
+
+def test_a_budget_under_the_three_seeds_is_refused_naming_the_least_it_may_be():
+    message = (
+        "budget=8 is not allowed: it must cover the three seeds (PI, NTK, YaRN), samples=3 "
+        "forwards each, so >= 9"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        SearchConfig(TARGET, samples=3, budget=8)
+    assert SearchConfig(TARGET, samples=3, budget=9).budget == 9  # the least is allowed
+
+
+def test_a_budget_of_exactly_a_billion_tokens_is_allowed_and_one_forward_more_is_not():
+    assert SearchConfig(1000, budget=10**6).budget * 1000 == 10**9
+    with pytest.raises(ValueError, match=r"^budget=1000001 forwards of target_length=1000 is "
+                       r"1,000,001,000 tokens to score; the limit is 1,000,000,000 \(budget <= "
+                       r"1,000,000 at this length\)$"):  # fmt: skip
+        SearchConfig(1000, budget=10**6 + 1)
+
+
+class _Budgeted:
+    """A scorer that, like the real one, costs ``samples`` forwards per new candidate and
+    nothing for one it scored before, and fails the test on a forward past ``budget``."""
+
+    def __init__(self, fitness, samples: int, budget: int) -> None:
+        self.fitness, self.samples, self.budget = fitness, samples, budget
+        self.forwards, self.nll = 0, {}
+
+    def known(self, factors: np.ndarray) -> float | None:
+        return self.nll.get(tuple(np.round(factors, 6)))
+
+    def __call__(self, factors: np.ndarray, origin: str) -> float:
+        found = self.known(factors)
+        if found is not None:
+            return found
+        assert self.forwards + self.samples <= self.budget, "a forward past the budget"
+        self.forwards += self.samples
+        self.nll[tuple(np.round(factors, 6))] = nll = float(self.fitness(factors))
+        return nll
+
+
+def test_the_evolution_stops_at_the_first_candidate_its_budget_cannot_pay_for():
+    """Budget 11 at 2 forwards a candidate: 5 candidates (10 forwards) are scored, the sixth
+    would need 12, and the evolution returns the best of the five, its bar at 10."""
+    seeds = initial_factors(16, 10000.0, TARGET / CONTEXT, CONTEXT)
+    target = seeds["yarn"] * 1.05
+    scorer = _Budgeted(lambda f: np.sum((np.log(f) - np.log(target)) ** 2), 2, 11)
+    config = SearchConfig(TARGET, samples=2, budget=11, population=4, parents=2)
+    best, bar = _run_evolve(scorer, config, seeds)
+    assert scorer.forwards == bar.n == 10 and len(scorer.nll) == 5
+    assert best["nll"] == min(scorer.nll.values())
+
+
+def test_a_scorer_spends_samples_forwards_per_new_candidate_and_none_on_a_known_one(
+    base_dir, tmp_path
+):
+    from ropekit.train.search import _Scorer
+
+    model = Decoder.load(base_dir).eval()
+    counter = ForwardCounter(model)
+    config = SearchConfig(TARGET, samples=2, budget=24, chunk=64)
+    context = {"factor": TARGET / CONTEXT, "original_length": CONTEXT}
+    scorer = _Scorer(as_backbone(model), config, tmp_path / "c.jsonl", "stage", context)
+    factors = initial_factors(16, 10000.0, TARGET / CONTEXT, CONTEXT)
+    spent = []
+    for name in ("pi", "ntk", "pi"):  # pi again: known, no forward
+        scorer(factors[name], name)
+        spent.append((scorer.forwards, counter.calls))
+    assert spent == [(2, 2), (4, 4), (4, 4)]
+
+
+def test_bred_candidates_may_rescale_a_pair_beyond_the_extension_up_to_four_times_it(
+    base_dir, tmp_path
+):
+    """The factors' cap is 4 s, not s (nor anything below it): PI's factors (s on every pair)
+    mutated upwards keep their rise, up to 4 s."""
+    config = SearchConfig(TARGET, samples=1, budget=8, population=4, parents=2, chunk=64)
+    search(
+        Decoder.load(base_dir).eval(), config, tmp_path / "s", progress=False, log=lambda _: None
+    )
+    lines = (tmp_path / "s" / "candidates.jsonl").read_text().splitlines()
+    bred = [np.array(json.loads(x)["factors"]) for x in lines][3:]
+    s = TARGET / CONTEXT
+    assert len(bred) == 5 and all(f.max() <= 4 * s for f in bred)
+    assert max(f.max() for f in bred) > s, bred
