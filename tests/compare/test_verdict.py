@@ -16,6 +16,15 @@ from ropekit.compare.record import EngineAnswer, SeedAccuracy, TableEntry, Verdi
 from ropekit.compare.verdict import per_engine, pooled_accuracy, pooled_retrieval, retrieval_note
 from ropekit.evals import wilson_interval
 from ropekit.results import encode
+from tests.runaway import cpu_limit
+
+
+@pytest.fixture(autouse=True)
+def _ends():
+    """The rule's loops (block lengths doubling) must end: every test here takes
+    milliseconds, so one that runs 3 s of CPU fails instead of hanging the run."""
+    with cpu_limit(3):
+        yield
 
 
 def test_retrieval_pools_seeds_before_taking_the_interval():
@@ -382,6 +391,18 @@ def test_the_block_error_needs_eight_blocks_averages_windows_and_keeps_the_first
     got = block_error([trend])
     assert (got["block_tokens"], got["blocks"]) == (128, 8)
     assert got["se_blocks"] == pytest.approx(math.sqrt(8 / 7 / 4 / 8))
+
+
+def test_the_block_error_doubles_the_block_length_up_to_the_last_that_keeps_eight_blocks():
+    """1024 blocks, the first half 0 and the second 1: with m blocks of the doubled length the
+    error is sqrt(1/4 / (m - 1)), largest at m = 8, so the lengths run 64, 128, ..., 8192 tokens
+    (128 blocks merged into each) and stop there."""
+    from ropekit.compare.verdict import block_error
+
+    step = np.repeat([0.0, 1.0], 512)
+    got = block_error([step])
+    assert (got["block_tokens"], got["blocks"]) == (64 * 128, 8)
+    assert got["se_blocks"] == pytest.approx(math.sqrt(0.25 / 7))
 
 
 def _blocks_table(windows: dict[str, list[list[float]]]) -> dict:
