@@ -4,10 +4,12 @@ missing, unknown or of another type (a renamed field never reads as a default)."
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
 import importlib.metadata
 import json
+import locale
 import math
 import sys
 import typing
@@ -689,3 +691,30 @@ def test_read_errors_name_the_file(toy_kind, tmp_path):
     write_result(path, "schedules", {}, meta={})
     with pytest.raises(ResultError, match=rf"^{path} is a 'schedules' result, not a 'demo' one$"):
         read_record(path, _Toy)
+
+
+@pytest.fixture
+def ascii_locale():
+    """The process's text locale switched to C, whose encoding is ASCII: what a file opened
+    without an encoding is read as on a machine whose locale is not UTF-8 (Windows' cp1252, a
+    server's C or latin-1 locale). Skipped in Python's UTF-8 mode, where every locale reads as
+    UTF-8."""
+    saved = locale.setlocale(locale.LC_CTYPE)
+    locale.setlocale(locale.LC_CTYPE, "C")
+    try:
+        if codecs.lookup(locale.getpreferredencoding(False)).name == "utf-8":
+            pytest.skip("the C locale reads as UTF-8 here (Python's UTF-8 mode)")
+        yield
+    finally:
+        locale.setlocale(locale.LC_CTYPE, saved)
+
+
+def test_stage_files_and_result_kinds_read_as_utf8_under_a_non_utf8_locale(tmp_path, ascii_locale):
+    """A JSON file with non-ASCII text written as UTF-8 (by a tool that writes it unescaped, or
+    by hand) reads back as that text whatever the machine's locale."""
+    stage = tmp_path / "stage.jsonl"
+    stage.write_bytes('{"origin": "café ✓"}\n'.encode())
+    assert results.read_records(stage) == [{"origin": "café ✓"}]
+    result = tmp_path / "r.json"
+    result.write_bytes('{"kind": "schedules", "note": "café"}'.encode())
+    assert results.result_kind(result) == "schedules"
