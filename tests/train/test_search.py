@@ -332,9 +332,9 @@ def test_crossovers_pair_each_parent_with_the_next_best():
     base = 2.0 ** np.arange(1, 9)
     seeds = {f"s{k}": base * (1 + 0.1 * k) for k in range(4)}
     scorer = _Recorder(np.sum)
-    config = SearchConfig(TARGET, samples=1, budget=8, population=4, parents=4, mutation=1e-9)
+    config = SearchConfig(TARGET, samples=1, budget=8, population=4, parents=4, mutation=1e-4)
     _run_evolve(scorer, config, seeds, cap=1e9)
-    children = [np.round(f / base, 6) for _, f in scorer.scored[4:]]
+    children = [np.round(f / base, 2) for _, f in scorer.scored[4:]]  # steps of about 1e-4
     assert set(children[1]) == {1.1, 1.2} and set(children[3]) == {1.3, 1.0}
     assert set(children[0]) == {1.0} and set(children[2]) == {1.2}
 
@@ -584,3 +584,21 @@ def test_bred_candidates_may_rescale_a_pair_beyond_the_extension_up_to_four_time
     s = TARGET / CONTEXT
     assert len(bred) == 5 and all(f.max() <= 4 * s for f in bred)
     assert max(f.max() for f in bred) > s, bred
+
+
+def test_a_mutation_step_too_small_to_change_a_recorded_factor_is_refused():
+    """Candidates are recognised by their factors to 6 decimals, and one recognised costs no
+    forward: with steps of 1e-9 every child read as its parent and the search never ended."""
+    with pytest.raises(ValueError, match=r"^mutation=1e-09 is not allowed; it must lie in "
+                       r"\[0\.0001, 1\]: "):  # fmt: skip
+        SearchConfig(TARGET, mutation=1e-9)
+    assert SearchConfig(TARGET, mutation=1e-4).mutation == 1e-4
+
+
+def test_the_smallest_mutation_step_allowed_still_breeds_new_candidates_to_spend_the_budget():
+    seeds = initial_factors(16, 10000.0, TARGET / CONTEXT, CONTEXT)
+    target = seeds["ntk"] * 1.1
+    scorer = _Budgeted(lambda f: np.sum((np.log(f) - np.log(target)) ** 2), 1, 40)
+    config = SearchConfig(TARGET, samples=1, budget=40, population=4, parents=2, mutation=1e-4)
+    _run_evolve(scorer, config, seeds)
+    assert scorer.forwards == 40 and len(scorer.nll) == 40

@@ -72,6 +72,10 @@ MAX_FACTOR_TIMES_S = 4.0  # factors are capped at this multiple of s
 # Tokens a search may score in all (budget x target_length): past it the run would take
 # months (SmolLM2-135M on one CPU core here scores 8,192 tokens in about a minute).
 MAX_SEARCH_TOKENS = 10**9
+# The least mutation step: a candidate is recognised by its factors to 6 decimals (the records'
+# keys) and one recognised costs no forward, so with much smaller steps every child reads as
+# its parent and the search never spends its budget (at 1e-9 it never ended).
+MIN_MUTATION = 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +115,13 @@ class SearchConfig:
                 f"{MAX_SEARCH_TOKENS:,} (budget <= {MAX_SEARCH_TOKENS // self.target_length:,} "
                 "at this length)"
             )
-        if not (math.isfinite(self.mutation) and 0 < self.mutation <= 1):
-            raise ValueError(f"mutation={self.mutation!r} is not allowed; it must lie in (0, 1]")
+        if not (math.isfinite(self.mutation) and MIN_MUTATION <= self.mutation <= 1):
+            raise ValueError(
+                f"mutation={self.mutation!r} is not allowed; it must lie in [{MIN_MUTATION:g}, 1]: "
+                "candidates are recognised by their factors to 6 decimals, and much smaller steps "
+                "breed children that read as candidates already scored, which cost no forward, "
+                "so the search may never spend its budget"
+            )
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} is not allowed; it must be an integer >= 0")
 
