@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import re
 import sys
 import time
@@ -602,3 +603,23 @@ def test_the_smallest_mutation_step_allowed_still_breeds_new_candidates_to_spend
     config = SearchConfig(TARGET, samples=1, budget=40, population=4, parents=2, mutation=1e-4)
     _run_evolve(scorer, config, seeds)
     assert scorer.forwards == 40 and len(scorer.nll) == 40
+
+
+@pytest.mark.parametrize("value", [0.0, 5e-5, 1.5, 2.0, math.nan, math.inf], ids=repr)
+def test_a_mutation_step_outside_its_range_is_refused_saying_why(value):
+    message = (
+        f"mutation={value!r} is not allowed; it must lie in [0.0001, 1]: candidates are "
+        "recognised by their factors to 6 decimals, and much smaller steps breed children that "
+        "read as candidates already scored, which cost no forward, so the search may never "
+        "spend its budget"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        SearchConfig(TARGET, mutation=value)
+    assert SearchConfig(TARGET, mutation=1.0).mutation == 1.0  # both ends are allowed
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "0"], ids=repr)
+def test_a_seed_that_is_not_an_integer_of_at_least_zero_is_refused(value):
+    message = f"seed={value!r} is not allowed; it must be an integer >= 0"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        SearchConfig(TARGET, seed=value)
