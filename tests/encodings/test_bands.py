@@ -464,3 +464,32 @@ def test_bad_shapes_and_kernels_are_refused_naming_them(k_shape, v_shape):
     )
     with pytest.raises(ValueError, match="kernel='flash' is not allowed; use one of fused, ref"):
         banded_attention(q, q[:, :2], q[:, :2], band_list, pos, rotate, kernel="flash")
+
+
+def test_no_bands_and_key_positions_of_another_length_are_refused_by_their_whole_message():
+    q, k = torch.zeros(1, 4, 6, 8), torch.zeros(1, 2, 6, 8)
+    pos = torch.arange(6)[None]
+    rotate = build("rope", **SHAPE).rotate_band
+    with pytest.raises(ValueError) as info:
+        banded_attention(q, k, k, [], pos, rotate)
+    assert str(info.value) == "banded_attention needs at least one band"
+    with pytest.raises(ValueError) as info:
+        banded_attention(q, k, k, [Band(pos, pos)], pos[:, :5], rotate)
+    assert str(info.value) == "key_positions (1, 5) must have S = 6 columns"
+
+
+@pytest.mark.parametrize("kernel", ["fused", "reference"])
+def test_rotate_is_told_query_true_for_queries_and_false_for_keys(kernel):
+    """``rotate(x, positions, query)`` gets the bool its signature names: True with the
+    queries (H heads), False with the keys (K heads), never another falsy value."""
+    calls = []
+
+    def rotate(x, positions, query):
+        calls.append((x.shape[1], query))
+        return _shift(x, positions, query)
+
+    q, k = torch.randn(1, 4, 6, 8, dtype=torch.float64), _keys(S=6)
+    pos = torch.arange(6)[None]
+    banded_attention(q, k, k, [Band(pos, pos)], pos, rotate, causal_offset=0, kernel=kernel)
+    assert {heads for heads, _ in calls} == {4, 2}
+    assert all(query is (heads == 4) for heads, query in calls), calls

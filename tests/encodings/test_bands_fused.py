@@ -7,6 +7,7 @@ the rotated-key memo), padding masks, offset batches, and the fallback for packe
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 
 import pytest
@@ -451,6 +452,192 @@ def test_a_bad_kernel_name_is_refused():
     with pytest.raises(ValueError, match="kernel='flash' is not allowed; use one of fused"):
         banded_attention(q, k, v, enc.bands(pos, pos), pos, enc.rotate_band, kernel="flash")
     assert math.isfinite(float(_attend(enc, q, k, v, pos, "fused").sum()))
+
+
+# ----------------------------------------------------------------------------- the helpers
+def test_a_jump_is_a_bound_moving_by_more_than_the_given_keys():
+    """``_Bounds.jumps(keys)``: the rows where some bound moves by more than ``keys`` keys
+    from the row before; a move of exactly ``keys`` is no jump."""
+    first = torch.tensor([[[0, 0, 4, 4, 9, 9]]])  # (1 band, B' = 1, T = 6): moves 4 and 5
+    stop = torch.tensor([[[1, 2, 3, 4, 5, 6]]])
+    assert bands_fused._Bounds(first, stop).jumps(4) == [4]
+    assert bands_fused._Bounds(first, stop).jumps(3) == [2, 4]
+
+
+def _sub_blocks(monkeypatch, s, e, fine, rows):
+    """What ``_split`` returns, and the rows [s', e') of the sub-blocks it hands to _cover."""
+    calls = []
+    monkeypatch.setattr(
+        bands_fused, "_cover", lambda bounds, band, s, e, window, fine: calls.append((s, e)) or []
+    )
+    return bands_fused._split(None, 0, s, e, (3, 9), fine, rows), calls
+
+
+def test_split_masks_rows_no_taller_than_fine_and_else_splits_them_for_real(monkeypatch):
+    """Rows [s, e) with e - s <= fine are one masked piece over the window; taller ones go to
+    _cover in sub-blocks of about ``rows`` rows, at most e - s - 1 (a real split, not the
+    rows again) and at least one."""
+    pieces, calls = _sub_blocks(monkeypatch, 10, 14, 4, 2)  # 4 rows, fine = 4
+    assert pieces == [bands_fused._Piece(0, 10, 14, 3, 9, bands_fused.MASKED)] and not calls
+    for rows, expected in ((100, [(10, 11), (11, 13)]), (2, [(10, 11), (11, 13)])):
+        assert _sub_blocks(monkeypatch, 10, 13, 1, rows)[1] == expected, rows
+    assert _sub_blocks(monkeypatch, 10, 13, 1, 1)[1] == [(10, 11), (11, 12), (12, 13)]
+    assert _sub_blocks(monkeypatch, 10, 13, 1, 0)[1] == [(10, 11), (11, 12), (12, 13)]
+
+
+def test_only_an_unmasked_triangle_takes_the_kernels_causal_path():
+    """A causal or anticausal piece runs on the kernel's causal path (anticausal with rows
+    and keys reversed) unless the caller has a mask, which it then carries as a mask;
+    other pieces never do."""
+    plain = bands_fused._Plan((), torch.zeros(0), torch.zeros(0), None, 1.0, ())
+    masked = dataclasses.replace(plain, mask=lambda s, e, n: None)
+    kinds = (bands_fused.FULL, bands_fused.MASKED, bands_fused.CAUSAL, bands_fused.ANTICAUSAL)
+    got = {
+        (kind, plan.mask is None): bands_fused._triangle(
+            plan, bands_fused._Piece(0, 0, 4, 0, 3, kind)
+        )
+        for kind in kinds
+        for plan in (plain, masked)
+    }
+    assert got == {
+        (bands_fused.FULL, True): (False, False),
+        (bands_fused.MASKED, True): (False, False),
+        (bands_fused.CAUSAL, True): (True, False),
+        (bands_fused.ANTICAUSAL, True): (True, True),
+        **{(kind, False): (False, False) for kind in kinds},
+    }
+
+
+def _piece_of(logits, v, rows, keys):
+    """A piece's (row start, row stop, out, lse) from its logits, by plain softmax."""
+    x = logits[:, :, rows[0] : rows[1], keys[0] : keys[1]]
+    return (*rows, x.softmax(-1) @ v[:, :, keys[0] : keys[1]], x.logsumexp(-1))
+
+
+def test_merge_is_one_softmax_over_the_union_of_the_pieces_even_at_large_logits():
+    """Pieces over disjoint keys (some rows seeing only some of them), logits near +-1000
+    where exp over- or underflows unless shifted by the row's largest lse: the merge equals
+    one softmax (and logsumexp) per row over the keys its pieces cover."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 2, 4, 7, generator=g, dtype=torch.float64)
+    logits = logits + torch.tensor([1000.0, -1000.0], dtype=torch.float64)[:, None, None]
+    v = torch.randn(1, 2, 7, 3, generator=g, dtype=torch.float64)
+    parts = [
+        _piece_of(logits, v, (0, 4), (0, 3)),
+        _piece_of(logits, v, (1, 3), (3, 5)),  # rows 0 and 3 do not see keys 3 and 4
+        _piece_of(logits, v, (2, 4), (5, 7)),
+    ]
+    seen = torch.zeros(4, 7, dtype=torch.bool)
+    seen[:, :3] = seen[1:3, 3:5] = seen[2:, 5:] = True
+    x = logits.masked_fill(~seen, float("-inf"))
+    out, lse = bands_fused._merge(parts, 4)
+    torch.testing.assert_close(out, x.softmax(-1) @ v, **TOL64)
+    torch.testing.assert_close(lse, x.logsumexp(-1), **TOL64)
+
+
+def test_merge_gives_zeros_and_lse_minus_inf_to_rows_no_piece_covers():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 2, 4, 5, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, 5, 3, generator=g, dtype=torch.float64)
+    a, b, o, m = _piece_of(logits, v, (1, 3), (0, 5))
+    out, lse = bands_fused._merge([(a, b, o, m)], 4)
+    torch.testing.assert_close(out[:, :, 1:3], o, **TOL64)
+    torch.testing.assert_close(lse[:, :, 1:3], m, **TOL64)
+    assert not out[:, :, [0, 3]].any()
+    assert bool((lse[:, :, [0, 3]] == float("-inf")).all())
+
+
+def test_merge_passes_a_lone_piece_over_the_whole_block_through_without_buffers():
+    """One piece covering all of a block's rows is already the softmax over the row: its out
+    and lse are returned as they are, no merge buffers allocated."""
+    o, m = torch.randn(1, 2, 4, 3), torch.randn(1, 2, 4)
+    out, lse = bands_fused._merge([(0, 4, o, m)], 4)
+    assert out is o and lse is m
+
+
+def test_the_layout_is_reused_only_for_the_same_bands_positions_and_block_rows(monkeypatch):
+    """``_layout`` plans once per forward: a call with the very same bands objects, key
+    positions (at the same version), query count, causal offset and block rows gets the last
+    call's layout back; any other call is planned afresh."""
+    monkeypatch.setattr(bands_fused, "_last_layout", [])
+    pos = torch.arange(40)[None]
+    narrow, wide = _enc("rerope:window=4").bands(pos, pos), _enc("rerope:window=16").bands(pos, pos)
+
+    def fresh(band_list, rows):
+        first, stop = bands_fused._index_bounds(band_list, pos, 40, 0)
+        return first, stop, bands_fused._blocks(first, stop, rows, bands_fused.FINE_ROWS)
+
+    def check(got, band_list, rows):
+        for a, b in zip(got, fresh(band_list, rows), strict=True):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, rows
+
+    layout = bands_fused._layout(narrow, pos, 40, 0, 8)
+    check(layout, narrow, 8)
+    assert bands_fused._layout(narrow, pos, 40, 0, 8) is layout
+    check(bands_fused._layout(narrow, pos, 40, 0, 16), narrow, 16)  # other block rows
+    check(bands_fused._layout(wide, pos, 40, 0, 16), wide, 16)  # other bands, same positions
+    check(bands_fused._layout(narrow, pos, 40, 0, 16), narrow, 16)  # back again
+
+
+def test_block_rows_below_one_are_refused_by_their_whole_message():
+    enc = _enc("rope")
+    q, k, v = _qkv(4, 4, B=1)
+    pos = torch.arange(4)[None]
+    for rows in (0, -3):
+        with pytest.raises(ValueError) as info:
+            _attend(enc, q, k, v, pos, "fused", rows)
+        assert str(info.value) == f"block_rows={rows} is not allowed; it must be >= 1"
+
+
+def test_a_single_key_is_each_rows_whole_attention():
+    """With one key and no causal limit every row's softmax is 1 on it: the output is that
+    key's value, in every query head of its group."""
+    enc = _enc("rerope:window=4")
+    q, k, v = _qkv(5, 1)
+    pos, q_pos = torch.arange(1)[None], torch.arange(5)[None]
+    out = banded_attention(q, k, v, enc.bands(q_pos, pos), pos, enc.rotate_band, kernel="fused")
+    group = SHAPE["n_heads"] // SHAPE["n_kv_heads"]
+    expected = v.repeat_interleave(group, dim=1).expand_as(out)
+    torch.testing.assert_close(out, expected, **TOL64)
+
+
+def test_rows_the_callers_mask_hides_from_every_key_give_zeros_in_a_one_piece_block():
+    """Without a causal limit one band over every key is one piece per block, its kernel
+    output returned as it is: rows that the caller's mask hides from every key (padding
+    queries) are still zeros there, and the other rows equal the reference."""
+    enc = _enc("rope")
+    q, k, v = _qkv(6, 6)
+    pos = torch.arange(6)[None]
+    allowed = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    allowed[0, :, 2] = allowed[1, :, 0] = False
+
+    def mask(start, stop, n):
+        return allowed[..., start:stop, :n]
+
+    out = {
+        kernel: banded_attention(
+            q, k, v, enc.bands(pos, pos), pos, enc.rotate_band, mask=mask, kernel=kernel
+        )
+        for kernel in ("fused", "reference")
+    }
+    assert not out["fused"][0, :, 2].any() and not out["fused"][1, :, 0].any()
+    torch.testing.assert_close(out["fused"], out["reference"], **TOL64)
+
+
+def test_a_callers_mask_of_n_key_columns_and_of_another_float_dtype_is_used():
+    """``mask(start, stop, n)`` is asked for keys [0, n) (a mask built from n works) and may
+    be additive in float64 over float32 inputs: the result is the reference's."""
+    enc = _enc("string:window=8", torch.float32)
+    q, k, v = (t.float() for t in _qkv(50, 50, seed=2))
+    pos = torch.arange(50)[None]
+
+    def mask(start, stop, n):
+        hidden = (torch.arange(start, stop)[:, None] + torch.arange(n)) % 3 == 0
+        return torch.zeros(stop - start, n, dtype=torch.float64).masked_fill(hidden, -2.0)
+
+    out = [_attend(enc, q, k, v, pos, kernel, 8, mask) for kernel in ("fused", "reference")]
+    assert out[0].dtype == torch.float32
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- on CUDA
