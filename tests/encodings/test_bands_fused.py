@@ -601,6 +601,23 @@ def test_a_single_key_is_each_rows_whole_attention():
     torch.testing.assert_close(out, expected, **TOL64)
 
 
+@pytest.mark.parametrize("causal_offset", [None, 0])
+def test_no_keys_give_zeros_that_keep_no_graph_as_the_reference(causal_offset):
+    """Over zero keys every row sees nothing: zeros, as the reference kernel gives, and like
+    its zeros they depend on no input, so no graph (and nothing saved for a backward) is kept
+    even when the inputs require gradients."""
+    enc = _enc("rerope:window=4")
+    q, k, v = (t.requires_grad_() for t in _qkv(4, 0))
+    pos, q_pos = torch.arange(0)[None], torch.arange(4)[None]
+    for kernel in ("fused", "reference"):
+        out = banded_attention(
+            q, k, v, enc.bands(q_pos, pos), pos, enc.rotate_band, causal_offset=causal_offset,
+            kernel=kernel,
+        )  # fmt: skip
+        assert out.shape == q.shape and not out.any(), kernel
+        assert out.grad_fn is None and not out.requires_grad, kernel
+
+
 def test_rows_the_callers_mask_hides_from_every_key_give_zeros_in_a_one_piece_block():
     """Without a causal limit one band over every key is one piece per block, its kernel
     output returned as it is: rows that the caller's mask hides from every key (padding
