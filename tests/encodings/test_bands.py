@@ -466,16 +466,20 @@ def test_bad_shapes_and_kernels_are_refused_naming_them(k_shape, v_shape):
         banded_attention(q, q[:, :2], q[:, :2], band_list, pos, rotate, kernel="flash")
 
 
-def test_no_bands_and_key_positions_of_another_length_are_refused_by_their_whole_message():
+def test_no_bands_and_key_positions_not_of_shape_b_s_are_refused_by_their_whole_message():
     q, k = torch.zeros(1, 4, 6, 8), torch.zeros(1, 2, 6, 8)
     pos = torch.arange(6)[None]
     rotate = build("rope", **SHAPE).rotate_band
     with pytest.raises(ValueError) as info:
         banded_attention(q, k, k, [], pos, rotate)
     assert str(info.value) == "banded_attention needs at least one band"
-    with pytest.raises(ValueError) as info:
-        banded_attention(q, k, k, [Band(pos, pos)], pos[:, :5], rotate)
-    assert str(info.value) == "key_positions (1, 5) must have S = 6 columns"
+    for kernel in ("fused", "reference"):
+        for key_positions in (pos[:, :5], pos[0], pos[None]):
+            with pytest.raises(ValueError) as info:
+                banded_attention(q, k, k, [Band(pos, pos)], key_positions, rotate, kernel=kernel)
+            assert str(info.value) == (
+                f"key_positions {tuple(key_positions.shape)} must be (B|1, S) with S = 6"
+            )
 
 
 @pytest.mark.parametrize("kernel", ["fused", "reference"])

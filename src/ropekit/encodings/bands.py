@@ -445,7 +445,7 @@ def _check_inputs(
     q: Tensor, k: Tensor, v: Tensor, bands: Sequence[Band], key_positions: Tensor
 ) -> None:
     """ValueError unless q is (B, H, T, D), k and v (B, K, S, D) with K dividing H (grouped
-    queries), there is a band, and ``key_positions`` has one column per key."""
+    queries), there is a band, and ``key_positions`` is (B|1, S), one column per key."""
     B, H = q.shape[:2]
     K, S = k.shape[1], k.shape[2]
     if k.shape[0] != B or v.shape != k.shape or H % K:
@@ -455,8 +455,10 @@ def _check_inputs(
         )
     if not bands:
         raise ValueError("banded_attention needs at least one band")
-    if key_positions.shape[-1] != S:
-        raise ValueError(f"key_positions {tuple(key_positions.shape)} must have S = {S} columns")
+    if key_positions.dim() != 2 or key_positions.shape[-1] != S:
+        raise ValueError(
+            f"key_positions {tuple(key_positions.shape)} must be (B|1, S) with S = {S}"
+        )
 
 
 def _rotate_keys(
