@@ -72,6 +72,18 @@ def test_dynamic_frequencies_follow_the_length_static_ones_do_not():
             "attention_factor=0.0 is not allowed; it must be a finite number > 0",
         ),
         (
+            "yarn:factor=2,original_length=16,mscale=inf,mscale_all_dim=1",
+            "mscale=inf is not allowed; it must be a finite number",
+        ),
+        (
+            "yarn:factor=2,original_length=16,mscale=nan,mscale_all_dim=1",
+            "mscale=nan is not allowed; it must be a finite number",
+        ),
+        (
+            "yarn:factor=1,original_length=16,mscale=1,mscale_all_dim=-inf",
+            "mscale_all_dim=-inf is not allowed; it must be a finite number",
+        ),
+        (
             "llama3:factor=2,original_length=16,low_freq_factor=0",
             "low_freq_factor=0.0 is not allowed; it must be a finite number > 0",
         ),
@@ -84,7 +96,8 @@ def test_dynamic_frequencies_follow_the_length_static_ones_do_not():
 def test_schedule_configs_refuse_bad_values_naming_the_field_and_the_bound(spec, message):
     """L0 is at least one token, YaRN's ramp needs 0 < beta_slow < beta_fast, Llama 3's bands
     0 < low_freq_factor < high_freq_factor, LongRoPE's rescale factors and an explicit
-    attention factor are positive."""
+    attention factor are positive, YaRN's mscale and mscale_all_dim finite (an infinite one
+    made the attention factor inf or nan)."""
     with pytest.raises(ValueError, match=re.escape(message)):
         build(spec, **SHAPE)
 

@@ -15,6 +15,7 @@ Holds: RopeConfig and one subclass per schedule, RotaryEncoding.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import torch
@@ -147,6 +148,10 @@ class YarnConfig(LinearConfig):
             )
         if self.attention_factor is not None:
             check_positive("attention_factor", self.attention_factor)
+        for name in ("mscale", "mscale_all_dim"):  # inf made the attention factor inf or nan
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} is not allowed; it must be a finite number")
 
     def extension(self) -> Extension:
         return Extension(self.base, self.factor, self.original_length)
