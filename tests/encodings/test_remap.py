@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from ropekit.encodings import banded_attention, build
 from ropekit.encodings.bands import band_membership
-from ropekit.encodings.remap import DCAConfig, dca_logit_scale
+from ropekit.encodings.base import spec_of
+from ropekit.encodings.remap import DCAConfig, ReRopeConfig, dca_logit_scale
+from ropekit.encodings.rope import YarnConfig
 
 from .conftest import output_and_grads, perturb
 
@@ -612,3 +614,69 @@ def test_bands_give_every_pair_its_remapped_distance_exactly_at_large_positions(
         dtype=torch.float64,
     )
     torch.testing.assert_close(got[causal], expected[causal], rtol=0, atol=1e-6)
+
+
+def test_an_original_length_other_than_the_schedules_is_refused_naming_both():
+    """A remap over a schedule with its own L0 (yarn) takes that L0; a different one given
+    beside it is refused, naming both values and the schedule."""
+    yarn = YarnConfig(factor=2.0, original_length=64)
+    assert ReRopeConfig(init="yarn", schedule=yarn).original_length == 64
+    assert ReRopeConfig(init="yarn", original_length=64, schedule=yarn).original_length == 64
+    message = "original_length=32 differs from the yarn schedule's original_length=64"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        ReRopeConfig(init="yarn", original_length=32, schedule=yarn)
+
+
+def test_original_length_is_an_integer_from_1():
+    """L0 = 1 is allowed (the smallest training length); 0 and below are refused naming the
+    option and the bound."""
+    assert ReRopeConfig(original_length=1).original_length == 1
+    for bad in (0, -4):
+        message = f"original_length={bad} is not allowed; it must be a finite number >= 1"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            ReRopeConfig(original_length=bad)
+
+
+@pytest.mark.parametrize("window", [True, 2.5, 0])
+def test_a_window_that_is_not_a_whole_number_from_1_is_refused(window):
+    """``window`` must be an int >= 1: a bool (an int to Python) and a fraction are refused
+    as 0 is."""
+    message = f"window={window!r} is not allowed; it must be an integer >= 1"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        ReRopeConfig(window=window)
+
+
+def test_a_schedules_original_length_is_spelled_once_among_the_schedules_options():
+    """The spec is the remap's own options, then the base schedule's as that schedule spells
+    them (its L0 among them, once): what rebuilds the same encoding."""
+    enc = build("rerope:window=6,init=yarn,factor=2,original_length=64", **SHAPE)
+    schedule_spec = spec_of(enc.config.schedule)
+    assert schedule_spec == "yarn:factor=2,original_length=64"
+    assert enc.spec == "rerope:init=yarn,window=6," + schedule_spec.partition(":")[2]
+
+
+@pytest.mark.parametrize("pairing", ["half", "interleaved"])
+def test_rotate_band_rotates_pair_by_pair_in_the_schedules_pairing(pairing):
+    """A band's rotation at any positions (fractional ones too: leaky ReRoPE's) is the base
+    schedule's rotation, pair by pair, in its pairing."""
+    enc = build(f"rerope:window=6,leaky=4,pairing={pairing}", **SHAPE).double()
+    q = _inputs()[0]
+    positions = torch.arange(T, dtype=torch.float64)[None] / 4 + 1.5
+    theta, factor = enc.inv_freq(0)
+    phi = positions[:, None, :, None] * theta[0]
+    cos, sin = phi.cos() * float(factor), phi.sin() * float(factor)
+    got = enc.rotate_band(q, positions, query=True)
+    torch.testing.assert_close(got, rotate_pairs(q, cos, sin, pairing), **TOL)
+
+
+def test_bands_are_reused_for_the_same_positions_and_remade_for_other_queries():
+    """One forward computes its bands once: the same query and key positions tensors give the
+    very same bands again; other query positions (here the keys' own) give their own bands."""
+    enc = build("rerope:window=6", **SHAPE)
+    keys = torch.arange(T)[None] + 100
+    queries = keys[:, -8:].clone()
+    bands = enc.bands(queries, keys)
+    assert enc.bands(queries, keys) is bands
+    assert torch.equal(bands[0].q_positions, queries)
+    again = enc.bands(keys, keys)
+    assert again is not bands and torch.equal(again[0].q_positions, keys)
