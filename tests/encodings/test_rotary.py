@@ -456,6 +456,43 @@ def test_rotate_angles_refuses_bad_inputs_naming_what_is_wrong():
             rotary.rotate_angles(*args)
 
 
+def test_rotate_angles_names_the_length_and_the_batch_of_grouped_queries():
+    """For grouped queries (B, K, g, T, D) the messages name T (the next-to-last dim) and B
+    (the first), not g or K: here B = 3, K = 2, g = 4, T = 5."""
+    x = torch.randn(3, 2, 4, 5, 8)
+    theta = torch.rand(2, 4, dtype=torch.float64)
+    cases = [
+        (torch.arange(4)[None], "positions (1, 4) must be (B|1, T) with T = 5"),
+        (torch.arange(5)[None].expand(2, 5), "positions (2, 5) do not match batch 3"),
+    ]
+    for pos, message in cases:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            rotary.rotate_angles(x, pos, theta)
+
+
+@pytest.mark.parametrize("learnable", ["x", "theta", "factor", None])
+def test_rotate_angles_takes_the_training_kernel_when_any_input_needs_a_gradient(
+    fake_compile, learnable
+):
+    """``auto`` compiles what autograd records: a rotation of x, of theta or of a tensor
+    factor that needs a gradient (each alone), not one where none does or under no_grad."""
+    set_compile("auto", min_numel=0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 3, 8, generator=g, dtype=torch.float64)
+    pos = torch.arange(3)[None]
+    theta = torch.rand(2, 4, generator=g, dtype=torch.float64)
+    factor = torch.tensor(1.25, dtype=torch.float64)
+    {"x": x, "theta": theta, "factor": factor}.get(learnable, torch.empty(0)).requires_grad_()
+    with torch.no_grad():
+        rotary.rotate_angles(x, pos, theta, factor, "half", torch.float64)
+    assert fake_compile.ran == []
+    out = rotary.rotate_angles(x, pos, theta, factor, "half", torch.float64)
+    assert fake_compile.ran == ([] if learnable is None else [0])
+    phi = pos.double()[:, None, :, None] * theta.detach()[None, :, None, :]
+    expected = rotation_by_pairs(x.detach(), 1.25 * phi.cos(), 1.25 * phi.sin(), "half")
+    torch.testing.assert_close(out.detach(), expected, **TOL64)
+
+
 @pytest.mark.parametrize(
     ("x_shape", "pos_rows", "theta_rows"),
     [((2, 2, 3, 8), 1, 1), ((2, 2, 3, 8), 2, 2), ((2, 2, 2, 3, 8), 2, 1)],
