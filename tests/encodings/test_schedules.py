@@ -211,3 +211,42 @@ def test_ntk_refuses_a_factor_whose_base_overflows_naming_the_factor():
     """b * s^(d/(d-2)) past float64's range is refused with the factor the user gave."""
     with pytest.raises(ValueError, match=re.escape("factor=1e+300 is too large: the NTK base")):
         schedules.ntk(DIM, BASE, 1e300)
+
+
+@pytest.mark.parametrize("dim", [3, 4, 5, 64])
+def test_ntk_stretches_the_base_by_s_to_the_d_over_d_minus_2_from_three_channels(dim):
+    """NTK's base b * s^(d/(d-2)) (bloc97) for every rotated dim with a second pair, odd ones
+    and the smallest, d = 3 (s^3), included; its frequencies are b'^(-2f/d)."""
+    for factor in (2.0, 8.0):
+        stretched = BASE * factor ** (dim / (dim - 2))
+        assert math.isclose(schedules.ntk_base(dim, BASE, factor), stretched, rel_tol=1e-14)
+        expected = [stretched ** (-2 * f / dim) for f in range((dim + 1) // 2)]
+        inv_freq, attention_factor = schedules.ntk(dim, BASE, factor)
+        torch.testing.assert_close(inv_freq, torch.tensor(expected, dtype=torch.float64))
+        assert attention_factor == 1.0
+
+
+def _yarn_correction(rotations: float, dim: int, base: float, original_length: int) -> float:
+    """YaRN's ramp edge (Peng et al. 2023, eq. 19 solved for the pair): the channel index
+    whose wavelength 2 pi b^(2f/d) fits ``rotations`` times in L0."""
+    return dim * math.log(original_length / (2 * math.pi * rotations)) / (2 * math.log(base))
+
+
+@pytest.mark.parametrize(("original_length", "edge"), [(4, 0), (10**10, 7)])
+def test_yarn_with_a_zero_width_ramp_keeps_the_pairs_up_to_its_edge_and_divides_the_rest(
+    original_length, edge
+):
+    """When both ramp ends fall on one pair k (floor and ceil of the two edges clamped to
+    [0, d - 1] meet: a tiny L0 puts both at 0, a huge one both at d - 1), the ramp is a step,
+    as transformers' zero-width guard makes it: pairs f <= k keep theta_f, pairs f > k get
+    theta_f / s; nothing is blended."""
+    dim, factor = 8, 4.0
+    low = max(math.floor(_yarn_correction(32.0, dim, BASE, original_length)), 0)
+    high = min(math.ceil(_yarn_correction(1.0, dim, BASE, original_length)), dim - 1)
+    assert low == high == edge  # the case under test
+    theta = [BASE ** (-2 * f / dim) for f in range(dim // 2)]
+    expected = [t if f <= edge else t / factor for f, t in enumerate(theta)]
+    inv_freq, _ = schedules.yarn(dim, BASE, factor, original_length)
+    torch.testing.assert_close(
+        inv_freq, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0
+    )
