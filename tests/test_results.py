@@ -709,7 +709,9 @@ def ascii_locale():
         locale.setlocale(locale.LC_CTYPE, saved)
 
 
-def test_stage_files_and_result_kinds_read_as_utf8_under_a_non_utf8_locale(tmp_path, ascii_locale):
+def test_stage_files_result_kinds_and_results_read_as_utf8_under_a_non_utf8_locale(
+    tmp_path, ascii_locale
+):
     """A JSON file with non-ASCII text written as UTF-8 (by a tool that writes it unescaped, or
     by hand) reads back as that text whatever the machine's locale."""
     stage = tmp_path / "stage.jsonl"
@@ -718,3 +720,8 @@ def test_stage_files_and_result_kinds_read_as_utf8_under_a_non_utf8_locale(tmp_p
     result = tmp_path / "r.json"
     result.write_bytes('{"kind": "schedules", "note": "café"}'.encode())
     assert results.result_kind(result) == "schedules"
+    current = tmp_path / "current.json"  # a result of this format version, with a note in UTF-8
+    write_result(current, "schedules", {}, meta={})
+    data = {**json.loads(current.read_bytes()), "note": "café ✓"}
+    current.write_bytes(json.dumps(data, ensure_ascii=False).encode())
+    assert results.read_result(current, "schedules")["note"] == "café ✓"
