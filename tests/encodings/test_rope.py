@@ -4,6 +4,7 @@ option to it."""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from ropekit.encodings import build, schedules
 from ropekit.encodings.base import Extension
+from ropekit.encodings.rope import TABLES_KEPT
 
 from .conftest import SHAPE
 
@@ -182,3 +184,121 @@ def test_rope_refuses_positions_of_the_wrong_length_naming_queries_or_keys(what)
     rotate = enc.rotate_q if what == "query" else enc.rotate_k
     with pytest.raises(ValueError, match=re.escape(f"must be (B, T) with T = {what} length 4")):
         rotate(x, torch.arange(5)[None])
+
+
+def rotate_pairs(x, theta, positions, pairing):
+    """x (B, H, T, D) rotated pair by pair: pair f, channels (f, f + F) for ``half`` and
+    (2f, 2f + 1) for ``interleaved``, turned by the angle position * theta_f; the channels past
+    2F (partial RoPE) pass through. Written out with explicit indices, in float64."""
+    n = len(theta)
+    out = x.clone()
+    for t, p in enumerate(positions):
+        for f, th in enumerate(theta):
+            i, j = (f, f + n) if pairing == "half" else (2 * f, 2 * f + 1)
+            c, s = math.cos(p * th), math.sin(p * th)
+            out[:, :, t, i] = x[:, :, t, i] * c - x[:, :, t, j] * s
+            out[:, :, t, j] = x[:, :, t, j] * c + x[:, :, t, i] * s
+    return out
+
+
+@pytest.mark.parametrize("pairing", ["half", "interleaved"])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_rope_rotates_queries_and_keys_pair_by_pair_in_its_pairing(pairing, fraction, dtype):
+    """theta_f = b^(-2f/d) over the d = int(D * fraction) rotated channels, in the pairing the
+    spec names; the result keeps x's dtype."""
+    enc = build(f"rope:pairing={pairing},fraction={fraction},base=500", **SHAPE)
+    d = int(SHAPE["head_dim"] * fraction)
+    theta = [500.0 ** (-2 * f / d) for f in range(d // 2)]
+    positions = [0, 3, 17, 1000]
+    g = torch.Generator().manual_seed(0)
+    tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 0, "atol": 2e-6}
+    for what, heads in (("q", SHAPE["n_heads"]), ("k", SHAPE["n_kv_heads"])):
+        x = torch.randn(2, heads, len(positions), SHAPE["head_dim"], generator=g, dtype=dtype)
+        rotate = enc.rotate_q if what == "q" else enc.rotate_k
+        got = rotate(x, torch.tensor([positions]))
+        assert got.dtype == dtype
+        expected = rotate_pairs(x.double(), theta, positions, pairing)
+        torch.testing.assert_close(got.double(), expected, **tol)
+
+
+def test_dynamic_ntk_rotates_with_the_base_of_the_calls_last_position_plus_one():
+    """Dynamic NTK's length is max(positions) + 1 (transformers' rule), not the number of
+    positions: b' = b * (s L / L0 - (s - 1))^(d/(d-2)) once L passes L0, plain RoPE within."""
+    enc = build("dynamic-ntk:factor=4,original_length=16", **SHAPE).double()
+    d = SHAPE["head_dim"]
+    g = torch.Generator().manual_seed(0)
+    for positions in (list(range(5, 40)), [3, 9, 15]):  # L = 40 > L0; L = 16 = L0
+        length = max(positions) + 1
+        base = 10000.0 * max(4 * length / 16 - 3, 1) ** (d / (d - 2))
+        theta = [base ** (-2 * f / d) for f in range(d // 2)]
+        q = torch.randn(1, SHAPE["n_heads"], len(positions), d, generator=g, dtype=torch.float64)
+        got = enc.rotate_q(q, torch.tensor([positions]))
+        expected = rotate_pairs(q, theta, positions, "half")
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_fixed_schedule_rotates_an_empty_sequence():
+    """No positions, no rotation: a fixed schedule needs no length (a dynamic one reads
+    max(positions) + 1), so zero tokens give an empty result."""
+    enc = build("yarn:factor=4,original_length=16", **SHAPE)
+    q = torch.randn(1, SHAPE["n_heads"], 0, SHAPE["head_dim"])
+    assert enc.rotate_q(q, torch.zeros(1, 0, dtype=torch.long)).shape == q.shape
+
+
+def test_tables_come_in_the_dtype_asked_and_are_cached_per_dtype():
+    """cos and sin of position * theta_f times the attention factor, in float32 by default and
+    in float64 when asked; each dtype has its own tables."""
+    enc = build("yarn:factor=4,original_length=16", **SHAPE)
+    pos = torch.tensor([[0, 5, 300]])
+    theta, factor = enc.inv_freq()
+    phi = pos[:, None, :, None] * theta[0]  # float64
+    for dtype in (torch.float32, torch.float64):
+        cos, sin = enc.tables(pos, dtype)
+        assert cos.dtype == sin.dtype == dtype and cos.shape == (1, 1, 3, 8)
+        torch.testing.assert_close(cos, (phi.cos() * factor).to(dtype), rtol=0, atol=0)
+        torch.testing.assert_close(sin, (phi.sin() * factor).to(dtype), rtol=0, atol=0)
+    assert enc.tables(pos)[0].dtype == torch.float32
+    assert enc.tables(pos)[0] is not enc.tables(pos, torch.float64)[0]
+
+
+def test_the_cache_keeps_the_most_recent_tables_kept_tables_only():
+    """Memory stays bounded: the tables of the TABLES_KEPT most recent positions are reused,
+    older ones are dropped and made anew."""
+    enc = build("rope", **SHAPE)
+    steps = [torch.tensor([[i]]) for i in range(TABLES_KEPT + 1)]
+    first = enc.tables(steps[0])[0]
+    for pos in steps[1:TABLES_KEPT]:
+        enc.tables(pos)
+    assert enc.tables(steps[0])[0] is first  # TABLES_KEPT - 1 newer ones: still kept
+    for pos in steps[1 : TABLES_KEPT + 1]:
+        enc.tables(pos)
+    again = enc.tables(steps[0])[0]  # TABLES_KEPT newer ones: dropped, the same values anew
+    assert again is not first and torch.equal(again, first)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tables_live_on_the_device_of_the_positions():
+    enc = build("rope", **SHAPE)
+    cos, sin = enc.tables(torch.arange(5, device="cuda")[None])
+    assert cos.device.type == sin.device.type == "cuda"
+    q = torch.randn(1, SHAPE["n_heads"], 5, SHAPE["head_dim"], device="cuda")
+    assert enc.rotate_q(q).device.type == "cuda"
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("linear", "factor is required for LinearConfig; e.g. factor=4"),
+        ("ntk", "factor is required for NTKConfig; e.g. factor=4"),
+        (
+            "dynamic-ntk:factor=2",
+            "original_length is required for DynamicNTKConfig; e.g. original_length=4",
+        ),
+        ("yarn:factor=2", "original_length is required for YarnConfig; e.g. original_length=4"),
+        ("longrope:original_length=16", "factor is required for LongRopeConfig; e.g. factor=4"),
+    ],
+)
+def test_a_missing_required_option_is_named_with_the_config_and_an_example(spec, message):
+    with pytest.raises(ValueError, match=f"^spec {re.escape(repr(spec))}: {re.escape(message)}$"):
+        build(spec, **SHAPE)
