@@ -680,3 +680,41 @@ def test_bands_are_reused_for_the_same_positions_and_remade_for_other_queries():
     assert torch.equal(bands[0].q_positions, queries)
     again = enc.bands(keys, keys)
     assert again is not bands and torch.equal(again[0].q_positions, keys)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            "rerope:init=yarn,factor=0,original_length=64",
+            "factor=0.0 is not allowed; it must be a finite number >= 1 (rerope with init=yarn "
+            "allows: init, original_length, window, leaky, logn, base, pairing, fraction, factor, "
+            "beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate)",
+        ),
+        (
+            "self-extend:init=linear,factor=abc",
+            "factor='abc' is not a number (self-extend with init=linear allows: init, "
+            "original_length, group, window, mode, base, pairing, fraction, factor)",
+        ),
+        ("rerope:window=abc", "window='abc' is not an integer"),
+    ],
+)
+def test_a_bad_option_value_is_refused_naming_it_and_what_the_remap_allows(spec, message):
+    """A schedule option the base schedule refuses is named with every option the remap with
+    that init allows (each once: yarn's original_length is the remap's too); a remap option is
+    named itself."""
+    with pytest.raises(ValueError, match=f"^spec {re.escape(repr(spec))}: {re.escape(message)}$"):
+        build(spec, **SHAPE)
+
+
+@pytest.mark.parametrize(
+    "spec", ["rerope:original_length=100", "rerope:init=yarn,factor=2,original_length=100"]
+)
+def test_an_original_length_in_the_spec_wins_over_the_models(spec):
+    """The model's L0 (context) fills only an original_length the spec leaves out, for the
+    remap and for a base schedule with its own (yarn)."""
+    config = build(spec, **SHAPE, original_length=200).config
+    assert config.original_length == 100
+    assert build("rerope", **SHAPE, original_length=200).config.original_length == 200
+    yarn = build("rerope:init=yarn,factor=2", **SHAPE, original_length=200).config
+    assert yarn.original_length == yarn.schedule.original_length == 200
