@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from ropekit.encodings import Spec, build, schedules
-from ropekit.encodings.adarope import TunedYarnConfig, yarn_inv_freq
+from ropekit.encodings.adarope import AdaRoPEConfig, TunedYarnConfig, yarn_inv_freq
+from ropekit.encodings.remap import ReRopeConfig
+from ropekit.encodings.rope import YarnConfig
 
 from .conftest import SHAPE, perturb
 
@@ -281,3 +283,20 @@ def test_learned_rotations_refuse_shapes_and_layers_they_cannot_rotate(spec):
         message = f"layer={layer} is out of range; this model has layers 0..2"
         with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
             enc.inv_freq(layer)
+
+
+@pytest.mark.parametrize("spec", ["adarope:init=dynamic-ntk", "rerope:init=bogus"])
+def test_an_init_that_is_not_a_fixed_schedule_is_refused_naming_the_allowed_ones(spec):
+    """AdaRoPE and the remaps start from rope, linear, ntk, yarn or llama3 (a fixed schedule)."""
+    message = f"spec {spec!r}: init={spec.partition('init=')[2]!r} is not allowed; use one of "
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}rope, linear, ntk, yarn, llama3$"):
+        build(spec, **SHAPE)
+
+
+def test_a_schedule_other_than_the_init_names_is_refused_naming_both():
+    """YarnConfig is a LinearConfig, yet init=linear over it would write another encoding."""
+    yarn = YarnConfig(factor=2.0, original_length=64)
+    message = "schedule YarnConfig does not match init='linear'"
+    for config in (AdaRoPEConfig, ReRopeConfig):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            config(init="linear", schedule=yarn)
