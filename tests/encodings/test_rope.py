@@ -238,10 +238,13 @@ def test_dynamic_ntk_rotates_with_the_base_of_the_calls_last_position_plus_one()
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_a_fixed_schedule_rotates_an_empty_sequence():
-    """No positions, no rotation: a fixed schedule needs no length (a dynamic one reads
-    max(positions) + 1), so zero tokens give an empty result."""
-    enc = build("yarn:factor=4,original_length=16", **SHAPE)
+@pytest.mark.parametrize(
+    "spec", ["yarn:factor=4,original_length=16", "dynamic-ntk:factor=4,original_length=16"]
+)
+def test_a_schedule_rotates_an_empty_sequence(spec):
+    """No positions, no rotation: zero tokens give an empty result, also for a dynamic
+    schedule, whose length max(positions) + 1 an empty sequence does not have."""
+    enc = build(spec, **SHAPE)
     q = torch.randn(1, SHAPE["n_heads"], 0, SHAPE["head_dim"])
     assert enc.rotate_q(q, torch.zeros(1, 0, dtype=torch.long)).shape == q.shape
 

@@ -314,7 +314,9 @@ class RotaryEncoding(PositionEncoding):
         for key, cached_dtype, result in self._cache:
             if cached_dtype == dtype and key.matches(positions):
                 return result
-        length = int(positions.max()) + 1 if self.dynamic else None
+        length = None
+        if self.dynamic:  # an empty sequence has no max: the schedule at length 0 (unscaled)
+            length = int(positions.max()) + 1 if positions.numel() else 0
         inv_freq, attention_factor = self.frequencies(length)
         phi = angles(positions, inv_freq.to(positions.device))  # (B, T, F)
         cos, sin = tables(phi[:, None], attention_factor, dtype)  # (B, 1, T, F)
