@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -67,14 +68,25 @@ def _coverage(enc, q_pos, k_pos, rows, fine, monkeypatch):
     band_list = enc.bands(q_pos, k_pos)
     T, S = q_pos.shape[-1], k_pos.shape[-1]
     first, stop = bands_fused._index_bounds(band_list, k_pos, T, S - T)
+    return _count(first, stop, S, rows, fine)
+
+
+KINDS = (bands_fused.FULL, bands_fused.MASKED, bands_fused.CAUSAL, bands_fused.ANTICAUSAL)
+
+
+def _count(first, stop, S, rows, fine):
+    """``_coverage`` for given key index bounds (n_bands, B', T) over S keys: every piece has
+    rows, keys and one of the four kinds."""
+    T = first.shape[-1]
     blocks = bands_fused._blocks(first, stop, rows, fine)
     batch = first.shape[1]
-    count = torch.zeros(len(band_list), batch, T, S, dtype=torch.long)
+    count = torch.zeros(first.shape[0], batch, T, S, dtype=torch.long)
     computed = 0
     j = torch.arange(S)
     for block in blocks:
         for p in block.pieces:
             assert block.start <= p.row_start < p.row_stop <= block.stop
+            assert 0 <= p.start < p.stop <= S and p.kind in KINDS, p
             r0, r1, a, z = p.row_start, p.row_stop, p.start, p.stop
             cell = torch.ones(r1 - r0, z - a, dtype=torch.long)
             if p.kind == bands_fused.MASKED:
@@ -146,6 +158,87 @@ def test_a_jump_in_a_bound_starts_a_block(monkeypatch):
     _, _, _, blocks = _coverage(enc, pos, pos, 64, 8, monkeypatch)
     assert {80, 160, 240, 320} <= {b.start for b in blocks}
     assert not [p for b in blocks for p in b.pieces if p.kind == bands_fused.MASKED]
+
+
+def test_index_bounds_count_the_keys_before_each_bound_and_the_causal_limit():
+    """first_b(r) is the number of keys before the band's lo (none for no lo), stop_b(r) the
+    number before its hi (all for no hi) and at most the r + causal_offset + 1 keys the row may
+    see (0 to S of them): key indices, int64, whose range is the band's brute-force membership;
+    batch rows with their own positions and bounds, offsets that hide every key from early rows
+    and that leave late rows past the last key."""
+    S, T = 12, 6
+    pos = torch.tensor([[0, 1, 1, 2, 4, 5, 5, 5, 7, 8, 9, 11], [*range(3, 15)]])  # (2, S)
+    g = torch.Generator().manual_seed(1)
+    lo = torch.randint(-2, 14, (2, T), generator=g)
+    hi = lo + torch.randint(0, 8, (2, T), generator=g)
+    dummy = torch.zeros(1, 1)
+    band_list = [
+        bands.Band(dummy, dummy, lo, hi),
+        bands.Band(dummy, dummy, None, hi[:1]),
+        bands.Band(dummy, dummy, lo[1:], None),
+        bands.Band(dummy, dummy, None, None),
+    ]
+    j = torch.arange(S)
+    for offset in (None, -4, 0, S - T, S - T + 3):
+        first, stop = bands_fused._index_bounds(band_list, pos, T, offset)
+        assert first.shape == stop.shape == (4, 2, T)
+        assert first.dtype == stop.dtype == torch.long
+        for b, band in enumerate(band_list):
+            for i, r in itertools.product(range(2), range(T)):
+                k = pos[i]
+                low = None if band.lo is None else band.lo[min(i, band.lo.shape[0] - 1), r]
+                high = None if band.hi is None else band.hi[min(i, band.hi.shape[0] - 1), r]
+                want_first = 0 if low is None else int((k < low).sum())
+                want_stop = S if high is None else int((k < high).sum())
+                if offset is not None:
+                    want_stop = min(want_stop, sum(1 for jj in range(S) if jj <= r + offset))
+                assert (int(first[b, i, r]), int(stop[b, i, r])) == (want_first, want_stop)
+                member = (j <= r + offset) if offset is not None else torch.ones(S, dtype=bool)
+                member &= (k >= low) if low is not None else True
+                member &= (k < high) if high is not None else True
+                assert torch.equal((j >= first[b, i, r]) & (j < stop[b, i, r]), member)
+
+
+def test_the_plan_covers_bounds_that_differ_between_batch_rows_exactly_once():
+    """Boundaries advancing one key per row in each batch row, but from different keys: the
+    block's extremes then span more than its rows, so no triangle fits them, and the plan still
+    computes every pair once (with no empty piece)."""
+    T, S, B = 40, 60, 2
+    r = torch.arange(T)
+    c = torch.tensor([[0], [3]])
+    first = torch.stack([r + c, torch.zeros(B, T, dtype=torch.long), r + c])
+    stop = torch.stack([torch.full((B, T), S), r + 1 + c, r + 5 + c])
+    for rows, fine in ((16, 4), (40, 64), (7, 1)):
+        count, member, _, _ = _count(first, stop, S, rows, fine)
+        assert torch.equal(count, member.long()), (rows, fine)
+
+
+def test_a_band_without_keys_or_without_common_keys_gets_no_empty_piece():
+    """A band that covers no key of some block gets no piece there; one whose rows share no key
+    (first of the last row = stop of the first) is covered without an empty middle piece."""
+    first = torch.tensor([[[5, 5, 5, 5]], [[0, 1, 2, 3]]])
+    stop = torch.tensor([[[5, 5, 5, 5]], [[3, 4, 5, 6]]])
+    for rows, fine in ((4, 8), (4, 2), (2, 1)):
+        count, member, _, blocks = _count(first, stop, 8, rows, fine)
+        assert torch.equal(count, member.long())
+        assert not [p for b in blocks for p in b.pieces if p.band == 0]
+
+
+def test_a_jump_between_the_first_two_rows_starts_a_block():
+    first = torch.tensor([[[0, 50]]])
+    stop = torch.tensor([[[10, 60]]])
+    blocks = bands_fused._blocks(first, stop, 768, 8)
+    assert [(b.start, b.stop) for b in blocks] == [(0, 1), (1, 2)]
+
+
+def test_bounds_report_one_key_per_row_from_the_rows_asked_only():
+    """``_Bounds(band, s, e)`` says whether first (stop) advance by one key per row over rows
+    [s, e) alone: the rows after e do not count."""
+    first = torch.tensor([[[0, 1, 2, 3, 3, 3]]])
+    bounds = bands_fused._Bounds(first, first + 1)
+    assert bounds(0, 0, 4) == (0, 3, 1, 4, True, True)
+    assert bounds(0, 0, 5) == (0, 3, 1, 4, False, False)
+    assert bounds(0, 3, 6)[4:] == (False, False)
 
 
 # ----------------------------------------------------------------------------- equal results
