@@ -536,6 +536,10 @@ def test_supported_names_what_the_fused_kernel_cannot_take():
     assert bands_fused.supported(torch.zeros(1, 2, 4, 8, dtype=torch.int32), pos) == (
         "the fused band kernel on CPU does not take torch.int32"
     )
+    q = torch.zeros(1, 2, 3, 8)
+    assert bands_fused.supported(q, torch.tensor([[0, 0, 1]])) is None  # repeats: no decrease
+    packed = "key positions decrease along a row (packed documents): no key ranges"
+    assert bands_fused.supported(q[:, :, :2], torch.tensor([[1, 0]])) == packed
 
 
 def test_a_bad_kernel_name_is_refused():
