@@ -426,6 +426,25 @@ def test_caller_masks_padding_and_additive_agree_with_the_reference():
 
 
 # ----------------------------------------------------------------------------- decoding
+def _decode(enc, q, k, v, positions, schedules, kernel):
+    """Cached decoding with the rotated-key memo after a prefill of 70 tokens, in each
+    schedule of step sizes: per step (start, stop, its rows on the fused kernel, the same rows
+    of one call over the prefix it has seen on ``kernel``)."""
+    rows = None if kernel == "reference" else 32
+    for steps in schedules:
+        memo, start = bands.RotatedKeys(), 70
+        _attend(enc, q[:, :, :start], k[:, :, :start], v[:, :, :start], positions[:, :start],
+                "fused", 32, memo=memo)  # fmt: skip
+        for n in steps:
+            stop = start + n
+            got = _attend(enc, q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop],
+                          positions[:, :stop], "fused", 32, memo=memo)  # fmt: skip
+            prefix = _attend(enc, q[:, :, :stop], k[:, :, :stop], v[:, :, :stop],
+                             positions[:, :stop], kernel, rows)  # fmt: skip
+            yield start, stop, got, prefix[:, :, start:]
+            start = stop
+
+
 @pytest.mark.parametrize("spec", LONG)
 def test_cached_decoding_with_rotated_keys_equals_one_call_over_each_prefix(spec):
     """Token by token and in chunks over a growing cache, with the rotated-key memo the KV
@@ -437,20 +456,11 @@ def test_cached_decoding_with_rotated_keys_equals_one_call_over_each_prefix(spec
     q, k, v = _qkv(T, T, seed=7)
     positions = torch.arange(T)[None] + torch.tensor([[0], [3]])
     whole = _attend(enc, q, k, v, positions, "fused", 32)
-    for steps in ([1] * 20, [37, 1, 1, 50, 2]):
-        memo, start = bands.RotatedKeys(), 70
-        _attend(enc, q[:, :, :start], k[:, :, :start], v[:, :, :start], positions[:, :start],
-                "fused", 32, memo=memo)  # fmt: skip
-        for n in steps:
-            stop = start + n
-            got = _attend(enc, q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop],
-                          positions[:, :stop], "fused", 32, memo=memo)  # fmt: skip
-            prefix = _attend(enc, q[:, :, :stop], k[:, :, :stop], v[:, :, :stop],
-                             positions[:, :stop], "reference")  # fmt: skip
-            torch.testing.assert_close(got, prefix[:, :, start:], **TOL64)
-            if not enc.dynamic:
-                torch.testing.assert_close(got, whole[:, :, start:stop], **TOL64)
-            start = stop
+    schedules = ([1] * 20, [37, 1, 1, 50, 2])
+    for start, stop, got, prefix in _decode(enc, q, k, v, positions, schedules, "reference"):
+        torch.testing.assert_close(got, prefix, **TOL64)
+        if not enc.dynamic:
+            torch.testing.assert_close(got, whole[:, :, start:stop], **TOL64)
     assert enc.dynamic == (spec in ("dca", "dca:chunk_size=40,local_size=8", "string:window=8"))
 
 
@@ -901,18 +911,9 @@ def test_cuda_cached_decoding_equals_one_call_over_each_prefix(spec, cuda_calls)
     T = 150
     q, k, v = (t.to("cuda", torch.float32) for t in _qkv(T, T, seed=7))
     positions = (torch.arange(T)[None] + torch.tensor([[0], [3]])).cuda()
-    for steps in ([1] * 12, [37, 1, 1, 30, 2]):
-        memo, start = bands.RotatedKeys(), 70
-        _attend(enc, q[:, :, :start], k[:, :, :start], v[:, :, :start], positions[:, :start],
-                "fused", 32, memo=memo)  # fmt: skip
-        for n in steps:
-            stop = start + n
-            got = _attend(enc, q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop],
-                          positions[:, :stop], "fused", 32, memo=memo)  # fmt: skip
-            prefix = _attend(enc, q[:, :, :stop], k[:, :, :stop], v[:, :, :stop],
-                             positions[:, :stop], "fused", 32)  # fmt: skip
-            torch.testing.assert_close(got, prefix[:, :, start:], rtol=1e-5, atol=1e-5)
-            start = stop
+    schedules = ([1] * 12, [37, 1, 1, 30, 2])
+    for _, _, got, prefix in _decode(enc, q, k, v, positions, schedules, "fused"):
+        torch.testing.assert_close(got, prefix, rtol=1e-5, atol=1e-5)
     assert cuda_calls["_cuda_efficient"] > 0
 
 
