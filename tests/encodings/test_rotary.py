@@ -542,3 +542,50 @@ def test_the_compiled_kernel_is_chosen_from_min_numel_elements_on_cpu_or_cuda(mo
     assert not rotary._use_compiled(torch.empty(2, 2, 2, 2, device="meta"), training=True)
     rotary._settings["failed"] = "RuntimeError: no compiler"
     assert not rotary._use_compiled(x, training=True)
+
+
+def _half_rotation(x, cos, sin):
+    """The half pairing written out: channel f pairs with f + F, rotated by its angle."""
+    F_ = cos.shape[-1]
+    x1, x2 = x[..., :F_], x[..., F_ : 2 * F_]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * F_ :]], -1)
+
+
+@pytest.mark.parametrize("which", ["cos", "sin"])
+def test_a_table_that_alone_needs_a_gradient_gets_the_definitions(which):
+    """Only cos (or only sin) requires grad, x does not: the rotation is still recorded for
+    autograd and that table's gradient is the written-out rotation's."""
+    from ropekit.encodings.rotary import rotate
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64)
+    w = torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64)
+    grads = []
+    for fn in (rotate, _half_rotation):
+        t = torch.Generator().manual_seed(1)
+        tables = {
+            n: torch.randn(1, 1, 5, 4, generator=t, dtype=torch.float64) for n in ("cos", "sin")
+        }
+        tables[which].requires_grad_()
+        (fn(x, tables["cos"], tables["sin"]) * w).sum().backward()
+        grads.append(tables[which].grad)
+    assert grads[0] is not None
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+
+
+def test_rotation_keeps_x_for_backward_only_when_a_table_needs_a_gradient():
+    """x is saved for the tables' gradients only: with fixed tables the backward needs cos and
+    sin alone, so x's memory is not held by the graph."""
+    from ropekit.encodings.rotary import rotate
+
+    x = torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True)
+    cos, sin = (
+        torch.randn(1, 1, 5, 4, dtype=torch.float64),
+        torch.randn(1, 1, 5, 4, dtype=torch.float64),
+    )
+    for tables_need_grad in (False, True):
+        saved: list[torch.Tensor] = []
+        c, s = cos.clone().requires_grad_(tables_need_grad), sin.clone()
+        with torch.autograd.graph.saved_tensors_hooks(saved.append, lambda t: t):
+            rotate(x, c, s)
+        assert any(t.data_ptr() == x.data_ptr() for t in saved) == tables_need_grad
