@@ -136,6 +136,11 @@ def _train(model: Decoder, ids: torch.Tensor) -> Callable[[], None]:
     return fn
 
 
+def _label(spec: str) -> str:
+    """A method's name in the rows: the remap, and "leaky" for Leaky ReRoPE."""
+    return f"{spec.split(':')[0]}{' leaky' if 'leaky' in spec else ''}"
+
+
 @contextlib.contextmanager
 def _block_size(rows: int, fine: int) -> Iterator[None]:
     """The fused kernel's default query rows per block and per sub-block while inside."""
@@ -194,8 +199,7 @@ def _shaped_rows(device: str, ids: torch.Tensor) -> list[Result]:
     forward = compare({s: _forward(m, ids) for s, m in models.items()}, repeats=3)
     return [
         Result(
-            f"time forward {spec.split(':')[0]}{' leaky' if 'leaky' in spec else ''} vs rope "
-            f"at {length}, {ratio}x, SmolLM2-135M's shape",
+            f"time forward {_label(spec)} vs rope at {length}, {ratio}x, SmolLM2-135M's shape",
             forward[spec] / forward["rope"],
             DCA_FORWARD if spec == "dca" else TARGETS["forward"],
             f"random weights in SmolLM2-135M's shape (d576, 9 heads and 3 kv heads of 64, 30 "
@@ -222,7 +226,7 @@ def _rows(
         trains = {s: _model(s, TRAIN_LENGTH // ratio, device).train() for s in models}
         train = compare({s: _train(m, train_ids) for s, m in trains.items()}, repeats=3)
         for spec in METHODS:
-            name = f"{spec.split(':')[0]}{' leaky' if 'leaky' in spec else ''}"
+            name = _label(spec)
             enc = models[spec].encoding.spec
             where = (
                 f"decoder d64 x2, {ratio}x (trained length {context}), blocks of "
@@ -286,8 +290,7 @@ def _reference_rows(models: dict[str, Decoder], ids: torch.Tensor, forward: dict
     times = compare({s: reference(models[s]) for s in METHODS}, repeats=1, warmup=0)
     return [
         Result(
-            f"time forward {spec.split(':')[0]}{' leaky' if 'leaky' in spec else ''} "
-            f"reference kernel vs rope at {length}, 4x",
+            f"time forward {_label(spec)} reference kernel vs rope at {length}, 4x",
             times[spec] / forward["rope"],
             None,
             f"the eager block-by-block kernel (the oracle): {times[spec]:.2f} s vs rope "

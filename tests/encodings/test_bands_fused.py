@@ -407,13 +407,10 @@ def test_caller_masks_padding_and_additive_agree_with_the_reference():
     )
     w = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     for full in (allowed, additive):
-
-        def mask(start, stop, n, full=full):
-            return full[..., start:stop, :n]
-
+        mask = _rows_of(full)
         results = []
         for kernel in ("fused", "reference"):
-            attend = lambda *a, kernel=kernel: _attend(enc, *a, positions, kernel, 32, mask)  # noqa: E731
+            attend = lambda *a, kernel=kernel, m=mask: _attend(enc, *a, positions, kernel, 32, m)  # noqa: E731
             results.append(output_and_grads(attend, q, k, v, w * keep[:, None, :, None]))
         (out_f, *g_f), (out_r, *g_r) = results
         assert torch.isfinite(out_f).all()
