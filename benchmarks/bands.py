@@ -6,15 +6,15 @@ being 1/2, 1/4 and 1/8 of the sequence, so that the methods' defaults (ReRoPE w 
 k = 16; Self-Extend G = 8, W = 1024; DCA chunk 3/4 L0, local L0/16; STRING S = 0.33 L0,
 W = 128) cross more band boundaries as the ratio grows (DCA: 3, 7 and 15 chunks at 16k).
 
-The remaps attend in bands on the fused kernel (``ropekit.encodings.bands_fused``); plain RoPE
-through PyTorch's causal attention is the reference. A small model is the hard case: its
+The remaps attend in bands on the fused kernel (``ropekit.encodings.bands_fused`` on CPU,
+``bands_flex`` on CUDA); plain RoPE through PyTorch's causal attention is the reference. A
+small model is the hard case: its
 attention is most of its time, and fixed per-call costs weigh most. Each forward row's note
 splits the remap's time into rotation (queries per band, keys per distinct positions), the
 fused kernel calls, the merge and the planning, measured in one instrumented forward; the
 reference kernel's time (the eager block-by-block path, no longer used where the fused one
-runs) is measured at 4x for comparison. On CUDA the run first sweeps the fused kernel's block
-size (``SWEEP``: a GPU runs small pieces in about the time of large ones) and takes the fastest,
-and adds each remap's forward on random weights in SmolLM2-135M's shape.
+runs) is measured at 4x for comparison. On CUDA the run adds each remap's forward on random
+weights in SmolLM2-135M's shape.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ropekit.encodings import bands, bands_fused
+from ropekit.encodings import bands, bands_flex, bands_fused
 from ropekit.model import Decoder, DecoderConfig, KVCache
 
 from .common import Result, compare, mib, peak_memory, sync
@@ -37,9 +37,6 @@ RATIOS = (2, 4, 8)
 METHODS = ("rerope", "rerope:leaky=16", "self-extend", "dca", "string")
 TARGETS = {"forward": 1.5, "decode": 1.5, "train": 2.0, "memory": 1.3}
 DCA_FORWARD = 1.3  # DCA's bands are chunk-aligned: nearly one causal attention
-# (query rows per block, per sub-block) tried on CUDA, where the kernel's calls are queued
-# launches and fewer, larger blocks may pay; the CPU's default is the first.
-SWEEP = ((768, 64), (2048, 128), (4096, 256), (8192, 512), (16384, 1024))
 # SmolLM2-135M's shape with random weights (CUDA only: there a small decoder's time is kernel
 # launches, and this shape shows the cost where the arithmetic weighs; the real model's CPU
 # rows are benchmarks/smollm2.py's).
@@ -53,16 +50,43 @@ def _model(spec: str, context: int, device: str) -> Decoder:
     return Decoder(config).to(device)
 
 
-@contextlib.contextmanager
-def _timing(spent: collections.Counter) -> Iterator[None]:
-    """Add the seconds spent in the fused kernel's parts to ``spent`` while inside."""
-    wrapped = {
+# The parts of each fused kernel, timed in a forward's split.
+_PARTS = {
+    "pieces": {
         (bands_fused, "_kernel"): "kernel",
         (bands_fused, "_merge"): "merge",
-        (bands_fused, "_index_bounds"): "plan",
+        (bands_fused, "index_bounds"): "plan",
         (bands_fused, "_blocks"): "plan",
         (bands, "_rotate_keys"): "rotation",
-    }
+    },
+    "flex": {
+        (bands_flex, "_attend"): "kernel",
+        (bands_flex, "_merge"): "merge",
+        (bands_fused, "index_bounds"): "plan",
+        (bands_flex, "tiles"): "plan",
+        (bands_flex, "_block_mask"): "plan",
+        (bands, "_rotate_keys"): "rotation",
+    },
+}
+
+
+def _kernel(device: str) -> str:
+    """Which fused kernel runs on the device: FlexAttention on CUDA where it compiled (a
+    failure is recorded by the first forward), else the pieces."""
+    return "flex" if device == "cuda" and not bands_flex._failure else "pieces"
+
+
+def _where(device: str) -> str:
+    """How the device's fused kernel splits the work, for the rows' notes."""
+    if _kernel(device) == "flex":
+        return f"FlexAttention tiles of {bands_flex.TILE}"
+    return f"blocks of {bands_fused.BLOCK_ROWS} rows"
+
+
+@contextlib.contextmanager
+def _timing(spent: collections.Counter, device: str) -> Iterator[None]:
+    """Add the seconds spent in the fused kernel's parts to ``spent`` while inside."""
+    wrapped = _PARTS[_kernel(device)]
     originals = {key: getattr(*key) for key in wrapped}
 
     def timed(fn: Callable, label: str) -> Callable:
@@ -87,11 +111,11 @@ def _timing(spent: collections.Counter) -> Iterator[None]:
             setattr(module, name, fn)
 
 
-def _split(fn: Callable[[], None], unit: str = "s", scale: float = 1.0) -> str:
+def _split(fn: Callable[[], None], device: str, unit: str = "s", scale: float = 1.0) -> str:
     """Where one call of ``fn`` spends its time (queries are rotated inside the fused call:
     the rest of the time is their rotation, the model's other layers and bookkeeping)."""
     spent: collections.Counter = collections.Counter()
-    with torch.no_grad(), _timing(spent):
+    with torch.no_grad(), _timing(spent, device):
         sync()
         start = time.perf_counter()
         fn()
@@ -141,51 +165,14 @@ def _label(spec: str) -> str:
     return f"{spec.split(':')[0]}{' leaky' if 'leaky' in spec else ''}"
 
 
-@contextlib.contextmanager
-def _block_size(rows: int, fine: int) -> Iterator[None]:
-    """The fused kernel's default query rows per block and per sub-block while inside."""
-    old = bands_fused.BLOCK_ROWS, bands_fused.FINE_ROWS
-    bands_fused.BLOCK_ROWS, bands_fused.FINE_ROWS = rows, fine
-    try:
-        yield
-    finally:
-        bands_fused.BLOCK_ROWS, bands_fused.FINE_ROWS = old
-
-
-def _sweep(device: str, ids: torch.Tensor) -> tuple[list[Result], tuple[int, int]]:
-    """Leaky ReRoPE's forward at 4x against RoPE's for each block size in ``SWEEP``: the rows,
-    and the fastest (rows, fine rows), which the rest of a CUDA run uses."""
-    length, spec = ids.shape[1], "rerope:leaky=16"
-    models = {s: _model(s, length // 4, device).eval() for s in ("rope", spec)}
-    results, ratios = [], {}
-    for rows, fine in SWEEP:
-        with _block_size(rows, fine):
-            times = compare({s: _forward(m, ids) for s, m in models.items()}, repeats=3)
-        ratios[(rows, fine)] = times[spec] / times["rope"]
-        results.append(
-            Result(
-                f"time forward rerope leaky vs rope at {length}, 4x, blocks of {rows} rows",
-                ratios[(rows, fine)],
-                TARGETS["forward"],
-                f"decoder d64 x2, 4x (trained length {length // 4}), 1 x {length}, no grad, "
-                f"{rows} query rows per block, {fine} per sub-block at a band boundary: "
-                f"{times[spec] * 1e3:.2f} ms vs {times['rope'] * 1e3:.2f} ms",
-            )
-        )
-    return results, min(ratios, key=ratios.__getitem__)
-
-
 def run(device: str = "cpu", length: int = LENGTH) -> list[Result]:
     ids = torch.randint(0, 256, (1, length), device=device)
     step_ids = torch.randint(0, 256, (1, length + 1), device=device)
     train_ids = torch.randint(0, 256, (1, TRAIN_LENGTH), device=device)
-    results: list[Result] = []
-    if device == "cuda":  # launches, not arithmetic, weigh most there: find the block size
-        results, best = _sweep(device, ids)
-        with _block_size(*best):
-            results += _rows(device, length, ids, step_ids, train_ids)
-            return results + _shaped_rows(device, ids)
-    return _rows(device, length, ids, step_ids, train_ids)
+    results = _rows(device, length, ids, step_ids, train_ids)
+    if device == "cuda":  # launches weigh most in the small decoder there: add a larger shape
+        results += _shaped_rows(device, ids)
+    return results
 
 
 def _shaped_rows(device: str, ids: torch.Tensor) -> list[Result]:
@@ -203,8 +190,8 @@ def _shaped_rows(device: str, ids: torch.Tensor) -> list[Result]:
             forward[spec] / forward["rope"],
             DCA_FORWARD if spec == "dca" else TARGETS["forward"],
             f"random weights in SmolLM2-135M's shape (d576, 9 heads and 3 kv heads of 64, 30 "
-            f"layers), trained length {length // ratio}, 1 x {length}, no grad, blocks of "
-            f"{bands_fused.BLOCK_ROWS} rows: {forward[spec] * 1e3:.1f} ms vs "
+            f"layers), trained length {length // ratio}, 1 x {length}, no grad, "
+            f"{_where(device)}: {forward[spec] * 1e3:.1f} ms vs "
             f"{forward['rope'] * 1e3:.1f} ms",
         )
         for spec in METHODS
@@ -228,12 +215,9 @@ def _rows(
         for spec in METHODS:
             name = _label(spec)
             enc = models[spec].encoding.spec
-            where = (
-                f"decoder d64 x2, {ratio}x (trained length {context}), blocks of "
-                f"{bands_fused.BLOCK_ROWS} rows"
-            )
-            split = _split(_forward(models[spec], ids))
-            step_split = _split(_decode(models[spec], step_ids), "ms", 1e3)
+            where = f"decoder d64 x2, {ratio}x (trained length {context}), {_where(device)}"
+            split = _split(_forward(models[spec], ids), device)
+            step_split = _split(_decode(models[spec], step_ids), device, "ms", 1e3)
             forward_target = DCA_FORWARD if spec == "dca" else TARGETS["forward"]
             results += [
                 Result(
@@ -276,14 +260,15 @@ def _reference_rows(models: dict[str, Decoder], ids: torch.Tensor, forward: dict
 
     def reference(model: Decoder) -> Callable[[], None]:
         def fn() -> None:
-            original = bands_fused.supported
-            bands_fused.supported = lambda q, key_positions: "benchmark: the reference kernel"
+            originals = bands_fused.supported, bands_flex.supported
+            refuse = lambda q, key_positions: "benchmark: the reference kernel"  # noqa: E731
+            bands_fused.supported = bands_flex.supported = refuse
             bands._FALLBACKS.add("benchmark: the reference kernel")  # no warning for this
             try:
                 with torch.no_grad():
                     model(ids)
             finally:
-                bands_fused.supported = original
+                bands_fused.supported, bands_flex.supported = originals
 
         return fn
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ropekit.encodings import banded_attention, bands, bands_fused, build
+from ropekit.encodings import banded_attention, bands, bands_flex, bands_fused, build
 
 from .conftest import output_and_grads
 from .test_remap import CASES, SHAPE, brute_force
@@ -67,7 +67,7 @@ def _coverage(enc, q_pos, k_pos, rows, fine, monkeypatch):
     monkeypatch.setattr(bands_fused, "FINE_ROWS", fine)
     band_list = enc.bands(q_pos, k_pos)
     T, S = q_pos.shape[-1], k_pos.shape[-1]
-    first, stop = bands_fused._index_bounds(band_list, k_pos, T, S - T)
+    first, stop = bands_fused.index_bounds(band_list, k_pos, T, S - T)
     return _count(first, stop, S, rows, fine)
 
 
@@ -180,7 +180,7 @@ def test_index_bounds_count_the_keys_before_each_bound_and_the_causal_limit():
     ]
     j = torch.arange(S)
     for offset in (None, -4, 0, S - T, S - T + 3):
-        first, stop = bands_fused._index_bounds(band_list, pos, T, offset)
+        first, stop = bands_fused.index_bounds(band_list, pos, T, offset)
         assert first.shape == stop.shape == (4, 2, T)
         assert first.dtype == stop.dtype == torch.long
         for b, band in enumerate(band_list):
@@ -389,6 +389,11 @@ def test_a_logit_scale_other_than_the_default_is_used_forward_and_backward():
         results.append(output_and_grads(fn, q, k, v, w))
     for got, expected in zip(*results, strict=True):
         torch.testing.assert_close(got, expected, **TOL64)
+
+
+def _rows_of(full: torch.Tensor):
+    """A caller's mask function over a full (B, 1, T, S) mask."""
+    return lambda start, stop, n: full[..., start:stop, :n]
 
 
 def test_caller_masks_padding_and_additive_agree_with_the_reference():
@@ -668,7 +673,7 @@ def test_the_layout_is_reused_only_for_the_same_bands_positions_and_block_rows(m
     narrow, wide = _enc("rerope:window=4").bands(pos, pos), _enc("rerope:window=16").bands(pos, pos)
 
     def fresh(band_list, rows):
-        first, stop = bands_fused._index_bounds(band_list, pos, 40, 0)
+        first, stop = bands_fused.index_bounds(band_list, pos, 40, 0)
         return first, stop, bands_fused._blocks(first, stop, rows, bands_fused.FINE_ROWS)
 
     def check(got, band_list, rows):
@@ -762,8 +767,9 @@ def test_a_callers_mask_of_n_key_columns_and_of_another_float_dtype_is_used():
 
 
 # ----------------------------------------------------------------------------- on CUDA
-# The kernel on CUDA is the memory-efficient op; these tests hold it to the float64 reference
-# on the CPU, within plain RoPE's own error through the same op in the same precision.
+# The pieces on CUDA run on the memory-efficient op (where FlexAttention, ``bands_flex``, cannot
+# be compiled); these tests hold them to the float64 reference on the CPU, within plain RoPE's
+# own error through the same op in the same precision.
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -784,6 +790,7 @@ def cuda_calls(monkeypatch) -> collections.Counter:
 
     for name in ("_cuda_efficient", "_cuda_efficient_backward"):
         monkeypatch.setattr(bands_fused, name, spy(name))
+    monkeypatch.setattr(bands_flex, "supported", lambda q, key_positions: "the pieces under test")
     return calls
 
 
@@ -857,11 +864,6 @@ def test_cuda_is_within_plain_ropes_own_error_forward_and_backward(spec, dtype, 
             assert _rms(g, e) <= bound * _rms(r, re), (name, rows, _rms(g, e), _rms(r, re))
             own = float((r.double().cpu() - re).abs().max())
             assert float((g.double().cpu() - e).abs().max()) <= 2 * bound * own, (name, rows)
-
-
-def _rows_of(full: torch.Tensor):
-    """A caller's mask function over a full (B, 1, T, S) mask."""
-    return lambda start, stop, n: full[..., start:stop, :n]
 
 
 @cuda

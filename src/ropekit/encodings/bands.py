@@ -20,10 +20,12 @@ neighbours and groups; DCA: intra-, successive- and inter-chunk; STRING: near an
 Plain RoPE is one band covering every key. ``banded_attention`` computes this (to round-off) with
 one of two kernels, held together by tests (house style of ``rotary.py``):
 
-- ``fused`` (default, ``bands_fused``): each band's keys for a block of query rows are at most
+- ``fused`` (default): ``bands_fused``: each band's keys for a block of query rows are at most
   a few contiguous *pieces*, each one call of PyTorch's fused attention kernel returning its
   log-sum-exp (the CPU's flash op, CUDA's memory-efficient op), merged by log-sum-exp (exact
-  up to round-off); on CPU about the cost of one causal attention;
+  up to round-off), on CPU about the cost of one causal attention; on CUDA first
+  ``bands_flex``: each band one FlexAttention call over a block mask of the tiles its keys
+  reach, merged the same way (the pieces where FlexAttention cannot be compiled);
 - ``reference``: block by block over query rows, per block and band the ordinary q k^T on the
   band's keys, the logits of each pair taken from the band that covers it, then one softmax
   over the block's row (the selected-logits form of an exact log-sum-exp merge). A block holds
@@ -56,7 +58,7 @@ import torch
 from torch import Tensor
 from torch.utils import checkpoint as activation_checkpoint
 
-from . import bands_fused
+from . import bands_flex, bands_fused
 
 KERNELS = ("fused", "reference")
 _FALLBACKS: set[str] = set()  # reasons already warned about (once per process)
@@ -347,11 +349,13 @@ def banded_attention(
     [start, stop) and keys [0, n), broadcastable to (B, H, R, n), bool (True = visible) or
     float (added to the logits), or None.
 
-    ``kernel``: ``fused`` (default; ``bands_fused``: each band on PyTorch's fused attention
-    kernel, merged by log-sum-exp) or ``reference`` (block by block in eager PyTorch, the
-    oracle). Where the fused kernel cannot run (``bands_fused.supported``: another device,
-    packed documents) the reference runs instead, with one warning naming why.
-    ``block_rows``: the fused kernel's query rows per block (None: ``bands_fused.BLOCK_ROWS``).
+    ``kernel``: ``fused`` (default; each band on a fused attention kernel, merged by
+    log-sum-exp: ``bands_flex`` on CUDA where FlexAttention compiles, else ``bands_fused``) or
+    ``reference`` (block by block in eager PyTorch, the oracle). Where the fused kernel cannot
+    run (``bands_fused.supported``: another device, float64 on CUDA, packed documents) the
+    reference runs instead, with one warning naming why. ``block_rows``: ``bands_fused``'s query
+    rows per block (None: ``bands_fused.BLOCK_ROWS``; FlexAttention's tiles are
+    ``bands_flex.TILE``).
     ``block_entries``: the reference's logits per block of query rows; None: the larger of
     ``BLOCK_ENTRIES`` and q's entries (comment at ``BLOCK_ENTRIES``). ``rotated_keys``: a KV
     cache's ``RotatedKeys``, so that keys rotated by an earlier call are not rotated again.
@@ -365,10 +369,14 @@ def banded_attention(
         why = bands_fused.supported(q, key_positions)
         if why is None:
             slots, keys = _rotate_keys(k, bands, rotate, rotated_keys)
-            return bands_fused.fused_banded_attention(
-                q, keys, v, bands, key_positions, rotate, slots=slots, scale=scale,
-                causal_offset=causal_offset, mask=mask, block_rows=block_rows,
-            )  # fmt: skip
+            args = (q, keys, v, bands, key_positions, rotate)
+            common = {"slots": slots, "scale": scale, "causal_offset": causal_offset, "mask": mask}
+            if bands_flex.supported(q, key_positions) is None:  # CUDA, where it compiles
+                try:
+                    return bands_flex.flex_banded_attention(*args, **common)
+                except bands_flex.Unavailable:
+                    pass  # warned about once; the pieces need no compiler
+            return bands_fused.fused_banded_attention(*args, **common, block_rows=block_rows)
         _fall_back(why)
     return _reference(
         q, k, v, bands, key_positions, rotate, scale, causal_offset, mask, block_entries,

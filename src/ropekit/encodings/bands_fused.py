@@ -42,12 +42,16 @@ Rows that see no key (padding) give zeros, as the reference does: the kernel ret
 for a fully masked row, so such rows' lse is set to -inf before the merge (+inf in backward,
 so their weights are exp(-inf) = 0 there too).
 
+On CUDA, ``bands.banded_attention`` first takes ``bands_flex`` (each band one FlexAttention
+call over the tiles it reaches: fewer launches, no logit of a skipped tile), and this module's
+pieces where FlexAttention cannot be compiled.
+
 Limits: the CPU op takes float64, float32, bfloat16 and float16, the CUDA op all but float64;
 other devices have no kernel here; key ranges need non-decreasing key positions.
 ``bands.banded_attention`` checks ``supported`` and otherwise takes the reference kernel, with
 one warning naming why.
 
-Holds: BLOCK_ROWS, FINE_ROWS, supported, fused_banded_attention.
+Holds: BLOCK_ROWS, FINE_ROWS, supported, why_no_ranges, index_bounds, fused_banded_attention.
 """
 
 from __future__ import annotations
@@ -96,6 +100,12 @@ def supported(q: Tensor, key_positions: Tensor) -> str | None:
         return f"the fused band kernel runs on CPU and CUDA only (tensors on {device})"
     if q.dtype not in _DTYPES[device]:
         return f"the fused band kernel on {device.upper()} does not take {q.dtype}"
+    return why_no_ranges(key_positions)
+
+
+def why_no_ranges(key_positions: Tensor) -> str | None:
+    """None when every band's keys are one index range per query row (key positions that
+    never decrease along a row); else why not."""
     S = key_positions.shape[-1]
     if S > 1 and not bool((key_positions[:, 1:] >= key_positions[:, :-1]).all()):
         return "key positions decrease along a row (packed documents): no key ranges"
@@ -143,7 +153,7 @@ class _Plan:
     slots: tuple[int, ...]  # band -> index of its rotated keys (bands sharing key positions)
 
 
-def _index_bounds(
+def index_bounds(
     bands: Sequence[Any], key_positions: Tensor, T: int, causal_offset: int | None
 ) -> tuple[Tensor, Tensor]:
     """first, stop (n_bands, B', T) int64: band b covers key indices first <= j < stop of query
@@ -507,7 +517,7 @@ def _layout(
         same = old_key == key and all(a is b for a, b in zip(old_bands, bands, strict=True))
         if same and old_positions.matches(key_positions):
             return layout
-    first, stop = _index_bounds(bands, key_positions, T, causal_offset)
+    first, stop = index_bounds(bands, key_positions, T, causal_offset)
     layout = (first, stop, _blocks(first, stop, rows, FINE_ROWS))
     _last_layout[:] = [((key, tuple(bands), PositionsKey(key_positions)), layout)]
     return layout

@@ -1,0 +1,413 @@
+"""The CUDA band kernel (``encodings/bands_flex.py``). On any machine: its tiles against a
+brute-force count of each tile's pairs, its mask functions and merge against the reference
+kernel in float64 (FlexAttention's eager reference forward), and its merge's gradients through
+a dense definition of what each FlexAttention call computes. On CUDA (``make cuda-check``):
+forward and backward within plain RoPE's own error in float32 and half precision, masks,
+cached decoding, the float64 fallback, and a decoder's training step and decoding."""
+
+from __future__ import annotations
+
+import collections
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ropekit.encodings import bands, bands_flex, bands_fused
+
+from .conftest import output_and_grads
+from .test_bands_fused import LONG, TOL64, _attend, _decode, _enc, _qkv, _rows_of
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+
+
+def _flex(enc, q, k, v, key_positions, mask=None):
+    """bands_flex on any device (the dispatch sends only CUDA tensors to it)."""
+    T, S = q.shape[2], k.shape[2]
+    band_list = enc.bands(key_positions[:, S - T :], key_positions)
+    slots, keys = bands._rotate_keys(k, band_list, enc.rotate_band)
+    return bands_flex.flex_banded_attention(
+        q, keys, v, band_list, key_positions, enc.rotate_band, slots=slots,
+        scale=q.shape[-1] ** -0.5, causal_offset=S - T, mask=mask,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the tiles
+def _tile_counts(first, stop, rows, keys, tile):
+    """Per band, batch row and (query tile, key tile) of the padded grid: the pairs the band
+    covers, and the pairs of real rows the tile has (padded keys count: no band covers them)."""
+    n_bands, batch = first.shape[:2]
+    j = torch.arange(keys)
+    member = (j >= first[..., None]) & (j < stop[..., None])  # (n_bands, B', T, keys)
+    nM, nN = rows // tile, keys // tile
+    covered = torch.zeros(n_bands, batch, nM, nN, dtype=torch.long)
+    size = torch.zeros(nM, nN, dtype=torch.long)
+    for t in range(nM):
+        for u in range(nN):
+            cell = member[..., t * tile : (t + 1) * tile, u * tile : (u + 1) * tile]
+            covered[..., t, u] = cell.sum((-1, -2))
+            size[t, u] = cell.shape[-1] * cell.shape[-2]
+    return covered, size
+
+
+@pytest.mark.parametrize("spec", LONG)
+@pytest.mark.parametrize(("T", "tile"), [(200, 16), (131, 8), (64, 128)])
+def test_tiles_are_full_exactly_where_every_pair_is_covered_and_partial_where_some_is(
+    spec, T, tile
+):
+    """Against a brute-force count of each tile's pairs over the padded grid: full iff the
+    band covers every pair of the tile's real rows (a padded key is never covered), partial
+    iff some but not every pair; offset batch rows, and a prefix whose query rows start past
+    the first key (the causal limit cuts tiles on the diagonal)."""
+    enc = _enc(spec)
+    positions = torch.arange(T)[None] + torch.tensor([[0], [13]])
+    for n in (T, T // 3):  # a whole sequence, then its last rows as queries
+        band_list = enc.bands(positions[:, T - n :], positions)
+        first, stop = bands_fused.index_bounds(band_list, positions, n, T - n)
+        rows, keys = -(-n // tile) * tile + tile, -(-T // tile) * tile + tile  # a spare tile
+        partial, full = bands_flex.tiles(first, stop, rows, keys, tile)
+        covered, size = _tile_counts(first, stop, rows, keys, tile)
+        assert torch.equal(full, (covered == size) & (size > 0))
+        assert torch.equal(partial, (covered > 0) & (covered < size))
+
+
+def test_tiles_of_rows_without_keys_are_never_full_and_a_padded_row_is_no_rows_concern():
+    """A row with first >= stop sees nothing: it makes no tile full and reaches none; padded
+    rows (past T) neither reach a tile nor keep one from being full."""
+    first = torch.tensor([[[0, 0, 5, 5, 0]]])  # (1 band, 1 batch row, T = 5)
+    stop = torch.tensor([[[4, 4, 5, 2, 2]]])  # rows 2 and 3: no keys
+    partial, full = bands_flex.tiles(first, stop, 6, 6, tile=2)
+    assert full.tolist() == [[[[True, True, False], [False, False, False], [True, False, False]]]]
+    assert not partial.any()
+
+
+def test_padded_lengths_are_powers_of_two_of_at_least_one_tile():
+    assert [bands_flex.padded(n) for n in (1, 128, 129, 300, 16384, 16385)] == [
+        128, 128, 256, 512, 16384, 32768,
+    ]  # fmt: skip
+
+
+def test_the_block_mask_lists_the_partial_and_full_tiles_of_each_row_of_tiles():
+    partial = torch.tensor([[[True, False, True], [False, False, False]]])  # (B', nM, nN)
+    full = torch.tensor([[[False, True, False], [True, True, False]]])
+    block_mask = bands_flex._block_mask(partial, full, lambda b, h, r, j: j >= 0, True)
+    assert block_mask.kv_num_blocks.tolist() == [[[2, 0]]]
+    assert block_mask.full_kv_num_blocks.tolist() == [[[1, 2]]]
+    assert block_mask.kv_indices[0, 0, 0, :2].tolist() == [0, 2]
+    assert block_mask.full_kv_indices[0, 0, 0, :1].tolist() == [1]
+    assert block_mask.full_kv_indices[0, 0, 1, :2].tolist() == [0, 1]
+    assert block_mask.seq_lengths == (256, 384)
+    assert block_mask.q_num_blocks is not None  # the backward's lists
+    assert bands_flex._block_mask(partial, full, lambda *a: True, False).q_num_blocks is None
+
+
+# ----------------------------------------------------------------------------- the values
+@pytest.mark.parametrize("spec", LONG)
+def test_flex_equals_the_reference_kernel_in_float64(spec):
+    """The mask functions and the merge, through FlexAttention's eager reference (which
+    evaluates the mask on every pair): offset rows, a whole sequence and its last rows."""
+    T = 200
+    q, k, v = _qkv(T, T, seed=1)
+    positions = torch.arange(T)[None] + torch.tensor([[0], [13]])
+    enc = _enc(spec)
+    for rows in (T, 37, 1):
+        got = _flex(enc, q[:, :, T - rows :], k, v, positions)
+        expected = _attend(enc, q[:, :, T - rows :], k, v, positions, "reference")
+        torch.testing.assert_close(got, expected, **TOL64)
+
+
+def test_callers_boolean_and_additive_masks_agree_with_the_reference():
+    """transformers' masks with left padding: the boolean joins the range test, the additive
+    one is added to the logits; rows that see nothing give zeros."""
+    enc = _enc("string:shift=30,window=4")
+    T = 120
+    q, k, v = _qkv(T, T, seed=6)
+    positions = (torch.arange(T)[None] - torch.tensor([[0], [17]])).clamp(min=0)
+    keep = torch.ones(2, T, dtype=torch.bool)
+    keep[1, :17] = False
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+    additive = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -1e30)
+    rows = keep[:, None, :, None]
+    for full in (allowed, additive, allowed[0, 0]):
+        mask = _rows_of(full)
+        got = _flex(enc, q, k, v, positions, mask)
+        expected = _attend(enc, q, k, v, positions, "reference", None, mask)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got * rows, expected * rows, **TOL64)
+    assert not _flex(enc, q, k, v, positions, _rows_of(allowed))[1, :, :17].any()
+
+
+def _dense_attend(q, k, v, block_mask, score_mod, scale):
+    """What one FlexAttention call computes, written densely (differentiable on any device):
+    the mask function on every pair, the score modification on every logit; rows with no key
+    give out 0 and lse -inf."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    k, v = (t.repeat_interleave(H // k.shape[1], 1) for t in (k, v))
+    b, h = torch.arange(B)[:, None, None, None], torch.arange(H)[None, :, None, None]
+    r, j = torch.arange(T)[None, None, :, None], torch.arange(S)[None, None, None, :]
+    scores = scale * q @ k.transpose(-1, -2)
+    if score_mod is not None:
+        scores = score_mod(scores, b, h, r, j)
+    scores = scores.masked_fill(~block_mask.mask_mod(b, h, r, j), float("-inf"))
+    top = scores.detach().amax(-1, keepdim=True)
+    e = (scores - torch.where(torch.isfinite(top), top, 0)).exp()
+    total = e.sum(-1).clamp_min(torch.finfo(e.dtype).tiny)
+    lse = torch.where(e.sum(-1) > 0, top[..., 0] + total.log(), float("-inf"))
+    return (e / total[..., None]) @ v, lse
+
+
+@pytest.mark.parametrize("spec", LONG)
+def test_the_merge_passes_exact_gradients_through_each_bands_out_and_lse(spec, monkeypatch):
+    """With each call written densely, output and q/k/v gradients equal the reference
+    kernel's in float64: the merge's reference point is held constant for autograd, and the
+    gradient of each band's lse carries the rest (module docstring, 3)."""
+    monkeypatch.setattr(bands_flex, "_attend", _dense_attend)
+    T = 90
+    q, k, v = _qkv(T, T, seed=2)
+    positions = torch.arange(T)[None] + torch.tensor([[0], [5]])
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    enc = _enc(spec)
+    got = output_and_grads(lambda *a: _flex(enc, *a, positions), q, k, v, w)
+    expected = output_and_grads(lambda *a: _attend(enc, *a, positions, "reference"), q, k, v, w)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, **TOL64)
+
+
+def test_rows_no_band_reaches_merge_to_zeros_with_zero_gradients():
+    outs = [torch.randn(1, 1, 3, 2, requires_grad=True) for _ in range(2)]
+    lses = [torch.tensor([[[0.5, float("-inf"), 1.0]]]), torch.full((1, 1, 3), float("-inf"))]
+    lses = [t.requires_grad_() for t in lses]
+    merged = bands_flex._merge(outs, lses)
+    assert torch.equal(merged[0, 0, 1], torch.zeros(2))
+    torch.testing.assert_close(merged[0, 0, 0], outs[0][0, 0, 0])
+    merged.sum().backward()
+    for t in (*outs, *lses):
+        assert torch.isfinite(t.grad).all()
+    assert not outs[1].grad.any() and not outs[0].grad[0, 0, 1].any()
+
+
+def test_supported_names_what_the_flex_kernel_cannot_take(monkeypatch):
+    """Its device, its dtypes, and a compile failure earlier in the process (queries stood in
+    by what ``supported`` reads of them: no GPU here)."""
+    positions = torch.arange(4)[None]
+    assert bands_flex.supported(torch.zeros(1, 1, 4, 16), positions) == (
+        "the FlexAttention band kernel runs on CUDA only (tensors on cpu)"
+    )
+    on_cuda = lambda dtype: types.SimpleNamespace(device=torch.device("cuda"), dtype=dtype)  # noqa: E731
+    assert bands_flex.supported(on_cuda(torch.bfloat16), positions) is None
+    assert bands_flex.supported(on_cuda(torch.float64), positions) == (
+        "the FlexAttention band kernel does not take torch.float64"
+    )
+    monkeypatch.setattr(bands_flex, "_failure", ["InductorError: no kernel"])
+    assert bands_flex.supported(on_cuda(torch.float32), positions) == (
+        "FlexAttention failed to compile here (InductorError: no kernel)"
+    )
+
+
+def test_a_compile_failure_warns_once_and_sends_the_process_to_the_pieces(monkeypatch):
+    """Where FlexAttention does not compile, the call and every later one take the fused
+    kernel's pieces (here the CPU's), with one warning naming the failure."""
+
+    def broken(key):
+        def fail(*args):
+            raise RuntimeError("NoValidChoicesError: No choices to select\nmore lines")
+
+        return fail
+
+    monkeypatch.setattr(bands_flex, "_failure", [])
+    monkeypatch.setattr(bands_flex, "_compiled", broken)
+    monkeypatch.setattr(bands_flex, "_use_compiled", lambda q: True)
+    monkeypatch.setattr(
+        bands_flex,
+        "supported",
+        lambda q, p: bands_flex._failure[0] if bands_flex._failure else None,
+    )
+    enc = _enc("rerope:window=16,leaky=4")
+    q, k, v = _qkv(50, 50, seed=5)
+    positions = torch.arange(50)[None]
+    expected = _attend(enc, q, k, v, positions, "reference")
+    with pytest.warns(RuntimeWarning, match="FlexAttention failed to compile") as record:
+        first = _attend(enc, q, k, v, positions, "fused")
+        again = _attend(enc, q, k, v, positions, "fused")
+    assert len([w for w in record if "FlexAttention" in str(w.message)]) == 1
+    assert bands_flex._failure == ["RuntimeError: NoValidChoicesError: No choices to select"]
+    torch.testing.assert_close(first, expected, **TOL64)
+    torch.testing.assert_close(again, expected, **TOL64)
+
+
+def test_the_cpu_never_takes_the_flex_kernel(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the flex kernel ran on CPU")
+
+    monkeypatch.setattr(bands_flex, "flex_banded_attention", refuse)
+    q, k, v = _qkv(20, 20, seed=3)
+    _attend(_enc("dca"), q, k, v, torch.arange(20)[None], "fused")
+
+
+# ----------------------------------------------------------------------------- on CUDA
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def flex_calls(monkeypatch) -> collections.Counter:
+    """Compiled FlexAttention calls on CUDA: a result that fell back to the reference kernel
+    would otherwise pass these tests unnoticed."""
+    calls: collections.Counter = collections.Counter()
+    attend = bands_flex._attend
+
+    def spy(q, *args):
+        calls["cuda" if q.is_cuda else q.device.type] += 1
+        return attend(q, *args)
+
+    monkeypatch.setattr(bands_flex, "_attend", spy)
+    return calls
+
+
+def _plain(rope, positions):
+    """Plain RoPE through ordinary fused attention (CUDA's memory-efficient kernel, keys
+    repeated per query head): the error of ordinary attention on this device in the inputs'
+    precision."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attend(q, k, v):
+        group = q.shape[1] // k.shape[1]
+        q, k = rope.rotate_q(q, positions), rope.rotate_k(k, positions)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        backend = SDPBackend.EFFICIENT_ATTENTION if q.is_cuda else SDPBackend.MATH
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return attend
+
+
+def _rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double().cpu() - b.double().cpu()).pow(2).mean().sqrt())
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", LONG)
+def test_cuda_is_within_plain_ropes_own_error_forward_and_backward(spec, dtype, flex_calls):
+    """Output and q/k/v gradients on CUDA, offset rows, against the float64 reference: RMS
+    error within 2x (max within 4x) of plain RoPE's own through ordinary fused attention in
+    the same dtype against float64. Except dq and dk in half precision: within 3x (max 6x),
+    since each band rotates (and scales) the queries, and each distinct key position set the
+    keys, in that precision, and their gradients come back through every rotation."""
+    T = 300
+    q, k, v = _qkv(T, T, seed=11)
+    positions = torch.arange(T)[None] + torch.tensor([[0], [13]])
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    exact = output_and_grads(lambda *a: _attend(_enc(spec), *a, positions, "reference"), q, k, v, w)
+    rope_exact = output_and_grads(_plain(_enc("rope"), positions), q, k, v, w)
+    low = [t.to("cuda", dtype) for t in (q, k, v, w)]
+    rope_low = output_and_grads(_plain(_enc("rope", dtype).cuda(), positions.cuda()), *low)
+    enc = _enc(spec, dtype).cuda()
+    flex_calls.clear()
+    got = output_and_grads(lambda *a: _attend(enc, *a, positions.cuda(), "fused"), *low)
+    assert flex_calls["cuda"] > 0
+    names = ("out", "dq", "dk", "dv")
+    for name, g, e, r, re in zip(names, got, exact, rope_low, rope_exact, strict=True):
+        assert g.device.type == "cuda" and g.dtype == dtype, name
+        assert torch.isfinite(g).all(), name
+        bound = 3 if name in ("dq", "dk") and dtype != torch.float32 else 2
+        assert _rms(g, e) <= bound * _rms(r, re), (name, _rms(g, e), _rms(r, re))
+        own = float((r.double().cpu() - re).abs().max())
+        assert float((g.double().cpu() - e).abs().max()) <= 2 * bound * own, name
+
+
+@cuda
+def test_cuda_caller_masks_padding_and_additive_agree_with_the_reference(flex_calls):
+    """transformers' boolean and additive masks with left padding on CUDA: rows that see no
+    key give zeros, the rest the float64 reference's output and gradients in float32."""
+    enc = _enc("string:shift=30,window=4")
+    T = 120
+    q, k, v = _qkv(T, T, seed=6)
+    positions = (torch.arange(T)[None] - torch.tensor([[0], [17]])).clamp(min=0)
+    keep = torch.ones(2, T, dtype=torch.bool)
+    keep[1, :17] = False
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+    w = torch.randn(q.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    w = w * keep[:, None, :, None]
+    gpu = [t.to("cuda", torch.float32) for t in (q, k, v, w)]
+    enc32 = _enc("string:shift=30,window=4", torch.float32).cuda()
+    additive = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, -1e30)
+    for full in (allowed, additive):
+        mask = _rows_of(full)
+        exact = output_and_grads(
+            lambda *a, m=mask: _attend(enc, *a, positions, "reference", None, m), q, k, v, w
+        )
+        on = _rows_of(full.cuda() if full.dtype == torch.bool else full.to("cuda", torch.float32))
+        got = output_and_grads(
+            lambda *a, m=on: _attend(enc32, *a, positions.cuda(), "fused", None, m), *gpu
+        )
+        assert flex_calls["cuda"] > 0
+        assert torch.isfinite(got[0]).all()
+        if full.dtype == torch.bool:  # an additive -1e30 leaves rows a softmax over equals
+            assert not got[0][1, :, :17].any()
+        rows = keep[:, None, :, None]
+        torch.testing.assert_close(got[0].cpu().double() * rows, exact[0] * rows, rtol=1e-4,
+                                   atol=1e-5)  # fmt: skip
+        for grad, expected in zip(got[1:], exact[1:], strict=True):
+            torch.testing.assert_close(grad.cpu().double(), expected, rtol=1e-4, atol=1e-5)
+
+
+@cuda
+@pytest.mark.parametrize("spec", ["rerope:window=16,leaky=4", "dca", "string:window=8"])
+def test_cuda_cached_decoding_equals_one_call_over_each_prefix(spec, flex_calls):
+    """Token by token and in chunks over a growing CUDA cache with the rotated-key memo."""
+    enc = _enc(spec, torch.float32).cuda()
+    T = 150
+    q, k, v = (t.to("cuda", torch.float32) for t in _qkv(T, T, seed=7))
+    positions = (torch.arange(T)[None] + torch.tensor([[0], [3]])).cuda()
+    schedules = ([1] * 12, [37, 1, 1, 30, 2])
+    for _, _, got, prefix in _decode(enc, q, k, v, positions, schedules, "fused"):
+        torch.testing.assert_close(got, prefix, rtol=1e-5, atol=1e-5)
+    assert flex_calls["cuda"] > 0
+
+
+@cuda
+def test_cuda_float64_falls_back_to_the_reference_with_one_warning(monkeypatch):
+    monkeypatch.setattr(bands, "_FALLBACKS", set())
+    enc = _enc("self-extend:group=2,window=5")
+    q, k, v = _qkv(40, 40, B=1, seed=9)
+    positions = torch.arange(40)[None]
+    expected = _attend(enc, q, k, v, positions, "reference")
+    with pytest.warns(RuntimeWarning, match="on CUDA does not take torch.float64"):
+        got = _attend(enc.cuda(), q.cuda(), k.cuda(), v.cuda(), positions.cuda(), "fused")
+    torch.testing.assert_close(got.cpu(), expected, **TOL64)
+
+
+@cuda
+def test_cuda_decoder_trains_and_decodes_on_the_flex_kernel(flex_calls):
+    """A small decoder with Leaky ReRoPE past its trained length on CUDA: its logits and
+    weight gradients equal the CPU's (both float32), and cached decoding equals the forward."""
+    from ropekit.model import Decoder, DecoderConfig, KVCache
+
+    config = DecoderConfig(encoding="rerope:window=32,leaky=4", d_model=64, n_heads=4,
+                           n_kv_heads=2, n_layers=2, context_length=64)  # fmt: skip
+    torch.manual_seed(0)
+    models = {"cpu": Decoder(config)}
+    models["cuda"] = Decoder(config).cuda()
+    models["cuda"].load_state_dict(models["cpu"].state_dict())
+    ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(1))
+    results = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to the reference kernel
+        for device, model in models.items():
+            out = model(ids.to(device), labels=ids.to(device))
+            out.loss.backward()
+            grads = [p.grad.cpu() for p in model.parameters()]
+            results[device] = (out.logits.detach().cpu(), grads)
+    assert flex_calls["cuda"] > 0
+    torch.testing.assert_close(results["cuda"][0], results["cpu"][0], rtol=1e-4, atol=1e-4)
+    for g, e in zip(results["cuda"][1], results["cpu"][1], strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-5)
+    model, cache = models["cuda"], KVCache()
+    with torch.no_grad():
+        whole = model(ids.cuda()).logits
+        model(ids[:, :250].cuda(), cache=cache)
+        steps = [model(ids[:, t : t + 1].cuda(), cache=cache).logits for t in range(250, 300)]
+    torch.testing.assert_close(torch.cat(steps, 1), whole[:, 250:], rtol=1e-4, atol=1e-4)
