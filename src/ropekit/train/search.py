@@ -87,7 +87,7 @@ class SearchConfig:
     budget: int = 48  # forwards the search may spend: candidates x samples (paper: thousands)
     population: int = 8  # candidates per generation (paper: 64)
     parents: int = 4  # best candidates that breed the next generation
-    mutation: float = 0.1  # a mutated factor is multiplied by exp(N(0, mutation))
+    mutation: float = 0.1  # a mutated factor is multiplied by exp(N(0, mutation)); 1e-4 to 1
     data: str | tuple[str, ...] = "shakespeare"  # text the candidates are scored on (train split)
     seed: int = 0  # picks the samples, the mutations and the crossovers
     chunk: int = 2048  # tokens per forward while scoring (memory only; the numbers are exact)
