@@ -192,6 +192,7 @@ _variants: dict[tuple, Callable[..., Any]] = {}
 
 
 def _compiled(key: tuple) -> Callable[..., Any]:
+    # pragma: no mutate block (CUDA only: `make mutation` has no GPU; `make cuda-check` tests it)
     if key not in _variants:
         code = _flex_call.__code__.replace(co_name=f"_flex_call_{len(_variants)}")
         fn = types.FunctionType(code, _flex_call.__globals__, code.co_name)
@@ -202,7 +203,7 @@ def _compiled(key: tuple) -> Callable[..., Any]:
 def _use_compiled(q: Tensor) -> bool:
     """Whether a call takes the compiled kernel: on CUDA, outside a caller's own compiled
     graph (whose compiler then lowers FlexAttention itself)."""
-    return q.device.type == "cuda" and not torch.compiler.is_compiling()
+    return q.device.type == "cuda" and not torch.compiler.is_compiling()  # pragma: no mutate (CUDA)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod, scale: float):
@@ -214,7 +215,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod, scale: float
         out, aux = _flex_call(q, k, v, block_mask, score_mod, scale, gqa)
         return out, aux.lse
     try:
-        attend = _compiled((q.dtype, score_mod is not None, gqa))
+        attend = _compiled((q.dtype, score_mod is not None, gqa))  # pragma: no mutate (CUDA)
         out, aux = attend(q, k, v, block_mask, score_mod, scale, gqa)
     except Exception as e:  # any compiler failure means: the pieces that need no compiler
         _failure[:] = [f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"]
