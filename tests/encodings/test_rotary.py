@@ -60,6 +60,19 @@ def _case(x_shape, rot_pairs, seed=0, dtype=torch.float64):
     return x, phi.cos().to(dtype), phi.sin().to(dtype)
 
 
+@pytest.mark.parametrize("factor", [1, 1.0, 2, 2.0, 0.5, torch.tensor(2.0, dtype=torch.float64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_tables_are_cos_and_sin_times_the_attention_factor_in_the_dtype_asked(factor, dtype):
+    """Whatever the factor (1 skips the product, as a number only) and in every dtype: cos
+    and sin times the factor, formed in float64 and cast once."""
+    phi = torch.linspace(-7, 7, 30, dtype=torch.float64).view(5, 6)
+    cos, sin = tables(phi, factor, dtype)
+    assert cos.dtype == sin.dtype == dtype
+    f = float(factor)
+    torch.testing.assert_close(cos, (f * phi.cos()).to(dtype), rtol=0, atol=0)
+    torch.testing.assert_close(sin, (f * phi.sin()).to(dtype), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("pairing", PAIRINGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rot_pairs", [8, 5])  # full and partial rotation of D = 16
