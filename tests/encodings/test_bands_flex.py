@@ -93,6 +93,9 @@ def test_the_block_mask_lists_the_partial_and_full_tiles_of_each_row_of_tiles():
     partial = torch.tensor([[[True, False, True], [False, False, False]]])  # (B', nM, nN)
     full = torch.tensor([[[False, True, False], [True, True, False]]])
     block_mask = bands_flex._block_mask(partial, full, lambda b, h, r, j: j >= 0, True)
+    for t in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+              block_mask.full_kv_indices):  # fmt: skip
+        assert t.dtype == torch.int32  # what FlexAttention's kernels index with
     assert block_mask.kv_num_blocks.tolist() == [[[2, 0]]]
     assert block_mask.full_kv_num_blocks.tolist() == [[[1, 2]]]
     assert block_mask.kv_indices[0, 0, 0, :2].tolist() == [0, 2]
@@ -229,13 +232,22 @@ def test_a_compile_failure_warns_once_and_sends_the_process_to_the_pieces(monkey
     q, k, v = _qkv(50, 50, seed=5)
     positions = torch.arange(50)[None]
     expected = _attend(enc, q, k, v, positions, "reference")
-    with pytest.warns(RuntimeWarning, match="FlexAttention failed to compile") as record:
+    warning = (
+        r"ropekit: FlexAttention failed to compile \(RuntimeError: NoValidChoicesError: No "
+        r"choices to select\); banded attention runs on the fused kernel's pieces instead for "
+        r"the rest of the process$"
+    )
+    with pytest.warns(RuntimeWarning, match=warning) as record:
         first = _attend(enc, q, k, v, positions, "fused")
         again = _attend(enc, q, k, v, positions, "fused")
     assert len([w for w in record if "FlexAttention" in str(w.message)]) == 1
     assert bands_flex._failure == ["RuntimeError: NoValidChoicesError: No choices to select"]
     torch.testing.assert_close(first, expected, **TOL64)
     torch.testing.assert_close(again, expected, **TOL64)
+    monkeypatch.setattr(bands_flex, "_failure", [])
+    unavailable = r"^RuntimeError: NoValidChoicesError: No "
+    with pytest.raises(bands_flex.Unavailable, match=unavailable), pytest.warns(RuntimeWarning):
+        _flex(enc, q, k, v, positions)
 
 
 def test_the_cpu_never_takes_the_flex_kernel(monkeypatch):
@@ -245,6 +257,209 @@ def test_the_cpu_never_takes_the_flex_kernel(monkeypatch):
     monkeypatch.setattr(bands_flex, "flex_banded_attention", refuse)
     q, k, v = _qkv(20, 20, seed=3)
     _attend(_enc("dca"), q, k, v, torch.arange(20)[None], "fused")
+
+
+def test_one_band_over_every_key_is_causal_attention():
+    """Plain RoPE as one band (no rotation here): FlexAttention's one call, no merge."""
+    q, k, v = _qkv(30, 30, seed=8)
+    positions = torch.arange(30)[None]
+    band = bands.Band(positions, positions)
+    got = bands_flex.flex_banded_attention(
+        q, [k], v, [band], positions, lambda x, p, query: x, slots=[0], scale=0.25,
+        causal_offset=0, mask=None,
+    )  # fmt: skip
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(got, expected, **TOL64)
+
+
+def _call(enc, q, k, v, positions, scale=None, mask=None):
+    """flex and the reference kernel on the same call (q the last rows of the keys')."""
+    T, S = q.shape[2], k.shape[2]
+    band_list = enc.bands(positions[:, S - T :], positions)
+    slots, keys = bands._rotate_keys(k, band_list, enc.rotate_band)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    got = bands_flex.flex_banded_attention(
+        q, keys, v, band_list, positions, enc.rotate_band, slots=slots, scale=scale,
+        causal_offset=S - T, mask=mask,
+    )  # fmt: skip
+    expected = bands.banded_attention(
+        q, k, v, band_list, positions, enc.rotate_band, scale=scale, causal_offset=S - T,
+        mask=mask, kernel="reference",
+    )  # fmt: skip
+    return got, expected
+
+
+@pytest.mark.parametrize("spec", ["dca", "rerope:window=16,leaky=4"])
+def test_a_batch_sharing_its_key_positions_and_a_logit_scale_of_its_own(spec):
+    """Two batch rows over one row of positions (the bands' bounds then have one row), and a
+    logit scale other than 1/sqrt(D)."""
+    q, k, v = _qkv(90, 90, seed=9)
+    got, expected = _call(_enc(spec), q, k, v, torch.arange(90)[None], scale=0.3)
+    torch.testing.assert_close(got, expected, **TOL64)
+
+
+def test_grouped_heads_over_as_many_keys_as_query_heads():
+    """4 query heads over 2 key heads and 4 keys: the grouping is read from the heads."""
+    q, k, v = _qkv(4, 4, seed=10)
+    got, expected = _call(_enc("string:window=2"), q, k, v, torch.arange(4)[None])
+    torch.testing.assert_close(got, expected, **TOL64)
+
+
+@pytest.mark.parametrize(("T", "S"), [(0, 5), (3, 0), (0, 0), (1, 1)])
+def test_no_queries_or_no_keys_give_zeros_of_the_output_shape_and_one_key_its_value(T, S):
+    enc = _enc("dca")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, T, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, S, 8 + 8 * i, generator=g, dtype=torch.float64) for i in (1, 0))
+    k = k[..., :16]
+    positions = torch.arange(S)[None]
+    band_list = enc.bands(positions[:, S - T :] if T <= S else torch.arange(T)[None], positions)
+    got = bands_flex.flex_banded_attention(
+        q, [k] * 3, v, band_list, positions, enc.rotate_band, slots=[0, 0, 0], scale=0.25,
+        causal_offset=S - T, mask=None,
+    )  # fmt: skip
+    assert got.shape == (2, 4, T, 8) and got.dtype == v.dtype
+    if T and S:  # one query over one key: that key's value
+        torch.testing.assert_close(got, v.repeat_interleave(2, 1), **TOL64)
+    else:
+        assert not got.any()
+
+
+def test_merge_is_one_softmax_over_the_bands_at_large_and_very_different_lse():
+    """Rows whose lse lie thousands of nats apart, each merged on its own scale."""
+    g = torch.Generator().manual_seed(1)
+    outs = [torch.randn(1, 2, 3, 4, generator=g, dtype=torch.float64) for _ in range(3)]
+    lses = [torch.tensor([[[0.0, 900.0, -2000.0]] * 2], dtype=torch.float64) + i for i in range(3)]
+    merged = bands_flex._merge(outs, lses)
+    w = torch.stack(lses).softmax(0)  # (3, 1, 2, 3)
+    expected = sum(wb[..., None] * o for wb, o in zip(w, outs, strict=True))
+    torch.testing.assert_close(merged, expected, **TOL64)
+
+
+def _rows_strictly(full: torch.Tensor):
+    """A caller's mask function over a full mask that takes integer rows and keys only (what
+    transformers' and the decoder's masks are sliced with)."""
+
+    def mask(start, stop, n):
+        assert all(isinstance(i, int) for i in (start, stop, n)), (start, stop, n)
+        return full[..., start:stop, :n]
+
+    return mask
+
+
+@pytest.mark.parametrize("rows", [120, 33])
+def test_callers_additive_mask_values_are_added_exactly_also_on_a_cache(rows):
+    """An additive mask of arbitrary float64 values (an ALiBi-like bias) added to the logits
+    as they are, with fewer query rows than keys (decoding over a cache: rows and keys of
+    the mask read where they are)."""
+    enc = _enc("rerope:window=9,leaky=2.5,logn=true")
+    S = 120
+    q, k, v = _qkv(rows, S, seed=12)
+    g = torch.Generator().manual_seed(13)
+    bias = torch.randn(2, 1, rows, S, generator=g, dtype=torch.float64) * 3
+    got, expected = _call(enc, q, k, v, torch.arange(S)[None], mask=_rows_strictly(bias))
+    torch.testing.assert_close(got, expected, **TOL64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lower_precision_stays_in_its_dtype_through_the_calls_and_the_output(dtype, monkeypatch):
+    """Queries, keys and values reach FlexAttention in the inputs' dtype (the logit scale and
+    an additive mask in float32: what its scores are computed in), and the output comes back
+    in it, close to the float64 reference."""
+    seen = []
+    attend = bands_flex._attend
+
+    def spy(q, k, v, block_mask, score_mod, scale):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        if score_mod is not None:
+            zero = torch.zeros((), dtype=torch.float32)
+            index = torch.zeros((), dtype=torch.long)
+            seen.append(score_mod(zero, index, index, index, index).dtype)
+        return attend(q, k, v, block_mask, score_mod, scale)
+
+    monkeypatch.setattr(bands_flex, "_attend", spy)
+    enc = _enc("rerope:window=9,leaky=2.5,logn=true")
+    T = 64
+    q, k, v = _qkv(T, T, seed=14)
+    bias = torch.zeros(2, 1, T, T, dtype=torch.float64)
+    positions = torch.arange(T)[None]
+    exact = _attend(enc, q, k, v, positions, "reference", None, _rows_of(bias))
+    low = [t.to(dtype) for t in (q, k, v)]
+    got, _ = _call(_enc("rerope:window=9,leaky=2.5,logn=true", dtype), *low, positions,
+                   mask=_rows_of(bias))  # fmt: skip
+    assert got.dtype == dtype
+    assert set(seen) == {(dtype, dtype, dtype), torch.float32}
+    tol = 2e-6 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol)
+
+
+def _masks(layout):
+    """What a layout's block masks say: per band (partial counts, full counts, lengths,
+    whether the backward's lists are there, whether a score modification is)."""
+    return [
+        (bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist(), bm.seq_lengths,
+         bm.q_num_blocks is not None, score_mod is not None)
+        for bm, score_mod in layout
+    ]  # fmt: skip
+
+
+def test_the_layout_is_reused_only_for_the_same_bands_positions_and_call(monkeypatch):
+    """Block masks are made once per forward: a call with the very same bands objects, key
+    positions (same version), query rows, causal offset and backward gets the last call's
+    back; any other call (another caller's mask included) gets its own, made afresh."""
+    monkeypatch.setattr(bands_flex, "_last_layout", [])
+    T = 300
+    pos = torch.arange(T)[None]
+    narrow, wide = (
+        _enc("rerope:window=4").bands(pos, pos),
+        _enc("rerope:window=200").bands(pos, pos),
+    )
+    layout = bands_flex._layout(narrow, pos, T, 0, None, False)
+    fresh = _masks(layout)
+    assert bands_flex._layout(narrow, pos, T, 0, None, False) is layout
+    partial, full = bands_flex.tiles(*bands_fused.index_bounds(narrow, pos, T, 0), 512, 512)
+    assert fresh == [
+        (p.sum(-1, dtype=torch.int32)[:, None].tolist(), f.sum(-1)[:, None].tolist(),
+         (512, 512), False, False)
+        for p, f in zip(partial, full, strict=True)
+    ]  # fmt: skip
+    assert any(f.any() for f in full)  # full tiles: the mask is skipped there
+    others = [
+        bands_flex._layout(wide, pos, T, 0, None, False),  # other bands, same positions
+        bands_flex._layout(narrow, pos, T, 0, None, True),  # a backward: its lists too
+        bands_flex._layout(narrow[:1], pos, T, 0, None, False),  # fewer bands
+    ]
+    assert all(other is not layout for other in others)
+    assert _masks(others[1]) == [(*m[:3], True, False) for m in fresh]
+    assert _masks(others[2]) == fresh[:1]
+    again = bands_flex._layout(narrow, pos, T, 0, None, False)
+    assert again is not layout and _masks(again) == fresh  # planned afresh, the same
+    pos.add_(0)  # a new version of the same tensor
+    assert bands_flex._layout(narrow, pos, T, 0, None, False) is not again
+    caller = torch.ones(1, 1, T, T, dtype=torch.bool)
+    with_mask = bands_flex._layout(narrow, pos, T, 0, caller, False)
+    reached = [(m[0][0][0][i] + m[1][0][0][i]) for m in fresh for i in range(4)]
+    assert [m[0][0][0][i] for m in _masks(with_mask) for i in range(4)] == reached
+    assert not any(v for m in _masks(with_mask) for v in m[1][0][0])  # nothing full
+    assert bands_flex._layout(narrow, pos, T, 0, caller, False) is not with_mask
+    assert bands_flex._layout(narrow, pos, T, 0, None, False) is not with_mask
+
+
+def test_a_forward_with_gradients_makes_the_backwards_lists_and_one_without_does_not(
+    monkeypatch,
+):
+    monkeypatch.setattr(bands_flex, "_last_layout", [])
+    monkeypatch.setattr(bands_flex, "_attend", _dense_attend)  # eager FlexAttention: no backward
+    enc = _enc("dca")
+    q, k, v = _qkv(40, 40, seed=15)
+    positions = torch.arange(40)[None]
+    with torch.no_grad():
+        _flex(enc, q, k, v, positions)
+    assert all(bm.q_num_blocks is None for bm, _ in bands_flex._last_layout[0][1])
+    _flex(enc, q, k, v, positions)  # grad mode on, nothing requires a gradient
+    assert all(bm.q_num_blocks is None for bm, _ in bands_flex._last_layout[0][1])
+    _flex(enc, q, k, v.requires_grad_(), positions)
+    assert all(bm.q_num_blocks is not None for bm, _ in bands_flex._last_layout[0][1])
 
 
 # ----------------------------------------------------------------------------- on CUDA

@@ -107,8 +107,8 @@ def tiles(
     every stop) are covered by no row, so a tile holding one is never full; padded rows are
     no row's concern (their outputs are dropped). A row with no keys makes no tile full."""
     T = first.shape[-1]
-    lo = F.pad(first, (0, rows - T), value=keys).unflatten(-1, (-1, tile))
-    hi = F.pad(stop, (0, rows - T), value=0).unflatten(-1, (-1, tile))
+    # padded rows get the empty range [0, 0): they reach nothing, and ``real`` sets them aside
+    lo, hi = (F.pad(t, (0, rows - T)).unflatten(-1, (-1, tile)) for t in (first, stop))
     real = (torch.arange(rows, device=first.device) < T).view(-1, tile)  # (nM, M)
     start = torch.arange(0, keys, tile, device=first.device)  # (nN,) each key tile's first key
     end = start + tile
@@ -216,7 +216,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, block_mask, score_mod, scale: float
         return out, aux.lse
     try:
         attend = _compiled((q.dtype, score_mod is not None, gqa))  # pragma: no mutate (CUDA)
-        out, aux = attend(q, k, v, block_mask, score_mod, scale, gqa)
+        out, aux = attend(q, k, v, block_mask, score_mod, scale, gqa)  # pragma: no mutate (CUDA)
     except Exception as e:  # any compiler failure means: the pieces that need no compiler
         _failure[:] = [f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"]
         warnings.warn(
