@@ -52,7 +52,7 @@ mutation: $(STAMP)
 PY ?= $(BIN)/python
 cuda-check:
 	PYTHONPATH=src $(PY) -m pytest -p no:cacheprovider -rfs -k "cuda or device" \
-		tests/encodings/test_bands_flex.py tests/encodings/test_bands.py tests/encodings/test_base.py
+		tests/encodings/test_bands_cuda.py tests/encodings/test_bands.py tests/encodings/test_base.py
 	PYTHONPATH=src $(PY) -m benchmarks bands
 
 lint: $(STAMP)
