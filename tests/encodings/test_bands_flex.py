@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ropekit.encodings import bands, bands_flex, bands_fused
+from ropekit.encodings.positions import LastCall
 
 from .conftest import output_and_grads
 from .test_bands_fused import LONG, TOL64, _attend, _enc, _qkv, _rows_of, left_padded
@@ -400,7 +401,7 @@ def test_the_layout_is_reused_only_for_the_same_bands_positions_and_call(monkeyp
     """Block masks are made once per forward: a call with the very same bands objects, key
     positions (same version), query rows, causal offset and backward gets the last call's
     back; any other call (another caller's mask included) gets its own, made afresh."""
-    monkeypatch.setattr(bands_flex, "_last_layout", [])
+    monkeypatch.setattr(bands_flex, "_last_layout", LastCall())
     T = 300
     pos = torch.arange(T)[None]
     narrow, wide = (
@@ -441,15 +442,15 @@ def test_the_layout_is_reused_only_for_the_same_bands_positions_and_call(monkeyp
 def test_a_forward_with_gradients_makes_the_backwards_lists_and_one_without_does_not(
     monkeypatch,
 ):
-    monkeypatch.setattr(bands_flex, "_last_layout", [])
+    monkeypatch.setattr(bands_flex, "_last_layout", LastCall())
     monkeypatch.setattr(bands_flex, "_attend", _dense_attend)  # eager FlexAttention: no backward
     enc = _enc("dca")
     q, k, v = _qkv(40, 40, seed=15)
     positions = torch.arange(40)[None]
     with torch.no_grad():
         _flex(enc, q, k, v, positions)
-    assert all(bm.q_num_blocks is None for bm, _ in bands_flex._last_layout[0][1])
+    assert all(bm.q_num_blocks is None for bm, _ in bands_flex._last_layout._entry[3])
     _flex(enc, q, k, v, positions)  # grad mode on, nothing requires a gradient
-    assert all(bm.q_num_blocks is None for bm, _ in bands_flex._last_layout[0][1])
+    assert all(bm.q_num_blocks is None for bm, _ in bands_flex._last_layout._entry[3])
     _flex(enc, q, k, v.requires_grad_(), positions)
-    assert all(bm.q_num_blocks is not None for bm, _ in bands_flex._last_layout[0][1])
+    assert all(bm.q_num_blocks is not None for bm, _ in bands_flex._last_layout._entry[3])

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ropekit.encodings import banded_attention, bands, bands_fused, build
+from ropekit.encodings.positions import LastCall
 
 from .conftest import output_and_grads
 from .test_remap import CASES, SHAPE, brute_force
@@ -673,7 +674,7 @@ def test_the_layout_is_reused_only_for_the_same_bands_positions_and_block_rows(m
     """``_layout`` plans once per forward: a call with the very same bands objects, key
     positions (at the same version), query count, causal offset and block rows gets the last
     call's layout back; any other call is planned afresh."""
-    monkeypatch.setattr(bands_fused, "_last_layout", [])
+    monkeypatch.setattr(bands_fused, "_last_layout", LastCall())
     pos = torch.arange(40)[None]
     narrow, wide = _enc("rerope:window=4").bands(pos, pos), _enc("rerope:window=16").bands(pos, pos)
 

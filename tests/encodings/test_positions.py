@@ -1,4 +1,5 @@
-"""Table caches key on the positions' values (PositionsKey), not on the tensor's identity."""
+"""Table caches key on the positions' values (PositionsKey), not on the tensor's identity; the
+band kernels keep their last layout for the very same call only (LastCall)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from ropekit.encodings import build
-from ropekit.encodings.positions import PositionsKey
+from ropekit.encodings.positions import LastCall, PositionsKey
 
 from .conftest import ROTARY_SPECS, SHAPE, perturb
 
@@ -80,3 +81,24 @@ def test_up_to_by_value_positions_are_keyed_by_their_values():
     assert not key.matches(pos.int())
     pos += 1  # the copy keeps the values the key was made from
     assert not key.matches(pos)
+
+
+def test_the_last_call_is_given_back_only_for_the_same_key_bands_objects_and_positions():
+    memo = LastCall()
+    positions = torch.arange(100)[None]
+    bands = [object(), object()]
+    assert memo.get((1,), bands, positions) is None  # nothing kept yet
+    layout = object()
+    assert memo.put((1,), bands, positions, layout) is layout
+    assert memo.get((1,), bands, positions) is layout
+    assert memo.get((1,), list(bands), positions) is layout  # the same objects in a new list
+    assert memo.get((2,), bands, positions) is None  # another key
+    assert memo.get((1,), [bands[0], object()], positions) is None  # another band object
+    assert memo.get((1,), bands[:1], positions) is None  # fewer bands
+    assert memo.get((1,), [*bands, bands[0]], positions) is None  # more bands
+    assert memo.get((1,), bands, positions.clone()) is None  # other positions
+    positions += 0  # the same tensor, a new version
+    assert memo.get((1,), bands, positions) is None
+    other = object()
+    memo.put((1,), bands, positions, other)
+    assert memo.get((1,), bands, positions) is other  # the last call's replaced the one before

@@ -58,7 +58,7 @@ from torch import Tensor
 from torch.nn.attention import flex_attention as flex
 
 from . import bands_fused
-from .positions import PositionsKey
+from .positions import LastCall
 
 # Query rows and keys per tile of the block masks: FlexAttention's default block size (its
 # CUDA kernels take tiles of this size or a divisor of it).
@@ -279,11 +279,9 @@ def flex_banded_attention(
     return _merge(outs, lses).to(v.dtype)
 
 
-# The last call's block masks, with what they were made from: every layer of a forward gets the
-# same bands objects (a remap computes them once per forward) and key positions, so the masks
-# are made once per forward, not once per layer (as ``bands_fused._layout``). Not with a
-# caller's mask: each layer reads its own.
-_last_layout: list[tuple[tuple, list[tuple[flex.BlockMask, Callable | None]]]] = []
+# The last call's block masks (``LastCall``): made once per forward, not once per layer. Not
+# with a caller's mask: each layer reads its own.
+_last_layout = LastCall()
 
 
 def _layout(
@@ -296,12 +294,11 @@ def _layout(
 ) -> list[tuple[flex.BlockMask, Callable | None]]:
     """Each band's (block mask, score_mod) over the padded rows and keys, reused when the
     bands are the very same objects as the last call's and the key positions the same tensor
-    at the same version."""
-    key = (tuple(id(b) for b in bands), T, causal_offset, backward)
-    if caller is None and _last_layout:
-        (old_key, old_bands, old_positions), masks = _last_layout[0]
-        same = old_key == key and all(a is b for a, b in zip(old_bands, bands, strict=True))
-        if same and old_positions.matches(key_positions):
+    at the same version, and there is no caller's mask."""
+    key = (T, causal_offset, backward)
+    if caller is None:
+        masks = _last_layout.get(key, bands, key_positions)
+        if masks is not None:
             return masks
     S = key_positions.shape[-1]
     rows, keys = padded(T), padded(S)
@@ -314,6 +311,4 @@ def _layout(
     for b in range(len(bands)):
         mask_mod, score_mod = _mods(first[b], stop[b], caller)
         masks.append((_block_mask(partial[b], full[b], mask_mod, backward), score_mod))
-    if caller is None:
-        _last_layout[:] = [((key, tuple(bands), PositionsKey(key_positions)), masks)]
-    return masks
+    return masks if caller is not None else _last_layout.put(key, bands, key_positions, masks)

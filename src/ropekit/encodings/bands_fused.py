@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .positions import PositionsKey
+from .positions import LastCall
 
 # Query rows per block. PyTorch's CPU flash kernel splits queries into tiles of 256 rows once
 # a call has >= 768 of them (64 below), and the narrow masked pieces cost about R / S of the
@@ -500,10 +500,8 @@ class _FusedBands(torch.autograd.Function):
         return None, None, dv.to(v.dtype), *grads
 
 
-# The last call's bounds and blocks, with what they were made from: every layer of a forward
-# gets the same bands objects (a remap computes them once per forward) and key positions, so
-# the planning runs once per forward, not once per layer.
-_last_layout: list[tuple[tuple, tuple[Tensor, Tensor, tuple[_Block, ...]]]] = []
+# The last call's layout (``LastCall``): planned once per forward, not once per layer.
+_last_layout = LastCall()
 
 
 def _layout(
@@ -511,15 +509,12 @@ def _layout(
 ) -> tuple[Tensor, Tensor, tuple[_Block, ...]]:
     """(first, stop, blocks) of a call, reused when the bands are the very same objects as
     the last call's and the key positions the same tensor at the same version."""
-    key = (tuple(id(b) for b in bands), T, causal_offset, rows, FINE_ROWS)
-    if _last_layout:
-        (old_key, old_bands, old_positions), layout = _last_layout[0]
-        same = old_key == key and all(a is b for a, b in zip(old_bands, bands, strict=True))
-        if same and old_positions.matches(key_positions):
-            return layout
-    first, stop = index_bounds(bands, key_positions, T, causal_offset)
-    layout = (first, stop, _blocks(first, stop, rows, FINE_ROWS))
-    _last_layout[:] = [((key, tuple(bands), PositionsKey(key_positions)), layout)]
+    key = (T, causal_offset, rows, FINE_ROWS)
+    layout = _last_layout.get(key, bands, key_positions)
+    if layout is None:
+        first, stop = index_bounds(bands, key_positions, T, causal_offset)
+        layout = _last_layout.put(key, bands, key_positions, (first, stop, _blocks(
+            first, stop, rows, FINE_ROWS)))  # fmt: skip
     return layout
 
 

@@ -1,12 +1,14 @@
-"""The key a table cache compares positions by (``PositionsKey``), in a module of its own so
-that both the encodings and the band kernels use it without importing each other.
+"""The key a table cache compares positions by (``PositionsKey``), and the one-entry memo the
+band kernels keep their layout in (``LastCall``), in a module of their own so that both the
+encodings and the band kernels use them without importing each other.
 
-Holds: PositionsKey.
+Holds: PositionsKey, LastCall.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -47,3 +49,30 @@ class PositionsKey:
         if self.values is not None:
             return torch.equal(self.values, positions)
         return positions._version == self.version
+
+
+class LastCall:
+    """What the last call of a band kernel made from its bands and key positions (its
+    layout), kept for the next call that has the very same bands objects (kept alive here, so
+    their identities cannot be reused) and key positions (``PositionsKey``) and the same
+    ``key`` (the rest of what the layout depends on). Every layer of a forward gets the same
+    bands objects (a remap computes them once per forward) and key positions, so the layout
+    is made once per forward, not once per layer."""
+
+    def __init__(self) -> None:
+        self._entry: tuple[tuple, tuple[Any, ...], PositionsKey, Any] | None = None
+
+    def get(self, key: tuple, bands: Sequence[Any], positions: Tensor) -> Any | None:
+        """The layout kept for this very call, or None."""
+        if self._entry is None:
+            return None
+        old_key, old_bands, old_positions, layout = self._entry
+        if old_key != key or len(old_bands) != len(bands):
+            return None
+        same = all(a is b for a, b in zip(old_bands, bands, strict=True))
+        return layout if same and old_positions.matches(positions) else None
+
+    def put(self, key: tuple, bands: Sequence[Any], positions: Tensor, layout: Any) -> Any:
+        """Keep ``layout`` as this call's (replacing the last one's) and return it."""
+        self._entry = (key, tuple(bands), PositionsKey(positions), layout)
+        return layout
