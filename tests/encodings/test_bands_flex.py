@@ -186,6 +186,19 @@ def test_rows_no_band_reaches_merge_to_zeros_with_zero_gradients():
     assert not outs[1].grad.any() and not outs[0].grad[0, 0, 1].any()
 
 
+def test_a_compile_failure_is_named_by_its_first_line_cut_at_160_characters(monkeypatch):
+    def fail(*args):
+        raise ValueError("x" * 300 + "\nsecond line")
+
+    monkeypatch.setattr(bands_flex, "_failure", [])
+    monkeypatch.setattr(bands_flex, "_compiled", lambda key: fail)
+    monkeypatch.setattr(bands_flex, "_use_compiled", lambda q: True)
+    q, k, v = _qkv(8, 8, seed=5)
+    with pytest.raises(bands_flex.Unavailable), pytest.warns(RuntimeWarning):
+        _flex(_enc("dca"), q, k, v, torch.arange(8)[None])
+    assert bands_flex._failure == ["ValueError: " + "x" * 160]
+
+
 def test_supported_names_what_the_flex_kernel_cannot_take(monkeypatch):
     """Its device, its dtypes, and a compile failure earlier in the process (queries stood in
     by what ``supported`` reads of them: no GPU here)."""
@@ -234,7 +247,9 @@ def test_a_compile_failure_warns_once_and_sends_the_process_to_the_pieces(monkey
     with pytest.warns(RuntimeWarning, match=warning) as record:
         first = _attend(enc, q, k, v, positions, "fused")
         again = _attend(enc, q, k, v, positions, "fused")
-    assert len([w for w in record if "FlexAttention" in str(w.message)]) == 1
+    flex_warnings = [w for w in record if "FlexAttention" in str(w.message)]
+    assert len(flex_warnings) == 1
+    assert flex_warnings[0].filename == bands_flex.__file__  # the call that failed
     assert bands_flex._failure == ["RuntimeError: NoValidChoicesError: No choices to select"]
     torch.testing.assert_close(first, expected, **TOL64)
     torch.testing.assert_close(again, expected, **TOL64)
@@ -292,10 +307,23 @@ def test_a_batch_sharing_its_key_positions_and_a_logit_scale_of_its_own(spec):
     torch.testing.assert_close(got, expected, **TOL64)
 
 
-def test_grouped_heads_over_as_many_keys_as_query_heads():
-    """4 query heads over 2 key heads and 4 keys: the grouping is read from the heads."""
-    q, k, v = _qkv(4, 4, seed=10)
-    got, expected = _call(_enc("string:window=2"), q, k, v, torch.arange(4)[None])
+@pytest.mark.parametrize(("H", "K"), [(4, 2), (128, 8), (2, 2)])
+def test_grouped_heads_over_as_many_keys_as_query_heads(H, K):
+    """H query heads over K key heads and H keys (128 of them: as many as the padded keys):
+    the grouping is read from the heads."""
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(1, n, H, 16, generator=g, dtype=torch.float64) for n in (H, K, K))
+    got, expected = _call(_enc("string:window=2"), q, k, v, torch.arange(H)[None])
+    torch.testing.assert_close(got, expected, **TOL64)
+
+
+def test_a_callers_mask_of_its_own_per_head_is_read_per_head():
+    """A mask that differs between two heads (transformers' masks are per batch row; a
+    caller's may be per head): each head reads its own."""
+    g = torch.Generator().manual_seed(16)
+    q, k, v = (torch.randn(2, n, 40, 16, generator=g, dtype=torch.float64) for n in (2, 1, 1))
+    bias = torch.randn(2, 2, 40, 40, generator=g, dtype=torch.float64)
+    got, expected = _call(_enc("dca"), q, k, v, torch.arange(40)[None], mask=_rows_of(bias))
     torch.testing.assert_close(got, expected, **TOL64)
 
 
@@ -436,7 +464,8 @@ def test_the_layout_is_reused_only_for_the_same_bands_positions_and_call(monkeyp
     assert [m[0][0][0][i] for m in _masks(with_mask) for i in range(4)] == reached
     assert not any(v for m in _masks(with_mask) for v in m[1][0][0])  # nothing full
     assert bands_flex._layout(narrow, pos, T, 0, caller, False) is not with_mask
-    assert bands_flex._layout(narrow, pos, T, 0, None, False) is not with_mask
+    without = bands_flex._layout(narrow, pos, T, 0, None, False)
+    assert without is not with_mask and _masks(without) == fresh  # no caller's mask kept
 
 
 def test_a_forward_with_gradients_makes_the_backwards_lists_and_one_without_does_not(
