@@ -247,9 +247,7 @@ def test_a_compile_failure_warns_once_and_sends_the_process_to_the_pieces(monkey
     with pytest.warns(RuntimeWarning, match=warning) as record:
         first = _attend(enc, q, k, v, positions, "fused")
         again = _attend(enc, q, k, v, positions, "fused")
-    flex_warnings = [w for w in record if "FlexAttention" in str(w.message)]
-    assert len(flex_warnings) == 1
-    assert flex_warnings[0].filename == bands_flex.__file__  # the call that failed
+    assert len([w for w in record if "FlexAttention" in str(w.message)]) == 1
     assert bands_flex._failure == ["RuntimeError: NoValidChoicesError: No choices to select"]
     torch.testing.assert_close(first, expected, **TOL64)
     torch.testing.assert_close(again, expected, **TOL64)
