@@ -305,3 +305,23 @@ def test_tables_live_on_the_device_of_the_positions():
 def test_a_missing_required_option_is_named_with_the_config_and_an_example(spec, message):
     with pytest.raises(ValueError, match=f"^spec {re.escape(repr(spec))}: {re.escape(message)}$"):
         build(spec, **SHAPE)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ("base=1", "base=1.0 is not allowed; it must be a finite number > 1"),
+        ("base=0.5", "base=0.5 is not allowed; it must be a finite number > 1"),
+        ("pairing=zigzag", "pairing='zigzag' is not allowed; use one of half, interleaved"),
+        ("fraction=0.1", "fraction=0.1 of head_dim=16 rotates 1 channels; at least 2 are needed"),
+    ],
+)
+def test_bad_rope_options_are_refused_naming_the_option_and_what_is_allowed(options, message):
+    with pytest.raises(ValueError, match=f"^spec 'rope:{options}': {re.escape(message)}$"):
+        build(f"rope:{options}", **SHAPE)
+
+
+@pytest.mark.parametrize(("options", "rotary_dim"), [("base=1.5", 16), ("fraction=0.125", 2)])
+def test_rope_options_at_the_edge_of_what_is_allowed_build(options, rotary_dim):
+    """A base just above 1, and a fraction that rotates exactly one pair (two channels)."""
+    assert build(f"rope:{options}", **SHAPE).rotary_dim == rotary_dim
