@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ropekit.encodings import build, names
+from ropekit.encodings.base import check_rebuilds_from_spec
 from ropekit.encodings.registry import Spec
 from ropekit.encodings.rope import LongRopeConfig, RotaryEncoding, YarnConfig
 
@@ -271,3 +272,68 @@ def test_a_list_option_with_one_bracket_is_refused(text):
 
     with pytest.raises(ValueError, match=r"xs='.*' is not an integer"):
         EncodingConfig.parse_value("xs", text, tuple[int, ...])
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            "longrope:factor=4,original_length=64,long_factor=[1,2",
+            "spec 'longrope:factor=4,original_length=64,long_factor=[1,2' has an unmatched '['",
+        ),
+        ("rope:base=1]", "spec 'rope:base=1]' has an unmatched ']'"),
+        ("rope:base=1=2", "spec 'rope:base=1=2': base='1=2' is not a number"),
+        ("rope:=5", "option '=5' in spec 'rope:=5' must look like key=value"),
+        ("rope:base", "option 'base' in spec 'rope:base' must look like key=value"),
+        (
+            "longrope:factor=4,original_length=64,long_factor=[[1]]",
+            "spec 'longrope:factor=4,original_length=64,long_factor=[[1]]': long_factor='[1]' is "
+            "not a number",
+        ),
+        (
+            "rope:bsae=10",
+            "spec 'rope:bsae=10': unknown option 'bsae' for RopeConfig; allowed: base, pairing, "
+            "fraction",
+        ),
+        (
+            "longrope:factor=4,original_length=64,long_factor=[]",
+            "spec 'longrope:factor=4,original_length=64,long_factor=[]': long_factor='[]' is an "
+            "empty list",
+        ),
+    ],
+)
+def test_malformed_specs_are_refused_by_their_whole_message(spec, message):
+    """The text of a spec is read as written: brackets nest and must close, an option is
+    key=value split at its first '=', and each message quotes the spec it is about."""
+    with pytest.raises(ValueError) as info:
+        build(spec, **SHAPE)
+    assert str(info.value) == message
+
+
+def test_a_config_its_spec_does_not_rebuild_is_refused_naming_the_option_and_its_type():
+    """Given in Python as a list where a spec rebuilds a tuple, or as a number a spec cannot
+    write: refused, naming the option (the ones before it rebuild equal)."""
+    listed = LongRopeConfig(
+        factor=4.0, original_length=64, short_factor=(1.0, 1.5), long_factor=[2.0, 3.0]
+    )
+    with pytest.raises(ValueError) as info:
+        check_rebuilds_from_spec(listed)
+    assert str(info.value) == (
+        "long_factor=[2.0, 3.0] does not survive its spec: 'longrope:short_factor=[1,1.5],"
+        "long_factor=[2.0, 3.0],original_length=64,factor=4' rebuilds long_factor=(2.0, 3.0); "
+        "give long_factor as tuple"
+    )
+    with pytest.raises(ValueError) as info:
+        check_rebuilds_from_spec(YarnConfig(factor=4.0, original_length=512.5))
+    assert str(info.value) == (
+        "this config cannot be written as a spec ('yarn:factor=4,original_length=512.5': "
+        "original_length='512.5' is not an integer)"
+    )
+
+
+def test_a_field_type_specs_cannot_say_is_named():
+    from ropekit.encodings.base import EncodingConfig
+
+    with pytest.raises(TypeError) as info:
+        EncodingConfig.parse_value("x", "1", int | str)
+    assert str(info.value) == "unsupported field type int | str for x"
