@@ -44,7 +44,7 @@ def path(request, monkeypatch) -> tuple[str, collections.Counter]:
     if request.param == "flex":
         spy(bands_flex, "_attend", "forward")
     else:
-        monkeypatch.setattr(bands_flex, "supported", lambda q, key_positions: "pieces under test")
+        monkeypatch.setattr(bands_flex, "supported", lambda q: "pieces under test")
         spy(bands_fused, "_cuda_efficient", "forward")
         spy(bands_fused, "_cuda_efficient_backward", "backward")
     return request.param, calls

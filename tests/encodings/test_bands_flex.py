@@ -202,17 +202,16 @@ def test_a_compile_failure_is_named_by_its_first_line_cut_at_160_characters(monk
 def test_supported_names_what_the_flex_kernel_cannot_take(monkeypatch):
     """Its device, its dtypes, and a compile failure earlier in the process (queries stood in
     by what ``supported`` reads of them: no GPU here)."""
-    positions = torch.arange(4)[None]
-    assert bands_flex.supported(torch.zeros(1, 1, 4, 16), positions) == (
+    assert bands_flex.supported(torch.zeros(1, 1, 4, 16)) == (
         "the FlexAttention band kernel runs on CUDA only (tensors on cpu)"
     )
     on_cuda = lambda dtype: types.SimpleNamespace(device=torch.device("cuda"), dtype=dtype)  # noqa: E731
-    assert bands_flex.supported(on_cuda(torch.bfloat16), positions) is None
-    assert bands_flex.supported(on_cuda(torch.float64), positions) == (
+    assert bands_flex.supported(on_cuda(torch.bfloat16)) is None
+    assert bands_flex.supported(on_cuda(torch.float64)) == (
         "the FlexAttention band kernel does not take torch.float64"
     )
     monkeypatch.setattr(bands_flex, "_failure", ["InductorError: no kernel"])
-    assert bands_flex.supported(on_cuda(torch.float32), positions) == (
+    assert bands_flex.supported(on_cuda(torch.float32)) == (
         "FlexAttention failed to compile here (InductorError: no kernel)"
     )
 
@@ -230,11 +229,7 @@ def test_a_compile_failure_warns_once_and_sends_the_process_to_the_pieces(monkey
     monkeypatch.setattr(bands_flex, "_failure", [])
     monkeypatch.setattr(bands_flex, "_compiled", broken)
     monkeypatch.setattr(bands_flex, "_use_compiled", lambda q: True)
-    monkeypatch.setattr(
-        bands_flex,
-        "supported",
-        lambda q, p: bands_flex._failure[0] if bands_flex._failure else None,
-    )
+    monkeypatch.setattr(bands_flex, "supported", lambda q: (bands_flex._failure or [None])[0])
     enc = _enc("rerope:window=16,leaky=4")
     q, k, v = _qkv(50, 50, seed=5)
     positions = torch.arange(50)[None]

@@ -772,18 +772,21 @@ def test_a_callers_mask_of_n_key_columns_and_of_another_float_dtype_is_used():
     torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("H", [6, 4, 2])
 @pytest.mark.parametrize("n", [16, 21])
-def test_the_cuda_inputs_repeat_key_heads_in_order_and_align_the_mask(n):
+def test_the_cuda_inputs_repeat_key_heads_in_order_and_align_the_mask(n, H):
     """What the CUDA op is handed (checked on any device): query head h reads key/value head
-    h // (H / K), and the mask is the piece's mask expanded to (B, H, R, n) on a row stride
-    that is a multiple of 16 elements."""
-    B, H, K, R, D = 2, 6, 2, 5, 8
+    h // (H / K) (groups of 3, of 2, and of 1), and the mask is the piece's mask expanded to
+    (B, H, R, n) on a row stride that is a multiple of 16 elements."""
+    B, K, R, D = 2, 2, 5, 8
     q = torch.randn(B, H, R, D)
     k, v = torch.randn(B, K, n, D), torch.randn(B, K, n, D)
     mask = torch.randn(B, 1, R, n)
     k2, v2, bias = bands_fused._cuda_inputs(q, k, v, mask)
+    assert k2.shape == v2.shape == (B, H, n, D)
     for h in range(H):
-        assert torch.equal(k2[:, h], k[:, h // 3]) and torch.equal(v2[:, h], v[:, h // 3])
+        g = H // K
+        assert torch.equal(k2[:, h], k[:, h // g]) and torch.equal(v2[:, h], v[:, h // g])
     assert bias.shape == (B, H, R, n) and bias.stride(-2) % 16 == 0 and bias.stride(-1) == 1
     assert torch.equal(bias, mask.expand(B, H, R, n))
     assert bands_fused._cuda_inputs(q, k, v, None)[2] is None

@@ -371,7 +371,7 @@ def banded_attention(
             slots, keys = _rotate_keys(k, bands, rotate, rotated_keys)
             args = (q, keys, v, bands, key_positions, rotate)
             common = {"slots": slots, "scale": scale, "causal_offset": causal_offset, "mask": mask}
-            if bands_flex.supported(q, key_positions) is None:  # CUDA, where it compiles
+            if bands_flex.supported(q) is None:  # CUDA, where it compiles
                 try:
                     return bands_flex.flex_banded_attention(*args, **common)
                 except bands_flex.Unavailable:

@@ -76,10 +76,10 @@ class Unavailable(RuntimeError):
 _failure: list[str] = []
 
 
-def supported(q: Tensor, key_positions: Tensor) -> str | None:
-    """None when this path can compute the call; else why not (one short phrase). The key
-    ranges are ``bands_fused.supported``'s to check, which ``bands.banded_attention`` asks
-    first."""
+def supported(q: Tensor) -> str | None:
+    """None when this path can compute a call on these queries; else why not (one short
+    phrase). The key ranges are ``bands_fused.supported``'s to check, which
+    ``bands.banded_attention`` asks first."""
     if q.device.type != "cuda":
         return f"the FlexAttention band kernel runs on CUDA only (tensors on {q.device.type})"
     if q.dtype not in _DTYPES:
