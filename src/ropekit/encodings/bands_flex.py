@@ -263,19 +263,18 @@ def flex_banded_attention(
     if T == 0 or S == 0:
         return v.new_zeros(*q.shape[:3], v.shape[-1])
     caller = _caller_mask(mask, T, S, q.dtype)
-    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, v, *keys))
+    queries = bands_fused.band_queries(q, bands, rotate)  # each (B, H, T, D)
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (v, *queries, *keys))
     block_masks = _layout(bands, key_positions, T, causal_offset, caller, backward)
     rows, n = padded(T), padded(S)
     keys = [F.pad(k, (0, 0, 0, n - S)) for k in keys]
     v_in = F.pad(v, (0, 0, 0, n - S))
-    outs, lses = [], []
-    for b, band in enumerate(bands):
-        block_mask, score_mod = block_masks[b]
-        qb = q if band.q_scale is None else q * band.q_scale.to(q.dtype)
-        qb = F.pad(rotate(qb, band.q_positions, True), (0, 0, 0, rows - T))
-        out, lse = _attend(qb, keys[slots[b]], v_in, block_mask, score_mod, scale)
+    outs, lses = [], []  # lse in float32, float64 for float64 inputs (FlexAttention's own)
+    for query, slot, (block_mask, score_mod) in zip(queries, slots, block_masks, strict=True):
+        query = F.pad(query, (0, 0, 0, rows - T))
+        out, lse = _attend(query, keys[slot], v_in, block_mask, score_mod, scale)
         outs.append(out[:, :, :T])
-        lses.append(lse[:, :, :T].to(torch.float64 if v.dtype == torch.float64 else torch.float32))
+        lses.append(lse[:, :, :T])
     return _merge(outs, lses).to(v.dtype)
 
 

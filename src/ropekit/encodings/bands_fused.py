@@ -51,7 +51,8 @@ other devices have no kernel here; key ranges need non-decreasing key positions.
 ``bands.banded_attention`` checks ``supported`` and otherwise takes the reference kernel, with
 one warning naming why.
 
-Holds: BLOCK_ROWS, FINE_ROWS, supported, why_no_ranges, index_bounds, fused_banded_attention.
+Holds: BLOCK_ROWS, FINE_ROWS, supported, why_no_ranges, index_bounds, band_queries,
+fused_banded_attention.
 """
 
 from __future__ import annotations
@@ -518,6 +519,16 @@ def _layout(
     return layout
 
 
+def band_queries(
+    q: Tensor, bands: Sequence[Any], rotate: Callable[[Tensor, Tensor, bool], Tensor]
+) -> list[Tensor]:
+    """Each band's queries (B, H, T, D): q times the band's factor, rotated at its positions."""
+    return [
+        rotate(q if band.q_scale is None else q * band.q_scale.to(q.dtype), band.q_positions, True)
+        for band in bands
+    ]
+
+
 def fused_banded_attention(
     q: Tensor,
     keys: Sequence[Tensor],
@@ -545,10 +556,7 @@ def fused_banded_attention(
         return v.new_zeros(*q.shape[:3], v.shape[-1])
     first, stop, blocks = _layout(bands, key_positions, T, causal_offset, rows)
     plan = _Plan(blocks, first, stop, mask, scale, tuple(slots))
-    queries = [
-        rotate(q if band.q_scale is None else q * band.q_scale.to(q.dtype), band.q_positions, True)
-        for band in bands
-    ]  # each (B, H, T, D)
+    queries = band_queries(q, bands, rotate)
     tensors = (*queries, *keys)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (v, *tensors)):
         return _FusedBands.apply(plan, len(bands), v, *tensors)
