@@ -72,6 +72,27 @@ def test_tiles_are_full_exactly_where_every_pair_is_covered_and_partial_where_so
         assert torch.equal(partial, (covered > 0) & (covered < size))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_tiles_of_arbitrary_ranges_match_the_count_even_where_a_tile_row_leaves_gaps(seed):
+    """Random bounds, not a remap's: rows of one query tile far apart, empty rows, ranges
+    ending mid-tile. A tile between two rows' ranges is reached by neither (the difference
+    array counts a union of intervals, not its hull)."""
+    g = torch.Generator().manual_seed(seed)
+    T, tile, keys = 37, 4, 48
+    first = torch.randint(0, keys, (2, 3, T), generator=g)
+    stop = (first + torch.randint(-3, 14, (2, 3, T), generator=g)).clamp(0, keys - 5)
+    partial, full = bands_flex.tiles(first, stop, 40, keys, tile)
+    covered, size = _tile_counts(first, stop, 40, keys, tile)
+    assert torch.equal(full, (covered == size) & (size > 0))
+    assert torch.equal(partial, (covered > 0) & (covered < size))
+
+
+def test_a_tile_between_two_rows_ranges_is_not_reached():
+    first, stop = torch.tensor([[[0, 6]]]), torch.tensor([[[2, 8]]])  # one tile of rows
+    partial, full = bands_flex.tiles(first, stop, 2, 8, tile=2)
+    assert partial.tolist() == [[[[True, False, False, True]]]] and not full.any()
+
+
 def test_tiles_of_rows_without_keys_are_never_full_and_a_padded_row_is_no_rows_concern():
     """A row with first >= stop sees nothing: it makes no tile full and reaches none; padded
     rows (past T) neither reach a tile nor keep one from being full."""
