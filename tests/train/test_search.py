@@ -24,7 +24,7 @@ from ropekit.results import ResultError, read_record, write_result
 from ropekit.train import TrainConfig
 from ropekit.train.pretrain import pretrain
 from ropekit.train.search import VERSION as SEARCH_VERSION
-from ropekit.train.search import SearchConfig, SearchRecord, initial_factors, search
+from ropekit.train.search import SearchConfig, SearchRecord, _Scorer, _spec, initial_factors, search
 from tests.runaway import cpu_limit
 
 CONTEXT, TARGET = 32, 128
@@ -89,6 +89,12 @@ def test_search_beats_its_seeds_and_writes_a_longrope_adapter(base_dir, tmp_path
     fresh = Decoder.load(base_dir).eval()
     load_adapter(fresh, tmp_path / "s")
     assert as_backbone(fresh).encoding.spec == result.spec
+    # It scores the search's samples to the NLL the search recorded (one forward each, with
+    # the long factors: the samples are longer than the window).
+    context = {"factor": TARGET / CONTEXT, "original_length": CONTEXT}
+    samples = _Scorer(as_backbone(fresh), config, tmp_path / "x.jsonl", "x", context).samples
+    scored = [float(as_backbone(fresh).token_nll(ids, 64).double().mean()) for ids in samples]
+    assert np.mean(scored) == pytest.approx(result.nll, rel=1e-12)
     # A rerun of the finished search scores nothing again.
     again = Decoder.load(base_dir).eval()
     rerun = ForwardCounter(again)
@@ -258,17 +264,12 @@ def test_a_crossover_child_takes_each_pair_from_one_parent_and_some_from_each():
     assert capped.max() == 100.0 and (np.diff(capped) >= 0).all()
 
 
-def test_the_spec_holds_the_factors_beyond_the_window_or_at_every_length():
-    from ropekit.train.search import _spec
-
+def test_the_spec_holds_the_factors_beyond_the_window():
     factors = np.array([1.0, 1.5, 2.25, 4.0000001])
-    assert _spec(factors, 4.0, 32, short=True) == (
+    assert _spec(factors, 4.0, 32) == (
         "longrope:short_factor=[1],long_factor=[1,1.5,2.25,4],factor=4,original_length=32"
     )
-    assert _spec(factors, 2.5, 64, short=False) == (
-        "longrope:short_factor=[1,1.5,2.25,4],long_factor=[1,1.5,2.25,4],factor=2.5,"
-        "original_length=64"
-    )
+    assert _spec(factors, 2.5, 64).endswith("factor=2.5,original_length=64")
 
 
 class _Recorder:
@@ -410,7 +411,6 @@ def test_a_scorer_scores_the_mean_nll_of_its_samples_and_counts_earlier_forwards
     base_dir, tmp_path
 ):
     from ropekit.data import make_train_dataset
-    from ropekit.train.search import _Scorer
 
     backbone = as_backbone(Decoder.load(base_dir).eval())
     config = SearchConfig(TARGET, samples=3, budget=24, seed=3, chunk=64)
@@ -556,8 +556,6 @@ def test_the_evolution_stops_at_the_first_candidate_its_budget_cannot_pay_for():
 def test_a_scorer_spends_samples_forwards_per_new_candidate_and_none_on_a_known_one(
     base_dir, tmp_path
 ):
-    from ropekit.train.search import _Scorer
-
     model = Decoder.load(base_dir).eval()
     counter = ForwardCounter(model)
     config = SearchConfig(TARGET, samples=2, budget=24, chunk=64)

@@ -10,8 +10,10 @@ part of LongRoPE is public; here it is, on any model ropekit can give an encodin
    paper's seeds, plus mutations of them up to ``population``.
 2. Every candidate is scored by the mean NLL (nats per token) of the same ``samples`` samples
    of ``target_length`` tokens from the *training* split of ``data`` (never the held-out text
-   results are measured on), with the candidate used at every length (short = long factors),
-   so the chunked scoring through the KV cache is exact.
+   results are measured on), each written as the spec step 4 writes. The samples are longer
+   than the original window and a ``longrope`` encoding follows the length, so each is read
+   in one forward (``Backbone.token_nll``) with exactly the long factors the spec applies at
+   the target length; its short factors never enter a score.
 3. The ``parents`` best breed the next generation: mutation (each factor times
    exp(N(0, mutation)) with probability 1/2) and crossover (each pair from one of two
    parents). The paper's constraints hold for every candidate: lambda_f >= 1 (no pair is sped
@@ -192,13 +194,11 @@ def _crossover(a: np.ndarray, b: np.ndarray, rng: np.random.Generator, cap: floa
     return _monotone(np.where(rng.random(a.shape) < 0.5, a, b), cap)
 
 
-def _spec(factors: np.ndarray, factor: float, original_length: int, short: bool) -> str:
-    """A longrope spec: ``factors`` beyond the original window (short factors 1 inside it), or,
-    for scoring (``short=False``), the same factors at every length."""
+def _spec(factors: np.ndarray, factor: float, original_length: int) -> str:
+    """A longrope spec: ``factors`` beyond the original window, short factors 1 inside it."""
     values = "[" + ",".join(f"{v:.6g}" for v in factors) + "]"
-    inside = "[1]" if short else values
     return (
-        f"longrope:short_factor={inside},long_factor={values},factor={factor:g},"
+        f"longrope:short_factor=[1],long_factor={values},factor={factor:g},"
         f"original_length={original_length}"
     )
 
@@ -237,7 +237,7 @@ class _Scorer:
         if found is not None:
             return found
         c = self.context
-        spec = _spec(factors, c["factor"], c["original_length"], short=False)
+        spec = _spec(factors, c["factor"], c["original_length"])
         self.backbone.set_encoding(spec)
         total = sum(
             float(self.backbone.token_nll(ids, self.config.chunk).double().mean())
@@ -345,7 +345,7 @@ def search(
         best = _evolve(scorer, config, seeds, MAX_FACTOR_TIMES_S * factor, bar)
         baselines = {name: scorer(f, name) for name, f in seeds.items()}
     bar.close()
-    spec = _spec(best["factors"], factor, trained_at, short=True)
+    spec = _spec(best["factors"], factor, trained_at)
     encoding = backbone.set_encoding(spec)
     write_adapter(encoding, fingerprint, out / "adapter", weights_sample=backbone.weights_sample())
     record = SearchRecord(
