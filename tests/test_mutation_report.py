@@ -37,3 +37,20 @@ def test_an_explained_survivor_moves_from_to_kill_to_equivalent_with_its_reason(
 def test_an_equivalent_line_without_a_mutant_or_a_reason_is_refused(line):
     with pytest.raises(ValueError, match=":1: expected 'NAME__mutmut_N: reason'"):
         equivalents(line)
+
+
+def test_the_rerun_finds_each_mutants_function_results_file_and_tests():
+    from tests.mutation_rerun import MUTANTS, function_of, meta_of, tests_of
+
+    method = "ropekit.train.search.xǁ_Scorerǁ__call____mutmut_12"
+    assert function_of(method) == "ropekit.train.search.xǁ_Scorerǁ__call__"
+    assert meta_of(method) == MUTANTS / "src/ropekit/train/search.py.meta"
+    plain = "ropekit.encodings.bands_flex.x_tiles__mutmut_163"
+    assert function_of(plain) == "ropekit.encodings.bands_flex.x_tiles"
+    assert meta_of(plain) == MUTANTS / "src/ropekit/encodings/bands_flex.py.meta"
+    stats = {
+        "tests_by_mangled_function_name": {"ropekit.encodings.bands_flex.x_tiles": ["b", "a"]},
+        "duration_by_test": {"a": 0.1, "b": 2.0},
+    }
+    assert tests_of(plain, stats) == ["a", "b"]  # fastest first
+    assert tests_of(method, stats) == []  # no test reaches it: recorded as mutmut's "no tests"
