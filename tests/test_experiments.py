@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from experiments.common import config_dict, read_config
 
@@ -352,3 +353,42 @@ def test_smollm2_16k_remaps_rows_run_as_a_user_runs_them_and_resume(tmp_path):
     path.write_text(json.dumps(config))
     remaps.main([*args, "--collect"])
     assert json.loads((tmp_path / "results" / "results.json").read_text())["not_run"] == ["dca"]
+
+
+def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tmp_path):
+    """The contrasts of experiment E from its committed ppl.json files, against the same files
+    read by hand: a minus b over every domain's windows at 32k, a trained method's windows
+    averaged over its seeds; a seed not yet scored on every domain is left out."""
+    from experiments.smollm2_32k import contrasts
+
+    final = ROOT / "experiments" / "smollm2_32k" / "final"
+
+    def windows(method, seed, domain):
+        data = json.loads((final / "eval" / method / f"s{seed}" / domain / "ppl.json").read_text())
+        row = next(r for r in data["results"] if r["length"] == 32768)
+        return row["last_quarter_nll_windows"]
+
+    table, seeds = contrasts.scored_table(final)
+    assert seeds["tuned-yarn"] == [0, 1, 2] and seeds["yarn-x4"] == [0]
+    found = {(a, b): d for a, b, d in contrasts.contrasts(table, 32768)}
+    by_hand = [
+        sum(windows("tuned-yarn", s, d)[w] for s in range(3)) / 3 - windows("yarn-x4", 0, d)[w]
+        for d in contrasts.DOMAINS
+        for w in range(len(windows("yarn-x4", 0, d)))
+    ]
+    d = found[("tuned-yarn", "yarn-x4")]
+    assert d.n == len(by_hand) >= 6 and d.mean == pytest.approx(np.mean(by_hand), rel=1e-12)
+    # A seed scored on two of three domains is not one of the method's seeds yet.
+    partial = tmp_path / "final"
+    for method, seed, domains in [
+        ("yarn-x4", 0, contrasts.DOMAINS),
+        ("tuned-yarn", 0, contrasts.DOMAINS),
+        ("tuned-yarn", 1, contrasts.DOMAINS[:2]),
+    ]:
+        for domain in domains:
+            target = partial / "eval" / method / f"s{seed}" / domain
+            target.mkdir(parents=True)
+            shutil.copy(final / "eval" / method / f"s{seed}" / domain / "ppl.json", target)
+    table, seeds = contrasts.scored_table(partial)
+    assert seeds == {"tuned-yarn": [0], "yarn-x4": [0]}
+    assert [(a, b) for a, b, _ in contrasts.contrasts(table, 32768)] == [("tuned-yarn", "yarn-x4")]

@@ -559,3 +559,28 @@ def test_an_engine_with_no_answer_for_the_recommended_method_gives_no_reason():
     # An exact answer's reason is "" (ropekit.serve.serving.Served): no reason to report.
     exact = per_engine(verdict, {"a": {"e": EngineAnswer(True, "")}})
     assert exact["e"].method == "a" and exact["e"].why_not_best is None
+
+
+def test_any_two_methods_differ_by_the_rules_paired_difference_and_the_verdict_states_its_own():
+    """``paired_difference`` is the verdict's difference for any pair: a minus b, window by
+    window over the domains both scored (seeds averaged), with its error over windows (3
+    here, no blocks); the recommendation states exactly that of the winner and runner-up."""
+    from ropekit.compare.verdict import paired_difference, recommend
+
+    def method(ppl, *windows):
+        return {"d": {8: _entry(ppl=[ppl], windows=[[1.0]]), 32: _entry(windows=windows)}}
+
+    table = {
+        "base": method(10.0, [9.0, 9.0, 9.0]),
+        "a": method(10.0, [1.0, 2.0, 3.0]),
+        "b": method(10.0, [1.5, 2.0, 4.0], [1.5, 3.0, 4.0]),  # two seeds: 1.5, 2.5, 4.0
+        "c": method(10.0, [4.0, 4.0, 4.0]),
+    }
+    d = paired_difference(table, "a", "b", 32)
+    diffs = np.array([-0.5, -0.5, -1.0])
+    assert (d.n, d.mean) == (3, pytest.approx(diffs.mean()))
+    assert d.se == pytest.approx(diffs.std(ddof=1) / 3**0.5) and d.se_blocks is None
+    assert paired_difference(table, "b", "a", 32).mean == pytest.approx(-diffs.mean())
+    assert paired_difference(table, "a", "c", 32).mean == pytest.approx(-2.0)
+    verdict = recommend(table, ["a", "b", "c"], "base", 8, 32, 0.01)
+    assert verdict.runner_up == "b" and verdict.difference == d

@@ -33,7 +33,7 @@ Layout of ``out_dir``:
     eval/<label>/s<seed>/probes/                      retrieval probes (summary.json, one
                                                       folder per length)
 
-Holds: run_compare, run_folder, engine_answers.
+Holds: run_compare, run_folder, engine_answers, table_entry.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -417,7 +417,7 @@ class _Comparison:
                 for seed in sorted(by_seed):
                     for row in by_seed[seed][domain].results:
                         rows.setdefault(row.length, []).append(row)
-                table[label][domain] = {n: _entry(seeds) for n, seeds in rows.items()}
+                table[label][domain] = {n: table_entry(seeds) for n, seeds in rows.items()}
         return table
 
     def held_out(self, results: dict[str, dict[int, Scores]]) -> dict[str, tuple]:
@@ -493,7 +493,7 @@ def engine_answers(
     return {name: EngineAnswer(s.exact, s.why) for name, s in served.items()}
 
 
-def _entry(seeds: list[LengthScore]) -> TableEntry:
+def table_entry(seeds: Sequence[LengthScore]) -> TableEntry:
     """One cell of the table from each seed's ppl.json row at that length (seeds in order)."""
     windows = [row.last_quarter_nll_windows for row in seeds]
     if any(w is None for w in windows):  # compare scores whole windows, never with a stride

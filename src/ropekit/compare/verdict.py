@@ -41,7 +41,8 @@ Retrieval accuracy is reported beside it with Wilson score intervals
 wins on perplexity and loses retrieval is shown as such.
 
 Holds: mean_std, pooled_accuracy, pooled_retrieval, accuracy_text, retrieval_note, cost_at,
-score_at, paired_windows, paired_blocks, block_error, recommend, per_engine.
+score_at, paired_windows, paired_blocks, block_error, paired_difference, recommend,
+per_engine.
 """
 
 from __future__ import annotations
@@ -245,6 +246,13 @@ def _error(diffs: list[float], blocks: list[np.ndarray] | None) -> Difference:
     return Difference(**stats, se=se, se_windows=windows, **within)
 
 
+def paired_difference(table: Table, a: str, b: str, length: int) -> Difference:
+    """``a``'s last-quarter NLL minus ``b``'s at ``length``, paired window by window over every
+    domain that scored both, with the rule's standard error (module docstring): what the
+    verdict states between the recommended method and the runner-up, for any two methods."""
+    return _error(paired_windows(table, a, b, length), paired_blocks(table, a, b, length))
+
+
 def _error_text(d: Difference) -> str:
     """`` ± 0.0123 s.e. from blocks of 256 tokens`` (or ``over windows``), or nothing."""
     if d.se is None:
@@ -331,10 +339,7 @@ def _paired_verdict(out: Verdict, table: Table, winner: str, runner: str) -> Ver
     """``recommend``'s verdict between the two best eligible methods: the paired difference,
     its error, and the sentence that says whether the lead is resolved."""
     target, short, costs, scores = out.target_length, out.short_length, out.costs, out.scores
-    stats = _error(
-        paired_windows(table, winner, runner, target),
-        paired_blocks(table, winner, runner, target),
-    )
+    stats = paired_difference(table, winner, runner, target)
     se = stats.se
     n_windows = f"{stats.n} window{'s' * (stats.n != 1)}"
     resolved = se is not None and stats.mean + 2 * se < 0 and -stats.mean >= out.min_difference
