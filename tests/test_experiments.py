@@ -392,3 +392,14 @@ def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tm
     table, seeds = contrasts.scored_table(partial)
     assert seeds == {"tuned-yarn": [0], "yarn-x4": [0]}
     assert [(a, b) for a, b, _ in contrasts.contrasts(table, 32768)] == [("tuned-yarn", "yarn-x4")]
+    # As a user runs it: the table; a length not scored, or a folder that is not a
+    # comparison's, is refused in one line, exit 2.
+    command = [sys.executable, "-m", "experiments.smollm2_32k.contrasts", "--final", str(partial)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "| tuned-yarn | yarn-x4 | 6 |" in done.stdout
+    for bad, message in [(["--length", "1000"], "--length 1000 is not scored there; the "
+                          "lengths are [8192, 16384, 32768]"),
+                         (["--final", str(tmp_path)], "has no eval/")]:  # fmt: skip
+        done = subprocess.run(command + bad, cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -102,7 +102,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="the comparison's folder (default: the committed one)")  # fmt: skip
     parser.add_argument("--length", type=int, default=32768, help="the length compared")
     args = parser.parse_args(argv)
+    if not (args.final / "eval").is_dir():
+        parser.error(f"--final {args.final} is not a comparison's folder (it has no eval/)")
     table, seeds = scored_table(args.final)
+    scored = sorted({n for m in table.values() for d in m.values() for n in d})
+    if args.length not in scored:
+        parser.error(f"--length {args.length} is not scored there; the lengths are {scored}")
     print(
         f"Last-quarter NLL at {args.length}, a minus b (nats per token; negative: a better), "
         f"paired over the windows of {', '.join(DOMAINS)}; resolved as the verdict's rule "
