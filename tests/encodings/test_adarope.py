@@ -251,6 +251,13 @@ def test_l_ref_defaults_to_the_init_length_else_the_context_else_64():
     message = "l_ref=0 is not allowed; it must be a finite number >= 1"
     with pytest.raises(ValueError, match=f": {re.escape(message)}$"):
         build("adarope:l_ref=0", **SHAPE)
+    # the temperature clamps int64 positions to L_ref: the largest int64 is the limit (found by
+    # the spec fuzzer: l_ref=9.223372036854776e+18, 2**63, overflowed in the forward)
+    top = build(f"adarope:l_ref={2**63 - 1}", **SHAPE)
+    assert top.temperature(torch.tensor([[0, 1]]), 0).isfinite().all()
+    message = "l_ref=9223372036854775808 is not allowed; it must be a length of at most"
+    with pytest.raises(ValueError, match=f": {re.escape(message)} 9223372036854775807 tokens"):
+        build("adarope:l_ref=9.223372036854776e+18", **SHAPE)
 
 
 def test_an_unknown_option_names_what_adarope_with_that_init_allows():

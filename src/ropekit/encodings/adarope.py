@@ -56,6 +56,9 @@ from .rope import (
 )
 from .rotary import angles, rotate, rotate_angles, tables
 
+# The largest reference length AdaScale takes: the temperature clamps int64 positions to it.
+MAX_L_REF = torch.iinfo(torch.int64).max
+
 # Static schedules AdaFreq can start from (dynamic ones have no single set of frequencies).
 INIT_SCHEDULES: dict[str, type[RopeConfig]] = {
     "rope": RopeConfig,
@@ -107,6 +110,11 @@ class AdaRoPEConfig(EncodingConfig):
         if self.l_ref is None:
             object.__setattr__(self, "l_ref", self._default_l_ref())
         check_positive("l_ref", self.l_ref, minimum=1, strict=False)
+        if self.l_ref > MAX_L_REF:  # positions are int64: max(L, L_ref) is taken in them
+            raise ValueError(
+                f"l_ref={self.l_ref!r} is not allowed; it must be a length of at most "
+                f"{MAX_L_REF} tokens (2**63 - 1, positions are int64)"
+            )
 
     def _default_l_ref(self) -> int:
         return int(self.schedule.extension().original_length or self.PAPER_PRETRAIN_L_REF)

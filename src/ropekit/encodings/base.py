@@ -65,6 +65,10 @@ def _parse_scalar(text: str, kind: type, field: str) -> Any:
             return False
         raise ValueError(f"{field}={text!r} is not a boolean; use true or false")
     if kind is int:
+        try:  # exact, however large (through a float, 2**63 - 1 would read as 2**63)
+            return int(text)
+        except ValueError:  # "1e4", "2048.0": integral numbers written as floats
+            pass
         try:
             value = float(text)
         except ValueError:
