@@ -7,9 +7,18 @@ Holds:
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 import pytest
+from tqdm import tqdm
+
+# tqdm's default lock holds a multiprocessing lock, which every process forked from this one
+# shares: a mutation-testing worker killed while drawing a bar (mutmut kills one past its CPU
+# limit) leaves it held, and every later worker that draws a bar blocks on it forever (seen with
+# mutmut 3.8.1 on the search's mutants, each then recorded as a timeout; reproduced with two
+# forks). A thread lock is copied into each fork instead, so one killed worker holds only its own.
+tqdm.set_lock(threading.RLock())
 
 
 @pytest.fixture

@@ -1,9 +1,11 @@
 """Run mutants by name, one fresh pytest process each, and record the outcome where mutmut
 keeps it (not a test; the fallback when ``mutmut run NAMES`` stalls).
 
-mutmut 3.8.1 forks its workers from a process with threads; here its forked children
-deadlocked on a lock (futex wait, no CPU) after the first few mutants of a run, and each was
-then recorded as a timeout. This does what a mutmut worker does, without the fork: the
+mutmut 3.8.1 forks its workers; here its forked children blocked on a lock (futex wait, no
+CPU) after the first few mutants of a run, each then recorded as a timeout: tqdm's
+multiprocessing lock, shared by the forks, left held by a worker killed while drawing a bar
+(tests/conftest.py now gives tqdm a lock per process). This does what a mutmut worker does,
+without the fork: the
 mutant's tests are mutmut's own selection for its function (``mutants/mutmut-stats.json``),
 fastest first; ``MUTANT_UNDER_TEST`` names the mutant and ``mutants/src`` comes first on the
 path, with no compiling (``ROPEKIT_COMPILE=never``, as ``make mutation``); pytest stops at the
