@@ -42,7 +42,7 @@ test-slow: $(STAMP)
 # resumes where it left off; delete mutants/ after changing [tool.mutmut]'s module list
 # (mutmut keeps the files it mutated first). Where mutmut's forked workers stall (they
 # blocked here on 2026-12-04 on tqdm's shared lock, which tests/conftest.py now makes one per
-# process), tests/mutation_rerun.py runs the mutants left by name.
+# process), `python -m tests.mutation_rerun NAMES.txt` runs the mutants left by name.
 mutation: $(STAMP)
 	$(BIN)/python -m pip install -q mutmut==3.8.1
 	start=$$(date +%s) && ROPEKIT_COMPILE=never $(BIN)/mutmut run --max-children 2 && \

@@ -13,7 +13,8 @@ first failure; the exit code goes into the function's module's ``.meta`` file as
 writes it (1 killed, 0 survived, 33 no tests, 36 timeout), so ``mutmut results`` and
 ``tests/mutation.py`` read it as they read mutmut's own.
 
-Usage: python tests/mutation_rerun.py NAMES.txt   (one NAME__mutmut_N per line)
+Usage: python -m tests.mutation_rerun NAMES.txt   (from the repository root; one
+NAME__mutmut_N per line)
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.mutation import module_of
 
 ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = ROOT / "mutants"
@@ -38,7 +41,7 @@ def function_of(name: str) -> str:
 
 def meta_of(name: str) -> Path:
     """The results file of the mutant's module, under mutants/src."""
-    module = function_of(name).split(".x_", 1)[0].split(".xǁ", 1)[0]
+    module = module_of(name)
     return MUTANTS / "src" / (module.replace(".", "/") + ".py.meta")
 
 

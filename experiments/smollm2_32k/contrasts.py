@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ropekit.compare.config import CompareConfig
 from ropekit.compare.record import Difference, TableEntry
-from ropekit.compare.run import table_entry
+from ropekit.compare.run import length_entries
 from ropekit.compare.verdict import paired_difference
 from ropekit.evals.perplexity import PerplexityResult
 from ropekit.results import read_record
@@ -69,9 +69,7 @@ def scored_table(final: Path) -> tuple[Table, dict[str, list[int]]]:
                             PerplexityResult)
                 for s in done
             ]  # fmt: skip
-            rows = {r.length: [x for res in results for x in res.results if x.length == r.length]
-                    for r in results[0].results}  # fmt: skip
-            table[method][domain] = {n: table_entry(per_seed) for n, per_seed in rows.items()}
+            table[method][domain] = length_entries(results)
     return table, seeds
 
 

@@ -33,7 +33,7 @@ Layout of ``out_dir``:
     eval/<label>/s<seed>/probes/                      retrieval probes (summary.json, one
                                                       folder per length)
 
-Holds: run_compare, run_folder, engine_answers, table_entry.
+Holds: run_compare, run_folder, engine_answers, length_entries.
 """
 
 from __future__ import annotations
@@ -413,11 +413,7 @@ class _Comparison:
         for label, by_seed in results.items():
             table[label] = {}
             for domain in (d for d in self.config.eval_data if d in by_seed[min(by_seed)]):
-                rows: dict[int, list[LengthScore]] = {}
-                for seed in sorted(by_seed):
-                    for row in by_seed[seed][domain].results:
-                        rows.setdefault(row.length, []).append(row)
-                table[label][domain] = {n: table_entry(seeds) for n, seeds in rows.items()}
+                table[label][domain] = length_entries([by_seed[s][domain] for s in sorted(by_seed)])
         return table
 
     def held_out(self, results: dict[str, dict[int, Scores]]) -> dict[str, tuple]:
@@ -493,7 +489,17 @@ def engine_answers(
     return {name: EngineAnswer(s.exact, s.why) for name, s in served.items()}
 
 
-def table_entry(seeds: Sequence[LengthScore]) -> TableEntry:
+def length_entries(per_seed: Sequence[PerplexityResult]) -> dict[int, TableEntry]:
+    """One method's table cells on one domain, {length: entry}, from each seed's ppl.json there
+    (seeds in order)."""
+    rows: dict[int, list[LengthScore]] = {}
+    for result in per_seed:
+        for row in result.results:
+            rows.setdefault(row.length, []).append(row)
+    return {n: _entry(seeds) for n, seeds in rows.items()}
+
+
+def _entry(seeds: Sequence[LengthScore]) -> TableEntry:
     """One cell of the table from each seed's ppl.json row at that length (seeds in order)."""
     windows = [row.last_quarter_nll_windows for row in seeds]
     if any(w is None for w in windows):  # compare scores whole windows, never with a stride
