@@ -358,7 +358,8 @@ def test_smollm2_16k_remaps_rows_run_as_a_user_runs_them_and_resume(tmp_path):
 def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tmp_path):
     """The contrasts of experiment E from its committed ppl.json files, against the same files
     read by hand: a minus b over every domain's windows at 32k, a trained method's windows
-    averaged over its seeds; a seed not yet scored on every domain is left out."""
+    averaged over its seeds, and its seeds' spread in the error; a seed not yet scored on
+    every domain is left out, and two trained methods meet at the seeds both have."""
     from experiments.smollm2_32k import contrasts
 
     final = ROOT / "experiments" / "smollm2_32k" / "final"
@@ -366,38 +367,56 @@ def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tm
     def windows(method, seed, domain):
         data = json.loads((final / "eval" / method / f"s{seed}" / domain / "ppl.json").read_text())
         row = next(r for r in data["results"] if r["length"] == 32768)
-        return row["last_quarter_nll_windows"]
+        return np.array(row["last_quarter_nll_windows"])
 
-    table, seeds = contrasts.scored_table(final)
+    seeds = contrasts.scored_seeds(final)
     assert seeds["tuned-yarn"] == [0, 1, 2] and seeds["yarn-x4"] == [0]
-    found = {(a, b): d for a, b, d in contrasts.contrasts(table, 32768)}
-    by_hand = [
-        sum(windows("tuned-yarn", s, d)[w] for s in range(3)) / 3 - windows("yarn-x4", 0, d)[w]
-        for d in contrasts.DOMAINS
-        for w in range(len(windows("yarn-x4", 0, d)))
-    ]
+    found = {(a, b): d for a, b, d in contrasts.contrasts(final, 32768)}
+    per_seed = np.array([
+        np.concatenate([windows("tuned-yarn", s, d) - windows("yarn-x4", 0, d)
+                        for d in contrasts.DOMAINS])
+        for s in range(3)
+    ])  # fmt: skip
+    by_hand = per_seed.mean(axis=0)  # per window, seeds averaged
     d = found[("tuned-yarn", "yarn-x4")]
-    assert d.n == len(by_hand) >= 6 and d.mean == pytest.approx(np.mean(by_hand), rel=1e-12)
-    # A seed scored on two of three domains is not one of the method's seeds yet.
+    assert d.n == len(by_hand) >= 6 and d.mean == pytest.approx(by_hand.mean(), rel=1e-12)
+    assert d.seeds == 3
+    assert d.se_seeds == pytest.approx(per_seed.mean(axis=1).std(ddof=1) / 3**0.5, rel=1e-9)
+    # A seed scored on two of three domains is not one of the method's seeds yet; a trained
+    # method is compared with another at their common seeds.
     partial = tmp_path / "final"
     for method, seed, domains in [
         ("yarn-x4", 0, contrasts.DOMAINS),
         ("tuned-yarn", 0, contrasts.DOMAINS),
         ("tuned-yarn", 1, contrasts.DOMAINS[:2]),
+        ("tuned-yarn", 2, contrasts.DOMAINS),
+        ("adarope-global", 0, contrasts.DOMAINS),
     ]:
         for domain in domains:
             target = partial / "eval" / method / f"s{seed}" / domain
             target.mkdir(parents=True)
             shutil.copy(final / "eval" / method / f"s{seed}" / domain / "ppl.json", target)
-    table, seeds = contrasts.scored_table(partial)
-    assert seeds == {"tuned-yarn": [0], "yarn-x4": [0]}
-    assert [(a, b) for a, b, _ in contrasts.contrasts(table, 32768)] == [("tuned-yarn", "yarn-x4")]
+    for method, trained in [("yarn-x4", False), ("tuned-yarn", True), ("adarope-global", True)]:
+        (partial / "methods" / method / ("lr-0.02" if trained else "") / "s0").mkdir(parents=True)
+    seeds = contrasts.scored_seeds(partial)
+    assert seeds == {"adarope-global": [0], "tuned-yarn": [0, 2], "yarn-x4": [0]}
+    found = {(a, b): d for a, b, d in contrasts.contrasts(partial, 32768)}
+    assert list(found) == [("adarope-global", "yarn-x4"), ("tuned-yarn", "yarn-x4")]
+    assert found[("tuned-yarn", "yarn-x4")].seeds == 2
+    table = contrasts.pair_table(partial, seeds, "adarope-global", "tuned-yarn")
+    assert len(table["tuned-yarn"]["kjv"][32768].ppl) == 1  # seed 0, which both have
+    pairs = (*contrasts.PAIRS, ("adarope-global", "tuned-yarn"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(contrasts, "PAIRS", pairs)
+        both = {(a, b): d for a, b, d in contrasts.contrasts(partial, 32768)}
+    assert both[("adarope-global", "tuned-yarn")].seeds == 1
+    assert both[("adarope-global", "tuned-yarn")].se_seeds is None
     # As a user runs it: the table; a length not scored, or a folder that is not a
     # comparison's, is refused in one line, exit 2.
     command = [sys.executable, "-m", "experiments.smollm2_32k.contrasts", "--final", str(partial)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "| tuned-yarn | yarn-x4 | 6 |" in done.stdout
+    assert "| tuned-yarn | yarn-x4 | 6 | 2 |" in done.stdout
     for bad, message in [(["--length", "1000"], "--length 1000 is not scored there; the "
                           "lengths are [8192, 16384, 32768]"),
                          (["--final", str(tmp_path)], "has no eval/")]:  # fmt: skip

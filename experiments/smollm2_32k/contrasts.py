@@ -2,17 +2,18 @@
 issue asks about, the last-quarter NLL difference at 32k, paired window by window over every
 domain both methods are scored on, with the verdict's standard error
 (``ropekit.compare.verdict.paired_difference``: the larger of the error over windows and the
-one from blocks of positions within them).
+one from blocks of positions within them, with the spread over paired seeds added).
 
 ``ropekit compare`` states this difference for the recommended method and its runner-up only,
 and writes compare.json at the end of a stage; this reads each finished ppl.json, so a lead
-can be read as it forms. A trained method's value is its mean over the seeds scored on every
-domain (the rule's error is over windows and positions, not seeds: the seeds' spread is
-printed beside it). Nothing is computed that the comparison has not scored.
+can be read as it forms. A method's seeds are those scored on every domain; two trained
+methods are compared at the seeds both have (paired, as the comparison trains them), an
+untrained method's one run against each of a trained method's. Nothing is computed that the
+comparison has not scored.
 
     python -m experiments.smollm2_32k.contrasts [--final DIR] [--length N]
 
-Holds: PAIRS, MIN_DIFFERENCE, scored_table, contrasts, main.
+Holds: PAIRS, MIN_DIFFERENCE, scored_seeds, pair_table, contrasts, main.
 """
 
 from __future__ import annotations
@@ -48,50 +49,56 @@ MIN_DIFFERENCE = CompareConfig.min_difference
 Table = dict[str, dict[str, dict[int, TableEntry]]]
 
 
-def scored_table(final: Path) -> tuple[Table, dict[str, list[int]]]:
-    """table[method][domain][length] over each method's seeds scored on every domain, and
-    those seeds per method (methods with none are left out)."""
-    table: Table = {}
-    seeds: dict[str, list[int]] = {}
+def scored_seeds(final: Path) -> dict[str, list[int]]:
+    """Each method's seeds scored on every domain (methods with none are left out)."""
+    seeds = {}
     for method in sorted(p.name for p in (final / "eval").iterdir() if p.is_dir()):
         done = sorted(
             int(s.name[1:])
             for s in (final / "eval" / method).glob("s[0-9]*")
             if all((s / d / "ppl.json").is_file() for d in DOMAINS)
         )
-        if not done:
-            continue
-        seeds[method] = done
-        table[method] = {}
-        for domain in DOMAINS:
-            results = [
+        if done:
+            seeds[method] = done
+    return seeds
+
+
+def _trained(final: Path, method: str) -> bool:
+    """Whether the comparison trains ``method`` (``compare.run.run_folder``: per rate)."""
+    return any((final / "methods" / method).glob("lr-*"))
+
+
+def pair_table(final: Path, seeds: dict[str, list[int]], a: str, b: str) -> Table:
+    """table[method][domain][length] of ``a`` and ``b``: each at its scored seeds, or, when
+    both are trained, at the seeds both have, in order (so the verdict pairs them)."""
+    runs = {a: seeds[a], b: seeds[b]}
+    if _trained(final, a) and _trained(final, b):
+        common = sorted(set(seeds[a]) & set(seeds[b]))
+        runs = {a: common, b: common}
+    table: Table = {}
+    for method, done in runs.items():
+        table[method] = {
+            domain: length_entries([
                 read_record(final / "eval" / method / f"s{s}" / domain / "ppl.json",
                             PerplexityResult)
                 for s in done
-            ]  # fmt: skip
-            table[method][domain] = length_entries(results)
-    return table, seeds
+            ])
+            for domain in DOMAINS
+        }  # fmt: skip
+    return table
 
 
-def contrasts(table: Table, length: int) -> list[tuple[str, str, Difference]]:
-    """Each pair of PAIRS that both methods have been scored for: (a, b, a minus b)."""
-    return [(a, b, paired_difference(table, a, b, length))
-            for a, b in PAIRS if a in table and b in table]  # fmt: skip
-
-
-def _seed_spread(table: Table, method: str, length: int) -> str:
-    """The spread over seeds of the method's mean last-quarter NLL (domains averaged)."""
-    per_seed = []
-    n_seeds = len(table[method][DOMAINS[0]][length].last_quarter_windows)
-    for k in range(n_seeds):
-        means = [sum(e[length].last_quarter_windows[k]) / len(e[length].last_quarter_windows[k])
-                 for e in table[method].values()]  # fmt: skip
-        per_seed.append(sum(means) / len(means))
-    if len(per_seed) < 2:
-        return "1 seed"
-    mean = sum(per_seed) / len(per_seed)
-    std = math.sqrt(sum((v - mean) ** 2 for v in per_seed) / (len(per_seed) - 1))
-    return f"{len(per_seed)} seeds, std {std:.4f}"
+def contrasts(final: Path, length: int) -> list[tuple[str, str, Difference]]:
+    """Each pair of PAIRS that both methods have been scored for: (a, b, a minus b); two
+    trained methods with no seed in common are left out."""
+    seeds = scored_seeds(final)
+    out = []
+    for a, b in PAIRS:
+        if a in seeds and b in seeds:
+            table = pair_table(final, seeds, a, b)
+            if table[a][DOMAINS[0]]:  # a seed in common
+                out.append((a, b, paired_difference(table, a, b, length)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,23 +109,26 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not (args.final / "eval").is_dir():
         parser.error(f"--final {args.final} is not a comparison's folder (it has no eval/)")
-    table, seeds = scored_table(args.final)
-    scored = sorted({n for m in table.values() for d in m.values() for n in d})
+    seeds = scored_seeds(args.final)
+    tables = [pair_table(args.final, seeds, m, m)[m] for m in seeds]
+    scored = sorted({n for table in tables for rows in table.values() for n in rows})
     if args.length not in scored:
         parser.error(f"--length {args.length} is not scored there; the lengths are {scored}")
     print(
         f"Last-quarter NLL at {args.length}, a minus b (nats per token; negative: a better), "
-        f"paired over the windows of {', '.join(DOMAINS)}; resolved as the verdict's rule "
-        f"resolves a lead: |mean| > 2 s.e. and at least {MIN_DIFFERENCE} nats.\n"
+        f"paired over the windows of {', '.join(DOMAINS)} and over the seeds both trained "
+        "methods have (an untrained method: its one run); the error is the verdict's, with the "
+        "seeds' spread where there are 2 or more; resolved as the verdict's rule resolves a "
+        f"lead: |mean| > 2 s.e. and at least {MIN_DIFFERENCE} nats.\n"
     )
-    print("| a | b | windows | a - b | s.e. | ppl ratio | resolved | seeds (a; b) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for a, b, d in contrasts(table, args.length):
+    print("| a | b | windows | seeds | a - b | s.e. | of it, seeds | ppl ratio | resolved |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for a, b, d in contrasts(args.final, args.length):
         resolved = d.se is not None and abs(d.mean) > 2 * d.se and abs(d.mean) >= MIN_DIFFERENCE
         se = f"{d.se:.4f}" if d.se is not None else "-"
-        print(f"| {a} | {b} | {d.n} | {d.mean:+.4f} | {se} | {math.exp(d.mean):.3f} | "
-              f"{'yes' if resolved else 'no'} | {_seed_spread(table, a, args.length)}; "
-              f"{_seed_spread(table, b, args.length)} |")  # fmt: skip
+        spread = f"{d.se_seeds:.4f}" if d.se_seeds is not None else "-"
+        print(f"| {a} | {b} | {d.n} | {d.seeds} | {d.mean:+.4f} | {se} | {spread} | "
+              f"{math.exp(d.mean):.3f} | {'yes' if resolved else 'no'} |")  # fmt: skip
     print(f"\nScored: {', '.join(f'{m} (seeds {s})' for m, s in seeds.items())}")
 
 

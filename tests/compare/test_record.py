@@ -72,6 +72,26 @@ def test_a_running_comparison_resumes_from_the_file_it_wrote(tmp_path):
     assert check_replaceable(out / "compare.json", "compare", {"config": recorded}) is True
 
 
+def test_a_verdict_written_before_the_seeds_spread_reads_without_it(tmp_path):
+    """format_version 3: the difference's error was over windows and blocks only; it reads
+    with no seeds' spread and the error as written (never recomputed on reading)."""
+    record = read_record(FINISHED, CompareResult)
+    path = write_result(tmp_path / "compare.json", "compare", record)
+    data = json.loads(path.read_text())
+    assert data["verdict"]["difference"].keys() >= {"se_seeds", "seeds"}
+    for key in ("se_seeds", "seeds"):
+        del data["verdict"]["difference"][key]
+    data["format_version"] = 3
+    path.write_text(json.dumps(data))
+    old = read_record(path, CompareResult)
+    assert old.verdict.difference.se_seeds is None and old.verdict.difference.seeds is None
+    assert old.verdict.difference.se == record.verdict.difference.se
+    data["format_version"] = VERSION  # at this version the fields are written: refused
+    path.write_text(json.dumps(data))
+    with pytest.raises(ResultError, match=r"compare\.verdict\.difference\.se_seeds is missing"):
+        read_record(path, CompareResult)
+
+
 @pytest.mark.parametrize(
     "rename",
     [("verdict", "winner", "best"), (None, "held_out", "held"), ("verdict", "serving", "engines")],

@@ -462,7 +462,7 @@ def test_a_lead_of_exactly_min_difference_with_no_spread_resolves_over_three_win
     assert verdict.resolved and verdict.runner_up == "b"
     assert encode(verdict.difference) == {
         "mean": -0.5, "std": 0.0, "n": 3, "se": 0.0, "se_windows": 0.0,
-        "se_blocks": None, "block_tokens": None, "blocks": None,
+        "se_blocks": None, "block_tokens": None, "blocks": None, "se_seeds": None, "seeds": 1,
     }  # fmt: skip
     assert verdict.sentence == (
         "Use a at 32 tokens: last-quarter NLL at 32 1.5000 against b's 2.0000 (paired over 3 "
@@ -479,7 +479,7 @@ def test_two_windows_without_blocks_have_a_window_error_but_cannot_resolve():
     assert encode(verdict.difference) == {
         "mean": -0.5, "std": pytest.approx(math.sqrt(0.5)), "n": 2, "se": None,
         "se_windows": pytest.approx(0.5), "se_blocks": None, "block_tokens": None,
-        "blocks": None,
+        "blocks": None, "se_seeds": None, "seeds": 1,
     }  # fmt: skip
     assert verdict.sentence == (
         "No difference is resolved at this sample size between a and b at 32 tokens: "
@@ -564,7 +564,8 @@ def test_an_engine_with_no_answer_for_the_recommended_method_gives_no_reason():
 def test_any_two_methods_differ_by_the_rules_paired_difference_and_the_verdict_states_its_own():
     """``paired_difference`` is the verdict's difference for any pair: a minus b, window by
     window over the domains both scored (seeds averaged), with its error over windows (3
-    here, no blocks); the recommendation states exactly that of the winner and runner-up."""
+    here, no blocks) and over seeds; the recommendation states exactly that of the winner and
+    runner-up."""
     from ropekit.compare.verdict import paired_difference, recommend
 
     def method(ppl, *windows):
@@ -579,8 +580,71 @@ def test_any_two_methods_differ_by_the_rules_paired_difference_and_the_verdict_s
     d = paired_difference(table, "a", "b", 32)
     diffs = np.array([-0.5, -0.5, -1.0])
     assert (d.n, d.mean) == (3, pytest.approx(diffs.mean()))
-    assert d.se == pytest.approx(diffs.std(ddof=1) / 3**0.5) and d.se_blocks is None
+    assert d.se_windows == pytest.approx(diffs.std(ddof=1) / 3**0.5) and d.se_blocks is None
+    seeds = np.array([-0.5, -2.5 / 3])  # b's two seeds, each against a over the 3 windows
+    assert d.se_seeds == pytest.approx(seeds.std(ddof=1) / 2**0.5)
+    assert d.se == pytest.approx(math.hypot(d.se_windows, d.se_seeds))
     assert paired_difference(table, "b", "a", 32).mean == pytest.approx(-diffs.mean())
     assert paired_difference(table, "a", "c", 32).mean == pytest.approx(-2.0)
     verdict = recommend(table, ["a", "b", "c"], "base", 8, 32, 0.01)
     assert verdict.runner_up == "b" and verdict.difference == d
+
+
+def _seeds_table(methods: dict[str, list[list[float]]]) -> dict:
+    """One domain, cost 0 at 8; at 32 each method's last-quarter window NLLs per seed."""
+    return {m: {"d": {8: _entry(ppl=[10.0] * len(runs), windows=[[1.0]] * len(runs)),
+                      32: _entry(ppl=[1.0] * len(runs), windows=runs)}}
+            for m, runs in methods.items()}  # fmt: skip
+
+
+def test_the_spread_over_seeds_enters_the_error_and_can_unresolve_a_lead():
+    """A trained method's seeds differ by which training run it is: their paired differences'
+    error over seeds is added in quadrature to the error over windows, so a lead that one
+    lucky seed carries is not resolved, and the sentence says the seeds are in the error."""
+    from ropekit.compare.verdict import paired_difference, paired_seeds
+
+    # 4 windows; the trained method's three seeds lead the fixed one by 0.9, 0.1 and 0.2.
+    base = [2.0, 2.1, 2.2, 2.0]
+    runs = [[v - lead + 0.01 * i for i, v in enumerate(base)] for lead in (0.9, 0.1, 0.2)]
+    table = _seeds_table({"trained": runs, "fixed": [base]})
+    seeds = paired_seeds(table, "trained", "fixed", 32)
+    assert seeds == pytest.approx([-0.885, -0.085, -0.185])  # + mean of 0.00..0.03
+    d = paired_difference(table, "trained", "fixed", 32)
+    windows = np.mean([np.subtract(w, base) for w in runs], axis=0)  # seeds averaged
+    assert d.mean == pytest.approx(np.mean(seeds)) == pytest.approx(windows.mean())
+    assert d.se_windows == pytest.approx(windows.std(ddof=1) / 2)
+    assert d.se_seeds == pytest.approx(np.std(seeds, ddof=1) / 3**0.5) and d.seeds == 3
+    assert d.se == pytest.approx(math.hypot(d.se_windows, d.se_seeds))
+    verdict = recommend(table, ["trained", "fixed"], "fixed", 8, 32, margin=0.01)
+    assert verdict.winner == "trained" and not verdict.resolved  # 0.39 ± 0.25 over seeds
+    assert f"± {d.se:.4f} s.e. over windows and over 3 seeds" in verdict.sentence
+    # The same mean lead from one seed: the windows' error alone, resolved.
+    one = _seeds_table({"trained": [np.mean(runs, axis=0).tolist()], "fixed": [base]})
+    alone = recommend(one, ["trained", "fixed"], "fixed", 8, 32, margin=0.01)
+    assert alone.resolved and alone.difference.se_seeds is None and alone.difference.seeds == 1
+    assert alone.difference.se == alone.difference.se_windows
+    assert "seeds" not in alone.sentence
+    # Consistent seeds: the spread is small and the lead resolves.
+    steady = [[v - lead for v in base] for lead in (0.40, 0.39, 0.41)]
+    clear = recommend(_seeds_table({"trained": steady, "fixed": [base]}), ["trained", "fixed"],
+                      "fixed", 8, 32, margin=0.01)  # fmt: skip
+    assert clear.resolved and clear.difference.se_seeds == pytest.approx(0.01 / 3**0.5)
+
+
+def test_two_trained_methods_pair_their_seeds_by_position():
+    """Seed k of one trained method against seed k of the other (the same training samples):
+    a run-to-run swing they share cancels, so the paired error is smaller than either
+    method's own spread; methods scored at different numbers of seeds do not pair."""
+    from ropekit.compare.verdict import paired_difference, paired_seeds
+
+    swing = [0.0, 0.5, -0.5]  # what each seed's samples do to both methods
+    a = [[2.0 + s, 2.2 + s] for s in swing]
+    b = [[2.1 + s + e, 2.3 + s + e] for s, e in zip(swing, [0.01, -0.01, 0.0], strict=True)]
+    table = _seeds_table({"a": a, "b": b, "c": a[:2]})
+    assert paired_seeds(table, "a", "b", 32) == pytest.approx([-0.11, -0.09, -0.1])
+    d = paired_difference(table, "a", "b", 32)
+    assert d.se_seeds == pytest.approx(0.01 / 3**0.5) and d.seeds == 3
+    assert d.se_seeds < np.std([np.mean(w) for w in a], ddof=1) / 10
+    assert paired_seeds(table, "b", "a", 32) == pytest.approx([0.11, 0.09, 0.1])
+    with pytest.raises(ValueError, match="a and c are scored at 32 with 2 and 3 seeds"):
+        paired_difference(table, "a", "c", 32)

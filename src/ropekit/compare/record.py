@@ -6,7 +6,8 @@ seeds, which engines serve each method, the job times, and the ``Verdict`` (the 
 numbers, the paired ``Difference`` and, per serving engine, an ``EngineChoice``). Lengths
 and learning rates are int and float keys here; ``ropekit.results`` converts them at the
 JSON boundary. Registered as the ``compare`` kind at ``VERSION``; ``_from_v2`` migrates the
-untyped layout (format_version 2), whose older files omit fields later writers added.
+untyped layout (format_version 2), whose older files omit fields later writers added, and
+``_from_v3`` a verdict whose error did not yet have the seeds' spread.
 
 Holds: VERSION, Method, Skipped, Stretch, TableEntry, Stat, SummaryEntry,
 LrSearch, SeedAccuracy, Retrieval, ProbeSettings, EngineAnswer, JobTime, Difference,
@@ -24,7 +25,9 @@ from ropekit.results import register
 
 from .config import CompareConfig
 
-VERSION = 3  # 3: typed; every field written, none left out (2: the untyped layout)
+# 4: the verdict's error has the seeds' spread; 3: typed, every field written, none left out;
+# 2: the untyped layout
+VERSION = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,11 +146,14 @@ class Difference:
     mean: float | None
     std: float | None
     n: int  # paired windows
-    se: float | None  # the error the rule uses: the larger of the two below
+    # the error the rule uses: the larger of the two below, se_seeds added in quadrature
+    se: float | None
     se_windows: float | None  # over windows (at least 2)
     se_blocks: float | None  # from blocks within the windows
     block_tokens: int | None
     blocks: int | None
+    se_seeds: float | None  # over the seeds' paired differences (at least 2 seeds)
+    seeds: int | None  # seeds paired; None: written before the seeds' spread was kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +202,7 @@ class Verdict:
     serving: dict[str, EngineChoice] | None = None  # engine -> choice (verdict.per_engine)
 
 
-@register("compare", VERSION, {2: lambda data: _from_v2(data)})
+@register("compare", VERSION, {2: lambda data: _from_v2(data), 3: lambda data: _from_v3(data)})
 @dataclasses.dataclass(frozen=True)
 class CompareResult:
     """compare.json (``ropekit.compare.run`` writes it after every stage)."""
@@ -260,4 +266,13 @@ def _from_v2(data: dict[str, Any]) -> dict[str, Any]:
             verdict["difference"] = {**dict.fromkeys(blocks), **verdict["difference"]}
         for entry in (verdict["serving"] or {}).values():
             entry.setdefault("beyond_margin", None)
+    return data
+
+
+def _from_v3(data: dict[str, Any]) -> dict[str, Any]:
+    """Before the seeds' spread entered the verdict's error: its difference has none (the
+    error stays as written, over windows and blocks only)."""
+    verdict = data.get("verdict")
+    if verdict is not None and verdict["difference"] is not None:
+        verdict["difference"] = {**verdict["difference"], "se_seeds": None, "seeds": None}
     return data

@@ -23,6 +23,13 @@ The question: which method should serve N tokens, and what does it cost at L0? T
   text; the window error, whether it holds from document to document. Without blocks (results
   written before they were kept) at least 3 windows are needed. Otherwise the comparison says
   that no difference is resolved at this sample size, names the two, and gives the numbers.
+  Where a trained method was scored at several seeds, the spread over training runs is added:
+  each seed's paired difference (its mean over the same windows), their standard error over
+  seeds, added in quadrature to the error above (which says how the lead varies with the text
+  read; this, with the training run). Seeds pair by position, as a comparison trains every
+  method at the same seeds on the same samples; a method with one row (untrained) is paired
+  with each of the other's seeds. A method scored at one seed adds no spread: its lead may be
+  that seed's.
 - **Collapsed** methods, whose score at N is more than ln 3 nats above the best eligible
   score (far-position perplexity at least 3x the best's: the method has left its trained
   range), are reported as collapsed, never as the runner-up: the recommendation is compared
@@ -41,7 +48,8 @@ Retrieval accuracy is reported beside it with Wilson score intervals
 wins on perplexity and loses retrieval is shown as such.
 
 Holds: mean_std, pooled_accuracy, pooled_retrieval, accuracy_text, retrieval_note, cost_at,
-score_at, paired_windows, paired_blocks, block_error, paired_difference, recommend,
+score_at, paired_windows, paired_blocks, paired_seeds, block_error, paired_difference,
+recommend,
 per_engine.
 """
 
@@ -194,6 +202,32 @@ def paired_windows(table: Table, a: str, b: str, length: int) -> list[float]:
     ]
 
 
+def paired_seeds(table: Table, a: str, b: str, length: int) -> list[float]:
+    """Per seed, ``a``'s last-quarter NLL minus ``b``'s at ``length``, averaged over every
+    domain's windows (the mean of ``paired_windows``, taken one seed at a time). Seeds pair by
+    position; a method with one row is paired with each of the other's. Raises ValueError for
+    two methods scored at different numbers of seeds, both more than one: they do not pair."""
+    pairs = list(_scored_by_both(table, a, b, length))
+    counts = {len(e.last_quarter_windows) for pair in pairs for e in pair}
+    if len(counts - {1}) > 1:
+        raise ValueError(
+            f"{a} and {b} are scored at {length} with {' and '.join(map(str, sorted(counts)))} "
+            "seeds: seeds pair by position, so both need the same seeds (or one a single row)"
+        )
+    seeds = max(counts, default=0)
+
+    def row(entry: TableEntry, k: int) -> tuple[float, ...]:
+        runs = entry.last_quarter_windows
+        return runs[k] if len(runs) > 1 else runs[0]
+
+    out = []
+    for k in range(seeds):
+        diffs = [x - y for mine, theirs in pairs
+                 for x, y in zip(row(mine, k), row(theirs, k), strict=True)]  # fmt: skip
+        out.append(sum(diffs) / len(diffs))
+    return out
+
+
 def _window_blocks(entry: TableEntry) -> list[np.ndarray] | None:
     """Per-window last-quarter block means, averaged over seeds; None when a seed has none."""
     per_seed = entry.last_quarter_blocks  # None per seed: ppl.json older than the blocks
@@ -232,7 +266,7 @@ def block_error(windows: Sequence[np.ndarray], base: int = QUARTER_BLOCK) -> dic
     return best
 
 
-def _error(diffs: list[float], blocks: list[np.ndarray] | None) -> Difference:
+def _error(diffs: list[float], blocks: list[np.ndarray] | None, seeds: list[float]) -> Difference:
     """The paired difference's mean and standard error (module docstring: the rule)."""
     stats = mean_std(diffs)
     n = stats["n"]
@@ -242,26 +276,38 @@ def _error(diffs: list[float], blocks: list[np.ndarray] | None) -> Difference:
         se = max(within["se_blocks"], windows or 0.0)
     else:
         se = windows if n >= 3 else None
+    spread = mean_std(seeds)
+    runs = spread["std"] / math.sqrt(spread["n"]) if spread["n"] > 1 else None
+    if se is not None and runs is not None:  # independent sources: text read, training run
+        se = math.hypot(se, runs)
     within = within or {"se_blocks": None, "block_tokens": None, "blocks": None}
-    return Difference(**stats, se=se, se_windows=windows, **within)
+    return Difference(**stats, se=se, se_windows=windows, **within, se_seeds=runs,
+                      seeds=spread["n"])  # fmt: skip
 
 
 def paired_difference(table: Table, a: str, b: str, length: int) -> Difference:
     """``a``'s last-quarter NLL minus ``b``'s at ``length``, paired window by window over every
     domain that scored both, with the rule's standard error (module docstring): what the
     verdict states between the recommended method and the runner-up, for any two methods."""
-    return _error(paired_windows(table, a, b, length), paired_blocks(table, a, b, length))
+    return _error(
+        paired_windows(table, a, b, length),
+        paired_blocks(table, a, b, length),
+        paired_seeds(table, a, b, length),
+    )
 
 
 def _error_text(d: Difference) -> str:
-    """`` ± 0.0123 s.e. from blocks of 256 tokens`` (or ``over windows``), or nothing."""
+    """`` ± 0.0123 s.e. from 40 blocks of 256 tokens within the windows`` (or ``over
+    windows``), ``and over 3 seeds`` where their spread is in it; or nothing."""
     if d.se is None:
         return ""
     source = (
         f"from {d.blocks} blocks of {d.block_tokens} tokens within the windows"
-        if d.se_blocks is not None and d.se == d.se_blocks
+        if d.se_blocks is not None and d.se_blocks >= (d.se_windows or 0.0)
         else "over windows"
     )
+    if d.se_seeds is not None:
+        source += f" and over {d.seeds} seeds"
     return f" ± {d.se:.4f} s.e. {source}"
 
 
