@@ -372,6 +372,11 @@ def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tm
     seeds = contrasts.scored_seeds(final)
     assert seeds["tuned-yarn"] == [0, 1, 2] and seeds["yarn-x4"] == [0]
     found = {(a, b): d for a, b, d in contrasts.contrasts(final, 32768)}
+    # the best free method: the lowest mean over domains of the last-quarter NLL at 32k
+    free = {m: np.mean([windows(m, 0, d).mean() for d in contrasts.DOMAINS])
+            for m in ("yarn-x4", "leaky-rerope")}  # fmt: skip
+    assert contrasts.best_free(final, seeds, 32768) == min(free, key=free.get)
+    assert (min(free, key=free.get), "yarn-x4") in found
     per_seed = np.array([
         np.concatenate([windows("tuned-yarn", s, d) - windows("yarn-x4", 0, d)
                         for d in contrasts.DOMAINS])
@@ -401,7 +406,11 @@ def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tm
     seeds = contrasts.scored_seeds(partial)
     assert seeds == {"adarope-global": [0], "tuned-yarn": [0, 2], "yarn-x4": [0]}
     found = {(a, b): d for a, b, d in contrasts.contrasts(partial, 32768)}
-    assert list(found) == [("adarope-global", "yarn-x4"), ("tuned-yarn", "yarn-x4")]
+    # yarn-x4 is the only free method, so the best: no method against itself, none twice
+    assert contrasts.best_free(partial, seeds, 32768) == "yarn-x4"
+    assert [(a, b) for a, b, _ in contrasts.contrasts(partial, 32768)] == [
+        ("adarope-global", "yarn-x4"), ("tuned-yarn", "yarn-x4")
+    ]  # fmt: skip
     assert found[("tuned-yarn", "yarn-x4")].seeds == 2
     table = contrasts.pair_table(partial, seeds, "adarope-global", "tuned-yarn")
     assert len(table["tuned-yarn"]["kjv"][32768].ppl) == 1  # seed 0, which both have

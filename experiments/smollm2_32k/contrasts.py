@@ -13,7 +13,8 @@ comparison has not scored.
 
     python -m experiments.smollm2_32k.contrasts [--final DIR] [--length N]
 
-Holds: PAIRS, MIN_DIFFERENCE, scored_seeds, pair_table, contrasts, main.
+Holds: BASELINE, BEST_FREE, PAIRS, MIN_DIFFERENCE, scored_seeds, pair_table, best_free,
+contrasts, main.
 """
 
 from __future__ import annotations
@@ -25,22 +26,27 @@ from pathlib import Path
 from ropekit.compare.config import CompareConfig
 from ropekit.compare.record import Difference, TableEntry
 from ropekit.compare.run import length_entries
-from ropekit.compare.verdict import paired_difference
+from ropekit.compare.verdict import paired_difference, score_at
 from ropekit.evals.perplexity import PerplexityResult
 from ropekit.results import read_record
 
 HERE = Path(__file__).parent
 DOMAINS = ("shakespeare", "kjv", "sotu")
+BASELINE = "rope"  # the unmodified model: the cost at L0 is against it; it extends nothing
+# Stands for the training-free method with the best score at the length compared (the lowest
+# mean over domains of the last-quarter NLL, ``compare.verdict.score_at``), whichever it is
+# once stage 2 has scored its methods.
+BEST_FREE = "best-free"
 # The issue's question (head-wise AdaRoPE against its global control, tuned YaRN and the best
 # training-free method), then what the partial results already show.
 PAIRS = (
     ("adarope", "adarope-global"),
     ("adarope", "tuned-yarn"),
-    ("adarope", "leaky-rerope"),
+    ("adarope", BEST_FREE),
     ("adarope-global", "yarn-x4"),
-    ("adarope-global", "leaky-rerope"),
+    ("adarope-global", BEST_FREE),
     ("tuned-yarn", "yarn-x4"),
-    ("leaky-rerope", "yarn-x4"),
+    (BEST_FREE, "yarn-x4"),
 )
 
 # The least lead the verdict counts as resolved (CompareConfig's default, which E keeps).
@@ -88,12 +94,27 @@ def pair_table(final: Path, seeds: dict[str, list[int]], a: str, b: str) -> Tabl
     return table
 
 
+def best_free(final: Path, seeds: dict[str, list[int]], length: int) -> str | None:
+    """The training-free method (not the unmodified model) with the lowest score at
+    ``length``; None when none is scored there."""
+    scores = {}
+    for method in seeds:
+        if method != BASELINE and not _trained(final, method):
+            score = score_at(pair_table(final, seeds, method, method), method, length)
+            if score is not None:
+                scores[method] = score
+    return min(scores, key=scores.get) if scores else None
+
+
 def contrasts(final: Path, length: int) -> list[tuple[str, str, Difference]]:
-    """Each pair of PAIRS that both methods have been scored for: (a, b, a minus b); two
-    trained methods with no seed in common are left out."""
+    """Each pair of PAIRS that both methods have been scored for: (a, b, a minus b), BEST_FREE
+    replaced by ``best_free`` (a pair that becomes a method against itself, or one listed
+    already, is left out); two trained methods with no seed in common are left out."""
     seeds = scored_seeds(final)
+    free = best_free(final, seeds, length)
     out = []
-    for a, b in PAIRS:
+    pairs = dict.fromkeys(tuple(free if m == BEST_FREE else m for m in pair) for pair in PAIRS)
+    for a, b in (pair for pair in pairs if pair[0] != pair[1]):
         if a in seeds and b in seeds:
             table = pair_table(final, seeds, a, b)
             if table[a][DOMAINS[0]]:  # a seed in common
@@ -130,6 +151,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {a} | {b} | {d.n} | {d.seeds} | {d.mean:+.4f} | {se} | {spread} | "
               f"{math.exp(d.mean):.3f} | {'yes' if resolved else 'no'} |")  # fmt: skip
     print(f"\nScored: {', '.join(f'{m} (seeds {s})' for m, s in seeds.items())}")
+    print(
+        f"Best training-free method at {args.length}: {best_free(args.final, seeds, args.length)}"
+    )
 
 
 if __name__ == "__main__":
