@@ -648,3 +648,20 @@ def test_two_trained_methods_pair_their_seeds_by_position():
     assert paired_seeds(table, "b", "a", 32) == pytest.approx([0.11, 0.09, 0.1])
     with pytest.raises(ValueError, match="a and c are scored at 32 with 2 and 3 seeds"):
         paired_difference(table, "a", "c", 32)
+
+
+def test_seeds_pair_only_where_both_were_scored_and_windows_must_match():
+    """Methods that share no scored domain have no seeds to pair (and no difference, not an
+    error); the same domain with different windows is refused, never silently truncated."""
+    from ropekit.compare.verdict import paired_difference, paired_seeds
+
+    table = {
+        "a": {"x": {32: _entry(windows=[[1.0, 2.0], [1.5, 2.5]])}},
+        "b": {"y": {32: _entry(windows=[[2.0, 2.0], [2.0, 2.0]])}},
+        "c": {"x": {32: _entry(windows=[[2.0], [2.0]])}},
+    }
+    assert paired_seeds(table, "a", "b", 32) == []
+    d = paired_difference(table, "a", "b", 32)
+    assert (d.n, d.mean, d.se, d.seeds, d.se_seeds) == (0, None, None, 0, None)
+    with pytest.raises(ValueError, match="shorter|longer"):
+        paired_seeds(table, "a", "c", 32)
