@@ -74,6 +74,8 @@ def test_compare_trains_scores_and_judges_every_method(compared):
     verdict = data["verdict"]
     assert verdict["baseline"] == "rope (unmodified)" and verdict["sentence"]
     assert all(math.isfinite(v) for v in verdict["scores"].values())
+    paired = {verdict["winner"], verdict["runner_up"]}  # adarope's 2 seeds are in the error
+    assert verdict["difference"]["seeds"] == (2 if "adarope" in paired else 1), paired
     report = (root / "out" / "report.md").read_text()
     assert "## Verdict" in report and verdict["sentence"] in report
     rule = report.split("How it is decided:", 1)[1].split("## Perplexity", 1)[0]

@@ -623,12 +623,25 @@ def test_the_spread_over_seeds_enters_the_error_and_can_unresolve_a_lead():
     alone = recommend(one, ["trained", "fixed"], "fixed", 8, 32, margin=0.01)
     assert alone.resolved and alone.difference.se_seeds is None and alone.difference.seeds == 1
     assert alone.difference.se == alone.difference.se_windows
-    assert "seeds" not in alone.sentence
+    assert "seeds" not in alone.sentence  # nothing says the method was trained
+    told = recommend(one, ["trained", "fixed"], "fixed", 8, 32, margin=0.01, trained=["trained"])
+    assert told.resolved and told.sentence == alone.sentence + (
+        " trained was trained at one seed, so the error lacks the spread over training runs: "
+        "more seeds (seeds) would say whether the lead is more than that seed's."
+    )
+    both = recommend(one, ["trained", "fixed"], "fixed", 8, 32, 0.01, trained=["fixed", "trained"])
+    assert both.sentence.endswith(
+        " trained and fixed were trained at one seed, so the error lacks the spread over "
+        "training runs: more seeds (seeds) would say whether the lead is more than that seed's."
+    )
     # Consistent seeds: the spread is small and the lead resolves.
     steady = [[v - lead for v in base] for lead in (0.40, 0.39, 0.41)]
     clear = recommend(_seeds_table({"trained": steady, "fixed": [base]}), ["trained", "fixed"],
                       "fixed", 8, 32, margin=0.01)  # fmt: skip
     assert clear.resolved and clear.difference.se_seeds == pytest.approx(0.01 / 3**0.5)
+    told = recommend(_seeds_table({"trained": steady, "fixed": [base]}), ["trained", "fixed"],
+                     "fixed", 8, 32, margin=0.01, trained=["trained"])  # fmt: skip
+    assert told.sentence == clear.sentence  # three seeds: their spread is in the error
 
 
 def test_two_trained_methods_pair_their_seeds_by_position():
@@ -663,5 +676,5 @@ def test_seeds_pair_only_where_both_were_scored_and_windows_must_match():
     assert paired_seeds(table, "a", "b", 32) == []
     d = paired_difference(table, "a", "b", 32)
     assert (d.n, d.mean, d.se, d.seeds, d.se_seeds) == (0, None, None, 0, None)
-    with pytest.raises(ValueError, match="shorter|longer"):
+    with pytest.raises(ValueError, match=r"shorter|longer"):
         paired_seeds(table, "a", "c", 32)

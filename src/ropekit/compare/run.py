@@ -447,6 +447,7 @@ class _Comparison:
                 c.target_length,
                 c.margin,
                 min_difference=c.min_difference,
+                trained=[m.label for m in self.methods if m.trained],
             )
             if self.baseline in table
             else None

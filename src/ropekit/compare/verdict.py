@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -338,9 +338,12 @@ def recommend(
     margin: float,
     *,
     min_difference: float = 0.005,
+    trained: Collection[str] = (),
 ) -> Verdict:
     """The recommendation at ``target`` with at most ``margin`` cost at ``short`` (module
-    docstring): the rule's numbers and one sentence."""
+    docstring): the rule's numbers and one sentence. ``trained``: the methods that were
+    trained, so a resolved lead of one trained at a single seed says its error lacks the
+    spread over training runs."""
     costs = {m: cost_at(table, m, baseline, short) for m in methods}
     scores = {m: score_at(table, m, target) for m in methods}
     eligible = sorted(
@@ -378,10 +381,12 @@ def recommend(
                 f"{short} tokens (last-quarter NLL at {target}: {scores[winner]:.4f})."
             ),
         )
-    return _paired_verdict(out, table, winner, eligible[1])
+    return _paired_verdict(out, table, winner, eligible[1], trained)
 
 
-def _paired_verdict(out: Verdict, table: Table, winner: str, runner: str) -> Verdict:
+def _paired_verdict(
+    out: Verdict, table: Table, winner: str, runner: str, trained: Collection[str]
+) -> Verdict:
     """``recommend``'s verdict between the two best eligible methods: the paired difference,
     its error, and the sentence that says whether the lead is resolved."""
     target, short, costs, scores = out.target_length, out.short_length, out.costs, out.scores
@@ -404,6 +409,13 @@ def _paired_verdict(out: Verdict, table: Table, winner: str, runner: str) -> Ver
             sentence += (
                 f" The error is from within {n_windows}: more "
                 "held-out spans (spans) would say whether the lead holds across documents."
+            )
+        once = [m for m in (winner, runner) if m in trained and stats.seeds == 1]
+        if once:  # the training run's spread is not in the error (module docstring)
+            sentence += (
+                f" {' and '.join(once)} {'was' if len(once) == 1 else 'were'} trained at one "
+                "seed, so the error lacks the spread over training runs: more seeds (seeds) "
+                "would say whether the lead is more than that seed's."
             )
         return dataclasses.replace(out, sentence=sentence)
     sentence = (
