@@ -431,3 +431,91 @@ def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tm
                          (["--final", str(tmp_path)], "has no eval/")]:  # fmt: skip
         done = subprocess.run(command + bad, cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_smollm2_32k_merge_copies_finished_jobs_with_their_times_and_replaces_nothing(tmp_path):
+    """Stage 2's finished jobs go to the same place in final/ with their wall times; caches,
+    checkpoints and unfinished jobs stay; a file final/ holds with other bytes refuses the
+    whole merge (nothing copied), and a running comparison's lock refuses it too."""
+    from experiments.smollm2_32k import merge
+
+    from ropekit.results import read_records, write_records
+
+    stage2, final = tmp_path / "stage2", tmp_path / "final"
+
+    def put(root, rel, text="x"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+    for rel in ("eval/rope/s0/kjv/ppl.json", "methods/rope/s0/extend.json"):
+        put(stage2, rel, "rope")  # copied in from final/ to start stage 2: the same bytes
+        put(final, rel, "rope")
+    put(stage2, "eval/dca/s0/kjv/ppl.json", "dca kjv")
+    put(stage2, "eval/dca/s0/kjv/ppl.png", "figure")
+    put(stage2, "eval/dca/s0/kjv/windows/8192-0.npz", "cache")
+    put(stage2, "eval/dca/s0/sotu/windows/8192-0.npz", "unfinished")
+    put(stage2, "methods/dca/s0/extend.json", "extend")
+    put(stage2, "methods/dca/s0/adapter/adapter.json", "adapter")
+    put(stage2, "methods/dca/s0/train/checkpoint", "checkpoint")
+    put(stage2, "eval/dca/s0/probes/16384/probes.jsonl", "answers so far")  # no summary yet
+    write_records(stage2 / "times.jsonl", [
+        {"job": "train methods/rope/s0", "seconds": 0.4},  # reused there: final's time stays
+        {"job": "train methods/dca/s0", "seconds": 0.5},
+        {"job": "eval eval/dca/s0/kjv", "seconds": 3000.0},
+    ])  # fmt: skip
+    write_records(final / "times.jsonl", [{"job": "train methods/rope/s0", "seconds": 30.0}])
+    assert merge.finished_jobs(stage2) == [
+        Path("eval/dca/s0/kjv"), Path("eval/rope/s0/kjv"), Path("methods/dca/s0"),
+        Path("methods/rope/s0"),
+    ]  # fmt: skip
+    assert merge.merge(stage2, final, log=lambda _: None) == 4
+    copied = sorted(str(p.relative_to(final)) for p in final.rglob("*") if p.is_file())
+    assert copied == [
+        "eval/dca/s0/kjv/ppl.json", "eval/dca/s0/kjv/ppl.png", "eval/rope/s0/kjv/ppl.json",
+        "methods/dca/s0/adapter/adapter.json", "methods/dca/s0/extend.json",
+        "methods/rope/s0/extend.json", "times.jsonl",
+    ]  # fmt: skip
+    assert read_records(final / "times.jsonl") == [
+        {"job": "train methods/rope/s0", "seconds": 30.0},
+        {"job": "train methods/dca/s0", "seconds": 0.5},
+        {"job": "eval eval/dca/s0/kjv", "seconds": 3000.0},
+    ]
+    assert merge.merge(stage2, final, log=lambda _: None) == 0  # a rerun adds nothing
+    (final / "eval/dca/s0/kjv/ppl.png").unlink()  # a file lost: copied again, its time kept once
+    assert merge.merge(stage2, final, log=lambda _: None) == 1
+    assert len(read_records(final / "times.jsonl")) == 3
+    # The probes finish: their whole tree goes, with the job's time.
+    put(stage2, "eval/dca/s0/probes/summary.json", "summary")
+    write_records(stage2 / "times.jsonl", [
+        *read_records(stage2 / "times.jsonl"), {"job": "probes eval/dca/s0/probes", "seconds": 9.0}
+    ])  # fmt: skip
+    assert merge.merge(stage2, final, log=lambda _: None) == 2
+    assert (final / "eval/dca/s0/probes/16384/probes.jsonl").read_text() == "answers so far"
+    assert read_records(final / "times.jsonl")[-1]["job"] == "probes eval/dca/s0/probes"
+    # Another result where a copy would go: refused in one line, exit 2, nothing copied.
+    put(stage2, "eval/string/s0/kjv/ppl.json", "string")
+    put(stage2, "eval/dca/s0/sotu/ppl.json", "dca sotu")
+    put(final, "eval/string/s0/kjv/ppl.json", "another string")
+    before = sorted(final.rglob("*"))
+    command = [sys.executable, "-m", "experiments.smollm2_32k.merge",
+               "--stage2", str(stage2), "--final", str(final)]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and "holds another result than" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and sorted(final.rglob("*")) == before
+    # While the comparison in final/ runs (its lock held), the merge refuses.
+    (final / "eval/string/s0/kjv/ppl.json").unlink()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from ropekit.outdir import lock_out_dir; "
+         f"lock = lock_out_dir({str(final)!r}); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 2 and "in use by another run" in done.stderr, done.stderr
+        assert not (final / "eval/dca/s0/sotu/ppl.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and (final / "eval/dca/s0/sotu/ppl.json").is_file(), done.stderr
