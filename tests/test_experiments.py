@@ -377,6 +377,14 @@ def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tm
             for m in ("yarn-x4", "leaky-rerope")}  # fmt: skip
     assert contrasts.best_free(final, seeds, 32768) == min(free, key=free.get)
     assert (min(free, key=free.get), "yarn-x4") in found
+    # each method's score and cost are the verdict's own (compare.json, as far as it has got)
+    verdict = json.loads((final / "compare.json").read_text())["verdict"]
+    rows = {m: (n, score, cost) for m, n, score, cost in contrasts.standing(final, seeds, 32768)}
+    assert set(verdict["scores"]) <= set(rows) and rows["tuned-yarn"][0] == 3
+    for method, score in verdict["scores"].items():
+        assert rows[method][1] == pytest.approx(score, rel=1e-12)
+        assert rows[method][2] == pytest.approx(verdict["costs"][method], rel=1e-12, abs=1e-15)
+    assert [r[1] for r in rows.values()] == sorted(r[1] for r in rows.values())  # best first
     per_seed = np.array([
         np.concatenate([windows("tuned-yarn", s, d) - windows("yarn-x4", 0, d)
                         for d in contrasts.DOMAINS])

@@ -13,8 +13,8 @@ comparison has not scored.
 
     python -m experiments.smollm2_32k.contrasts [--final DIR] [--length N]
 
-Holds: BASELINE, BEST_FREE, PAIRS, MIN_DIFFERENCE, scored_seeds, pair_table, best_free,
-contrasts, main.
+Holds: L0, BASELINE, BEST_FREE, PAIRS, MIN_DIFFERENCE, scored_seeds, pair_table, best_free,
+standing, contrasts, main.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from pathlib import Path
 from ropekit.compare.config import CompareConfig
 from ropekit.compare.record import Difference, TableEntry
 from ropekit.compare.run import length_entries
-from ropekit.compare.verdict import paired_difference, score_at
+from ropekit.compare.verdict import cost_at, paired_difference, score_at
 from ropekit.evals.perplexity import PerplexityResult
 from ropekit.results import read_record
 
 HERE = Path(__file__).parent
 DOMAINS = ("shakespeare", "kjv", "sotu")
+L0 = 8192  # SmolLM2-135M's trained length: where the verdict takes the cost
 BASELINE = "rope"  # the unmodified model: the cost at L0 is against it; it extends nothing
 # Stands for the training-free method with the best score at the length compared (the lowest
 # mean over domains of the last-quarter NLL, ``compare.verdict.score_at``), whichever it is
@@ -106,6 +107,24 @@ def best_free(final: Path, seeds: dict[str, list[int]], length: int) -> str | No
     return min(scores, key=scores.get) if scores else None
 
 
+def standing(
+    final: Path, seeds: dict[str, list[int]], length: int
+) -> list[tuple[str, int, float, float | None]]:
+    """Each method scored at ``length``, best first: (method, seeds, score, cost), the score
+    as the verdict takes it (mean over domains of the last-quarter NLL at ``length``) and the
+    cost at L0 as the verdict takes it (mean over domains of the whole-window perplexity
+    against the unmodified model's, minus 1); the cost is None without the baseline."""
+    rows = []
+    for method in seeds:
+        base = BASELINE if BASELINE in seeds else method
+        table = pair_table(final, seeds, method, base)
+        score = score_at(table, method, length)
+        if score is not None:
+            cost = cost_at(table, method, BASELINE, L0) if BASELINE in seeds else None
+            rows.append((method, len(seeds[method]), score, cost))
+    return sorted(rows, key=lambda row: row[2])
+
+
 def contrasts(final: Path, length: int) -> list[tuple[str, str, Difference]]:
     """Each pair of PAIRS that both methods have been scored for: (a, b, a minus b), BEST_FREE
     replaced by ``best_free`` (a pair that becomes a method against itself, or one listed
@@ -150,6 +169,16 @@ def main(argv: list[str] | None = None) -> None:
         spread = f"{d.se_seeds:.4f}" if d.se_seeds is not None else "-"
         print(f"| {a} | {b} | {d.n} | {d.seeds} | {d.mean:+.4f} | {se} | {spread} | "
               f"{math.exp(d.mean):.3f} | {'yes' if resolved else 'no'} |")  # fmt: skip
+    print(
+        f"\nEach method, best first: the verdict's score (last-quarter NLL at {args.length}, "
+        f"mean over the domains; its exp beside it) and cost (whole-window perplexity at {L0} "
+        f"against {BASELINE}'s, mean over the domains); a trained method over its seeds.\n"
+    )
+    print(f"| method | seeds | NLL @{args.length} | exp | cost @{L0} |")
+    print("|---|---|---|---|---|")
+    for method, n, score, cost in standing(args.final, seeds, args.length):
+        shown = f"{cost:+.1%}" if cost is not None else "-"
+        print(f"| {method} | {n} | {score:.4f} | {math.exp(score):.2f} | {shown} |")
     print(f"\nScored: {', '.join(f'{m} (seeds {s})' for m, s in seeds.items())}")
     print(
         f"Best training-free method at {args.length}: {best_free(args.final, seeds, args.length)}"
