@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
 # Experiment E's comparison on one core (resumable: rerun to continue). From the repo root:
-#   nohup experiments/smollm2_32k/run.sh > e.log 2>&1 &
+#   nohup experiments/smollm2_32k/run.sh > e.log 2>&1 &          # stages 1 (and 3), final/
+#   nohup experiments/smollm2_32k/run.sh stage2 > e2.log 2>&1 &   # stage 2 beside it, stage2/
+# Stage 2's folder starts with the unmodified model's finished jobs copied from final/, so
+# they are reused, not recomputed; `python -m experiments.smollm2_32k.merge` later copies
+# stage 2's finished jobs into final/ (while final/'s run is stopped).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
-exec .venv/bin/ropekit compare --config experiments/smollm2_32k/compare.json \
-  --out experiments/smollm2_32k/final
+E=experiments/smollm2_32k
+case "${1:-final}" in
+  final) exec .venv/bin/ropekit compare --config "$E/compare.json" --out "$E/final" ;;
+  stage2)
+    mkdir -p "$E/stage2/methods" "$E/stage2/eval"
+    [ -e "$E/stage2/methods/rope" ] || cp -r "$E/final/methods/rope" "$E/stage2/methods/"
+    [ -e "$E/stage2/eval/rope" ] || cp -r "$E/final/eval/rope" "$E/stage2/eval/"
+    exec .venv/bin/ropekit compare --config "$E/stage2.json" --out "$E/stage2" ;;
+  *) echo "usage: $0 [final|stage2]" >&2; exit 2 ;;
+esac
