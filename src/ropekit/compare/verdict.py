@@ -49,8 +49,7 @@ wins on perplexity and loses retrieval is shown as such.
 
 Holds: mean_std, pooled_accuracy, pooled_retrieval, accuracy_text, retrieval_note, cost_at,
 score_at, paired_windows, paired_blocks, paired_seeds, block_error, paired_difference,
-recommend,
-per_engine.
+recommend, per_engine.
 """
 
 from __future__ import annotations
