@@ -69,3 +69,30 @@ def test_values_and_errors_reach_every_process():
 
     for result in run_ranks(2, main_fails):
         assert isinstance(result, RuntimeError) and "Unpicklable: lost" in str(result)
+
+
+@pytest.mark.parametrize("registered", [True, False])
+def test_a_gloo_group_is_destroyed_at_exit_while_the_interpreter_is_whole(registered):
+    """end_group_at_exit's handler runs before every handler registered earlier (atexit is
+    last in, first out), so a check registered first sees the group gone; without it the
+    group is still alive when the interpreter starts tearing down (where gloo can abort).
+    Registering twice adds one handler."""
+    import subprocess
+    import sys
+
+    program = f"""
+import atexit
+import torch.distributed as dist
+from ropekit.distributed import end_group_at_exit
+atexit.register(lambda: print("alive at exit:", dist.is_initialized()))
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+before = atexit._ncallbacks()
+if {registered}:
+    end_group_at_exit()
+    end_group_at_exit()
+print("handlers added:", atexit._ncallbacks() - before)
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert f"handlers added: {int(registered)}" in done.stdout
+    assert f"alive at exit: {not registered}" in done.stdout

@@ -8,6 +8,8 @@ Holds:
                       launcher started several processes.
     check_launched    refuses a launch whose processes would each run alone.
     shard             the contiguous share of a list that one rank works on.
+    end_group_at_exit destroys a gloo process group when the program ends, before the
+                      interpreter is torn down (why: at the function).
 
 Why a small layer of its own: training has an `Accelerator`, but evaluation, saving a
 pretrained model and writing an adapter need only "am I the main process" and "give every
@@ -19,6 +21,7 @@ might not be the complete one.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -148,7 +151,35 @@ def processes() -> Processes:
     check_launched(state.num_processes)
     if state.num_processes == 1:
         return Processes()
+    end_group_at_exit()
     return Processes(state.process_index, state.num_processes, state.device)
+
+
+_ENDING = False  # end_group_at_exit has registered its handler in this process
+
+
+def end_group_at_exit() -> None:
+    """Destroy the default process group, if it is a gloo one, when this program ends
+    normally (``atexit``), while the interpreter is still whole. Left to interpreter
+    finalization, gloo's worker threads may still hold work objects whose tensors, released
+    then, take the GIL of an interpreter being torn down, and the process aborts after its
+    work is done ("terminate called without an active exception", SIGABRT; pytorch/pytorch
+    #190489, and #179291's analysis): the launcher then reports the run failed and stops the
+    other processes, which may still be writing. Seen here in 2 of 6 runs of
+    tests/train/test_sharded_processes.py (one process, exit -6, after its last step). NCCL
+    groups are left to their own
+    shutdown (PyTorch warns about those itself). Registered once; a group the program
+    destroyed itself is left alone."""
+    global _ENDING
+    if not _ENDING:
+        atexit.register(_end_gloo_group)
+        _ENDING = True
+
+
+def _end_gloo_group() -> None:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
 
 
 def shard(items: Sequence[T], rank: int, world: int) -> Sequence[T]:

@@ -37,7 +37,7 @@ from accelerate.utils import DistributedType, set_seed
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ropekit.distributed import Processes, check_launched
+from ropekit.distributed import Processes, check_launched, end_group_at_exit
 from ropekit.outdir import (
     LOCK_FILE,
     OutDirLock,
@@ -138,6 +138,8 @@ def train(
     ropekit.outdir.OutDirLocked (a ValueError) when another live run is using out_dir.
     """
     accelerator = accelerator or Accelerator()
+    if accelerator.num_processes > 1:
+        end_group_at_exit()  # the group the Accelerator joined (ropekit.distributed)
     loss_fn = loss_fn or causal_lm_loss
     _check_setup(dataset, config, accelerator)
     lock, checkpoint = _claim_out_dir(config, accelerator)
