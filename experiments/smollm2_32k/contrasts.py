@@ -20,6 +20,7 @@ standing, contrasts, main.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from pathlib import Path
 
@@ -75,6 +76,13 @@ def _trained(final: Path, method: str) -> bool:
     return any((final / "methods" / method).glob("lr-*"))
 
 
+@functools.cache
+def _ppl(path: Path) -> PerplexityResult:
+    """One finished ppl.json, read once per run (every pair, the standing and the best free
+    method read the same files)."""
+    return read_record(path, PerplexityResult)
+
+
 def pair_table(final: Path, seeds: dict[str, list[int]], a: str, b: str) -> Table:
     """table[method][domain][length] of ``a`` and ``b``: each at its scored seeds, or, when
     both are trained, at the seeds both have, in order (so the verdict pairs them)."""
@@ -86,9 +94,7 @@ def pair_table(final: Path, seeds: dict[str, list[int]], a: str, b: str) -> Tabl
     for method, done in runs.items():
         table[method] = {
             domain: length_entries([
-                read_record(final / "eval" / method / f"s{s}" / domain / "ppl.json",
-                            PerplexityResult)
-                for s in done
+                _ppl(final / "eval" / method / f"s{s}" / domain / "ppl.json") for s in done
             ])
             for domain in DOMAINS
         }  # fmt: skip
