@@ -5,7 +5,7 @@ ratio, target, note, device; ``common.read_results`` reads them as ``Row``).
 `python -m benchmarks rotary memory` runs only the named modules (results.json keeps the
 other rows). Modules: rotary, training, memory, bands, hf, evals, probes, smollm2 (the last
 two on SmolLM2-135M; smollm2 is also three parts, smollm2-memory, smollm2-precision and
-smollm2-remaps, of 30-90 CPU minutes each).
+smollm2-remaps, of 30-90 CPU minutes each; probes-shared is probes' second row).
 
 Threads: one by default (``--threads N`` to change). This machine is shared with long
 experiments; with two threads and other jobs on the two cores, OpenMP's parallel regions wait
@@ -41,6 +41,8 @@ MODULES = {
     "smollm2-memory": SimpleNamespace(run=smollm2.run_memory),
     "smollm2-precision": SimpleNamespace(run=smollm2.run_precision),
     "smollm2-remaps": SimpleNamespace(run=smollm2.run_remaps),
+    # probes' second row alone
+    "probes-shared": SimpleNamespace(run=probes.run_shared),
 }
 
 

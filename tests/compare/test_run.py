@@ -144,7 +144,7 @@ def test_a_rerun_recomputes_nothing_and_other_probes_are_refused(compared, capsy
     def no_model_call(*args, **kwargs):
         raise AssertionError("a finished probe stage asked the model again")
 
-    monkeypatch.setattr(probes, "answer_probes", no_model_call)
+    monkeypatch.setattr(probes, "answer_haystacks", no_model_call)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -12,17 +12,20 @@ really trained to retrieve (conftest).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import pytest
+import torch
 
 from ropekit.evals import as_language_model
-from ropekit.evals.adapters import newline_ids
+from ropekit.evals.adapters import newline_ids, shared_chunks
 from ropekit.evals.intervals import wilson_interval
 from ropekit.evals.probes import (
     VERSION,
     ProbeConfig,
     ProbesResult,
+    answer_haystacks,
     answer_probes,
     answer_separately,
     build_haystack,
@@ -136,6 +139,93 @@ def test_the_prefix_is_read_once_per_haystack(byte_tok):
     counter.tokens = 0
     answer_separately(lm, hay, ())
     assert counter.tokens == len(hay.probes) * len(hay.prefix) + questions
+
+
+class QuestionLogits:
+    """Records the logits of every ``Backbone.run`` call that reads past ``prefix`` tokens of
+    the cache (the questions and their answers), wrapping the backbone's method."""
+
+    def __init__(self, lm, prefix):
+        self.logits = []
+        backbone = lm.backbone
+        inner = backbone.run
+
+        def run(ids, cache, *args, **kwargs):
+            before = backbone.cache_length(cache)
+            out = inner(ids, cache, *args, **kwargs)
+            if before >= prefix:
+                self.logits.append(out.clone())
+            return out
+
+        backbone.run = run
+
+    def take(self):
+        taken, self.logits = self.logits, []
+        return taken
+
+
+def _haystacks(lm, count=3, length=300, task="niah_single_1"):
+    config = ProbeConfig((length,), needles=1, haystacks=count, task=task)
+    fmt = PromptFormat(lm.tokenizer)
+    return [build_haystack(probe_task(task), fmt, config, length, h) for h in range(count)]
+
+
+def test_shared_chunks_are_whole_chunks_of_the_common_start():
+    assert shared_chunks([1, 2, 3, 4, 5], [1, 2, 3, 4, 9], 2) == 4
+    assert shared_chunks([1, 2, 3, 4, 5], [1, 2, 3, 9, 9], 2) == 2  # chunk [2, 4) differs
+    assert shared_chunks([1, 2, 3], [1, 2, 3, 4, 5, 6], 2) == 2  # [2, 4) was read shorter
+    assert shared_chunks([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], 2) == 4  # ... or whole: kept
+    assert shared_chunks([1, 2, 3, 4], [1, 2, 3, 4], 4) == 4
+    assert shared_chunks([], [1, 2], 1) == 0
+    assert shared_chunks([7, 2], [1, 2], 1) == 0
+
+
+@pytest.mark.parametrize(
+    ("encoding", "hf"),
+    [
+        ("rope", False),
+        ("dynamic-ntk:factor=2", False),
+        ("self-extend:group=2,window=4", False),
+        (None, True),
+        ("dynamic-ntk:factor=2", True),
+        ("rerope:window=8,leaky=4", True),
+        ("string:shift=4,window=2", True),
+        ("dca", True),
+    ],
+)
+def test_haystacks_read_their_shared_filler_once_bit_for_bit(byte_tok, encoding, hf):
+    """Haystacks that differ from their needle on keep the whole chunks they share in the
+    cache; every logit of every question and answer is then the fresh prefill's, bit for bit,
+    two layers deep and past the original length (dynamic schedules and attention-level
+    methods included: each chunk runs where it runs in a fresh prefill)."""
+    if hf:
+        model = sharp_llama("llama", vocab_size=256).double()  # original length 32
+        if encoding is not None:
+            patch(model, encoding)
+    else:
+        model = sharp_decoder(encoding, n_layers=2).double().eval()
+    chunk = 32
+    lm = as_language_model(model, byte_tok, chunk_size=chunk)
+    hays = _haystacks(lm)
+    prefix = min(len(h.prefix) for h in hays)
+    # The whole chunks before the first token two neighbours differ in: the filler up to
+    # the needle.
+    common = [
+        next(i for i, (x, y) in enumerate(zip(a.prefix, b.prefix, strict=False)) if x != y)
+        for a, b in itertools.pairwise(hays)
+    ]
+    kept = [c // chunk * chunk for c in common]
+    assert all(prefix // 3 < k < prefix for k in kept)
+    counter, logits = RunCounter(lm), QuestionLogits(lm, prefix)
+    shared = list(answer_haystacks(lm, hays, ()))
+    shared_logits, shared_tokens = logits.take(), counter.tokens
+    counter.tokens = 0
+    alone = [answer_probes(lm, hay, ()) for hay in hays]
+    alone_logits = logits.take()
+    assert shared == alone
+    assert len(shared_logits) == len(alone_logits) > len(hays)
+    assert all(torch.equal(a, b) for a, b in zip(shared_logits, alone_logits, strict=True))
+    assert shared_tokens == counter.tokens - sum(kept)  # the shared chunks were read once
 
 
 @pytest.mark.parametrize(
@@ -361,7 +451,7 @@ def test_a_length_too_short_for_the_needles_names_the_shortest(tmp_path, byte_to
 def test_probes_speak_only_the_language_model_protocol(tmp_path, byte_tok):
     """Any LanguageModel runs the probes, not only ropekit's BackboneLM (they once downcast
     to it and called a private method): one that only delegates the protocol gives the same
-    answers, and greedy_after_prefix equals each prompt decoded alone."""
+    answers, and greedy_after_prefixes equals each prompt decoded alone."""
     inner = as_language_model(SuffixCopyLM(), byte_tok)
 
     class Delegating:  # the protocol and nothing else
@@ -375,8 +465,8 @@ def test_probes_speak_only_the_language_model_protocol(tmp_path, byte_tok):
         def greedy(self, prompts, max_new_tokens, stop=()):
             return inner.greedy(prompts, max_new_tokens, stop)
 
-        def greedy_after_prefix(self, prefix, questions, max_new_tokens, stop=()):
-            return inner.greedy_after_prefix(prefix, questions, max_new_tokens, stop)
+        def greedy_after_prefixes(self, prompts, stop=()):
+            return inner.greedy_after_prefixes(prompts, stop)
 
         def describe(self):
             return inner.describe()

@@ -2,8 +2,11 @@
 
 Holds:
 - `LanguageModel`: the protocol evaluations call: `token_nll`, `greedy`,
-  `greedy_after_prefix` (many questions after one cached prefix), `kv_bytes_per_token`,
-  `tokenizer`, `eos_ids`, `describe`, `identity`.
+  `greedy_after_prefixes` (many questions after each cached prefix, the chunks a prefix
+  shares with the one before read once), `kv_bytes_per_token`, `tokenizer`, `eos_ids`,
+  `describe`, `identity`.
+- `PrefixQuestions`: one prefix and the questions asked after it; `shared_chunks`: how much
+  of a cached prefix another prefix can keep.
 - `BackboneLM`: the one implementation, over a `Backbone` (ropekit Decoders and Hugging Face
   causal LMs alike): chunked scoring and batched greedy decoding with a KV cache; the backbone
   runs each chunk through its model and says which prompts may share a batch (a Decoder has
@@ -26,7 +29,8 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -37,6 +41,29 @@ from ropekit.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 
 # Largest float32 logits block one chunk may produce (bytes); sets the default chunk length.
 LOGITS_BUDGET_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class PrefixQuestions:
+    """Questions asked after one prefix: each prompt is ``prefix + questions[i]``, answered
+    with at most ``max_new_tokens[i]`` new ids."""
+
+    prefix: Sequence[int]
+    questions: Sequence[Sequence[int]]
+    max_new_tokens: Sequence[int]
+
+
+def shared_chunks(held: Sequence[int], prefix: Sequence[int], chunk: int) -> int:
+    """Tokens of the whole chunks of ``chunk`` tokens, counted from the start, that
+    ``prefix`` shares token for token with ``held``: the part of a cache holding ``held``
+    that a fresh prefill of ``prefix`` would compute exactly so. A chunk ``held`` ends inside
+    is never kept: the fresh prefill reads a longer one there."""
+    common = 0
+    for a, b in zip(held, prefix, strict=False):
+        if a != b:
+            break
+        common += 1
+    return common // chunk * chunk
 
 
 @runtime_checkable
@@ -56,15 +83,12 @@ class LanguageModel(Protocol):
         the first stop id (which is not returned)."""
         ...
 
-    def greedy_after_prefix(
-        self,
-        prefix: Sequence[int],
-        questions: Sequence[Sequence[int]],
-        max_new_tokens: Sequence[int],
-        stop: Collection[int] = (),
-    ) -> list[list[int]]:
-        """Greedy continuation of ``prefix + question`` for each question (its own answer
-        budget), as ``greedy`` would give each alone: the prefix is read once and every
+    def greedy_after_prefixes(
+        self, prompts: Iterable[PrefixQuestions], stop: Collection[int] = ()
+    ) -> Iterator[list[list[int]]]:
+        """For each prompt in turn, the greedy continuation of ``prefix + question`` for each
+        of its questions (its own answer budget), as ``greedy`` would give each alone, yielded
+        as soon as that prompt's questions are answered: each prefix is read once and every
         question continues the same cached prefix."""
         ...
 
@@ -169,41 +193,61 @@ class BackboneLM:
         return out
 
     @torch.inference_mode()
-    def greedy_after_prefix(
-        self,
-        prefix: Sequence[int],
-        questions: Sequence[Sequence[int]],
-        max_new_tokens: Sequence[int],
-        stop: Collection[int] = (),
-    ) -> list[list[int]]:
-        """One prefill of ``prefix``, then each question after the same cached prefix (the
-        cache cropped back to it after each answer); see `LanguageModel.greedy_after_prefix`.
-        Chunks are those of ``greedy`` for a batch of one."""
+    def greedy_after_prefixes(
+        self, prompts: Iterable[PrefixQuestions], stop: Collection[int] = ()
+    ) -> Iterator[list[list[int]]]:
+        """One prefill per prefix, then each of its questions after the same cached prefix
+        (the cache cropped back to it after each answer); see
+        `LanguageModel.greedy_after_prefixes`. Chunks are those of ``greedy`` for a batch of
+        one, counted from each prefix's start.
+
+        The whole chunks a prefix shares token for token with the one before it are not read
+        again (`shared_chunks`): the cache is cropped back to them and the rest is read in the
+        chunks a fresh prefill would use. A chunk's keys and values depend only on the cache
+        before it and its own tokens, and each chunk runs at the length it runs at in a fresh
+        prefill (what a dynamic schedule reads), so the answers are a fresh prefill's bit for
+        bit (tested). Haystacks of one length share their filler up to the first needle: at
+        one needle in the middle, half of each prefix after the first."""
         backbone, device, stops = self.backbone, self.device, frozenset(stop)
         chunk = self._chunk(1)
-        ids = torch.tensor([list(prefix)], dtype=torch.long, device=device)  # (1, P)
-        P = ids.shape[1]
-        cache = backbone.new_cache()
-        for start in range(0, P, chunk):
-            backbone.run(ids[:, start : start + chunk], cache, None, None, last_only=True)
-        answers = []
-        for question, budget in zip(questions, max_new_tokens, strict=True):
-            q = torch.tensor([list(question)], dtype=torch.long, device=device)  # (1, Q)
-            for start in range(0, q.shape[1], chunk):
-                logits = backbone.run(q[:, start : start + chunk], cache, None, None, True)
-            new: list[int] = []
-            for step in range(budget):
-                token = int(logits[0, -1].argmax())
-                if token in stops:
-                    break
-                new.append(token)
-                if step == budget - 1:
-                    break
-                step_ids = torch.tensor([[token]], dtype=torch.long, device=device)  # (1, 1)
-                logits = backbone.run(step_ids, cache, None, None, last_only=True)
-            answers.append(new)
-            backbone.crop_cache(cache, P)  # the next question sees exactly the prefix again
-        return answers
+        cache: Any = None
+        held: tuple[int, ...] = ()  # the prefix the cache holds (after cropping the answers)
+        for prompt in prompts:
+            prefix = tuple(prompt.prefix)
+            P, kept = len(prefix), shared_chunks(held, prefix, chunk)
+            if cache is None or kept == 0:
+                cache, kept = backbone.new_cache(), 0
+            else:
+                backbone.crop_cache(cache, kept)
+            ids = torch.tensor([prefix], dtype=torch.long, device=device)  # (1, P)
+            for start in range(kept, P, chunk):
+                backbone.run(ids[:, start : start + chunk], cache, None, None, last_only=True)
+            held = prefix
+            answers = []
+            for question, budget in zip(prompt.questions, prompt.max_new_tokens, strict=True):
+                answers.append(self._answer_after(cache, question, budget, chunk, stops))
+                backbone.crop_cache(cache, P)  # the next question sees exactly the prefix again
+            yield answers
+
+    def _answer_after(
+        self, cache: Any, question: Sequence[int], budget: int, chunk: int, stops: frozenset[int]
+    ) -> list[int]:
+        """Greedy answer to ``question`` read after what ``cache`` holds (which it extends)."""
+        backbone, device = self.backbone, self.device
+        q = torch.tensor([list(question)], dtype=torch.long, device=device)  # (1, Q)
+        for start in range(0, q.shape[1], chunk):
+            logits = backbone.run(q[:, start : start + chunk], cache, None, None, True)
+        new: list[int] = []
+        for step in range(budget):
+            token = int(logits[0, -1].argmax())
+            if token in stops:
+                break
+            new.append(token)
+            if step == budget - 1:
+                break
+            step_ids = torch.tensor([[token]], dtype=torch.long, device=device)  # (1, 1)
+            logits = backbone.run(step_ids, cache, None, None, last_only=True)
+        return new
 
     @property
     def kv_bytes_per_token(self) -> int | None:
