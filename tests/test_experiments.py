@@ -434,6 +434,21 @@ def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tm
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "| tuned-yarn | yarn-x4 | 6 | 2 |" in done.stdout
+    # Every run seed by seed, a domain not finished left out: the cells read by hand.
+    runs = {(m, s): cells for m, s, cells in contrasts.per_seed(partial, 32768)}
+    assert set(runs) == {
+        ("yarn-x4", 0),
+        ("adarope-global", 0),
+        *(("tuned-yarn", s) for s in range(3)),
+    }
+    assert set(runs[("tuned-yarn", 1)]) == set(contrasts.DOMAINS[:2])
+    data = json.loads((final / "eval" / "tuned-yarn" / "s2" / "sotu" / "ppl.json").read_text())
+    near = next(r for r in data["results"] if r["length"] == 8192)["perplexity"]
+    far = np.exp(windows("tuned-yarn", 2, "sotu").mean())
+    assert runs[("tuned-yarn", 2)]["sotu"] == pytest.approx((far, near), rel=1e-12)
+    assert f"| tuned-yarn | 1 | {runs[('tuned-yarn', 1)]['shakespeare'][0]:.2f} |" in done.stdout
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| tuned-yarn | 1 |"))
+    assert row.strip("| ").split(" | ").count("-") == 2  # no sotu yet, at either length
     for bad, message in [(["--length", "1000"], "--length 1000 is not scored there; the "
                           "lengths are [8192, 16384, 32768]"),
                          (["--final", str(tmp_path)], "has no eval/")]:  # fmt: skip

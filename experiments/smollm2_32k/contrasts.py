@@ -13,8 +13,11 @@ comparison has not scored.
 
     python -m experiments.smollm2_32k.contrasts [--final DIR] [--length N]
 
+It also prints every run scored so far, seed by seed, on each domain it is scored on (a
+partial table: ``per_seed``), so the tables of the README are copied from the files, not typed.
+
 Holds: L0, BASELINE, BEST_FREE, PAIRS, MIN_DIFFERENCE, scored_seeds, pair_table, best_free,
-standing, contrasts, main.
+standing, contrasts, per_seed, main.
 """
 
 from __future__ import annotations
@@ -147,6 +150,28 @@ def contrasts(final: Path, length: int) -> list[tuple[str, str, Difference]]:
     return out
 
 
+def per_seed(final: Path, length: int) -> list[tuple[str, int, dict[str, tuple[float, float]]]]:
+    """Every run with a finished ppl.json on some domain, in the folder's order: (method,
+    seed, {domain: (last-quarter perplexity at ``length``, whole-window perplexity at L0)}),
+    the first the exp of the mean over windows of each last quarter's NLL (the verdict's
+    score, per domain); a domain not finished yet is left out."""
+    rows = []
+    for method in sorted(p.name for p in (final / "eval").iterdir() if p.is_dir()):
+        runs = sorted((final / "eval" / method).glob("s[0-9]*"), key=lambda s: int(s.name[1:]))
+        for run in runs:
+            cells = {}
+            for domain in DOMAINS:
+                path = run / domain / "ppl.json"
+                if path.is_file():
+                    by_length = {r.length: r for r in _ppl(path).results}
+                    far, near = by_length.get(length), by_length.get(L0)
+                    if far is not None and near is not None and far.last_quarter_nll is not None:
+                        cells[domain] = (math.exp(far.last_quarter_nll), near.perplexity)
+            if cells:
+                rows.append((method, int(run.name[1:]), cells))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.smollm2_32k.contrasts")
     parser.add_argument("--final", type=Path, default=HERE / "final",
@@ -185,6 +210,18 @@ def main(argv: list[str] | None = None) -> None:
     for method, n, score, cost in standing(args.final, seeds, args.length):
         shown = f"{cost:+.1%}" if cost is not None else "-"
         print(f"| {method} | {n} | {score:.4f} | {math.exp(score):.2f} | {shown} |")
+    print(
+        f"\nEvery run scored so far, per domain: last-quarter perplexity at {args.length} "
+        f"(exp of the mean over windows of each last quarter's NLL), whole-window perplexity "
+        f"at {L0}; '-': not scored yet.\n"
+    )
+    heads = [f"{d} LQ @{args.length}" for d in DOMAINS] + [f"{d} @{L0}" for d in DOMAINS]
+    print(f"| method | seed | {' | '.join(heads)} |")
+    print(f"|---|---|{'---|' * len(heads)}")
+    for method, seed, cells in per_seed(args.final, args.length):
+        values = [f"{cells[d][0]:.2f}" if d in cells else "-" for d in DOMAINS]
+        values += [f"{cells[d][1]:.2f}" if d in cells else "-" for d in DOMAINS]
+        print(f"| {method} | {seed} | {' | '.join(values)} |")
     print(f"\nScored: {', '.join(f'{m} (seeds {s})' for m, s in seeds.items())}")
     print(
         f"Best training-free method at {args.length}: {best_free(args.final, seeds, args.length)}"
