@@ -215,8 +215,8 @@ class BackboneLM:
         for prompt in prompts:
             prefix = tuple(prompt.prefix)
             P, kept = len(prefix), shared_chunks(held, prefix, chunk)
-            if cache is None or kept == 0:
-                cache, kept = backbone.new_cache(), 0
+            if kept == 0:  # the first prefix, or one that shares no whole chunk
+                cache = backbone.new_cache()
             else:
                 backbone.crop_cache(cache, kept)
             ids = torch.tensor([prefix], dtype=torch.long, device=device)  # (1, P)
