@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+import torch
 
 from ropekit import results
 from ropekit.results import (
@@ -422,12 +423,15 @@ def test_a_records_own_meta_and_provenance_are_the_header_unless_given(toy_kind)
 def test_run_metadata_records_the_command_spec_seed_and_versions(monkeypatch):
     monkeypatch.setattr(results.sys, "argv", ["ropekit", "eval", "ppl"])
     meta = run_metadata(spec="yarn:factor=2", seed=3)
-    assert list(meta) == ["command", "spec", "seed", "versions", "machine"]
+    assert list(meta) == ["command", "spec", "seed", "versions", "machine", "cpu"]
     assert meta["command"] == "ropekit eval ppl" and meta["spec"] == "yarn:factor=2"
     assert meta["seed"] == 3 and run_metadata("given")["command"] == "given"
     assert {"ropekit", "torch", "python", "transformers", "numpy"} <= set(meta["versions"])
     assert meta["versions"]["python"] == results.platform.python_version()
     assert meta["machine"].endswith(" cpus") and run_metadata()["seed"] is None
+    # the host's processor and the kernels torch dispatches to there (numbers move with them)
+    assert meta["cpu"].endswith(f", {torch.backends.cpu.get_cpu_capability()}")
+    assert len(meta["cpu"]) > len(", AVX2")
 
 
 def test_plain_writes_non_finite_floats_as_null_and_paths_as_text(tmp_path):
