@@ -1,15 +1,22 @@
 """Atomic writes (ropekit.utils): a failure leaves the old file and no temp file, OS errors are
-one line, and no write follows a symbolic link."""
+one line, and no write follows a symbolic link. And the warning for a precision this CPU only
+emulates: said once, where it is true."""
 
 from __future__ import annotations
 
 import errno
 import os
+import warnings
 
 import pytest
+import torch
 
+from ropekit import utils
+from ropekit.backbone import as_backbone
 from ropekit.outdir import OutputError, lock_out_dir
-from ropekit.utils import atomic_write_bytes, atomic_write_text
+from ropekit.utils import atomic_write_bytes, atomic_write_text, emulated_precision
+
+from .model.tiny import tiny_model
 
 
 def _disk_full_after(monkeypatch, allowed: int) -> None:
@@ -101,3 +108,46 @@ def test_written_files_get_the_usual_mode(tmp_path):
     finally:
         os.umask(umask)
     assert (tmp_path / "a").stat().st_mode & 0o777 == 0o644
+
+
+# ----------------------------------------------------------------------------- precision
+def test_emulated_precision_is_onednn_s_own_check_on_the_cpu_only():
+    assert not emulated_precision(torch.float32, "cpu")
+    assert not emulated_precision(torch.float64, "cpu")
+    assert (
+        emulated_precision(torch.bfloat16, "cpu")
+        is not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+    assert (
+        emulated_precision(torch.float16, "cpu") is not torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    )
+    assert not emulated_precision(torch.bfloat16, "cuda")  # a GPU has its own kernels
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_emulated_precision_is_said_once_per_run(monkeypatch, native):
+    monkeypatch.setattr(utils, "_NATIVE", {torch.bfloat16: lambda: native})
+    monkeypatch.setattr(utils, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            utils.warn_if_emulated(torch.bfloat16, "cpu", "scoring")
+        utils.warn_if_emulated(torch.float32, "cpu", "scoring")
+        utils.warn_if_emulated(torch.bfloat16, "cuda", "scoring")
+    messages = [str(w.message) for w in caught]
+    if native:
+        assert messages == []
+    else:
+        assert len(messages) == 1
+        assert messages[0].startswith("scoring in bfloat16 on this CPU (")
+        assert "float32 is faster" in messages[0] and "\n" not in messages[0]
+
+
+def test_casting_a_model_to_bfloat16_warns_where_this_cpu_emulates_it(monkeypatch):
+    monkeypatch.setattr(utils, "_warned", set())
+    backbone = as_backbone(tiny_model("rope", n_layers=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backbone.cast(torch.bfloat16)
+    said = [w for w in caught if "no native bfloat16 matmul" in str(w.message)]
+    assert len(said) == int(emulated_precision(torch.bfloat16, "cpu"))

@@ -1,6 +1,8 @@
-"""Small shared helpers: the user cache folder and atomic file writes.
+"""Small shared helpers: the user cache folder, atomic file writes, and the warning for a
+reduced precision this CPU only emulates.
 
-Holds: cache_dir, atomic_write_text, atomic_write_bytes.
+Holds: cache_dir, atomic_write_text, atomic_write_bytes, emulated_precision,
+warn_if_emulated.
 
 The atomic writers refuse to follow a symbolic link (see ropekit.outdir.check_target) and turn
 an OSError (full disk, read-only folder, name too long, a file where a folder should be) into
@@ -12,7 +14,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from pathlib import Path
+
+import torch
 
 from ropekit.outdir import check_target, writing
 
@@ -57,3 +62,36 @@ def atomic_write_bytes(path: Path, data: bytes, *, root: Path | None = None) -> 
 
 def atomic_write_text(path: Path, text: str, *, root: Path | None = None) -> None:
     atomic_write_bytes(path, text.encode("utf-8"), root=root)
+
+
+# The reduced precisions whose matmuls oneDNN runs natively only on some CPUs, and its check.
+_NATIVE = {
+    torch.bfloat16: lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    torch.float16: lambda: torch.ops.mkldnn._is_mkldnn_fp16_supported(),
+}
+_warned: set[tuple[torch.dtype, str]] = set()
+
+
+def emulated_precision(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether ``dtype``'s matmuls on ``device`` run without the CPU's support: bfloat16 or
+    float16 on a CPU where oneDNN has no native kernel (bfloat16 wants AVX512 or AMX; an AVX2
+    CPU has neither). torch then takes a reference loop: on this project's AVX2 host (AMD
+    EPYC, one thread) a 256-square bfloat16 matmul took 27x float32's time, a 512-square one
+    44x, a 2048-square one 290x (0.2 against 57 GFLOP/s)."""
+    check = _NATIVE.get(dtype)
+    return torch.device(device).type == "cpu" and check is not None and not check()
+
+
+def warn_if_emulated(dtype: torch.dtype, device: torch.device | str, what: str) -> None:
+    """One warning per process for each ``what`` (the run asking for it) that computes in a
+    precision this CPU only emulates (`emulated_precision`): it is slower than float32 there,
+    and no more exact."""
+    name = str(dtype).removeprefix("torch.")
+    if emulated_precision(dtype, device) and (dtype, what) not in _warned:
+        _warned.add((dtype, what))
+        warnings.warn(
+            f"{what} in {name} on this CPU ({torch.backends.cpu.get_cpu_capability()}, no "
+            f"native {name} matmul): torch emulates it, tens to hundreds of times slower than "
+            "float32 here; float32 is faster and more exact",
+            stacklevel=3,
+        )

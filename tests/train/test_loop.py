@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ropekit import utils
 from ropekit.outdir import OutputError
 from ropekit.train import (
     NonFiniteLossError,
@@ -297,9 +298,15 @@ def test_resume_without_a_checkpoint_starts_fresh(tmp_path):
     assert result.steps == 2
 
 
-def test_bf16_autocast_trains_float32_weights(tmp_path):
+def test_bf16_autocast_trains_float32_weights(tmp_path, monkeypatch):
     model = tiny_llama()
-    result = train(model, CountingData(), tiny_config(tmp_path, bf16=True))
+    monkeypatch.setattr(utils, "_warned", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train(model, CountingData(), tiny_config(tmp_path, bf16=True))
+    # said where this CPU only emulates bf16 matmuls (ropekit.utils.emulated_precision)
+    said = [w for w in caught if "no native bfloat16 matmul" in str(w.message)]
+    assert len(said) == int(utils.emulated_precision(torch.bfloat16, "cpu"))
     assert all(p.dtype == torch.float32 for p in model.parameters())
     lines = metrics(tmp_path)
     assert math.isfinite(result.final_loss) and lines[-1]["loss"] < 0.6 * lines[0]["loss"]

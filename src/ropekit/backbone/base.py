@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from ropekit.data.tokenizers import Tokenizer, tokenizer_identity
 from ropekit.encodings import PositionEncoding, Spec
+from ropekit.utils import warn_if_emulated
 
 # The compute dtypes a model can be scored in (``Backbone.cast``; ``--dtype`` on the command line).
 # How many backbone weights an adapter records of its model (Backbone.weights_sample).
@@ -219,6 +220,7 @@ class Backbone(abc.ABC):
         if dtype not in COMPUTE_DTYPES.values():
             allowed = ", ".join(COMPUTE_DTYPES)
             raise ValueError(f"dtype={dtype} is not allowed; allowed: {allowed}")
+        warn_if_emulated(dtype, self.device, "the model's compute")
         encoding = self.encoding
         keep = set() if encoding is None else {id(t) for t in encoding.parameters()}
         keep |= set() if encoding is None else {id(t) for t in encoding.buffers()}

@@ -61,7 +61,7 @@ from ropekit.train.loss import LossFn, causal_lm_loss
 from ropekit.train.optim import build_optimizer, lr_factor
 from ropekit.train.sampling import collate, global_batch, local_batches
 from ropekit.train.sharding import Parallel, ShardPlan, parallel_for
-from ropekit.utils import atomic_write_text
+from ropekit.utils import atomic_write_text, warn_if_emulated
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
@@ -142,6 +142,8 @@ def train(
         end_group_at_exit()  # the group the Accelerator joined (ropekit.distributed)
     loss_fn = loss_fn or causal_lm_loss
     _check_setup(dataset, config, accelerator)
+    if config.bf16:
+        warn_if_emulated(torch.bfloat16, accelerator.device, "training's bf16 autocast")
     lock, checkpoint = _claim_out_dir(config, accelerator)
     try:
         parallel = parallel_for(model, config, accelerator, plan)
