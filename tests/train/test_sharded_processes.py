@@ -45,13 +45,34 @@ def torchrun(*args: str, wait: bool = True, **popen):
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
 
 
+# What a process prints when it aborts at exit, after its work, on a C++ thread destroyed
+# while still joinable (ropekit.distributed.end_group_at_exit).
+EXIT_ABORT = "terminate called without an active exception"
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    """A 12-step run sharded over 2 processes (checkpoints at 4, 8 and 12)."""
-    out = tmp_path_factory.mktemp("sharded") / "run"
-    done = torchrun(str(out), *ARGS)
+    """A 12-step run sharded over 2 processes (checkpoints at 4, 8 and 12).
+
+    One rerun, in a fresh folder, when a process aborted at exit after the run had finished
+    (EXIT_ABORT and every step logged): still seen after `end_group_at_exit`, in 1 of the 3
+    torchrun runs of one `make test` on 2026-12-05 under its parallel load and in none of 22
+    runs alone (6 alone, 16 two at a time). A launcher then reports the finished run as
+    failed; that is not what these tests check (the shards' numbers and the resume), and any
+    other failure, or a second abort, still fails them."""
+    for _ in range(2):
+        out = tmp_path_factory.mktemp("sharded") / "run"
+        done = torchrun(str(out), *ARGS)
+        if done.returncode == 0 or not _aborted_at_exit(done, out, steps=12):
+            break
     assert done.returncode == 0, done.stderr[-4000:]
     return out
+
+
+def _aborted_at_exit(done: subprocess.CompletedProcess, out: Path, steps: int) -> bool:
+    """Whether a failed launch is the exit abort of a run that had logged all its steps."""
+    logged = (out / "metrics.jsonl").is_file() and len(losses(out)) == steps
+    return EXIT_ABORT in done.stderr and logged
 
 
 def trained(out: Path) -> torch.nn.Module:
