@@ -293,9 +293,9 @@ def run_metadata(command: str = "", *, spec: str | None = None, seed: int | None
 
 def _cpu() -> str:
     """The processor's name and the instruction set torch's CPU kernels dispatch to. Float
-    results move with the host, not only with the versions: the same venv, model and window
-    gave SmolLM2-135M's NLL 1e-5 nats per token apart on two hosts of this project (an AVX512
-    one and an AVX2 one; experiment E's README), so a result says where it ran."""
+    results move with the host, not only with the versions: the same package versions, model
+    and window gave SmolLM2-135M's NLL 1e-5 nats per token apart on two hosts of this project
+    (an AVX512 one and an AVX2 one; experiment E's README), so a result says where it ran."""
     import torch
 
     name = platform.processor() or "unknown processor"
