@@ -67,7 +67,8 @@ def _backbone(device: str) -> Any:
     except (OSError, ValueError) as e:
         print(f"probes: skipped, {MODEL} is not available ({e})")
         return None
-    return backbone.model.to(device) and backbone
+    backbone.model.to(device)
+    return backbone
 
 
 def run_many(
