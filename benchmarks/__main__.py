@@ -3,9 +3,10 @@ benchmarks/results.json (a ``benchmarks`` result of ``ropekit.results``: its row
 ratio, target, note, device; ``common.read_results`` reads them as ``Row``).
 
 `python -m benchmarks rotary memory` runs only the named modules (results.json keeps the
-other rows). Modules: rotary, training, memory, bands, hf, evals, probes, smollm2 (the last
-two on SmolLM2-135M; smollm2 is also three parts, smollm2-memory, smollm2-precision and
-smollm2-remaps, of 30-90 CPU minutes each; probes-shared is probes' second row).
+other rows). Modules: rotary, training, memory, bands, hf, evals, probes, perplexity, smollm2
+(the last three on SmolLM2-135M; smollm2 is also three parts, smollm2-memory,
+smollm2-precision and smollm2-remaps, of 30-90 CPU minutes each; probes-shared is probes'
+second row).
 
 Threads: one by default (``--threads N`` to change). This machine is shared with long
 experiments; with two threads and other jobs on the two cores, OpenMP's parallel regions wait
@@ -25,7 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import bands, evals, hf, memory, probes, rotary, smollm2, training
+from . import bands, evals, hf, memory, perplexity, probes, rotary, smollm2, training
 from .common import RESULTS, print_table, write_results
 
 MODULES = {
@@ -36,6 +37,7 @@ MODULES = {
     "hf": hf,
     "evals": evals,
     "probes": probes,
+    "perplexity": perplexity,
     "smollm2": smollm2,
     # smollm2's parts, each alone (its rows merged into results.json when it finishes)
     "smollm2-memory": SimpleNamespace(run=smollm2.run_memory),

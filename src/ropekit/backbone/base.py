@@ -35,6 +35,7 @@ from __future__ import annotations
 import abc
 import bisect
 import contextlib
+import copy
 import hashlib
 import itertools
 from collections.abc import Callable, Mapping, Sequence
@@ -313,6 +314,40 @@ class Backbone(abc.ABC):
         taken in float32 whatever the model's dtype (bf16 log-probabilities lose the digits
         that tell models apart).
         """
+        return self._read(input_ids, chunk, ())[0]
+
+    @torch.inference_mode()
+    def prefix_nll(self, input_ids: Tensor, lengths: Sequence[int], chunk: int) -> list[Tensor]:
+        """input_ids (T+1,) -> for each n of ``lengths`` (1 <= n <= T) the float32 (n,) NLL
+        that ``token_nll(input_ids[None, : n + 1], chunk)[0]`` gives, bit for bit, with the
+        prefix they share read once.
+
+        A prefix of more than one chunk is read in the same chunks as the longest, through
+        the same cache, up to its own last chunk: those rows are the longest's. Its last
+        chunk, when shorter than the longest's there, is read on a copy of the cache
+        (``copy.deepcopy``, transformers' way to reuse a prompt's cache) before the longest
+        goes on. A prefix of one chunk or less is one forward without a cache, and every
+        prefix of a length-following encoding is one forward of its own (``token_nll``): those
+        are read alone, since the longest's numbers are not theirs."""
+        T = input_ids.shape[-1] - 1
+        if input_ids.dim() != 1 or not lengths or any(not 1 <= n <= T for n in lengths):
+            raise ValueError(
+                f"input_ids {tuple(input_ids.shape)} and lengths={list(lengths)!r} are not "
+                f"allowed; allowed: input_ids (T+1,) and lengths in 1..T, here 1..{T}"
+            )
+        ids, longest = input_ids[None], max(lengths)
+        shared = () if self.scores_in_one_forward else {n for n in lengths if chunk < n < longest}
+        whole, forked = self._read(ids[:, : longest + 1], chunk, sorted(shared))
+        rows = {longest: whole[0]} | {n: row[0] for n, row in forked.items()}
+        alone = {n: self.token_nll(ids[:, : n + 1], chunk)[0] for n in set(lengths) - set(rows)}
+        return [(rows | alone)[n] for n in lengths]
+
+    def _read(
+        self, input_ids: Tensor, chunk: int, forks: Sequence[int]
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """``token_nll``'s reading of input_ids (B, T+1), and for each fork n (chunk < n < T,
+        read through the cache) the (B, n) rows of its prefix: the reading's own up to the
+        start of n's last chunk, then that chunk read alone on a copy of the cache."""
         ids = input_ids.to(self.device, torch.long)
         inputs, targets = ids[:, :-1], ids[:, 1:]  # (B, T), (B, T)
         B, T = inputs.shape
@@ -320,18 +355,24 @@ class Backbone(abc.ABC):
         whole = chunk < T and self.scores_in_one_forward
         hidden, head = self.final_hidden(inputs) if whole else (None, None)  # (B, T, d)
         cache = None if chunk >= T or whole else self.new_cache()
+        tails: dict[int, Tensor] = {}  # fork -> NLL of its last chunk, (B, C)
         for start in range(0, T, chunk):
             stop = min(T, start + chunk)
+            for n in forks:  # a fork whose last chunk starts here and ends before this one
+                if (n - 1) // chunk * chunk == start and n < stop:
+                    fork = copy.deepcopy(cache)
+                    logits = self.run(inputs[:, start:n], fork, None, None, last_only=False)
+                    tails[n] = _nll(logits, targets[:, start:n])
             if whole:
                 logits = head(hidden[:, start:stop])  # (B, C, V)
             else:
                 logits = self.run(inputs[:, start:stop], cache, None, None, last_only=False)
-            nll[:, start:stop] = F.cross_entropy(
-                logits.float().flatten(0, 1),  # (B*C, V)
-                targets[:, start:stop].flatten(),
-                reduction="none",
-            ).view(B, stop - start)
-        return nll.cpu()
+            nll[:, start:stop] = _nll(logits, targets[:, start:stop])
+        # A fork whose last chunk is the reading's own chunk there is the reading's prefix.
+        forked = {n: nll[:, :n] for n in forks} | {
+            n: torch.cat([nll[:, : n - tail.shape[1]], tail], 1) for n, tail in tails.items()
+        }
+        return nll.cpu(), {n: row.cpu().clone() for n, row in forked.items()}
 
     @property
     def scores_in_one_forward(self) -> bool:
@@ -354,3 +395,13 @@ class Backbone(abc.ABC):
             "fingerprint": self.fingerprint(),
             "adapter_sha256": self.adapter_sha256,
         }
+
+
+def _nll(logits: Tensor, targets: Tensor) -> Tensor:
+    """(B, C, V) logits and (B, C) targets -> float32 (B, C) NLL: the log-softmax in float32
+    whatever the model's dtype (bf16 log-probabilities lose the digits that tell models
+    apart)."""
+    B, C = targets.shape
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(
+        B, C
+    )

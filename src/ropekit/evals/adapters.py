@@ -8,7 +8,9 @@ Holds:
 - `PrefixQuestions`: one prefix and the questions asked after it; `shared_chunks`: how much
   of a cached prefix another prefix can keep.
 - `BackboneLM`: the one implementation, over a `Backbone` (ropekit Decoders and Hugging Face
-  causal LMs alike): chunked scoring and batched greedy decoding with a KV cache; the backbone
+  causal LMs alike): chunked scoring (and `prefix_nll`, the prefixes of one input scored
+  in one reading, which `evaluate_perplexity` uses when it has it) and batched greedy
+  decoding with a KV cache; the backbone
   runs each chunk through its model and says which prompts may share a batch (a Decoder has
   no padding mask, so it groups prompts of equal length; Hugging Face models left-pad).
 - `as_language_model(model, tokenizer)`: a `BackboneLM` for any model.
@@ -169,6 +171,12 @@ class BackboneLM:
         if input_ids.dim() != 2 or input_ids.shape[1] < 2:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} must be (B, T+1) with T >= 1")
         return self.backbone.token_nll(input_ids, self._chunk(input_ids.shape[0]))
+
+    def prefix_nll(self, input_ids: Tensor, lengths: Sequence[int]) -> list[Tensor]:
+        """input_ids (T+1,) -> for each n of ``lengths`` the float32 (n,) NLL that
+        ``token_nll(input_ids[None, : n + 1])[0]`` gives, bit for bit, with the prefix they
+        share read once (``Backbone.prefix_nll``, one row's chunks)."""
+        return self.backbone.prefix_nll(input_ids, lengths, self._chunk(1))
 
     @torch.inference_mode()
     def greedy(
