@@ -6,6 +6,8 @@ past the original length, in float64 so that a difference is a difference in the
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch
 from ropekit.data import heldout_stream
 from ropekit.evals import PerplexityConfig, as_language_model, evaluate_perplexity
 from ropekit.evals.adapters import BackboneLM
-from ropekit.evals.perplexity import WindowStore
+from ropekit.evals.perplexity import WindowStore, _prefix_groups
 from ropekit.hf import patch
 
 from ..model.tiny import tiny_model as sharp_decoder
@@ -151,3 +153,15 @@ def test_prefix_nll_equals_token_nll_of_each_prefix(byte_tok, hf):
         lm.prefix_nll(ids, [200])
     with pytest.raises(ValueError, match=r"input_ids \(T\+1,\)"):
         lm.prefix_nll(ids[None], [5])
+
+
+def test_only_whole_windows_read_one_at_a_time_are_grouped():
+    """A batch is read in its own chunk length (the logits budget is shared by its rows) and
+    a sliding window scores only its end: neither is a prefix of another window's reading."""
+    plan = {20: [(20, 20), (40, 20)], 40: [(40, 40)], 80: [(80, 80)]}
+    config = PerplexityConfig((20, 40, 80), n_tokens=80, batch_tokens=40)  # 20: batches of 2
+    assert _prefix_groups(plan, config) == [[(40, 40), (80, 80)]]
+    assert _prefix_groups(plan, dataclasses.replace(config, batch_tokens=20)) == [
+        [(20, 20), (40, 40), (80, 80)]
+    ]
+    assert _prefix_groups(plan, dataclasses.replace(config, stride=10)) == []
