@@ -19,7 +19,8 @@ behind these methods:
   ``block_names()`` (the decoder blocks, which sharded training wraps one by one);
 - scoring, for evals: ``new_cache()``, ``run(ids, cache, mask, positions, last_only)``,
   ``cache_length(cache)``, ``crop_cache(cache, length)`` (back to a prefix, so many questions
-  share one prefill), ``token_nll(ids, chunk)``, ``group_prompts(prompts)``, ``eos_ids``,
+  share one prefill), ``token_nll(ids, chunk)``, ``prefix_nll(ids, lengths, chunk)`` (the
+  prefixes of one input in one reading), ``group_prompts(prompts)``, ``eos_ids``,
   ``vocab_size``, ``forward_logits(ids)``;
 - ``cast(dtype)``: compute in float32, bfloat16 or float16 (the encoding's parameters kept);
 - ``describe()``: the JSON a result file carries about the model.
