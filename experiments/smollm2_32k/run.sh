@@ -5,10 +5,20 @@
 # Stage 2's folder starts with the unmodified model's finished jobs copied from final/, so
 # they are reused, not recomputed; `python -m experiments.smollm2_32k.merge` later copies
 # stage 2's finished jobs into final/ (while final/'s run is stopped).
+# From nothing: it sets up .venv and installs the model when they are missing (a new
+# checkout has neither), and it runs the committed source (HEAD's src/, copied to a temporary
+# folder), so src/ can be edited while it runs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
 E=experiments/smollm2_32k
+case "${1:-final}" in final | stage2) ;; *) echo "usage: $0 [final|stage2]" >&2; exit 2 ;; esac
+flock "${TMPDIR:-/tmp}/ropekit-setup.lock" make -s setup  # both stages may start at once
+.venv/bin/ropekit models install smollm2-135m
+SRC=$(mktemp -d "${TMPDIR:-/tmp}/ropekit-e-src.XXXXXX")
+git archive HEAD src | tar -x -C "$SRC"
+export PYTHONPATH="$SRC/src"
+echo "running ropekit from $SRC (HEAD $(git rev-parse --short HEAD))"
 case "${1:-final}" in
   final) exec .venv/bin/ropekit compare --config "$E/compare.json" --out "$E/final" ;;
   stage2)
@@ -16,5 +26,4 @@ case "${1:-final}" in
     [ -e "$E/stage2/methods/rope" ] || cp -r "$E/final/methods/rope" "$E/stage2/methods/"
     [ -e "$E/stage2/eval/rope" ] || cp -r "$E/final/eval/rope" "$E/stage2/eval/"
     exec .venv/bin/ropekit compare --config "$E/stage2.json" --out "$E/stage2" ;;
-  *) echo "usage: $0 [final|stage2]" >&2; exit 2 ;;
 esac
