@@ -319,6 +319,32 @@ def test_the_plans_cost_model_grows_with_attentions_square(compared):
     assert seconds(1024) > 0 and 2 * seconds(1024) < seconds(2048) < 4 * seconds(1024)
 
 
+def test_the_plans_estimate_leaves_out_what_is_read_once(compared, tmp_path, monkeypatch):
+    """Perplexity windows read in a longer window's reading cost nothing for an encoding that
+    does not follow the length, and all of their time for one that does; a later haystack
+    costs its prefill less the filler it keeps."""
+    from ropekit.compare.run import _Comparison
+    from ropekit.evals.adapters import BackboneLM
+
+    # SmolLM2's chunk (a byte vocabulary's would hold a whole haystack: nothing is kept)
+    monkeypatch.setattr(BackboneLM, "prefill_chunk", property(lambda self: 1365))
+    root, _ = compared
+    config = CompareConfig(
+        str(root / "base"), 16384, ("rope", "yarn:factor=512", "dynamic-ntk:factor=512"),
+        eval_data=("shakespeare",), lengths=(8192, 16384), single_documents=False,
+        probe_lengths=(16384,), probe_needles=1, probe_haystacks=3, probe_task="niah_single_1",
+    )  # fmt: skip
+    run = _Comparison(config, tmp_path, "", lambda *_: None, False)
+    run.forward_seconds = float  # one second per token: the sums below are token counts
+    assert run.reads_alone == {"dynamic-ntk factor512"}
+    seconds = run.estimated_seconds(runs=0, probed=3)
+    # One span of 16k: the first 8k window is read in the 16k window's reading.
+    assert seconds["perplexity"] == 2 * (8192 + 16384) + (2 * 8192 + 16384)
+    kept = run.kept[16384]
+    assert 0 < kept < 16384 and kept % 1365 == 0  # the whole chunks before the needle
+    assert seconds["probes"] == 3 * (16384 + 2 * (16384 - kept))
+
+
 @pytest.mark.parametrize("domain", ["banana", "empty.txt", "binary.txt"])
 def test_a_bad_domain_is_refused_before_anything_is_written(compared, tmp_path, capsys, domain):
     """Every held-out domain is read when the comparison starts: an unknown name, an empty or

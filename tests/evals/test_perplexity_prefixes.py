@@ -15,7 +15,7 @@ import torch
 from ropekit.data import heldout_stream
 from ropekit.evals import PerplexityConfig, as_language_model, evaluate_perplexity
 from ropekit.evals.adapters import BackboneLM
-from ropekit.evals.perplexity import WindowStore, _prefix_groups
+from ropekit.evals.perplexity import WindowStore, _prefix_groups, windows_read
 from ropekit.hf import patch
 
 from ..model.tiny import tiny_model as sharp_decoder
@@ -165,3 +165,24 @@ def test_only_whole_windows_read_one_at_a_time_are_grouped():
         [(20, 20), (40, 40), (80, 80)]
     ]
     assert _prefix_groups(plan, dataclasses.replace(config, stride=10)) == []
+
+
+def test_windows_read_counts_what_a_shared_reading_leaves_to_read():
+    # Experiment E: 8k, 16k and 32k over 2 single-document spans of 32k. In each span the 8k
+    # windows at 0 and 16k and the 16k window at 0 are read in longer ones' readings.
+    e = PerplexityConfig((8192, 16384, 32768), n_tokens=65536, single_documents=True)
+    assert windows_read(e, shared=False) == {8192: 8, 16384: 4, 32768: 2}
+    assert windows_read(e) == {8192: 4, 16384: 2, 32768: 2}
+    # One joined span: the 2k windows at 0, 4k, 8k and 12k (in 4k windows) and the 4k window
+    # at 0 (in the 16k window) share.
+    joined = PerplexityConfig((2048, 4096, 16384), n_tokens=16384, batch_tokens=2048)
+    assert windows_read(joined) == {2048: 4, 4096: 3, 16384: 1}
+    # Batched lengths (the default batch_tokens reads 2k windows 4 at a time) and sliding
+    # windows read everything themselves.
+    assert windows_read(dataclasses.replace(joined, batch_tokens=8192)) == {
+        2048: 8,
+        4096: 4,
+        16384: 1,
+    }
+    sliding = PerplexityConfig((2048, 4096), n_tokens=8192, stride=1024, batch_tokens=2048)
+    assert windows_read(sliding) == windows_read(sliding, shared=False) == {2048: 7, 4096: 5}

@@ -62,7 +62,8 @@ from ropekit.evals import (
     run_perplexity,
     run_probes,
 )
-from ropekit.evals.perplexity import LengthScore
+from ropekit.evals.adapters import shared_chunks
+from ropekit.evals.perplexity import LengthScore, windows_read
 from ropekit.evals.probes import (
     NeedleAccuracy,
     ProbesResult,
@@ -136,10 +137,14 @@ class _Comparison:
             methods.insert(0, ("rope (unmodified)", BASELINE))
         # Each spec as the extension run resolves it (a factor it omits is N / L0: extend's
         # one rule), so a spec that cannot be built stops the comparison here, before any job.
+        encodings = {label: self.resolved(probe, spec) for label, spec in methods}
         self.methods = [
-            Method(label, spec, bool(self.resolved(probe, spec).positional_parameters()))
+            Method(label, spec, bool(encodings[label].positional_parameters()))
             for label, spec in methods
         ]
+        # Methods whose perplexity windows are each read alone, none in a longer one's reading
+        # (a length-following encoding; Backbone.prefix_nll): for the plan's estimate.
+        self.reads_alone = {label for label, e in encodings.items() if e.dynamic}
         self.baseline = next(m.label for m in self.methods if m.spec == BASELINE)
         self.tokenizer = probe.require_tokenizer()
         self.streams: dict[str, TokenStream] = {}  # held-out tokens, made once per domain
@@ -153,6 +158,9 @@ class _Comparison:
         # Which engines serve each method exactly ({label: {engine: answer}}), from the
         # encoding it was scored with (a trained method's at its first seed).
         self.served: dict[str, dict[str, EngineAnswer]] = {}
+        # Tokens a later haystack of each probe length keeps of the one before it (the whole
+        # chunks of their shared filler): for the plan's estimate.
+        self.kept: dict[int, int] = {}
         self.check_probes_fit(probe)
         probe.cast(COMPUTE_DTYPES[config.dtype])
         self.forward_seconds = forward_seconds(probe)  # for the plan's estimate
@@ -170,10 +178,14 @@ class _Comparison:
         if not self.config.retrieval_lengths(self.trained_at):
             return
         config = self.config.probe_config(self.trained_at)
-        check_probe_sizes(config, as_language_model(probe))
+        lm = as_language_model(probe)
+        check_probe_sizes(config, lm)
         task, fmt = probe_task(config.task), PromptFormat(self.tokenizer, chat=config.chat)
         for length in config.lengths:
-            build_haystack(task, fmt, config, length, 0)
+            first = build_haystack(task, fmt, config, length, 0)
+            if config.haystacks > 1:
+                second = build_haystack(task, fmt, config, length, 1)
+                self.kept[length] = shared_chunks(first.prefix, second.prefix, lm.prefill_chunk)
 
     def plan(self) -> str:
         """What the comparison will run, said before it starts (finished jobs are reused)."""
@@ -205,32 +217,46 @@ class _Comparison:
             f"prefills"
             + (f" of up to {max(lengths):,} tokens" if lengths else "")
             + "; finished jobs in the folder are reused"
-            + self.estimate(len(trained), runs, scored, probed)
+            + self.estimate(runs, probed)
             + warning
         )
 
-    def estimate(self, trained: int, runs: int, scored: int, probed: int) -> str:
-        """The plan's compute estimate for every job, before any is reused: training runs
-        (a step's forward and backward as three forwards), perplexity windows, probe
-        prefills, each at ``forward_seconds``."""
-        c, seconds = self.config, self.forward_seconds
-        window = (c.pose_window or self.trained_at) if c.pose else c.target_length
-        train = runs * c.samples * 3 * seconds(window)
-        per_length = self.ppl_config((c.target_length,)).n_tokens
-        score = scored * sum(
-            per_length / n * seconds(n) for d in c.eval_data for n in self.domain_lengths(d)
-        )
-        lengths = c.retrieval_lengths(self.trained_at)
-        probes = probed * c.probe_haystacks * sum(seconds(n) for n in lengths)
-        hours = ", ".join(
-            f"{what} {_duration(t)}"
-            for what, t in (("training", train), ("perplexity", score), ("probes", probes))
-            if t
-        )
+    def estimate(self, runs: int, probed: int) -> str:
+        """The plan's compute estimate for every job (``estimated_seconds``), in words."""
+        parts = self.estimated_seconds(runs, probed).items()
+        hours = ", ".join(f"{what} {_duration(t)}" for what, t in parts if t)
         return (
             f"; estimated compute for every job: {hours} (rough: FLOPs at the rates of one timed "
             f"forward of {TIMED_TOKENS} tokens and one attention call of {TIMED_ATTENTION})"
         )
+
+    def estimated_seconds(self, runs: int, probed: int) -> dict[str, float]:
+        """Seconds of training, perplexity and probes for every job, before any is reused:
+        training runs (a step's forward and backward as three forwards), perplexity windows
+        and probe prefills, each at ``forward_seconds``. Windows read in a longer one's
+        reading (`windows_read`) and the filler a later haystack keeps (``kept``) cost
+        nothing (the last partial chunk each reads apart is left out)."""
+        c, seconds = self.config, self.forward_seconds
+        window = (c.pose_window or self.trained_at) if c.pose else c.target_length
+        train = runs * c.samples * 3 * seconds(window)
+
+        def per_model(shared: bool) -> float:
+            configs = [self.ppl_config(n) for d in c.eval_data if (n := self.domain_lengths(d))]
+            return sum(
+                count * seconds(n)
+                for config in configs
+                for n, count in windows_read(config, shared).items()
+            )
+
+        score = sum(
+            (len(c.seeds) if m.trained else 1) * per_model(m.label not in self.reads_alone)
+            for m in self.methods
+        )
+        probes = probed * sum(
+            seconds(n) + (c.probe_haystacks - 1) * (seconds(n) - seconds(self.kept.get(n, 0)))
+            for n in c.retrieval_lengths(self.trained_at)
+        )
+        return {"training": train, "perplexity": score, "probes": probes}
 
     # ------------------------------------------------------------------ jobs
     def _timed(self, job: str, fn: Callable[[], Any]) -> Any:

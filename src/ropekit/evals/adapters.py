@@ -160,6 +160,12 @@ class BackboneLM:
         in one forward each."""
         return self.backbone.scores_in_one_forward
 
+    @property
+    def prefill_chunk(self) -> int:
+        """Tokens per forward when one sequence is read through the cache (a probe's
+        prefill, a perplexity window read alone)."""
+        return self._chunk(1)
+
     def _chunk(self, batch: int) -> int:
         if self.chunk_size is not None:
             return self.chunk_size

@@ -11,6 +11,8 @@ Holds:
   Called once per domain with the same model, it takes the domain's tokenized `stream`
   (`heldout_stream(domain, tokenizer)`, made once per domain and tokenizer) and the model as
   a Backbone (whose weight digest is computed once).
+- `windows_read(config, shared)`: the windows of each length read in a reading of their own
+  (a plan's cost estimate).
 - `document_spans(stream, tokenizer, span, count, context, rng)`: the single-document spans;
   `check_single_documents(stream, tokenizer, config)` asks, without a model, whether they fit
   (`DocumentsTooShort` when not).
@@ -457,6 +459,20 @@ def _prefix_groups(
             for end, _ in windows:
                 starts.setdefault(end - length, []).append((length, end))
     return [sorted(group) for group in starts.values() if len(group) > 1]
+
+
+def windows_read(config: PerplexityConfig, shared: bool = True) -> dict[int, int]:
+    """How many windows of each length `evaluate_perplexity` reads in a reading of their own,
+    for a plan's cost estimate: every window, less, with ``shared`` (a model that has
+    ``prefix_nll``, an encoding that does not follow the length), those read in a longer
+    window's reading (`_prefix_groups`), of which only a last partial chunk is read apart."""
+    span = math.lcm(*config.lengths) if config.single_documents else config.n_tokens
+    plan = {length: _windows(0, span, length, config.stride) for length in config.lengths}
+    read = {length: len(windows) for length, windows in plan.items()}
+    for group in _prefix_groups(plan, config) if shared else []:
+        for length, _ in group[:-1]:
+            read[length] -= 1
+    return {length: n * (config.n_tokens // span) for length, n in read.items()}
 
 
 def _score_prefixes(
