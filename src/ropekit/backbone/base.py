@@ -402,7 +402,5 @@ def _nll(logits: Tensor, targets: Tensor) -> Tensor:
     """(B, C, V) logits and (B, C) targets -> float32 (B, C) NLL: the log-softmax in float32
     whatever the model's dtype (bf16 log-probabilities lose the digits that tell models
     apart)."""
-    B, C = targets.shape
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view(
-        B, C
-    )
+    nll = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+    return nll.view(targets.shape)

@@ -8,11 +8,11 @@ Holds:
 - `PrefixQuestions`: one prefix and the questions asked after it; `shared_chunks`: how much
   of a cached prefix another prefix can keep.
 - `BackboneLM`: the one implementation, over a `Backbone` (ropekit Decoders and Hugging Face
-  causal LMs alike): chunked scoring (and `prefix_nll`, the prefixes of one input scored
-  in one reading, which `evaluate_perplexity` uses when it has it) and batched greedy
-  decoding with a KV cache; the backbone
-  runs each chunk through its model and says which prompts may share a batch (a Decoder has
-  no padding mask, so it groups prompts of equal length; Hugging Face models left-pad).
+  causal LMs alike): chunked scoring (and `prefix_nll`, the prefixes of one input scored in
+  one reading, which `evaluate_perplexity` uses when a model has it) and batched greedy
+  decoding with a KV cache; the backbone runs each chunk through its model and says which
+  prompts may share a batch (a Decoder has no padding mask, so it groups prompts of equal
+  length; Hugging Face models left-pad).
 - `as_language_model(model, tokenizer)`: a `BackboneLM` for any model.
 - `place_on(lm, device)`: moves a wrapped model (evaluations under several processes).
 - `newline_ids(tokenizer)`: the token ids whose text holds a newline (where answers stop).
