@@ -11,13 +11,16 @@ methods are compared at the seeds both have (paired, as the comparison trains th
 untrained method's one run against each of a trained method's. Nothing is computed that the
 comparison has not scored.
 
-    python -m experiments.smollm2_32k.contrasts [--final DIR] [--length N]
+    python -m experiments.smollm2_32k.contrasts [--final DIR] [--also DIR ...] [--length N]
+
+``--also experiments/smollm2_32k/stage2`` reads stage 2's methods too before they are merged
+into final/ (a method both folders hold is read from --final).
 
 It also prints every run scored so far, seed by seed, on each domain it is scored on (a
 partial table: ``per_seed``), so the tables of the README are copied from the files, not typed.
 
 Holds: L0, BASELINE, BEST_FREE, PAIRS, MIN_DIFFERENCE, scored_seeds, pair_table, best_free,
-standing, contrasts, per_seed, main.
+standing, contrasts, per_seed, union, main.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import tempfile
 from pathlib import Path
 
 from ropekit.compare.config import CompareConfig
@@ -172,14 +176,38 @@ def per_seed(final: Path, length: int) -> list[tuple[str, int, dict[str, tuple[f
     return rows
 
 
+def union(folders: list[Path], into: Path) -> Path:
+    """A comparison's folder in ``into`` that holds every method of ``folders`` (links to their
+    eval/ and methods/ entries), a method two folders hold taken from the first."""
+    for sub in ("eval", "methods"):
+        (into / sub).mkdir(parents=True)
+        for folder in folders:
+            for entry in sorted((folder / sub).iterdir()) if (folder / sub).is_dir() else []:
+                if entry.is_dir() and not (into / sub / entry.name).exists():
+                    (into / sub / entry.name).symlink_to(entry.resolve(), target_is_directory=True)
+    return into
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.smollm2_32k.contrasts")
     parser.add_argument("--final", type=Path, default=HERE / "final",
                         help="the comparison's folder (default: the committed one)")  # fmt: skip
+    parser.add_argument("--also", type=Path, action="append", default=[],
+                        help="another comparison's folder whose methods are read too (stage "
+                        "2's before the merge); repeatable")  # fmt: skip
     parser.add_argument("--length", type=int, default=32768, help="the length compared")
     args = parser.parse_args(argv)
-    if not (args.final / "eval").is_dir():
-        parser.error(f"--final {args.final} is not a comparison's folder (it has no eval/)")
+    for flag, folder in [("--final", args.final), *(("--also", f) for f in args.also)]:
+        if not (folder / "eval").is_dir():
+            parser.error(f"{flag} {folder} is not a comparison's folder (it has no eval/)")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.also:
+            args.final = union([args.final, *args.also], Path(tmp))
+        _print(parser, args)
+
+
+def _print(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """main's tables, for the folder ``args.final``."""
     seeds = scored_seeds(args.final)
     tables = [pair_table(args.final, seeds, m, m)[m] for m in seeds]
     scored = sorted({n for table in tables for rows in table.values() for n in rows})
