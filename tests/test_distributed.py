@@ -96,3 +96,37 @@ print("handlers added:", atexit._ncallbacks() - before)
     assert done.returncode == 0, done.stderr
     assert f"handlers added: {int(registered)}" in done.stdout
     assert f"alive at exit: {not registered}" in done.stdout
+
+
+def test_the_group_ends_at_exit_even_while_a_finished_fsdp_model_awaits_collection():
+    """A sharded run's FSDP2 modules are reference cycles that hold the group (FSDPMeshInfo)
+    after the run returns; the exit handler collects them before destroying the group, so no
+    reference to the group is left for interpreter teardown to drop."""
+    import subprocess
+    import sys
+
+    program = """
+import gc, sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from ropekit.distributed import _end_gloo_group
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+def run():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    model(torch.randn(2, 8)).sum().backward()
+
+run()
+group = dist.distributed_c10d._get_default_group()
+held = sorted({type(r).__name__ for r in gc.get_referrers(group)})
+print("held before:", held)
+_end_gloo_group()
+print("held after:", sorted({type(r).__name__ for r in gc.get_referrers(group)}))
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    assert "FSDPMeshInfo" in lines["held before"]  # the cycle holds the group
+    assert lines["held after"] == "['dict']"  # only this program's own name for it

@@ -22,6 +22,7 @@ might not be the complete one.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -167,10 +168,13 @@ def end_group_at_exit() -> None:
     #190489, and #179291's analysis): the launcher then reports the run failed and stops the
     other processes, which may still be writing. Seen here in 2 of 6 runs of
     tests/train/test_sharded_processes.py (one process, exit -6, after its last step); with
-    this handler in 0 of 22 runs, but still once in a `make test` under its parallel load (the
-    cause is not found; that test reruns once then). NCCL groups are left to their own
-    shutdown (PyTorch warns about those itself). Registered once; a group the program
-    destroyed itself is left alone."""
+    this handler in 0 of 22 runs, but still once in a `make test` under its parallel load
+    (that test reruns once then). One way the group outlived the handler, found after: a
+    finished run's FSDP2 modules are reference cycles still holding the group, so
+    ``destroy_process_group`` only unregistered it and the C++ group was left to teardown;
+    the handler now collects them first. Whether that was the abort's cause is not known (it
+    was not reproduced). NCCL groups are left to their own shutdown (PyTorch warns about those
+    itself). Registered once; a group the program destroyed itself is left alone."""
     global _ENDING
     if not _ENDING:
         atexit.register(_end_gloo_group)
@@ -180,6 +184,10 @@ def end_group_at_exit() -> None:
 def _end_gloo_group() -> None:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        # A finished run's FSDP2 modules are reference cycles that still hold the group
+        # (FSDPMeshInfo), so destroying it would only unregister it and leave the C++ group to
+        # interpreter teardown. Collected first, they let go of it, and it ends here.
+        gc.collect()
         dist.destroy_process_group()
 
 
