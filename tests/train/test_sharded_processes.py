@@ -59,7 +59,9 @@ def uninterrupted(tmp_path_factory) -> Path:
     torchrun runs of one `make test` on 2026-12-05 under its parallel load and in none of 22
     runs alone (6 alone, 16 two at a time). A launcher then reports the finished run as
     failed; that is not what these tests check (the shards' numbers and the resume), and any
-    other failure, or a second abort, still fails them."""
+    other failure, or a second abort, still fails them. Since then the handler collects the
+    finished run's FSDP2 cycles before destroying the group (they held it past its
+    destruction); the rerun stays until the abort is seen gone."""
     for _ in range(2):
         out = tmp_path_factory.mktemp("sharded") / "run"
         done = torchrun(str(out), *ARGS)
