@@ -6,7 +6,8 @@ round, median of each: load that drifts during a run hits every candidate alike;
 adds the minimum),
 peak_memory (peak bytes of torch allocations while a function runs), Result (a row as a
 module measures it), Row (a row of results.json: the result and its device), Benchmarks (the
-file, a typed ``benchmarks`` result of ``ropekit.results``), read_results, write_results.
+file, a typed ``benchmarks`` result of ``ropekit.results``), read_results, write_results,
+installed_backbone (a packaged model on a device, or None, said, when it is not installed).
 """
 
 from __future__ import annotations
@@ -16,12 +17,27 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ropekit.results import FORMAT_VERSION, read_record, register, run_metadata, write_result
 
 RESULTS = Path(__file__).with_name("results.json")
+
+
+def installed_backbone(name: str, device: str, benchmark: str) -> Any:
+    """The installed model ``name`` on ``device``, or None when it is not available (the
+    benchmark is then skipped, said so under its name)."""
+    from ropekit.backbone import open_backbone
+
+    try:
+        backbone = open_backbone(name)
+    except (OSError, ValueError) as e:
+        print(f"{benchmark}: skipped, {name} is not available ({e})")
+        return None
+    backbone.model.to(device)
+    return backbone
 
 
 def best_time(fn: Callable[[], object], repeats: int = 7, warmup: int = 2) -> float:

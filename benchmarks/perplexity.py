@@ -28,21 +28,16 @@ from ropekit.data import heldout_stream
 from ropekit.evals import PerplexityConfig, as_language_model, evaluate_perplexity
 from ropekit.evals.adapters import BackboneLM
 
-from .common import Result
+from .common import Result, installed_backbone
 
 MODEL = "smollm2-135m"
 LENGTHS = (2048, 4096, 8192)
 
 
 def run(device: str = "cpu") -> list[Result]:
-    from ropekit.backbone import open_backbone
-
-    try:
-        backbone = open_backbone(MODEL)
-    except (OSError, ValueError) as e:
-        print(f"perplexity: skipped, {MODEL} is not available ({e})")
+    backbone = installed_backbone(MODEL, device, "perplexity")
+    if backbone is None:
         return []
-    backbone.model.to(device)
     lm = as_language_model(backbone)
     stream = heldout_stream("shakespeare", lm.tokenizer)
     config = PerplexityConfig(LENGTHS, n_tokens=max(LENGTHS), batch_tokens=min(LENGTHS))

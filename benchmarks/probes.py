@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 import torch
 
@@ -48,7 +47,7 @@ from ropekit.evals.probes import (
 )
 from ropekit.evals.prompts import PromptFormat
 
-from .common import Result
+from .common import Result, installed_backbone
 
 MODEL = "smollm2-135m"
 
@@ -58,23 +57,10 @@ def run(device: str = "cpu") -> list[Result]:
     return run_many(device) + run_shared(device)
 
 
-def _backbone(device: str) -> Any:
-    """SmolLM2-135M on ``device``, or None (said) when it is not installed."""
-    from ropekit.backbone import open_backbone
-
-    try:
-        backbone = open_backbone(MODEL)
-    except (OSError, ValueError) as e:
-        print(f"probes: skipped, {MODEL} is not available ({e})")
-        return None
-    backbone.model.to(device)
-    return backbone
-
-
 def run_many(
     device: str = "cpu", length: int = 8192, needles: int = 8, separate: int = 2
 ) -> list[Result]:
-    backbone = _backbone(device)
+    backbone = installed_backbone(MODEL, device, "probes")
     if backbone is None:
         return []
     lm = as_language_model(backbone)
@@ -147,7 +133,7 @@ def run_many(
 
 
 def run_shared(device: str = "cpu", length: int = 8192, haystacks: int = 5) -> list[Result]:
-    backbone = _backbone(device)
+    backbone = installed_backbone(MODEL, device, "probes")
     if backbone is None:
         return []
     lm = as_language_model(backbone)

@@ -240,16 +240,17 @@ class _Comparison:
         window = (c.pose_window or self.trained_at) if c.pose else c.target_length
         train = runs * c.samples * 3 * seconds(window)
 
-        def per_model(shared: bool) -> float:
-            configs = [self.ppl_config(n) for d in c.eval_data if (n := self.domain_lengths(d))]
-            return sum(
+        configs = [self.ppl_config(n) for d in c.eval_data if (n := self.domain_lengths(d))]
+        per_model = {  # a scored model's windows, with and without the shared readings
+            shared: sum(
                 count * seconds(n)
                 for config in configs
                 for n, count in windows_read(config, shared).items()
             )
-
+            for shared in (True, False)
+        }
         score = sum(
-            (len(c.seeds) if m.trained else 1) * per_model(m.label not in self.reads_alone)
+            (len(c.seeds) if m.trained else 1) * per_model[m.label not in self.reads_alone]
             for m in self.methods
         )
         probes = probed * sum(

@@ -182,7 +182,7 @@ class BackboneLM:
         """input_ids (T+1,) -> for each n of ``lengths`` the float32 (n,) NLL that
         ``token_nll(input_ids[None, : n + 1])[0]`` gives, bit for bit, with the prefix they
         share read once (``Backbone.prefix_nll``, one row's chunks)."""
-        return self.backbone.prefix_nll(input_ids, lengths, self._chunk(1))
+        return self.backbone.prefix_nll(input_ids, lengths, self.prefill_chunk)
 
     @torch.inference_mode()
     def greedy(
@@ -223,7 +223,7 @@ class BackboneLM:
         bit (tested). Haystacks of one length share their filler up to the first needle: at
         one needle in the middle, half of each prefix after the first."""
         backbone, device, stops = self.backbone, self.device, frozenset(stop)
-        chunk = self._chunk(1)
+        chunk = self.prefill_chunk
         cache: Any = None
         held: tuple[int, ...] = ()  # the prefix the cache holds (after cropping the answers)
         for prompt in prompts:
