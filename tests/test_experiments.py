@@ -547,6 +547,11 @@ def test_smollm2_32k_merge_copies_finished_jobs_with_their_times_and_replaces_no
     # Another result where a copy would go: refused in one line, exit 2, nothing copied.
     put(stage2, "eval/string/s0/kjv/ppl.json", "string")
     put(stage2, "eval/dca/s0/sotu/ppl.json", "dca sotu")
+    # stopped after its ppl.json, before its time: only the attempt's record, never merged
+    write_records(stage2 / "times.jsonl", [
+        *read_records(stage2 / "times.jsonl"),
+        {"job": "eval eval/dca/s0/sotu", "started": 1.7e9, "earlier": 0.0},
+    ])  # fmt: skip
     put(final, "eval/string/s0/kjv/ppl.json", "another string")
     before = sorted(final.rglob("*"))
     command = [sys.executable, "-m", "experiments.smollm2_32k.merge",
@@ -571,3 +576,4 @@ def test_smollm2_32k_merge_copies_finished_jobs_with_their_times_and_replaces_no
         holder.wait()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and (final / "eval/dca/s0/sotu/ppl.json").is_file(), done.stderr
+    assert all("seconds" in r for r in read_records(final / "times.jsonl"))

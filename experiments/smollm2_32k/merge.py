@@ -87,7 +87,8 @@ def merge(stage2: Path, final: Path, log: Callable[[str], None] = print) -> int:
         moved = {str(job) for job in jobs}
         added = [
             r for r in (read_records(stage2 / TIMES) if (stage2 / TIMES).is_file() else [])
-            if r["job"] not in known and r["job"].split(" ", 1)[1] in moved
+            if "seconds" in r  # a finished job's time, not an attempt in progress
+            and r["job"] not in known and r["job"].split(" ", 1)[1] in moved
         ]  # fmt: skip
         if added:
             write_records(final / TIMES, records + added)

@@ -337,12 +337,118 @@ def test_the_plans_estimate_leaves_out_what_is_read_once(compared, tmp_path, mon
     run = _Comparison(config, tmp_path, "", lambda *_: None, False)
     run.forward_seconds = float  # one second per token: the sums below are token counts
     assert run.reads_alone == {"dynamic-ntk factor512"}
-    seconds = run.estimated_seconds(runs=0, probed=3)
+    seconds = run.estimated_seconds()
     # One span of 16k: the first 8k window is read in the 16k window's reading.
     assert seconds["perplexity"] == 2 * (8192 + 16384) + (2 * 8192 + 16384)
     kept = run.kept[16384]
     assert 0 < kept < 16384 and kept % 1365 == 0  # the whole chunks before the needle
     assert seconds["probes"] == 3 * (16384 + 2 * (16384 - kept))
+
+
+def test_the_plan_says_what_is_left_of_a_resumed_comparison(compared, tmp_path):
+    """Each job is costed once and counted as left until its result is in the folder: the
+    fixture's finished comparison has nothing left; each result taken away (a domain's
+    ppl.json, a probes summary, a later seed's run, a selection's record) puts back exactly
+    its own job's seconds, costed here at one second per token against hand sums."""
+    import shutil
+
+    from ropekit.compare.config import from_file
+    from ropekit.compare.run import _Comparison
+
+    root, _ = compared
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    (tmp_path / "config.json").write_text(
+        json.dumps(json.loads((out / "compare.json").read_text())["config"])
+    )
+    config = from_file(tmp_path / "config.json")
+    assert config.seeds == (0, 1) and config.lrs == (0.01, 0.03)
+
+    def comparison() -> _Comparison:
+        run = _Comparison(config, out, "", lambda *_: None, False)
+        run.forward_seconds = float  # one second per token
+        return run
+
+    run = comparison()
+    every = run.estimated_seconds()
+    # 2 spans of 128 per domain, tiled by 16, 32 and 128 (windows this short are batched:
+    # none is read in a longer one's reading)
+    per_domain = 2 * (8 * 16 + 4 * 32 + 128)
+    assert every["perplexity"] == 2 * 4 * per_domain  # 2 domains x (rope, yarn, 2 seeds)
+    assert every["training"] == 3 * 2 * 3 * 128  # 3 runs x 2 samples x 3 forwards of 128 (no PoSE)
+    assert every["selection"] == 2 * 128  # one sample at the target length per rate
+    probes = sum(n + 2 * (n - run.kept.get(n, 0)) for n in (96, 128))
+    assert every["probes"] == 4 * probes  # rope, yarn, adarope at both seeds
+    assert run.estimated_seconds(left=True) == dict.fromkeys(every, 0.0)
+    assert "; left (a job in progress counted whole): none (rough" in run.estimate()
+
+    (out / "eval/adarope/s1/kjv/ppl.json").unlink()
+    (out / "eval/yarn/s0/probes/summary.json").unlink()
+    (later,) = out.glob("methods/adarope/lr-*/s1")  # seed 1 at the chosen rate
+    shutil.rmtree(later)
+    times = out / "times.jsonl"
+    records = [json.loads(line) for line in times.read_text().splitlines()]
+    times.write_text(
+        "".join(json.dumps(r) + "\n" for r in records if r["job"] != "select adarope lr 0.03")
+    )
+    run = comparison()
+    assert run.estimated_seconds() == every
+    assert run.estimated_seconds(left=True) == {
+        "training": 2 * 3 * 128, "selection": 128, "perplexity": per_domain, "probes": probes,
+    }  # fmt: skip
+    assert "; left (a job in progress counted whole): training 13 min" in run.estimate()
+
+
+def test_a_job_resumed_after_a_stop_counts_its_earlier_attempts(compared, tmp_path):
+    """times.jsonl records a job as begun before it runs; a stop leaves that record, and the
+    resumed job's time adds the earlier attempt's wall time up to the last file it wrote in
+    the job's folder (not the stop, not files older than the attempt). Only finished jobs
+    reach compare.json's time table; a finished job's time is never rewritten."""
+    import os
+    import time
+
+    from ropekit.compare.run import _Comparison
+    from ropekit.results import read_records
+
+    root, _ = compared
+    config = CompareConfig(
+        str(root / "base"), 128, ("rope",), eval_data=("shakespeare",), lengths=(128,),
+        probe_lengths=(),
+    )  # fmt: skip
+    out = tmp_path / "out"
+    run = _Comparison(config, out, "", lambda *_: None, False)
+    folder = out / "eval" / "job"
+    folder.mkdir(parents=True)
+
+    def stopped() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run._timed("eval job", stopped, folder)
+    (begun,) = read_records(out / "times.jsonl")
+    assert begun["job"] == "eval job" and begun["earlier"] == 0 and "seconds" not in begun
+    # the stopped attempt began 100 s ago and saved its last file 60 s after that; an older
+    # file (before the attempt) and the time since the last file do not count
+    started = begun["started"] - 100
+    (out / "times.jsonl").write_text(json.dumps({**begun, "started": started}) + "\n")
+    for name, when in (("old.npz", started - 500), ("last.npz", started + 60)):
+        (folder / name).write_bytes(b"")
+        os.utime(folder / name, (when, when))
+
+    run = _Comparison(config, out, "", lambda *_: None, False)
+    assert run.records == {} and set(run.attempts) == {"eval job"}
+    run._timed("eval job", lambda: time.sleep(0.2), folder)
+    (record,) = read_records(out / "times.jsonl")
+    assert record.keys() == {"job", "seconds"} and 60.2 <= record["seconds"] < 61
+    run._timed("eval job", lambda: time.sleep(0.1), folder)  # finished: reused, not retimed
+    assert read_records(out / "times.jsonl") == [record]
+    # a second stop after the resumed attempt wrote its own file: both attempts count
+    run.records.clear()
+    run.attempts["eval job"] = {"job": "eval job", "started": time.time() - 30, "earlier": 60.0}
+    os.utime(folder / "last.npz", (time.time() - 10, time.time() - 10))
+    assert 79 < run._earlier_seconds("eval job", folder) < 81
+    os.utime(folder / "last.npz", (time.time() - 40, time.time() - 40))  # before it began
+    assert run._earlier_seconds("eval job", folder) == 60.0
 
 
 @pytest.mark.parametrize("domain", ["banana", "empty.txt", "binary.txt"])

@@ -25,6 +25,9 @@ method's spec, the training and the rate).
 Layout of ``out_dir``:
 
     compare.json, report.md, report.html, *.png      the verdict, the tables, the figures
+    times.jsonl                                       each finished job's wall time, over
+                                                      all its attempts; a job begun and not
+                                                      finished: when its attempt began
     methods/<label>/s<seed>/                          extension runs (adapter/, extend.json)
     methods/<label>/lr-<lr>/s<seed>/                  learning-rate candidates (trained)
     eval/<label>/s<seed>/<domain>/ppl.json            perplexity on one held-out domain (its
@@ -82,7 +85,7 @@ from ropekit.results import (
     write_result,
 )
 from ropekit.serve.serving import served_by
-from ropekit.train.extend import extend, resolve_method
+from ropekit.train.extend import EXTEND_JSON, extend, resolve_method
 
 from .config import CompareConfig
 from .record import (
@@ -151,7 +154,10 @@ class _Comparison:
         self.fitting: dict[str, tuple[int, ...]] = {}  # lengths each domain's documents hold
         self.skipped: list[Skipped] = []  # the lengths left out, with the reason
         self.times = out / "times.jsonl"  # wall time of each job, kept when a job is reused
-        self.records = {r["job"]: r for r in read_records(self.times)}
+        self.records: dict[str, dict[str, Any]] = {}  # finished jobs: {"job", "seconds", ...}
+        self.attempts: dict[str, dict[str, Any]] = {}  # jobs begun, not finished (_timed)
+        for record in read_records(self.times):
+            (self.attempts if "started" in record else self.records)[record["job"]] = record
         # The jobs of this comparison, run or reused: the time table lists only these (the
         # folder may keep records of a stopped run with other methods or domains).
         self.jobs: set[str] = set()
@@ -217,57 +223,126 @@ class _Comparison:
             f"prefills"
             + (f" of up to {max(lengths):,} tokens" if lengths else "")
             + "; finished jobs in the folder are reused"
-            + self.estimate(runs, probed)
+            + self.estimate()
             + warning
         )
 
-    def estimate(self, runs: int, probed: int) -> str:
-        """The plan's compute estimate for every job (``estimated_seconds``), in words."""
-        parts = self.estimated_seconds(runs, probed).items()
-        hours = ", ".join(f"{what} {_duration(t)}" for what, t in parts if t)
+    def estimate(self) -> str:
+        """The plan's compute estimate (`job_costs`), in words: for every job, and for the jobs
+        not finished yet when the folder holds finished ones (a resumed comparison)."""
+
+        def hours(left: bool) -> str:
+            parts = self.estimated_seconds(left).items()
+            return ", ".join(f"{what} {_duration(t)}" for what, t in parts if t)
+
+        every, left = hours(False), hours(True)
         return (
-            f"; estimated compute for every job: {hours} (rough: FLOPs at the rates of one timed "
-            f"forward of {TIMED_TOKENS} tokens and one attention call of {TIMED_ATTENTION})"
+            f"; estimated compute for every job: {every}"
+            + (
+                f"; left (a job in progress counted whole): {left or 'none'}"
+                if left != every
+                else ""
+            )
+            + f" (rough: FLOPs at the rates of one timed forward of {TIMED_TOKENS} tokens and "
+            f"one attention call of {TIMED_ATTENTION})"
         )
 
-    def estimated_seconds(self, runs: int, probed: int) -> dict[str, float]:
-        """Seconds of training, perplexity and probes for every job, before any is reused:
-        training runs (a step's forward and backward as three forwards), perplexity windows
-        and probe prefills, each at ``forward_seconds``. Windows read in a longer one's
-        reading (`windows_read`) and the filler a later haystack keeps (``kept``) cost
-        nothing (the last partial chunk each reads apart is left out)."""
+    def estimated_seconds(self, left: bool = False) -> dict[str, float]:
+        """Seconds of training, rate selection, perplexity and probes (`job_costs`): of every
+        job, or with ``left`` of those whose result is not in the folder yet."""
+        out = dict.fromkeys(("training", "selection", "perplexity", "probes"), 0.0)
+        for kind, seconds, finished in self.job_costs():
+            if not (left and finished):
+                out[kind] += seconds
+        return out
+
+    def job_costs(self) -> list[tuple[str, float, bool]]:
+        """(kind, estimated seconds, finished) of every job of the comparison, each costed
+        at ``forward_seconds``: a training run (a step's forward and backward as three
+        forwards per sample), a rate's selection forwards, a model's perplexity on one domain
+        and its probes. Windows read in a longer one's reading (`windows_read`) and the filler
+        a later haystack keeps (``kept``) cost nothing (the last partial chunk each reads
+        apart is left out). Finished: the job's result is in the folder (extend.json, the
+        selection's record in times.jsonl, ppl.json, the probes' summary.json); a trained
+        method's later seeds count as finished at whichever rate holds them."""
         c, seconds = self.config, self.forward_seconds
         window = (c.pose_window or self.trained_at) if c.pose else c.target_length
-        train = runs * c.samples * 3 * seconds(window)
-
-        configs = [self.ppl_config(n) for d in c.eval_data if (n := self.domain_lengths(d))]
-        per_model = {  # a scored model's windows, with and without the shared readings
-            shared: sum(
-                count * seconds(n)
-                for config in configs
-                for n, count in windows_read(config, shared).items()
+        run_seconds = c.samples * 3 * seconds(window)
+        ppl = {  # domain -> (seconds with shared readings, seconds with every window alone)
+            d: tuple(
+                sum(k * seconds(n) for n, k in windows_read(self.ppl_config(lengths), s).items())
+                for s in (True, False)
             )
-            for shared in (True, False)
+            for d in c.eval_data
+            if (lengths := self.domain_lengths(d))
         }
-        score = sum(
-            (len(c.seeds) if m.trained else 1) * per_model[m.label not in self.reads_alone]
-            for m in self.methods
-        )
-        probes = probed * sum(
+        probe_seconds = sum(
             seconds(n) + (c.probe_haystacks - 1) * (seconds(n) - seconds(self.kept.get(n, 0)))
             for n in c.retrieval_lengths(self.trained_at)
         )
-        return {"training": train, "perplexity": score, "probes": probes}
+        jobs = []
+        for m in self.methods:
+            seeds = c.seeds if m.trained else (0,)  # `free` scores at seed 0
+            if m.trained:
+                for lr in c.lrs:  # every rate at the first seed, then the chosen rate
+                    done = (self.run_folder(m, c.seeds[0], lr) / EXTEND_JSON).is_file()
+                    jobs.append(("training", run_seconds, done))
+                    if len(c.lrs) > 1:
+                        done = f"select {m.label} lr {lr:g}" in self.records
+                        jobs.append(
+                            ("selection", c.selection_samples * seconds(c.target_length), done)
+                        )
+                for seed in seeds[1:]:
+                    done = any(
+                        (self.run_folder(m, seed, lr) / EXTEND_JSON).is_file() for lr in c.lrs
+                    )
+                    jobs.append(("training", run_seconds, done))
+            for seed in seeds:
+                scored = self.out / "eval" / _slug(m.label) / f"s{seed}"
+                for domain, both in ppl.items():
+                    done = (scored / _slug(domain) / "ppl.json").is_file()
+                    jobs.append(("perplexity", both[m.label in self.reads_alone], done))
+            for seed in c.probed_seeds(m.trained) if probe_seconds else ():
+                summary = (
+                    self.out / "eval" / _slug(m.label) / f"s{seed}" / "probes" / "summary.json"
+                )
+                jobs.append(("probes", probe_seconds, summary.is_file()))
+        return jobs
 
     # ------------------------------------------------------------------ jobs
-    def _timed(self, job: str, fn: Callable[[], Any]) -> Any:
+    def _timed(self, job: str, fn: Callable[[], Any], folder: Path | None = None) -> Any:
+        """Run ``fn`` as ``job`` and record its wall time in times.jsonl once it finishes. A
+        job stopped part way (a kill, a session's end: a 32k evaluation spans several) is
+        recorded as begun (``started``, wall clock), and when it is resumed its earlier
+        attempts count up to the last file each wrote in ``folder`` (its window caches,
+        probe answers or checkpoints): the work after that is lost, done again and counted
+        then. Without this a resumed job recorded only its last attempt."""
+        finished = job in self.records
+        if not finished:
+            earlier = self._earlier_seconds(job, folder)
+            self.attempts[job] = {"job": job, "started": time.time(), "earlier": earlier}
+            self._write_times()
         start = time.perf_counter()
         value = fn()
         self.jobs.add(job)
-        if job not in self.records:
-            self.records[job] = {"job": job, "seconds": time.perf_counter() - start}
-            write_records(self.times, list(self.records.values()))
+        if not finished:
+            del self.attempts[job]
+            self.records[job] = {"job": job, "seconds": earlier + time.perf_counter() - start}
+            self._write_times()
         return value
+
+    def _earlier_seconds(self, job: str, folder: Path | None) -> float:
+        """Wall seconds of ``job``'s earlier attempts, each up to the last file it wrote in
+        ``folder`` (0 for a job never begun, or begun with no file written since)."""
+        attempt = self.attempts.get(job)
+        if attempt is None:
+            return 0.0
+        files = folder.rglob("*") if folder is not None and folder.is_dir() else ()
+        last = max((f.stat().st_mtime for f in files if f.is_file()), default=0.0)
+        return attempt["earlier"] + max(0.0, last - attempt["started"])
+
+    def _write_times(self) -> None:
+        write_records(self.times, [*self.records.values(), *self.attempts.values()])
 
     def run_folder(self, method: Method, seed: int, lr: float) -> Path:
         """Where ``method``'s extension run at ``seed`` (and ``lr``, if it trains) lives."""
@@ -282,7 +357,7 @@ class _Comparison:
         def run() -> None:
             extend(backbone, config, folder, resume=True, command=self.command, log=self.log)
 
-        self._timed(f"train {folder.relative_to(self.out)}", run)
+        self._timed(f"train {folder.relative_to(self.out)}", run, folder)
         backbone.cast(COMPUTE_DTYPES[c.dtype])  # trained in float32, scored in the config's dtype
         return backbone
 
@@ -348,7 +423,7 @@ class _Comparison:
                     progress=self.progress,
                 ).result  # fmt: skip
 
-            out[domain] = self._timed(f"eval {folder.relative_to(self.out)}", score)
+            out[domain] = self._timed(f"eval {folder.relative_to(self.out)}", score, folder)
         return out
 
     # ------------------------------------------------------------------ stages
@@ -402,7 +477,7 @@ class _Comparison:
                     progress=self.progress,
                 )  # fmt: skip
 
-            out[seed] = self._timed(f"probes {folder.relative_to(self.out)}", probe)
+            out[seed] = self._timed(f"probes {folder.relative_to(self.out)}", probe, folder)
         return out
 
     def _selected(self, job: str, method: Method, fn: Callable[[], float]) -> float:
@@ -425,11 +500,11 @@ class _Comparison:
                 self.jobs.add(record["job"])
                 if record["key"] != key:
                     record["key"] = key
-                    write_records(self.times, list(self.records.values()))
+                    self._write_times()
                 return record["nll"]
         value = self._timed(job, fn)
         self.records[job] = {**self.records[job], "key": key, "nll": value}
-        write_records(self.times, list(self.records.values()))
+        self._write_times()
         return value
 
     # ------------------------------------------------------------------ the verdict
