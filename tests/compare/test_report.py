@@ -64,3 +64,15 @@ def test_a_collapsed_method_does_not_flatten_the_perplexity_figures(tmp_path):
     assert all("stops at 3x the best method's value; above it: rope." in c for c in captions)
     alike = dataclasses.replace(data, summary={"yarn": summary["yarn"], "ntk": summary["yarn"]})
     assert not any("stops at" in f.caption for f in _figures(alike, tmp_path))
+
+
+def test_the_time_table_lists_each_job_and_their_sum():
+    from ropekit.compare.record import JobTime
+    from ropekit.compare.report import _time_table
+
+    times = (JobTime("eval a", 5400.0), JobTime("select b lr 0.02", 1800.0, "k", 3.1))
+    data = dataclasses.replace(read_record(COMMITTED, CompareResult), times=times)
+    heading, table = _time_table(data)
+    assert heading.text == "Time"
+    assert table.rows == [["eval a", "90.0 min"], ["select b lr 0.02", "30.0 min"]]
+    assert "; 2 jobs, 2.0 h in all" in table.caption

@@ -349,12 +349,19 @@ def report_blocks(data: CompareResult, out: Path) -> list[Block]:
             for label, s in data.lr_search.items()
         ]  # fmt: skip
         blocks.append(Table(["method", "selection NLL by lr", "chosen lr"], rows))
+    return blocks + _time_table(data)
+
+
+def _time_table(data: CompareResult) -> list[Block]:
+    """Each job's wall time and their sum (a job stopped and resumed: every attempt, each up
+    to the last file it wrote)."""
     rows = [[t.job, f"{t.seconds / 60:.1f} min"] for t in data.times]
-    blocks += [
-        Heading("Time", 2),
-        Table(["job", "wall time"], rows, f"On {data.meta['machine']}."),
-    ]
-    return blocks
+    total = sum(t.seconds for t in data.times) / 3600
+    caption = (
+        f"On {data.meta['machine']}; {len(rows)} jobs, {total:.1f} h in all (a job stopped "
+        "and resumed counts each attempt up to the last file it wrote)."
+    )
+    return [Heading("Time", 2), Table(["job", "wall time"], rows, caption)]
 
 
 def write_report(data: CompareResult, out: str | Path) -> tuple[Path, Path]:
