@@ -15,6 +15,28 @@ def test_methods_split_where_an_encoding_name_starts():
         "yarn:factor=4,beta_fast=16",
         "adarope:init=yarn,factor=2",
     )
+    # a list keeps its commas; a word that is no option is a spec of its own (refused by name
+    # when built, not glued to the spec before as "rope,bogus")
+    assert parse_methods("longrope:long_factor=[1,1.5,2],factor=4,rope,bogus, ntk") == (
+        "longrope:long_factor=[1,1.5,2],factor=4",
+        "rope",
+        "bogus",
+        "ntk",
+    )
+    assert parse_methods("yarn:factor=4,bogus:x=1") == ("yarn:factor=4", "bogus:x=1")
+    with pytest.raises(ValueError, match="unmatched"):
+        parse_methods("longrope:long_factor=[1,2")
+
+
+def test_an_unknown_method_in_a_list_is_named_in_one_line(tmp_path, capsys):
+    from ropekit.cli import main
+
+    out = tmp_path / "out"
+    argv = ["compare", "--model", "m", "--target-length", "64", "--methods", "rope,bogus"]
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown encoding 'bogus'; known: nope" in err and err.count("\n") == 1
+    assert not out.exists()
 
 
 def test_bad_configs_are_refused():

@@ -16,30 +16,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 from ropekit.backbone import COMPUTE_DTYPES
 from ropekit.data import CORPORA
-from ropekit.encodings import names as encoding_names
+from ropekit.encodings import Spec
+from ropekit.encodings.base import split_options
 from ropekit.evals.probes import ProbeConfig, probe_task
 from ropekit.train.extend import ExtendConfig
+
+_OPTION = re.compile(r"[A-Za-z_]\w*\s*=")  # key=value: an option of the spec before it
 
 
 def parse_methods(text: str) -> tuple[str, ...]:
     """``"rope,yarn:factor=4,beta_fast=16,adarope"`` -> ("rope", "yarn:factor=4,beta_fast=16",
-    "adarope"): a comma starts a new spec only where the next word is an encoding's name, so
-    a spec's own options (``key=value``) keep their commas."""
-    known = set(encoding_names())
+    "adarope"): a comma outside brackets starts a new spec unless what follows is an option
+    (``key=value``) of the spec before, so a spec's own options and lists keep their commas,
+    and a word that is neither (``rope,bogus``) is a spec of its own, refused by its name."""
     specs: list[str] = []
-    for part in (p.strip() for p in text.split(",")):
+    for part in (p.strip() for p in split_options(text, text)):
         if not part:
             continue
-        head = part.split(":", 1)[0].strip().lower()
-        if head in known or not specs:
-            specs.append(part)
-        else:
+        if specs and _OPTION.match(part):
             specs[-1] += "," + part
+        else:
+            specs.append(part)
     return tuple(specs)
 
 
@@ -118,6 +121,8 @@ class CompareConfig:
                 )
         if not self.methods:
             raise ValueError("methods=() is not allowed; name at least one encoding spec")
+        for spec in self.methods:  # an unknown name or a malformed spec stops here, model unread
+            Spec.parse(spec)
         if self.names is not None and len(self.names) != len(self.methods):
             raise ValueError(
                 f"names has {len(self.names)} labels for {len(self.methods)} methods; give one "
