@@ -50,6 +50,15 @@ def test_schedules_writes_png_and_json(tmp_path, capsys):
     assert str(tmp_path / "schedules.png") in capsys.readouterr().out
 
 
+def test_schedules_takes_specs_with_several_options(tmp_path):
+    """A spec's own options keep their commas in --methods, as compare's do (each comma was
+    once a new method: 'beta_fast=16' refused as an encoding name)."""
+    argv = ["schedules", "--methods", "yarn:factor=4,beta_fast=16,rope", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "schedules.json").read_text())
+    assert [m["method"] for m in data["methods"]] == ["yarn:factor=4,beta_fast=16", "rope"]
+
+
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys):
     assert main(["schedules", "--methods", "yarn:factor=0.5", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()

@@ -133,6 +133,16 @@ CASES: list[tuple[str, str, tuple[str, ...]]] = [
     ("odd-head-dim", "schedules --head-dim 7 --out {tmp}/s", ("head_dim",)),
     ("methods-repeat", "schedules --methods rope,yarn,rope --out {tmp}/s", ("repeat", "'rope'")),
     (
+        "method-in-list",
+        "schedules --methods rope,bogus --out {tmp}/s",
+        ("unknown encoding 'bogus'",),
+    ),
+    (
+        "method-bracket",
+        "schedules --methods longrope:long_factor=[1,2 --out {tmp}/s",
+        ("--methods", "unmatched '['"),
+    ),
+    (
         "passkey-lengths-too-short",
         "eval passkey --model {base} --lengths 16,32 --out {tmp}/pk",
         ("no task fits any of the lengths", "length >= "),

@@ -87,15 +87,26 @@ def cmd_encodings(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- schedules
+def specs(text: str) -> tuple[str, ...]:
+    """A comma-separated list of encoding specs (``split_specs``), its error argparse's."""
+    from ropekit.encodings import split_specs
+
+    try:
+        return split_specs(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_schedules(sub: argparse._SubParsersAction) -> None:
     from ropekit.report.schedules import DEFAULT_METHODS
 
     p = sub.add_parser("schedules", help="plot and tabulate RoPE frequency schedules side by side")
     p.add_argument(
         "--methods",
-        type=csv(str),
-        default=list(DEFAULT_METHODS),
-        help="comma-separated methods or specs (default: %(default)s)",
+        type=specs,
+        default=",".join(DEFAULT_METHODS),
+        help="comma-separated methods or specs, a spec's own options keep their commas "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--head-dim", type=integer, default=64, help="head dimension (default: %(default)s)"
@@ -524,7 +535,7 @@ def _lengths_or_none(text: str) -> tuple[int, ...]:
 
 def add_compare(sub: argparse._SubParsersAction) -> None:
     from ropekit.backbone import COMPUTE_DTYPES
-    from ropekit.compare import CompareConfig, parse_methods
+    from ropekit.compare import CompareConfig
 
     p = sub.add_parser(
         "compare",
@@ -541,7 +552,7 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
     fields = add_options(
         p,
         CompareConfig,
-        parsers={"methods": parse_methods, "probe_lengths": _lengths_or_none},
+        parsers={"methods": specs, "probe_lengths": _lengths_or_none},
         choices={"dtype": tuple(COMPUTE_DTYPES)},
         help={"methods": "encoding specs, comma-separated (a spec's own options keep their "
               "commas: 'rope,yarn:factor=4,beta_fast=16,adarope:init=yarn')"},

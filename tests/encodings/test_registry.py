@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ropekit.encodings import Spec, build, describe, names
+from ropekit.encodings import Spec, build, describe, names, split_specs
 from ropekit.encodings.adarope import AdaRoPEConfig
 from ropekit.encodings.registry import FROM_MODEL, FROM_TARGET, REQUIRED
 from ropekit.encodings.remap import ReRopeConfig
@@ -333,3 +333,35 @@ def test_build_defaults_to_one_layer_and_one_kv_head_per_query_head():
 def test_build_errors_of_the_module_quote_the_spec():
     with pytest.raises(ValueError, match=re.escape("spec 'rope': head_dim=3 is not allowed")):
         build("rope", n_heads=2, head_dim=3)
+
+
+def test_a_list_of_specs_splits_where_a_spec_starts():
+    assert split_specs("rope,yarn:factor=4,beta_fast=16,adarope:init=yarn,factor=2") == (
+        "rope",
+        "yarn:factor=4,beta_fast=16",
+        "adarope:init=yarn,factor=2",
+    )
+    # a list keeps its commas; a word that is no option is a spec of its own (refused by name
+    # when built, not glued to the spec before as "rope,bogus")
+    assert split_specs("longrope:long_factor=[1,1.5,2],factor=4,rope,bogus, ntk") == (
+        "longrope:long_factor=[1,1.5,2],factor=4",
+        "rope",
+        "bogus",
+        "ntk",
+    )
+    assert split_specs("yarn:factor=4,bogus:x=1") == ("yarn:factor=4", "bogus:x=1")
+    with pytest.raises(ValueError, match="unmatched"):
+        split_specs("longrope:long_factor=[1,2")
+
+
+POOL = (
+    "rope", "ntk", "yarn:factor=4,beta_fast=16", "adarope:init=yarn,factor=4,share_heads=true",
+    "longrope:short_factor=[1],long_factor=[1,1.5,2],original_length=8192,factor=4",
+    "self-extend:group=8,window=1024", "mixed:method=yarn,factor=4", "dca",
+)  # fmt: skip
+
+
+@given(st.lists(st.sampled_from(POOL), min_size=1, max_size=6))
+def test_specs_joined_by_commas_split_back(specs):
+    assert split_specs(",".join(specs)) == tuple(specs)
+    assert split_specs(" , ".join(specs) + ",") == tuple(specs)

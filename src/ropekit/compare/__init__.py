@@ -5,21 +5,20 @@ length? Every method is trained (if it has parameters) on the same samples and s
 on the same held-out windows of several domains, on whole windows and on their far positions,
 and judged by one stated rule with its uncertainty.
 
-- ``config``: ``CompareConfig`` (the question), ``from_file``, ``parse_methods``.
+- ``config``: ``CompareConfig`` (the question), ``from_file``.
 - ``run``: ``run_compare`` (the stages, resumable, provenance-checked).
 - ``verdict``: the statistics and the recommendation (pure functions).
 - ``report``: report.md and report.html from compare.json.
 - ``refresh``: an older compare.json brought up to this verdict (``ropekit report DIR``).
 """
 
-from .config import CompareConfig, from_file, parse_methods
+from .config import CompareConfig, from_file
 from .run import run_compare
 from .verdict import recommend
 
 __all__ = [
     "CompareConfig",
     "from_file",
-    "parse_methods",
     "recommend",
     "run_compare",
 ]

@@ -8,7 +8,7 @@ the *training* domain; every other method (fixed schedules, attention-level rema
 factors) is applied as it is. Every method is then scored on the same held-out windows of
 several domains.
 
-Holds: CompareConfig, parse_methods, from_file.
+Holds: CompareConfig, from_file.
 """
 
 from __future__ import annotations
@@ -16,34 +16,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 from ropekit.backbone import COMPUTE_DTYPES
 from ropekit.data import CORPORA
 from ropekit.encodings import Spec
-from ropekit.encodings.base import split_options
 from ropekit.evals.probes import ProbeConfig, probe_task
 from ropekit.train.extend import ExtendConfig
-
-_OPTION = re.compile(r"[A-Za-z_]\w*\s*=")  # key=value: an option of the spec before it
-
-
-def parse_methods(text: str) -> tuple[str, ...]:
-    """``"rope,yarn:factor=4,beta_fast=16,adarope"`` -> ("rope", "yarn:factor=4,beta_fast=16",
-    "adarope"): a comma outside brackets starts a new spec unless what follows is an option
-    (``key=value``) of the spec before, so a spec's own options and lists keep their commas,
-    and a word that is neither (``rope,bogus``) is a spec of its own, refused by its name."""
-    specs: list[str] = []
-    for part in (p.strip() for p in split_options(text, text)):
-        if not part:
-            continue
-        if specs and _OPTION.match(part):
-            specs[-1] += "," + part
-        else:
-            specs.append(part)
-    return tuple(specs)
 
 
 def _label(spec: str) -> str:

@@ -14,7 +14,7 @@ import dataclasses
 import re
 from typing import Any
 
-from .base import EncodingConfig, PositionEncoding, format_value, parse_options
+from .base import EncodingConfig, PositionEncoding, format_value, parse_options, split_options
 from .catalog import ENTRIES, Entry
 from .mixed import MixedConfig, MixedWindow
 
@@ -111,6 +111,26 @@ class Spec:
 def names() -> list[str]:
     """Every registered encoding name."""
     return list(REGISTRY)
+
+
+_OPTION = re.compile(r"[A-Za-z_]\w*\s*=")  # key=value: an option of the spec before it
+
+
+def split_specs(text: str) -> tuple[str, ...]:
+    """A comma-separated list of specs, ``"rope,yarn:factor=4,beta_fast=16,adarope"`` ->
+    ("rope", "yarn:factor=4,beta_fast=16", "adarope"): a comma outside brackets starts a new
+    spec unless what follows is an option (``key=value``) of the spec before, so a spec's own
+    options and lists keep their commas, and a word that is neither (``rope,bogus``) is a
+    spec of its own, which ``Spec.parse`` refuses by its name."""
+    specs: list[str] = []
+    for part in (p.strip() for p in split_options(text, text)):
+        if not part:
+            continue
+        if specs and _OPTION.match(part):
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    return tuple(specs)
 
 
 REQUIRED = "required"  # describe: the spec must give it
