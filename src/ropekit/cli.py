@@ -559,11 +559,18 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
         unset=True,
     )  # fmt: skip
     _out(p, "folder for compare.json, report.md/html, figures, and every run it makes")
+    p.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="print the plan (what runs, the compute estimate for every job and for what is "
+        "left in --out) and stop: runs and writes nothing, so it works beside a running "
+        "comparison",
+    )
     p.set_defaults(func=cmd_compare, fields=fields)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from ropekit.compare import CompareConfig, from_file, run_compare
+    from ropekit.compare import CompareConfig, from_file, plan_compare, run_compare
 
     given = {name: getattr(args, name) for name in args.fields}
     given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in given.items()}
@@ -575,6 +582,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
             flags = ", ".join("--" + k.replace("_", "-") for k in missing)
             raise ValueError(f"{flags} required (or --config FILE holding them)")
         config = CompareConfig(**{k: v for k, v in given.items() if v is not None})
+    if args.plan_only:
+        print(plan_compare(config, args.out))
+        return 0
     result = run_compare(config, args.out, command=_command(), progress=True)
     verdict = result.verdict
     print(verdict.sentence if verdict else "no verdict: the unmodified model is not scored")
@@ -930,8 +940,8 @@ def _holding_out(args: argparse.Namespace) -> contextlib.AbstractContextManager[
     from ropekit.outdir import lock_out_dir
 
     out = getattr(args, "out", None)
-    if out is None or not getattr(args, "lock_out", True):
-        return contextlib.nullcontext()
+    if out is None or not getattr(args, "lock_out", True) or getattr(args, "plan_only", False):
+        return contextlib.nullcontext()  # no folder, or a command that writes nothing there
     return lock_out_dir(out, command=_command())
 
 

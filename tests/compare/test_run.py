@@ -451,6 +451,46 @@ def test_a_job_resumed_after_a_stop_counts_its_earlier_attempts(compared, tmp_pa
     assert run._earlier_seconds("eval job", folder) == 60.0
 
 
+def test_plan_only_prints_the_plan_and_writes_nothing_even_beside_a_running_comparison(
+    compared, tmp_path, capsys
+):
+    """--plan-only: the plan line with the compute left, nothing run or written (a new folder
+    is not even made), no lock taken, so it answers while a comparison runs there."""
+    import subprocess
+    import sys
+
+    from ropekit.outdir import LOCK_FILE
+
+    root, argv = compared
+    out = root / "out"
+
+    def snapshot() -> list[tuple[str, int, int]]:  # the holder's lock file aside
+        files = (f for f in out.rglob("*") if f.name != LOCK_FILE)
+        return sorted((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+
+    before = snapshot()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time; from ropekit.outdir import lock_out_dir; "
+         f"lock = lock_out_dir({str(out)!r}); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        capsys.readouterr()
+        assert main([*argv, "--plan-only"]) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+        (out / LOCK_FILE).unlink(missing_ok=True)
+    printed = capsys.readouterr().out
+    assert printed.startswith("plan: 3 methods") and "verdict" not in printed
+    assert "; left (a job in progress counted whole): none (rough" in printed
+    assert snapshot() == before
+    fresh = tmp_path / "fresh"
+    assert main([*argv[: argv.index("--out") + 1], str(fresh), "--plan-only"]) == 0
+    assert "left" not in capsys.readouterr().out and not fresh.exists()
+
+
 @pytest.mark.parametrize("domain", ["banana", "empty.txt", "binary.txt"])
 def test_a_bad_domain_is_refused_before_anything_is_written(compared, tmp_path, capsys, domain):
     """Every held-out domain is read when the comparison starts: an unknown name, an empty or

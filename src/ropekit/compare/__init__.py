@@ -6,19 +6,21 @@ on the same held-out windows of several domains, on whole windows and on their f
 and judged by one stated rule with its uncertainty.
 
 - ``config``: ``CompareConfig`` (the question), ``from_file``.
-- ``run``: ``run_compare`` (the stages, resumable, provenance-checked).
+- ``run``: ``run_compare`` (the stages, resumable, provenance-checked), ``plan_compare``
+  (what a run would do, and the compute it would take, without running it).
 - ``verdict``: the statistics and the recommendation (pure functions).
 - ``report``: report.md and report.html from compare.json.
 - ``refresh``: an older compare.json brought up to this verdict (``ropekit report DIR``).
 """
 
 from .config import CompareConfig, from_file
-from .run import run_compare
+from .run import plan_compare, run_compare
 from .verdict import recommend
 
 __all__ = [
     "CompareConfig",
     "from_file",
+    "plan_compare",
     "recommend",
     "run_compare",
 ]

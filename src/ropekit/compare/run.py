@@ -36,7 +36,7 @@ Layout of ``out_dir``:
     eval/<label>/s<seed>/probes/                      retrieval probes (summary.json, one
                                                       folder per length)
 
-Holds: run_compare, run_folder, engine_answers, length_entries.
+Holds: run_compare, plan_compare, run_folder, engine_answers, length_entries.
 """
 
 from __future__ import annotations
@@ -743,6 +743,26 @@ def _folder_config(out: Path, config: CompareConfig, log: Callable[[str], None])
     return recorded
 
 
+def _open(
+    config: CompareConfig, out: Path, command: str, log: Callable, progress: bool
+) -> _Comparison:
+    # A folder holds one comparison: another config is refused before anything runs (naming
+    # the field), so its compare.json and report are never replaced by another's.
+    check_replaceable(out / COMPARE_JSON, "compare", {"config": _folder_config(out, config, log)})
+    return _Comparison(config, out, command, log, progress)
+
+
+def plan_compare(
+    config: CompareConfig, out_dir: str | Path, *, log: Callable[[str], None] = print
+) -> str:
+    """The plan a run of ``config`` into ``out_dir`` starts with: what it runs, the compute
+    estimate for every job and, where the folder holds finished jobs, for what is left. Runs
+    and writes nothing, so it may be asked beside a running comparison
+    (``ropekit compare --plan-only``); a folder holding another comparison is refused as the
+    run would refuse it."""
+    return _open(config, Path(out_dir), "", log, False).plan()
+
+
 def run_compare(
     config: CompareConfig,
     out_dir: str | Path,
@@ -754,11 +774,7 @@ def run_compare(
     """Run the comparison into ``out_dir`` (module docstring); returns compare.json's record.
     A rerun continues where an earlier run stopped. ``progress``: show each evaluation's
     progress bar (the command line does)."""
-    out = Path(out_dir)
-    # A folder holds one comparison: another config is refused before anything runs (naming
-    # the field), so its compare.json and report are never replaced by another's.
-    check_replaceable(out / COMPARE_JSON, "compare", {"config": _folder_config(out, config, log)})
-    run = _Comparison(config, out, command, log, progress)
+    run = _open(config, Path(out_dir), command, log, progress)
     log(run.plan())
     results = run.free()
     searches: dict[str, LrSearch] = {}
