@@ -434,6 +434,10 @@ def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tm
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "| tuned-yarn | yarn-x4 | 6 | 2 |" in done.stdout
+    lines = done.stdout.splitlines()
+    one = next(line for line in lines if line.startswith("| adarope-global | yarn-x4 | 6 | 1 |"))
+    two = next(line for line in lines if line.startswith("| tuned-yarn | yarn-x4 | 6 | 2 |"))
+    assert one.endswith(" (one seed) |") and "seed)" not in two
     # Every run seed by seed, a domain not finished left out: the cells read by hand.
     runs = {(m, s): cells for m, s, cells in contrasts.per_seed(partial, 32768)}
     assert set(runs) == {

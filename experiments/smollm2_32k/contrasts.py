@@ -218,7 +218,9 @@ def _print(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         f"paired over the windows of {', '.join(DOMAINS)} and over the seeds both trained "
         "methods have (an untrained method: its one run); the error is the verdict's, with the "
         "seeds' spread where there are 2 or more; resolved as the verdict's rule resolves a "
-        f"lead: |mean| > 2 s.e. and at least {MIN_DIFFERENCE} nats.\n"
+        f"lead: |mean| > 2 s.e. and at least {MIN_DIFFERENCE} nats; '(one seed)': a trained "
+        "method there has one seed scored, so the error holds no seeds' spread and the call "
+        "says the windows agree at that seed, not that the lead holds over seeds.\n"
     )
     print("| a | b | windows | seeds | a - b | s.e. | of it, seeds | ppl ratio | resolved |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -226,8 +228,11 @@ def _print(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         resolved = d.se is not None and abs(d.mean) > 2 * d.se and abs(d.mean) >= MIN_DIFFERENCE
         se = f"{d.se:.4f}" if d.se is not None else "-"
         spread = f"{d.se_seeds:.4f}" if d.se_seeds is not None else "-"
+        call = "yes" if resolved else "no"
+        if d.seeds == 1 and (_trained(args.final, a) or _trained(args.final, b)):
+            call += " (one seed)"
         print(f"| {a} | {b} | {d.n} | {d.seeds} | {d.mean:+.4f} | {se} | {spread} | "
-              f"{math.exp(d.mean):.3f} | {'yes' if resolved else 'no'} |")  # fmt: skip
+              f"{math.exp(d.mean):.3f} | {call} |")  # fmt: skip
     print(
         f"\nEach method, best first: the verdict's score (last-quarter NLL at {args.length}, "
         f"mean over the domains; its exp beside it) and cost (whole-window perplexity at {L0} "
