@@ -87,7 +87,7 @@ def cmd_encodings(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- schedules
-def specs(text: str) -> tuple[str, ...]:
+def _specs(text: str) -> tuple[str, ...]:
     """A comma-separated list of encoding specs (``split_specs``), its error argparse's."""
     from ropekit.encodings import split_specs
 
@@ -103,7 +103,7 @@ def add_schedules(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("schedules", help="plot and tabulate RoPE frequency schedules side by side")
     p.add_argument(
         "--methods",
-        type=specs,
+        type=_specs,
         default=",".join(DEFAULT_METHODS),
         help="comma-separated methods or specs, a spec's own options keep their commas "
         "(default: %(default)s)",
@@ -552,7 +552,7 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
     fields = add_options(
         p,
         CompareConfig,
-        parsers={"methods": specs, "probe_lengths": _lengths_or_none},
+        parsers={"methods": _specs, "probe_lengths": _lengths_or_none},
         choices={"dtype": tuple(COMPUTE_DTYPES)},
         help={"methods": "encoding specs, comma-separated (a spec's own options keep their "
               "commas: 'rope,yarn:factor=4,beta_fast=16,adarope:init=yarn')"},
