@@ -6,19 +6,22 @@ Holds:
     launch          `accelerate launch` 2 CPU processes on `python -m ropekit.cli ...`, with
                     every file write of every process logged (see `writes`).
     writes          the paths each process created, replaced or removed under a folder.
+    locked_elsewhere  a folder's --out lock held by another process (as a running command
+                    holds it), for the span of a with block.
 
 Launched processes are fresh Python interpreters: each pays a few seconds of imports.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -148,3 +151,24 @@ def writes(root: Path) -> dict[str, set[str]]:
         paths = {line.split(" ", 1)[1] for line in file.read_text().splitlines()}
         out[rank] = {p for p in paths if not p.startswith((".audit", ".writes"))}
     return out
+
+
+@contextlib.contextmanager
+def locked_elsewhere(folder: Path) -> Iterator[None]:
+    """``folder``'s lock (``ropekit.outdir.lock_out_dir``) held by another process for the
+    span of the block, as a running command holds it; that process is killed after, and the
+    lock file it leaves removed. (A lock taken in this process would not stop this process.)"""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time; from ropekit.outdir import lock_out_dir; "
+         f"lock = lock_out_dir({str(folder)!r}); print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        holder.kill()
+        holder.wait()
+        from ropekit.outdir import LOCK_FILE
+
+        (Path(folder) / LOCK_FILE).unlink(missing_ok=True)

@@ -496,6 +496,7 @@ def test_smollm2_32k_merge_copies_finished_jobs_with_their_times_and_replaces_no
     from experiments.smollm2_32k import merge
 
     from ropekit.results import read_records, write_records
+    from tests.processes import locked_elsewhere
 
     stage2, final = tmp_path / "stage2", tmp_path / "final"
 
@@ -565,19 +566,10 @@ def test_smollm2_32k_merge_copies_finished_jobs_with_their_times_and_replaces_no
     assert done.stderr.count("\n") == 1 and sorted(final.rglob("*")) == before
     # While the comparison in final/ runs (its lock held), the merge refuses.
     (final / "eval/string/s0/kjv/ppl.json").unlink()
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from ropekit.outdir import lock_out_dir; "
-         f"lock = lock_out_dir({str(final)!r}); print('held', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with locked_elsewhere(final):
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 2 and "in use by another run" in done.stderr, done.stderr
         assert not (final / "eval/dca/s0/sotu/ppl.json").exists()
-    finally:
-        holder.kill()
-        holder.wait()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and (final / "eval/dca/s0/sotu/ppl.json").is_file(), done.stderr
     assert all("seconds" in r for r in read_records(final / "times.jsonl"))

@@ -456,10 +456,8 @@ def test_plan_only_prints_the_plan_and_writes_nothing_even_beside_a_running_comp
 ):
     """--plan-only: the plan line with the compute left, nothing run or written (a new folder
     is not even made), no lock taken, so it answers while a comparison runs there."""
-    import subprocess
-    import sys
-
     from ropekit.outdir import LOCK_FILE
+    from tests.processes import locked_elsewhere
 
     root, argv = compared
     out = root / "out"
@@ -469,19 +467,9 @@ def test_plan_only_prints_the_plan_and_writes_nothing_even_beside_a_running_comp
         return sorted((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
 
     before = snapshot()
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import time; from ropekit.outdir import lock_out_dir; "
-         f"lock = lock_out_dir({str(out)!r}); print('held', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        capsys.readouterr()
+    capsys.readouterr()
+    with locked_elsewhere(out):  # as a running comparison holds it
         assert main([*argv, "--plan-only"]) == 0
-    finally:
-        holder.kill()
-        holder.wait()
-        (out / LOCK_FILE).unlink(missing_ok=True)
     printed = capsys.readouterr().out
     assert printed.startswith("plan: 3 methods") and "verdict" not in printed
     assert "; left (a job in progress counted whole): none (rough" in printed
