@@ -353,14 +353,10 @@ def report_blocks(data: CompareResult, out: Path) -> list[Block]:
 
 
 def _time_table(data: CompareResult) -> list[Block]:
-    """Each job's wall time and their sum (a job stopped and resumed: every attempt, each up
-    to the last file it wrote)."""
+    """Each job's wall time (times.jsonl, ``compare.run._Comparison._timed``) and their sum."""
     rows = [[t.job, f"{t.seconds / 60:.1f} min"] for t in data.times]
     total = sum(t.seconds for t in data.times) / 3600
-    caption = (
-        f"On {data.meta['machine']}; {len(rows)} jobs, {total:.1f} h in all (a job stopped "
-        "and resumed counts each attempt up to the last file it wrote)."
-    )
+    caption = f"On {data.meta['machine']}; {len(rows)} jobs, {total:.1f} h in all."
     return [Heading("Time", 2), Table(["job", "wall time"], rows, caption)]
 
 
