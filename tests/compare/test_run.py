@@ -400,10 +400,11 @@ def test_the_plan_says_what_is_left_of_a_resumed_comparison(compared, tmp_path):
 
 
 def test_a_job_resumed_after_a_stop_counts_its_earlier_attempts(compared, tmp_path):
-    """times.jsonl records a job as begun before it runs; a stop leaves that record, and the
-    resumed job's time adds the earlier attempt's wall time up to the last file it wrote in
-    the job's folder (not the stop, not files older than the attempt). Only finished jobs
-    reach compare.json's time table; a finished job's time is never rewritten."""
+    """times.jsonl records a job as begun before it runs; a stop Python sees settles the
+    attempt's time there (up to the last file it wrote in the job's folder), a kill -9 leaves
+    the begun record, and the resumed job's time adds the earlier attempt's wall time up to
+    the last file it wrote (not the stop, not files older than the attempt). Only finished
+    jobs reach compare.json's time table; a finished job's time is never rewritten."""
     import os
     import time
 
@@ -420,13 +421,19 @@ def test_a_job_resumed_after_a_stop_counts_its_earlier_attempts(compared, tmp_pa
     folder = out / "eval" / "job"
     folder.mkdir(parents=True)
 
-    def stopped() -> None:
+    def stopped() -> None:  # saves a window 30 s into the attempt, then is stopped
+        started = run.attempts["eval job"]["started"]
+        (folder / "saved.npz").write_bytes(b"")
+        os.utime(folder / "saved.npz", (started + 30, started + 30))
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         run._timed("eval job", stopped, folder)
-    (begun,) = read_records(out / "times.jsonl")
-    assert begun["job"] == "eval job" and begun["earlier"] == 0 and "seconds" not in begun
+    (settled,) = read_records(out / "times.jsonl")  # a stop Python sees: settled at once
+    assert settled["started"] is None and settled["earlier"] == pytest.approx(30, abs=1e-3)
+    (folder / "saved.npz").unlink()
+    # a kill -9 leaves the record as the attempt began it (what follows fakes that record)
+    begun = {"job": "eval job", "started": time.time(), "earlier": 0.0}
     # the stopped attempt began 100 s ago and saved its last file 60 s after that; an older
     # file (before the attempt) and the time since the last file do not count
     started = begun["started"] - 100
@@ -442,6 +449,11 @@ def test_a_job_resumed_after_a_stop_counts_its_earlier_attempts(compared, tmp_pa
     assert record.keys() == {"job", "seconds"} and 60.2 <= record["seconds"] < 61
     run._timed("eval job", lambda: time.sleep(0.1), folder)  # finished: reused, not retimed
     assert read_records(out / "times.jsonl") == [record]
+    # settled at a stop: the files' times no longer count (a copy may have changed them)
+    run.records.clear()
+    run.attempts["eval job"] = {"job": "eval job", "started": None, "earlier": 42.0}
+    os.utime(folder / "last.npz")  # touched now, long after the stop
+    assert run._earlier_seconds("eval job", folder) == 42.0
     # a second stop after the resumed attempt wrote its own file: both attempts count
     run.records.clear()
     run.attempts["eval job"] = {"job": "eval job", "started": time.time() - 30, "earlier": 60.0}

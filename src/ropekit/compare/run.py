@@ -316,14 +316,24 @@ class _Comparison:
         recorded as begun (``started``, wall clock), and when it is resumed its earlier
         attempts count up to the last file each wrote in ``folder`` (its window caches,
         probe answers or checkpoints): the work after that is lost, done again and counted
-        then. Without this a resumed job recorded only its last attempt."""
+        then. Without this a resumed job recorded only its last attempt. A stop that Python
+        sees (SIGTERM, Ctrl-C) settles the attempt's time there and then (``started`` None),
+        so a later copy of the folder that does not keep the files' times cannot lengthen it;
+        a kill -9 leaves it to the files' times."""
         finished = job in self.records
         if not finished:
             earlier = self._earlier_seconds(job, folder)
             self.attempts[job] = {"job": job, "started": time.time(), "earlier": earlier}
             self._write_times()
         start = time.perf_counter()
-        value = fn()
+        try:
+            value = fn()
+        except BaseException:
+            if not finished:
+                settled = self._earlier_seconds(job, folder)
+                self.attempts[job] = {"job": job, "started": None, "earlier": settled}
+                self._write_times()
+            raise
         self.jobs.add(job)
         if not finished:
             del self.attempts[job]
@@ -333,10 +343,13 @@ class _Comparison:
 
     def _earlier_seconds(self, job: str, folder: Path | None) -> float:
         """Wall seconds of ``job``'s earlier attempts, each up to the last file it wrote in
-        ``folder`` (0 for a job never begun, or begun with no file written since)."""
+        ``folder`` (0 for a job never begun, or begun with no file written since); an attempt
+        settled when it stopped counts as settled."""
         attempt = self.attempts.get(job)
         if attempt is None:
             return 0.0
+        if attempt["started"] is None:  # settled when it stopped
+            return attempt["earlier"]
         files = folder.rglob("*") if folder is not None and folder.is_dir() else ()
         last = max((f.stat().st_mtime for f in files if f.is_file()), default=0.0)
         return attempt["earlier"] + max(0.0, last - attempt["started"])
