@@ -231,8 +231,10 @@ class _Comparison:
         """The plan's compute estimate (`job_costs`), in words: for every job, and for the jobs
         not finished yet when the folder holds finished ones (a resumed comparison)."""
 
+        jobs = self.job_costs()
+
         def hours(left: bool) -> str:
-            parts = self.estimated_seconds(left).items()
+            parts = _totals(jobs, left).items()
             return ", ".join(f"{what} {_duration(t)}" for what, t in parts if t)
 
         every, left = hours(False), hours(True)
@@ -250,11 +252,7 @@ class _Comparison:
     def estimated_seconds(self, left: bool = False) -> dict[str, float]:
         """Seconds of training, rate selection, perplexity and probes (`job_costs`): of every
         job, or with ``left`` of those whose result is not in the folder yet."""
-        out = dict.fromkeys(("training", "selection", "perplexity", "probes"), 0.0)
-        for kind, seconds, finished in self.job_costs():
-            if not (left and finished):
-                out[kind] += seconds
-        return out
+        return _totals(self.job_costs(), left)
 
     def job_costs(self) -> list[tuple[str, float, bool]]:
         """(kind, estimated seconds, finished) of every job of the comparison, each costed
@@ -298,15 +296,12 @@ class _Comparison:
                     )
                     jobs.append(("training", run_seconds, done))
             for seed in seeds:
-                scored = self.out / "eval" / _slug(m.label) / f"s{seed}"
                 for domain, both in ppl.items():
-                    done = (scored / _slug(domain) / "ppl.json").is_file()
+                    done = (self.eval_folder(m, seed, domain) / "ppl.json").is_file()
                     jobs.append(("perplexity", both[m.label in self.reads_alone], done))
             for seed in c.probed_seeds(m.trained) if probe_seconds else ():
-                summary = (
-                    self.out / "eval" / _slug(m.label) / f"s{seed}" / "probes" / "summary.json"
-                )
-                jobs.append(("probes", probe_seconds, summary.is_file()))
+                done = (self.eval_folder(m, seed, "probes") / "summary.json").is_file()
+                jobs.append(("probes", probe_seconds, done))
         return jobs
 
     # ------------------------------------------------------------------ jobs
@@ -356,6 +351,11 @@ class _Comparison:
 
     def _write_times(self) -> None:
         write_records(self.times, [*self.records.values(), *self.attempts.values()])
+
+    def eval_folder(self, method: Method, seed: int, job: str) -> Path:
+        """Where ``method``'s run at ``seed`` is scored: ``job`` a held-out domain, or
+        "probes"."""
+        return self.out / "eval" / _slug(method.label) / f"s{seed}" / _slug(job)
 
     def run_folder(self, method: Method, seed: int, lr: float) -> Path:
         """Where ``method``'s extension run at ``seed`` (and ``lr``, if it trains) lives."""
@@ -424,7 +424,7 @@ class _Comparison:
             lengths = self.domain_lengths(domain)
             if not lengths:
                 continue
-            folder = self.out / "eval" / _slug(method.label) / f"s{seed}" / _slug(domain)
+            folder = self.eval_folder(method, seed, domain)
             config = self.ppl_config(lengths)
 
             def score(
@@ -482,7 +482,7 @@ class _Comparison:
         out = {}
         for seed in c.probed_seeds(method.trained):
             backbone = self.extension(method, seed, lr, self.run_folder(method, seed, lr))
-            folder = self.out / "eval" / _slug(method.label) / f"s{seed}" / "probes"
+            folder = self.eval_folder(method, seed, "probes")
 
             def probe(backbone: Backbone = backbone, folder: Path = folder) -> ProbesResult:
                 return run_probes(
@@ -690,6 +690,15 @@ def forward_seconds(backbone: Backbone) -> Callable[[int], float]:
     return lambda tokens: (
         2.0 * weights * tokens / weight_rate + attention * tokens**2 / attention_rate
     )
+
+
+def _totals(jobs: list[tuple[str, float, bool]], left: bool) -> dict[str, float]:
+    """Seconds per kind of job (`_Comparison.job_costs`), of every job or of those left."""
+    out = dict.fromkeys(("training", "selection", "perplexity", "probes"), 0.0)
+    for kind, seconds, finished in jobs:
+        if not (left and finished):
+            out[kind] += seconds
+    return out
 
 
 def _duration(seconds: float) -> str:
