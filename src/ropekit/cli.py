@@ -563,8 +563,8 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
         "--plan-only",
         action="store_true",
         help="print the plan (what runs, the compute estimate for every job and for what is "
-        "left in --out) and stop: runs and writes nothing, so it works beside a running "
-        "comparison",
+        "left in --out, also at the pace its finished jobs kept) and stop: runs and writes "
+        "nothing, so it works beside a running comparison",
     )
     p.set_defaults(func=cmd_compare, fields=fields)
 

@@ -399,6 +399,101 @@ def test_the_plan_says_what_is_left_of_a_resumed_comparison(compared, tmp_path):
     assert "; left (a job in progress counted whole): training 13 min" in run.estimate()
 
 
+def test_the_plan_scales_what_is_left_by_the_pace_of_the_finished_jobs(compared, tmp_path):
+    """Each job's name in the plan is its name in times.jsonl; the pace of a kind is the
+    median over its finished jobs of recorded over estimated seconds (one outlier does not
+    move it; a job whose result is gone does not count), and what is left is scaled by it."""
+    import shutil
+
+    from ropekit.compare.config import from_file
+    from ropekit.compare.run import _Comparison
+    from ropekit.results import write_records
+
+    root, _ = compared
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    (tmp_path / "config.json").write_text(
+        json.dumps(json.loads((out / "compare.json").read_text())["config"])
+    )
+    config = from_file(tmp_path / "config.json")
+
+    def comparison() -> _Comparison:
+        run = _Comparison(config, out, "", lambda *_: None, False)
+        run.forward_seconds = float  # one second per token
+        return run
+
+    run = comparison()
+    jobs = run.job_costs()
+    assert all(j.finished for j in jobs) and {j.job for j in jobs} <= set(run.records)
+    assert run.estimate().count("pace") == 0  # nothing left: no pace to state
+    pace = {"training": 0.5, "selection": 1.0, "perplexity": 2.0, "probes": 3.0}
+    outlier = next(j.job for j in jobs if j.kind == "perplexity")
+    records = {j.job: {**run.records[j.job], "seconds": j.seconds * pace[j.kind]} for j in jobs}
+    records[outlier]["seconds"] *= 50
+    (out / "eval/adarope/s1/kjv/ppl.json").unlink()  # its record stays: not finished, not counted
+    records["eval eval/adarope/s1/kjv"]["seconds"] = 1e9
+    (later,) = out.glob("methods/adarope/lr-*/s1")
+    shutil.rmtree(later)
+    write_records(out / "times.jsonl", list(records.values()))
+
+    run = comparison()
+    jobs = run.job_costs()
+    paces = run.paces(jobs)
+    assert {kind: r for kind, (r, _) in paces.items()} == pace
+    assert paces["perplexity"][1] == 7  # 8 scored, one not finished
+    left, paced = run.estimated_seconds(left=True), run.estimated_seconds(left=True, paced=True)
+    assert left["perplexity"] > 0 and left["training"] > 0
+    assert paced == {kind: seconds * pace[kind] for kind, seconds in left.items()}
+    assert run.estimated_seconds(paced=True) != run.estimated_seconds()
+    assert "; left at the pace of this folder's finished jobs: training" in run.estimate()
+    assert "perplexity x2.00 of 7" in run.estimate()
+
+
+def test_a_run_trained_ahead_into_its_folder_records_its_own_time(compared, tmp_path):
+    """A run finished in its folder before the comparison reached it (trained ahead, as
+    experiment E's prefetch does) is loaded, and times.jsonl records the run's own time from
+    its extend.json, not the load's, also in place of a load's record made before this rule;
+    a record longer than the run's own time (the comparison trained it) is kept."""
+    import shutil
+
+    from ropekit.compare.config import from_file
+    from ropekit.compare.run import _Comparison
+    from ropekit.results import read_record, read_records, write_records
+    from ropekit.train.extend import EXTEND_JSON, ExtendRecord
+
+    root, _ = compared
+    out = tmp_path / "out"
+    shutil.copytree(root / "out", out)
+    (tmp_path / "config.json").write_text(
+        json.dumps(json.loads((out / "compare.json").read_text())["config"])
+    )
+    config = from_file(tmp_path / "config.json")
+    run = _Comparison(config, out, "", lambda *_: None, False)
+    method = next(m for m in run.methods if m.trained)
+    lr = config.lrs[0]
+    folder = run.run_folder(method, 0, lr)
+    job = run.job_name("training", folder)
+    assert read_record(folder / EXTEND_JSON, ExtendRecord).elapsed_s > 0
+    # as long as a real run takes (this tiny one trains in a fraction of a second, as fast
+    # as it loads)
+    own = 1234.5
+    record = json.loads((folder / EXTEND_JSON).read_text())
+    (folder / EXTEND_JSON).write_text(json.dumps({**record, "elapsed_s": own}))
+    records = read_records(out / "times.jsonl")
+    write_records(out / "times.jsonl", [r for r in records if r["job"] != job])
+
+    run = _Comparison(config, out, "", lambda *_: None, False)
+    run.extension(method, 0, lr, folder)
+    assert run.records[job]["seconds"] == own
+    assert {"job": job, "seconds": own} in read_records(out / "times.jsonl")
+    run.records[job]["seconds"] = 0.4  # a load recorded before the rule: mended
+    run.extension(method, 0, lr, folder)
+    assert run.records[job]["seconds"] == own
+    run.records[job]["seconds"] = 2000.0  # the comparison trained it (and loaded it): kept
+    run.extension(method, 0, lr, folder)
+    assert run.records[job]["seconds"] == 2000.0
+
+
 def test_a_job_resumed_after_a_stop_counts_its_earlier_attempts(compared, tmp_path):
     """times.jsonl records a job as begun before it runs; a stop Python sees settles the
     attempt's time there (up to the last file it wrote in the job's folder), a kill -9 leaves

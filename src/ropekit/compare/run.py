@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +86,7 @@ from ropekit.results import (
     write_result,
 )
 from ropekit.serve.serving import served_by
-from ropekit.train.extend import EXTEND_JSON, extend, resolve_method
+from ropekit.train.extend import EXTEND_JSON, ExtendResult, extend, resolve_method
 
 from .config import CompareConfig
 from .record import (
@@ -229,15 +230,18 @@ class _Comparison:
 
     def estimate(self) -> str:
         """The plan's compute estimate (`job_costs`), in words: for every job, and for the jobs
-        not finished yet when the folder holds finished ones (a resumed comparison)."""
+        not finished yet when the folder holds finished ones (a resumed comparison), then at
+        the pace the folder's finished jobs kept (`paces`)."""
 
         jobs = self.job_costs()
+        paces = self.paces(jobs)
 
-        def hours(left: bool) -> str:
-            parts = _totals(jobs, left).items()
+        def hours(left: bool, paced: bool = False) -> str:
+            parts = _totals(jobs, left, paces if paced else None).items()
             return ", ".join(f"{what} {_duration(t)}" for what, t in parts if t)
 
         every, left = hours(False), hours(True)
+        measured = ", ".join(f"{kind} x{r:.2f} of {n}" for kind, (r, n) in paces.items())
         return (
             f"; estimated compute for every job: {every}"
             + (
@@ -247,22 +251,45 @@ class _Comparison:
             )
             + f" (rough: FLOPs at the rates of one timed forward of {TIMED_TOKENS} tokens and "
             f"one attention call of {TIMED_ATTENTION})"
+            + (
+                f"; left at the pace of this folder's finished jobs: {hours(True, True)} "
+                f"(their recorded wall time over the estimate, median per kind: {measured})"
+                if paces and left not in ("", every)
+                else ""
+            )
         )
 
-    def estimated_seconds(self, left: bool = False) -> dict[str, float]:
+    def estimated_seconds(self, left: bool = False, paced: bool = False) -> dict[str, float]:
         """Seconds of training, rate selection, perplexity and probes (`job_costs`): of every
-        job, or with ``left`` of those whose result is not in the folder yet."""
-        return _totals(self.job_costs(), left)
+        job, or with ``left`` of those whose result is not in the folder yet; with ``paced``
+        each kind scaled by its measured pace (`paces`), where the folder has one."""
+        jobs = self.job_costs()
+        return _totals(jobs, left, self.paces(jobs) if paced else None)
 
-    def job_costs(self) -> list[tuple[str, float, bool]]:
-        """(kind, estimated seconds, finished) of every job of the comparison, each costed
+    def paces(self, jobs: list[JobCost]) -> dict[str, tuple[float, int]]:
+        """kind -> (median over the finished jobs of that kind that times.jsonl holds of
+        their recorded wall seconds over their estimate, how many). The estimate rests on one
+        timed forward and so moves with the machine's load at that moment; a finished job's
+        record is what the work took here, pauses and a busy machine included. The median,
+        so that a few records that are off (a job recorded before resumed jobs counted their
+        earlier attempts, a job that waited out a pause) move it little."""
+        ratios: dict[str, list[float]] = {}
+        for job in jobs:
+            record = self.records.get(job.job)
+            if job.finished and record is not None and job.seconds > 0:
+                ratios.setdefault(job.kind, []).append(record["seconds"] / job.seconds)
+        return {kind: (statistics.median(r), len(r)) for kind, r in ratios.items()}
+
+    def job_costs(self) -> list[JobCost]:
+        """Every job of the comparison (`JobCost`), each costed
         at ``forward_seconds``: a training run (a step's forward and backward as three
         forwards per sample), a rate's selection forwards, a model's perplexity on one domain
         and its probes. Windows read in a longer one's reading (`windows_read`) and the filler
         a later haystack keeps (``kept``) cost nothing (the last partial chunk each reads
         apart is left out). Finished: the job's result is in the folder (extend.json, the
         selection's record in times.jsonl, ppl.json, the probes' summary.json); a trained
-        method's later seeds count as finished at whichever rate holds them."""
+        method's later seeds count as finished at whichever rate holds them, and are named
+        at the first rate until one does."""
         c, seconds = self.config, self.forward_seconds
         window = (c.pose_window or self.trained_at) if c.pose else c.target_length
         run_seconds = c.samples * 3 * seconds(window)
@@ -279,29 +306,32 @@ class _Comparison:
             for n in c.retrieval_lengths(self.trained_at)
         )
         jobs = []
+
+        def job(kind: str, seconds: float, finished: bool, folder: Path) -> None:
+            jobs.append(JobCost(kind, self.job_name(kind, folder), seconds, finished))
+
         for m in self.methods:
             seeds = c.seeds if m.trained else (0,)  # `free` scores at seed 0
             if m.trained:
                 for lr in c.lrs:  # every rate at the first seed, then the chosen rate
-                    done = (self.run_folder(m, c.seeds[0], lr) / EXTEND_JSON).is_file()
-                    jobs.append(("training", run_seconds, done))
+                    folder = self.run_folder(m, c.seeds[0], lr)
+                    job("training", run_seconds, (folder / EXTEND_JSON).is_file(), folder)
                     if len(c.lrs) > 1:
-                        done = f"select {m.label} lr {lr:g}" in self.records
-                        jobs.append(
-                            ("selection", c.selection_samples * seconds(c.target_length), done)
-                        )
+                        name = f"select {m.label} lr {lr:g}"
+                        seconds_ = c.selection_samples * seconds(c.target_length)
+                        jobs.append(JobCost("selection", name, seconds_, name in self.records))
                 for seed in seeds[1:]:
-                    done = any(
-                        (self.run_folder(m, seed, lr) / EXTEND_JSON).is_file() for lr in c.lrs
-                    )
-                    jobs.append(("training", run_seconds, done))
+                    folders = [self.run_folder(m, seed, lr) for lr in c.lrs]
+                    done = [f for f in folders if (f / EXTEND_JSON).is_file()]
+                    job("training", run_seconds, bool(done), (done or folders)[0])
             for seed in seeds:
                 for domain, both in ppl.items():
-                    done = (self.eval_folder(m, seed, domain) / "ppl.json").is_file()
-                    jobs.append(("perplexity", both[m.label in self.reads_alone], done))
+                    folder = self.eval_folder(m, seed, domain)
+                    done = (folder / "ppl.json").is_file()
+                    job("perplexity", both[m.label in self.reads_alone], done, folder)
             for seed in c.probed_seeds(m.trained) if probe_seconds else ():
-                done = (self.eval_folder(m, seed, "probes") / "summary.json").is_file()
-                jobs.append(("probes", probe_seconds, done))
+                folder = self.eval_folder(m, seed, "probes")
+                job("probes", probe_seconds, (folder / "summary.json").is_file(), folder)
         return jobs
 
     # ------------------------------------------------------------------ jobs
@@ -352,6 +382,11 @@ class _Comparison:
     def _write_times(self) -> None:
         write_records(self.times, [*self.records.values(), *self.attempts.values()])
 
+    def job_name(self, kind: str, folder: Path) -> str:
+        """A training run's, a perplexity's or a probes' job name in times.jsonl: the kind's
+        prefix and its folder."""
+        return f"{JOB_PREFIX[kind]} {folder.relative_to(self.out)}"
+
     def eval_folder(self, method: Method, seed: int, job: str) -> Path:
         """Where ``method``'s run at ``seed`` is scored: ``job`` a held-out domain, or
         "probes"."""
@@ -367,10 +402,20 @@ class _Comparison:
         backbone = open_backbone(c.model)
         config = c.extension_config(method.spec, seed, lr)
 
-        def run() -> None:
-            extend(backbone, config, folder, resume=True, command=self.command, log=self.log)
+        def run() -> ExtendResult:
+            return extend(backbone, config, folder, resume=True, command=self.command, log=self.log)
 
-        self._timed(f"train {folder.relative_to(self.out)}", run, folder)
+        job = self.job_name("training", folder)
+        result = self._timed(job, run, folder)
+        # A run that finished before the comparison reached it (trained ahead into its folder,
+        # as experiment E's prefetch does) is loaded, not trained: its time is the run's own
+        # (extend.json's), not the second the loading took. A run the comparison trained
+        # records at least the run's own time (the whole call, every attempt), so the larger
+        # of the two is the run's either way; records made by loading before this rule are
+        # mended when the run is next reached.
+        if result.elapsed_s > self.records[job]["seconds"]:
+            self.records[job]["seconds"] = result.elapsed_s
+            self._write_times()
         backbone.cast(COMPUTE_DTYPES[c.dtype])  # trained in float32, scored in the config's dtype
         return backbone
 
@@ -436,7 +481,7 @@ class _Comparison:
                     progress=self.progress,
                 ).result  # fmt: skip
 
-            out[domain] = self._timed(f"eval {folder.relative_to(self.out)}", score, folder)
+            out[domain] = self._timed(self.job_name("perplexity", folder), score, folder)
         return out
 
     # ------------------------------------------------------------------ stages
@@ -490,7 +535,7 @@ class _Comparison:
                     progress=self.progress,
                 )  # fmt: skip
 
-            out[seed] = self._timed(f"probes {folder.relative_to(self.out)}", probe, folder)
+            out[seed] = self._timed(self.job_name("probes", folder), probe, folder)
         return out
 
     def _selected(self, job: str, method: Method, fn: Callable[[], float]) -> float:
@@ -650,6 +695,20 @@ def _summary(table: Rows) -> dict[str, dict[str, dict[int, SummaryEntry]]]:
     }
 
 
+class JobCost(NamedTuple):
+    """One job of a comparison as the plan costs it (`_Comparison.job_costs`)."""
+
+    kind: str  # training, selection, perplexity or probes
+    job: str  # its name in times.jsonl
+    seconds: float  # estimated (forward_seconds)
+    finished: bool  # its result is in the folder
+
+
+# The prefix of each kind's job names in times.jsonl (`_Comparison.job_name`; a selection's
+# name is "select {label} lr {lr}").
+JOB_PREFIX = {"training": "train", "perplexity": "eval", "probes": "probes"}
+
+
 # The forward a comparison times before it starts, to estimate what it will take (plan), and
 # the length of the attention call timed beside it (long enough that its T^2 term dominates).
 TIMED_TOKENS, TIMED_ATTENTION = 1024, 4096
@@ -692,12 +751,15 @@ def forward_seconds(backbone: Backbone) -> Callable[[int], float]:
     )
 
 
-def _totals(jobs: list[tuple[str, float, bool]], left: bool) -> dict[str, float]:
-    """Seconds per kind of job (`_Comparison.job_costs`), of every job or of those left."""
+def _totals(
+    jobs: list[JobCost], left: bool, paces: dict[str, tuple[float, int]] | None = None
+) -> dict[str, float]:
+    """Seconds per kind of job (`_Comparison.job_costs`), of every job or of those left, each
+    kind scaled by its pace (`_Comparison.paces`) where ``paces`` has one."""
     out = dict.fromkeys(("training", "selection", "perplexity", "probes"), 0.0)
-    for kind, seconds, finished in jobs:
-        if not (left and finished):
-            out[kind] += seconds
+    for job in jobs:
+        if not (left and job.finished):
+            out[job.kind] += job.seconds * (paces or {}).get(job.kind, (1.0, 0))[0]
     return out
 
 
