@@ -453,6 +453,15 @@ def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tm
     assert f"| tuned-yarn | 1 | {runs[('tuned-yarn', 1)]['shakespeare'][0]:.2f} |" in done.stdout
     row = next(line for line in done.stdout.splitlines() if line.startswith("| tuned-yarn | 1 |"))
     assert row.strip("| ").split(" | ").count("-") == 2  # no sotu yet, at either length
+    # The figure's right panel: each method's score seed by seed, read by hand.
+    scores = contrasts.seed_scores(partial, seeds, 32768)
+    assert set(scores) == set(seeds)
+    for s, score in zip(seeds["tuned-yarn"], scores["tuned-yarn"], strict=True):
+        by_hand = np.mean([windows("tuned-yarn", s, d).mean() for d in contrasts.DOMAINS])
+        assert score == pytest.approx(by_hand, rel=1e-12)
+    png = tmp_path / "contrasts.png"
+    done = subprocess.run([*command, "--figure", str(png)], cwd=ROOT, capture_output=True)
+    assert done.returncode == 0 and png.read_bytes().startswith(b"\x89PNG"), done.stderr
     for bad, message in [(["--length", "1000"], "--length 1000 is not scored there; the "
                           "lengths are [8192, 16384, 32768]"),
                          (["--final", str(tmp_path)], "has no eval/")]:  # fmt: skip

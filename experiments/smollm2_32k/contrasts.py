@@ -12,6 +12,7 @@ untrained method's one run against each of a trained method's. Nothing is comput
 comparison has not scored.
 
     python -m experiments.smollm2_32k.contrasts [--final DIR] [--also DIR ...] [--length N]
+                                                [--figure PNG]
 
 ``--also experiments/smollm2_32k/stage2`` reads stage 2's methods too before they are merged
 into final/ (a method both folders hold is read from --final).
@@ -19,8 +20,12 @@ into final/ (a method both folders hold is read from --final).
 It also prints every run scored so far, seed by seed, on each domain it is scored on (a
 partial table: ``per_seed``), so the tables of the README are copied from the files, not typed.
 
+``--figure`` draws the same numbers (``figure``): each contrast with its interval of 2
+standard errors, and each method's score seed by seed beside its mean, so a lead and the
+seeds' spread that decides it are read at a glance.
+
 Holds: L0, BASELINE, BEST_FREE, PAIRS, MIN_DIFFERENCE, scored_seeds, pair_table, best_free,
-standing, contrasts, per_seed, union, main.
+standing, seed_scores, contrasts, resolved, per_seed, union, figure, main.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from ropekit.compare.record import Difference, TableEntry
 from ropekit.compare.run import length_entries
 from ropekit.compare.verdict import cost_at, paired_difference, score_at
 from ropekit.evals.perplexity import PerplexityResult
+from ropekit.figures import figure as canvas
+from ropekit.figures import save
 from ropekit.results import read_record
 
 HERE = Path(__file__).parent
@@ -138,6 +145,18 @@ def standing(
     return sorted(rows, key=lambda row: row[2])
 
 
+def seed_scores(final: Path, seeds: dict[str, list[int]], length: int) -> dict[str, list[float]]:
+    """Each method's score at ``length`` (the verdict's: mean over domains of the last-quarter
+    NLL), one per scored seed, in seed order; a method not scored at ``length`` is left out."""
+    out = {}
+    for method, done in seeds.items():
+        scores = [score_at(pair_table(final, {method: [s]}, method, method), method, length)
+                  for s in done]  # fmt: skip
+        if all(score is not None for score in scores):
+            out[method] = scores
+    return out
+
+
 def contrasts(final: Path, length: int) -> list[tuple[str, str, Difference]]:
     """Each pair of PAIRS that both methods have been scored for: (a, b, a minus b), BEST_FREE
     replaced by ``best_free`` (a pair that becomes a method against itself, or one listed
@@ -152,6 +171,12 @@ def contrasts(final: Path, length: int) -> list[tuple[str, str, Difference]]:
             if table[a][DOMAINS[0]]:  # a seed in common
                 out.append((a, b, paired_difference(table, a, b, length)))
     return out
+
+
+def resolved(d: Difference) -> bool:
+    """The verdict's rule: the mean difference beyond 2 standard errors and at least
+    MIN_DIFFERENCE nats."""
+    return d.se is not None and abs(d.mean) > 2 * d.se and abs(d.mean) >= MIN_DIFFERENCE
 
 
 def per_seed(final: Path, length: int) -> list[tuple[str, int, dict[str, tuple[float, float]]]]:
@@ -188,6 +213,53 @@ def union(folders: list[Path], into: Path) -> Path:
     return into
 
 
+def figure(final: Path, length: int, path: Path) -> Path:
+    """Two panels: each contrast (a minus b, the verdict's last-quarter NLL at ``length``)
+    with its interval of 2 standard errors, red where the verdict's rule resolves it, hollow
+    where a trained method has one seed, the band of MIN_DIFFERENCE around 0 grey; and each
+    method's score seed by seed (dots) with their mean (a bar), best at the top, trained
+    methods red, training-free ones blue; a score past the axis is written at its edge."""
+    seeds = scored_seeds(final)
+    rows = contrasts(final, length)
+    scores = seed_scores(final, seeds, length)
+    fig, axes = canvas(11.0, 0.42 * max(len(rows), len(scores)) + 1.8, 1, 2)
+    ax = axes[0, 0]
+    for y, (a, b, d) in enumerate(reversed(rows)):
+        one = d.seeds == 1 and (_trained(final, a) or _trained(final, b))
+        color = "#d62728" if resolved(d) else "#777777"
+        ax.errorbar(d.mean, y, xerr=2 * (d.se or 0.0), fmt="o", color=color, capsize=3,
+                    mfc="white" if one else color)  # fmt: skip
+    ax.axvspan(-MIN_DIFFERENCE, MIN_DIFFERENCE, color="#dddddd", zorder=0)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_yticks(range(len(rows)), [f"{a} - {b}" for a, b, _ in reversed(rows)], fontsize=8)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_xlabel(f"a - b, last-quarter NLL at {length} (nats/token; < 0: a better)", fontsize=9)
+    ax.set_title("paired differences, 2 s.e.\n(red: resolved; hollow: one seed)", fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    ax = axes[0, 1]
+    order = sorted(scores, key=lambda m: sum(scores[m]) / len(scores[m]), reverse=True)
+    best = min(min(v) for v in scores.values())
+    edge = best + 1.0  # nats: 2.7x the best perplexity; a collapsed method runs off the axis
+    for y, method in enumerate(order):
+        values = scores[method]
+        color = "#d62728" if _trained(final, method) else "#1f77b4"
+        if method == BASELINE:
+            color = "#444444"
+        mean = sum(values) / len(values)
+        if mean > edge:
+            ax.text(edge, y, f"{mean:.2f} \u2192", ha="right", va="center", fontsize=8)
+            continue
+        ax.plot([mean, mean], [y - 0.3, y + 0.3], color=color, lw=2.5)
+        ax.plot(values, [y] * len(values), "o", color=color, ms=5, alpha=0.7)
+    ax.set(xlim=(best - 0.1, edge), ylim=(-0.6, len(order) - 0.4))
+    ax.set_yticks(range(len(order)), [f"{m} ({len(scores[m])})" for m in order], fontsize=8)
+    ax.set_xlabel(f"score: last-quarter NLL at {length}, mean over the domains", fontsize=9)
+    ax.set_title("each method (seeds): seeds as dots, their mean as a bar\n"
+                 "(red: trained; blue: training-free)", fontsize=9)  # fmt: skip
+    ax.grid(axis="x", alpha=0.3)
+    return save(fig, path)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.smollm2_32k.contrasts")
     parser.add_argument("--final", type=Path, default=HERE / "final",
@@ -196,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="another comparison's folder whose methods are read too (stage "
                         "2's before the merge); repeatable")  # fmt: skip
     parser.add_argument("--length", type=int, default=32768, help="the length compared")
+    parser.add_argument("--figure", type=Path,
+                        help="draw the contrasts and each method's seeds in this PNG")  # fmt: skip
     args = parser.parse_args(argv)
     for flag, folder in [("--final", args.final), *(("--also", f) for f in args.also)]:
         if not (folder / "eval").is_dir():
@@ -225,10 +299,9 @@ def _print(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     print("| a | b | windows | seeds | a - b | s.e. | of it, seeds | ppl ratio | resolved |")
     print("|---|---|---|---|---|---|---|---|---|")
     for a, b, d in contrasts(args.final, args.length):
-        resolved = d.se is not None and abs(d.mean) > 2 * d.se and abs(d.mean) >= MIN_DIFFERENCE
         se = f"{d.se:.4f}" if d.se is not None else "-"
         spread = f"{d.se_seeds:.4f}" if d.se_seeds is not None else "-"
-        call = "yes" if resolved else "no"
+        call = "yes" if resolved(d) else "no"
         if d.seeds == 1 and (_trained(args.final, a) or _trained(args.final, b)):
             call += " (one seed)"
         print(f"| {a} | {b} | {d.n} | {d.seeds} | {d.mean:+.4f} | {se} | {spread} | "
@@ -259,6 +332,8 @@ def _print(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     print(
         f"Best training-free method at {args.length}: {best_free(args.final, seeds, args.length)}"
     )
+    if args.figure is not None:
+        print(f"Figure: {figure(args.final, args.length, args.figure)}")
 
 
 if __name__ == "__main__":
