@@ -449,11 +449,14 @@ def test_the_plan_scales_what_is_left_by_the_pace_of_the_finished_jobs(compared,
     assert "perplexity x2.00 of 7" in run.estimate()
 
 
-def test_a_run_trained_ahead_into_its_folder_records_its_own_time(compared, tmp_path):
+def test_a_job_computed_elsewhere_records_its_own_time_or_none(compared, tmp_path):
     """A run finished in its folder before the comparison reached it (trained ahead, as
     experiment E's prefetch does) is loaded, and times.jsonl records the run's own time from
     its extend.json, not the load's, also in place of a load's record made before this rule;
-    a record longer than the run's own time (the comparison trained it) is kept."""
+    a record longer than the run's own time (the comparison trained it) is kept. A perplexity
+    found finished with no record of it (copied in) is loaded and gets no record, so the
+    plan's pace leaves it out; one begun here and killed after its result was written keeps
+    its attempt's time."""
     import shutil
 
     from ropekit.compare.config import from_file
@@ -492,6 +495,22 @@ def test_a_run_trained_ahead_into_its_folder_records_its_own_time(compared, tmp_
     run.records[job]["seconds"] = 2000.0  # the comparison trained it (and loaded it): kept
     run.extension(method, 0, lr, folder)
     assert run.records[job]["seconds"] == 2000.0
+
+    eval_folder = run.eval_folder(method, 0, "kjv")
+    job = run.job_name("perplexity", eval_folder)
+    assert (eval_folder / "ppl.json").is_file() and job in run.records
+    records = read_records(out / "times.jsonl")
+    write_records(out / "times.jsonl", [r for r in records if r["job"] != job])
+    run = _Comparison(config, out, "", lambda *_: None, False)
+    assert run._timed(job, lambda: "loaded", eval_folder, "ppl.json") == "loaded"
+    assert job not in run.records and job in run.jobs
+    assert job not in {r["job"] for r in read_records(out / "times.jsonl")}
+    paces = run.paces(run.job_costs())
+    assert paces["perplexity"][1] == sum(j.kind == "perplexity" for j in run.job_costs()) - 1
+    # begun here (a kill -9 after ppl.json was written): its attempt is its time
+    run.attempts[job] = {"job": job, "started": None, "earlier": 50.0}
+    run._timed(job, lambda: "loaded", eval_folder, "ppl.json")
+    assert 50.0 <= run.records[job]["seconds"] < 51
 
 
 def test_a_job_resumed_after_a_stop_counts_its_earlier_attempts(compared, tmp_path):

@@ -307,35 +307,38 @@ class _Comparison:
         )
         jobs = []
 
-        def job(kind: str, seconds: float, finished: bool, folder: Path) -> None:
+        def job(kind: str, seconds: float, folder: Path) -> None:
+            finished = (folder / RESULT_FILE[kind]).is_file()
             jobs.append(JobCost(kind, self.job_name(kind, folder), seconds, finished))
 
         for m in self.methods:
             seeds = c.seeds if m.trained else (0,)  # `free` scores at seed 0
             if m.trained:
                 for lr in c.lrs:  # every rate at the first seed, then the chosen rate
-                    folder = self.run_folder(m, c.seeds[0], lr)
-                    job("training", run_seconds, (folder / EXTEND_JSON).is_file(), folder)
+                    job("training", run_seconds, self.run_folder(m, c.seeds[0], lr))
                     if len(c.lrs) > 1:
                         name = f"select {m.label} lr {lr:g}"
                         seconds_ = c.selection_samples * seconds(c.target_length)
                         jobs.append(JobCost("selection", name, seconds_, name in self.records))
                 for seed in seeds[1:]:
                     folders = [self.run_folder(m, seed, lr) for lr in c.lrs]
-                    done = [f for f in folders if (f / EXTEND_JSON).is_file()]
-                    job("training", run_seconds, bool(done), (done or folders)[0])
+                    done = [f for f in folders if (f / RESULT_FILE["training"]).is_file()]
+                    job("training", run_seconds, (done or folders)[0])
             for seed in seeds:
                 for domain, both in ppl.items():
-                    folder = self.eval_folder(m, seed, domain)
-                    done = (folder / "ppl.json").is_file()
-                    job("perplexity", both[m.label in self.reads_alone], done, folder)
+                    job(
+                        "perplexity",
+                        both[m.label in self.reads_alone],
+                        self.eval_folder(m, seed, domain),
+                    )
             for seed in c.probed_seeds(m.trained) if probe_seconds else ():
-                folder = self.eval_folder(m, seed, "probes")
-                job("probes", probe_seconds, (folder / "summary.json").is_file(), folder)
+                job("probes", probe_seconds, self.eval_folder(m, seed, "probes"))
         return jobs
 
     # ------------------------------------------------------------------ jobs
-    def _timed(self, job: str, fn: Callable[[], Any], folder: Path | None = None) -> Any:
+    def _timed(
+        self, job: str, fn: Callable[[], Any], folder: Path | None = None, result: str = ""
+    ) -> Any:
         """Run ``fn`` as ``job`` and record its wall time in times.jsonl once it finishes. A
         job stopped part way (a kill, a session's end: a 32k evaluation spans several) is
         recorded as begun (``started``, wall clock), and when it is resumed its earlier
@@ -344,8 +347,17 @@ class _Comparison:
         then. Without this a resumed job recorded only its last attempt. A stop that Python
         sees (SIGTERM, Ctrl-C) settles the attempt's time there and then (``started`` None),
         so a later copy of the folder that does not keep the files' times cannot lengthen it;
-        a kill -9 leaves it to the files' times."""
+        a kill -9 leaves it to the files' times.
+
+        A job whose ``result`` file is in ``folder`` with no record of it here, finished or
+        begun, was computed elsewhere (copied in, or run ahead into the folder): it is
+        loaded and gets no record, since the second the loading takes is not its time."""
         finished = job in self.records
+        unknown = not finished and job not in self.attempts
+        if unknown and folder is not None and result and (folder / result).is_file():
+            value = fn()  # computed elsewhere: loaded
+            self.jobs.add(job)
+            return value
         if not finished:
             earlier = self._earlier_seconds(job, folder)
             self.attempts[job] = {"job": job, "started": time.time(), "earlier": earlier}
@@ -406,15 +418,14 @@ class _Comparison:
             return extend(backbone, config, folder, resume=True, command=self.command, log=self.log)
 
         job = self.job_name("training", folder)
-        result = self._timed(job, run, folder)
+        result = self._timed(job, run, folder, RESULT_FILE["training"])
         # A run that finished before the comparison reached it (trained ahead into its folder,
         # as experiment E's prefetch does) is loaded, not trained: its time is the run's own
-        # (extend.json's), not the second the loading took. A run the comparison trained
-        # records at least the run's own time (the whole call, every attempt), so the larger
-        # of the two is the run's either way; records made by loading before this rule are
-        # mended when the run is next reached.
-        if result.elapsed_s > self.records[job]["seconds"]:
-            self.records[job]["seconds"] = result.elapsed_s
+        # (extend.json's). A run the comparison trained records at least the run's own time
+        # (the whole call, every attempt), so the larger of the two is the run's either way;
+        # a load recorded as the run's time before this rule is mended when it is next reached.
+        if result.elapsed_s > self.records.get(job, {}).get("seconds", 0.0):
+            self.records[job] = {"job": job, "seconds": result.elapsed_s}
             self._write_times()
         backbone.cast(COMPUTE_DTYPES[c.dtype])  # trained in float32, scored in the config's dtype
         return backbone
@@ -481,7 +492,8 @@ class _Comparison:
                     progress=self.progress,
                 ).result  # fmt: skip
 
-            out[domain] = self._timed(self.job_name("perplexity", folder), score, folder)
+            job = self.job_name("perplexity", folder)
+            out[domain] = self._timed(job, score, folder, RESULT_FILE["perplexity"])
         return out
 
     # ------------------------------------------------------------------ stages
@@ -535,7 +547,8 @@ class _Comparison:
                     progress=self.progress,
                 )  # fmt: skip
 
-            out[seed] = self._timed(self.job_name("probes", folder), probe, folder)
+            job = self.job_name("probes", folder)
+            out[seed] = self._timed(job, probe, folder, RESULT_FILE["probes"])
         return out
 
     def _selected(self, job: str, method: Method, fn: Callable[[], float]) -> float:
@@ -705,8 +718,10 @@ class JobCost(NamedTuple):
 
 
 # The prefix of each kind's job names in times.jsonl (`_Comparison.job_name`; a selection's
-# name is "select {label} lr {lr}").
+# name is "select {label} lr {lr}"), and the file in its folder that holds its result once
+# it is finished.
 JOB_PREFIX = {"training": "train", "perplexity": "eval", "probes": "probes"}
+RESULT_FILE = {"training": EXTEND_JSON, "perplexity": "ppl.json", "probes": "summary.json"}
 
 
 # The forward a comparison times before it starts, to estimate what it will take (plan), and
