@@ -27,7 +27,9 @@ Layout of ``out_dir``:
     compare.json, report.md, report.html, *.png      the verdict, the tables, the figures
     times.jsonl                                       each finished job's wall time, over
                                                       all its attempts; a job begun and not
-                                                      finished: when its attempt began
+                                                      finished: when its attempt began; a
+                                                      job found finished (copied in): none,
+                                                      or a run's own (extend.json's)
     methods/<label>/s<seed>/                          extension runs (adapter/, extend.json)
     methods/<label>/lr-<lr>/s<seed>/                  learning-rate candidates (trained)
     eval/<label>/s<seed>/<domain>/ppl.json            perplexity on one held-out domain (its
@@ -36,7 +38,12 @@ Layout of ``out_dir``:
     eval/<label>/s<seed>/probes/                      retrieval probes (summary.json, one
                                                       folder per length)
 
-Holds: run_compare, plan_compare, run_folder, engine_answers, length_entries.
+The plan (``plan_compare``, every run's first line) costs each job from one timed forward,
+and for a resumed folder also at the pace its finished jobs kept: their recorded wall time
+over the same estimate, the median per kind of job, since one forward's rate moves with the
+machine's load.
+
+Holds: run_compare, plan_compare, run_folder, engine_answers, length_entries, JobCost.
 """
 
 from __future__ import annotations
