@@ -8,7 +8,7 @@ run's ``extend.json`` and adapter (not its training checkpoints); and each copie
 time is appended to ``final/times.jsonl``. When stage 2's methods are added to compare.json,
 the comparison in ``final/`` finds those jobs done and reuses them (a job is reused by its
 provenance, not by the folder it was computed in) and keeps their real times, which it would
-otherwise record as the second it takes to reuse them.
+otherwise not know (compare records no time for a job it finds finished with no record).
 
 Nothing is ever replaced: a file already in ``final/`` is left when it is the same bytes and
 refused otherwise, and every file is checked before any is copied, so a refused merge copies
