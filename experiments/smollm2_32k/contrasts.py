@@ -39,7 +39,7 @@ from pathlib import Path
 from ropekit.compare.config import CompareConfig
 from ropekit.compare.record import Difference, TableEntry
 from ropekit.compare.run import length_entries
-from ropekit.compare.verdict import cost_at, paired_difference, score_at
+from ropekit.compare.verdict import cost_at, paired_difference, paired_seeds, score_at
 from ropekit.evals.perplexity import PerplexityResult
 from ropekit.figures import figure as canvas
 from ropekit.figures import save
@@ -294,18 +294,23 @@ def _print(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         "seeds' spread where there are 2 or more; resolved as the verdict's rule resolves a "
         f"lead: |mean| > 2 s.e. and at least {MIN_DIFFERENCE} nats; '(one seed)': a trained "
         "method there has one seed scored, so the error holds no seeds' spread and the call "
-        "says the windows agree at that seed, not that the lead holds over seeds.\n"
+        "says the windows agree at that seed, not that the lead holds over seeds; per seed: "
+        "the difference at each seed both have, over the same windows (an untrained method's "
+        "one run against each of a trained method's seeds).\n"
     )
-    print("| a | b | windows | seeds | a - b | s.e. | of it, seeds | ppl ratio | resolved |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| a | b | windows | seeds | a - b | s.e. | of it, seeds | ppl ratio | resolved | "
+          "a - b per seed |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for a, b, d in contrasts(args.final, args.length):
+        table = pair_table(args.final, seeds, a, b)
+        each = ", ".join(f"{x:+.4f}" for x in paired_seeds(table, a, b, args.length))
         se = f"{d.se:.4f}" if d.se is not None else "-"
         spread = f"{d.se_seeds:.4f}" if d.se_seeds is not None else "-"
         call = "yes" if resolved(d) else "no"
         if d.seeds == 1 and (_trained(args.final, a) or _trained(args.final, b)):
             call += " (one seed)"
         print(f"| {a} | {b} | {d.n} | {d.seeds} | {d.mean:+.4f} | {se} | {spread} | "
-              f"{math.exp(d.mean):.3f} | {call} |")  # fmt: skip
+              f"{math.exp(d.mean):.3f} | {call} | {each} |")  # fmt: skip
     print(
         f"\nEach method, best first: the verdict's score (last-quarter NLL at {args.length}, "
         f"mean over the domains; its exp beside it) and cost (whole-window perplexity at {L0} "
