@@ -239,7 +239,6 @@ class _Comparison:
         """The plan's compute estimate (`job_costs`), in words: for every job, and for the jobs
         not finished yet when the folder holds finished ones (a resumed comparison), then at
         the pace the folder's finished jobs kept (`paces`)."""
-
         jobs = self.job_costs()
         paces = self.paces(jobs)
 
@@ -260,7 +259,8 @@ class _Comparison:
             f"one attention call of {TIMED_ATTENTION})"
             + (
                 f"; left at the pace of this folder's finished jobs: {hours(True, True)} "
-                f"(their recorded wall time over the estimate, median per kind: {measured})"
+                f"(their recorded wall time over the estimate, median per kind: {measured}; "
+                "a kind with none finished as estimated)"
                 if paces and left not in ("", every)
                 else ""
             )
