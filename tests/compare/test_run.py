@@ -345,15 +345,11 @@ def test_the_plans_estimate_leaves_out_what_is_read_once(compared, tmp_path, mon
     assert seconds["probes"] == 3 * (16384 + 2 * (16384 - kept))
 
 
-def test_the_plan_says_what_is_left_of_a_resumed_comparison(compared, tmp_path):
-    """Each job is costed once and counted as left until its result is in the folder: the
-    fixture's finished comparison has nothing left; each result taken away (a domain's
-    ppl.json, a probes summary, a later seed's run, a selection's record) puts back exactly
-    its own job's seconds, costed here at one second per token against hand sums."""
+def _copied(compared, tmp_path: Path) -> tuple[Path, CompareConfig]:
+    """A copy of the fixture's finished comparison, and its config as a file gives it."""
     import shutil
 
     from ropekit.compare.config import from_file
-    from ropekit.compare.run import _Comparison
 
     root, _ = compared
     out = tmp_path / "out"
@@ -361,13 +357,29 @@ def test_the_plan_says_what_is_left_of_a_resumed_comparison(compared, tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps(json.loads((out / "compare.json").read_text())["config"])
     )
-    config = from_file(tmp_path / "config.json")
+    return out, from_file(tmp_path / "config.json")
+
+
+def _per_token(run):
+    """``run`` with its plan costed at one second per token: its sums are token counts."""
+    run.forward_seconds = float
+    return run
+
+
+def test_the_plan_says_what_is_left_of_a_resumed_comparison(compared, tmp_path):
+    """Each job is costed once and counted as left until its result is in the folder: the
+    fixture's finished comparison has nothing left; each result taken away (a domain's
+    ppl.json, a probes summary, a later seed's run, a selection's record) puts back exactly
+    its own job's seconds, costed here at one second per token against hand sums."""
+    import shutil
+
+    from ropekit.compare.run import _Comparison
+
+    out, config = _copied(compared, tmp_path)
     assert config.seeds == (0, 1) and config.lrs == (0.01, 0.03)
 
     def comparison() -> _Comparison:
-        run = _Comparison(config, out, "", lambda *_: None, False)
-        run.forward_seconds = float  # one second per token
-        return run
+        return _per_token(_Comparison(config, out, "", lambda *_: None, False))
 
     run = comparison()
     every = run.estimated_seconds()
@@ -405,22 +417,13 @@ def test_the_plan_scales_what_is_left_by_the_pace_of_the_finished_jobs(compared,
     move it; a job whose result is gone does not count), and what is left is scaled by it."""
     import shutil
 
-    from ropekit.compare.config import from_file
     from ropekit.compare.run import _Comparison
     from ropekit.results import write_records
 
-    root, _ = compared
-    out = tmp_path / "out"
-    shutil.copytree(root / "out", out)
-    (tmp_path / "config.json").write_text(
-        json.dumps(json.loads((out / "compare.json").read_text())["config"])
-    )
-    config = from_file(tmp_path / "config.json")
+    out, config = _copied(compared, tmp_path)
 
     def comparison() -> _Comparison:
-        run = _Comparison(config, out, "", lambda *_: None, False)
-        run.forward_seconds = float  # one second per token
-        return run
+        return _per_token(_Comparison(config, out, "", lambda *_: None, False))
 
     run = comparison()
     jobs = run.job_costs()
@@ -457,20 +460,12 @@ def test_a_job_computed_elsewhere_records_its_own_time_or_none(compared, tmp_pat
     found finished with no record of it (copied in) is loaded and gets no record, so the
     plan's pace leaves it out; one begun here and killed after its result was written keeps
     its attempt's time."""
-    import shutil
 
-    from ropekit.compare.config import from_file
     from ropekit.compare.run import _Comparison
     from ropekit.results import read_record, read_records, write_records
     from ropekit.train.extend import EXTEND_JSON, ExtendRecord
 
-    root, _ = compared
-    out = tmp_path / "out"
-    shutil.copytree(root / "out", out)
-    (tmp_path / "config.json").write_text(
-        json.dumps(json.loads((out / "compare.json").read_text())["config"])
-    )
-    config = from_file(tmp_path / "config.json")
+    out, config = _copied(compared, tmp_path)
     run = _Comparison(config, out, "", lambda *_: None, False)
     method = next(m for m in run.methods if m.trained)
     lr = config.lrs[0]
