@@ -25,7 +25,7 @@ standard errors, and each method's score seed by seed beside its mean, so a lead
 seeds' spread that decides it are read at a glance.
 
 Holds: L0, BASELINE, BEST_FREE, PAIRS, MIN_DIFFERENCE, scored_seeds, pair_table, best_free,
-standing, seed_scores, contrasts, resolved, per_seed, union, figure, main.
+standing, seed_scores, contrasts, one_seed, resolved, per_seed, union, figure, main.
 """
 
 from __future__ import annotations
@@ -173,6 +173,12 @@ def contrasts(final: Path, length: int) -> list[tuple[str, str, Difference]]:
     return out
 
 
+def one_seed(final: Path, a: str, b: str, d: Difference) -> bool:
+    """Whether ``d`` rests on one seed of a trained method: its error then holds no seeds'
+    spread, and its call says the windows agree at that seed, not that the lead holds."""
+    return d.seeds == 1 and (_trained(final, a) or _trained(final, b))
+
+
 def resolved(d: Difference) -> bool:
     """The verdict's rule: the mean difference beyond 2 standard errors and at least
     MIN_DIFFERENCE nats."""
@@ -225,10 +231,9 @@ def figure(final: Path, length: int, path: Path) -> Path:
     fig, axes = canvas(11.0, 0.42 * max(len(rows), len(scores)) + 1.8, 1, 2)
     ax = axes[0, 0]
     for y, (a, b, d) in enumerate(reversed(rows)):
-        one = d.seeds == 1 and (_trained(final, a) or _trained(final, b))
         color = "#d62728" if resolved(d) else "#777777"
         ax.errorbar(d.mean, y, xerr=2 * (d.se or 0.0), fmt="o", color=color, capsize=3,
-                    mfc="white" if one else color)  # fmt: skip
+                    mfc="white" if one_seed(final, a, b, d) else color)  # fmt: skip
     ax.axvspan(-MIN_DIFFERENCE, MIN_DIFFERENCE, color="#dddddd", zorder=0)
     ax.axvline(0, color="black", lw=0.8)
     ax.set_yticks(range(len(rows)), [f"{a} - {b}" for a, b, _ in reversed(rows)], fontsize=8)
@@ -307,7 +312,7 @@ def _print(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         se = f"{d.se:.4f}" if d.se is not None else "-"
         spread = f"{d.se_seeds:.4f}" if d.se_seeds is not None else "-"
         call = "yes" if resolved(d) else "no"
-        if d.seeds == 1 and (_trained(args.final, a) or _trained(args.final, b)):
+        if one_seed(args.final, a, b, d):
             call += " (one seed)"
         print(f"| {a} | {b} | {d.n} | {d.seeds} | {d.mean:+.4f} | {se} | {spread} | "
               f"{math.exp(d.mean):.3f} | {call} | {each} |")  # fmt: skip
