@@ -5,6 +5,8 @@ Holds:
                     collectives meet at a barrier: the sharding logic without launch costs.
     launch          `accelerate launch` 2 CPU processes on `python -m ropekit.cli ...`, with
                     every file write of every process logged (see `writes`).
+    run_together    several `python -m ropekit.cli ...` processes started at once, each
+                    logging its writes under its own name (see `writes`).
     writes          the paths each process created, replaced or removed under a folder.
     locked_elsewhere  a folder's --out lock held by another process (as a running command
                     holds it), for the span of a with block.
@@ -89,7 +91,7 @@ def run_ranks(world: int, fn: Callable[[Processes], T]) -> list[T | BaseExceptio
 _AUDIT = """
 import os, sys
 root = os.environ["ROPEKIT_TEST_WRITE_ROOT"]
-name = "rank-%s.log" % os.environ.get("RANK", "launcher")
+name = "rank-%s.log" % os.environ.get("ROPEKIT_TEST_WRITE_NAME", os.environ.get("RANK", "launcher"))
 log = open(os.path.join(os.environ["ROPEKIT_TEST_WRITE_LOG"], name), "a", buffering=1)
 WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
@@ -142,6 +144,38 @@ def launch(args: list[str], root: Path, timeout: float = 180) -> subprocess.Comp
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def run_together(
+    argvs: dict[str, list[str]], root: Path, timeout: float = 300
+) -> dict[str, subprocess.CompletedProcess]:
+    """{name: `ropekit *argv`} started at once as separate processes (one thread each), each
+    logging what it writes under `root` as `name` (read them with `writes`); their results."""
+    audit, log = root / ".audit", root / ".writes"
+    audit.mkdir(parents=True, exist_ok=True)
+    log.mkdir(exist_ok=True)
+    (audit / "sitecustomize.py").write_text(_AUDIT)
+    env = os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(audit), os.environ.get("PYTHONPATH")])),
+        "ROPEKIT_TEST_WRITE_ROOT": str(root),
+        "ROPEKIT_TEST_WRITE_LOG": str(log),
+    }
+    started = {}
+    for name, argv in argvs.items():  # output to files: a full pipe would stall a process
+        with open(log / f"{name}.out", "w") as stdout, open(log / f"{name}.err", "w") as stderr:
+            started[name] = subprocess.Popen(
+                [sys.executable, "-m", "ropekit.cli", *argv],
+                env=env | {"ROPEKIT_TEST_WRITE_NAME": name},
+                stdout=stdout,
+                stderr=stderr,
+            )
+    out = {}
+    for name, process in started.items():
+        process.wait(timeout=timeout)
+        stdout, stderr = ((log / f"{name}.{s}").read_text() for s in ("out", "err"))
+        out[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return out
+
+
 def writes(root: Path) -> dict[str, set[str]]:
     """{"0": paths, "1": paths} that each launched process wrote, renamed onto, removed or
     created under `root` (relative paths; the audit's own folders left out)."""
@@ -154,13 +188,22 @@ def writes(root: Path) -> dict[str, set[str]]:
 
 
 @contextlib.contextmanager
-def locked_elsewhere(folder: Path) -> Iterator[None]:
-    """``folder``'s lock (``ropekit.outdir.lock_out_dir``) held by another process for the
-    span of the block, as a running command holds it; that process is killed after, and the
+def locked_elsewhere(folder: Path, lock_file: Path | None = None) -> Iterator[None]:
+    """``folder``'s lock (``ropekit.outdir.lock_out_dir``), or the lock file ``lock_file``
+    (``hold_lock``), held by another process for the span of the block, as a running command
+    holds it; that process is killed after (kill -9: it releases nothing itself), and the
     lock file it leaves removed. (A lock taken in this process would not stop this process.)"""
+    from ropekit.outdir import LOCK_FILE
+
+    path = Path(lock_file) if lock_file is not None else Path(folder) / LOCK_FILE
+    take = (
+        f"hold_lock({str(path)!r}, command='test')"
+        if lock_file is not None
+        else f"lock_out_dir({str(folder)!r})"
+    )
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import time; from ropekit.outdir import lock_out_dir; "
-         f"lock = lock_out_dir({str(folder)!r}); print('held', flush=True); time.sleep(120)"],
+        [sys.executable, "-c", "import time; from ropekit.outdir import hold_lock, lock_out_dir; "
+         f"lock = {take}; print('held', flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -169,6 +212,4 @@ def locked_elsewhere(folder: Path) -> Iterator[None]:
     finally:
         holder.kill()
         holder.wait()
-        from ropekit.outdir import LOCK_FILE
-
-        (Path(folder) / LOCK_FILE).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)

@@ -566,6 +566,14 @@ def add_compare(sub: argparse._SubParsersAction) -> None:
         "left in --out, also at the pace its finished jobs kept) and stop: runs and writes "
         "nothing, so it works beside a running comparison",
     )
+    p.add_argument(
+        "--join",
+        action="store_true",
+        help="run beside the processes already running this comparison into --out (the same "
+        "command, on this machine or one sharing the folder): each takes the next job no "
+        "other holds, takes over one whose process died, and waits for the rest at the end; "
+        "without it, a folder in use by another run is refused",
+    )
     p.set_defaults(func=cmd_compare, fields=fields)
 
 
@@ -942,6 +950,8 @@ def _holding_out(args: argparse.Namespace) -> contextlib.AbstractContextManager[
     out = getattr(args, "out", None)
     if out is None or not getattr(args, "lock_out", True) or getattr(args, "plan_only", False):
         return contextlib.nullcontext()  # no folder, or a command that writes nothing there
+    if getattr(args, "join", False):  # compare's processes share it, each job locked alone
+        return contextlib.nullcontext()
     return lock_out_dir(out, command=_command())
 
 

@@ -18,7 +18,7 @@ from ropekit.compare.record import (
     CompareResult,
 )
 from ropekit.compare.verdict import accuracy_text
-from ropekit.evals import probes, wilson_interval
+from ropekit.evals import PerplexityResult, probes, wilson_interval
 from ropekit.results import read_record
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--batch-size", "4", "--warmup", "2"]
@@ -484,10 +484,10 @@ def test_a_job_computed_elsewhere_records_its_own_time_or_none(compared, tmp_pat
     run.extension(method, 0, lr, folder)
     assert run.records[job]["seconds"] == own
     assert {"job": job, "seconds": own} in read_records(out / "times.jsonl")
-    run.records[job]["seconds"] = 0.4  # a load recorded before the rule: mended
+    run._set(job, {"job": job, "seconds": 0.4})  # a load recorded before the rule: mended
     run.extension(method, 0, lr, folder)
     assert run.records[job]["seconds"] == own
-    run.records[job]["seconds"] = 2000.0  # the comparison trained it (and loaded it): kept
+    run._set(job, {"job": job, "seconds": 2000.0})  # the comparison trained it: kept
     run.extension(method, 0, lr, folder)
     assert run.records[job]["seconds"] == 2000.0
 
@@ -503,7 +503,7 @@ def test_a_job_computed_elsewhere_records_its_own_time_or_none(compared, tmp_pat
     paces = run.paces(run.job_costs())
     assert paces["perplexity"][1] == sum(j.kind == "perplexity" for j in run.job_costs()) - 1
     # begun here (a kill -9 after ppl.json was written): its attempt is its time
-    run.attempts[job] = {"job": job, "started": None, "earlier": 50.0}
+    run._set(job, {"job": job, "started": None, "earlier": 50.0})
     run._timed(job, lambda: "loaded", eval_folder, "ppl.json")
     assert 50.0 <= run.records[job]["seconds"] < 51
 
@@ -674,3 +674,82 @@ def test_the_report_names_the_held_out_documents_and_times_only_its_own_jobs(
     jobs = [t["job"] for t in data["times"]]
     assert "train methods/stopped-method/s0" not in jobs and "train methods/yarn/s0" in jobs
     assert "stopped-method" not in report
+
+
+def test_two_processes_share_one_comparison_each_job_run_once(compared, tmp_path):
+    """A second process started with --join beside a running comparison takes the jobs the
+    first does not hold: every result file is written by exactly one of them, both do some of
+    the work, both end with the whole verdict, and every number equals the comparison run by
+    one process (the fixture's, same config); times.jsonl keeps every job's record once."""
+    from tests.processes import run_together, writes
+
+    root, argv = compared
+    out = tmp_path / "out"
+    shared = [*argv[: argv.index("--out") + 1], str(out)]
+    done = run_together({"first": shared, "joined": [*shared, "--join"]}, tmp_path)
+    for name, process in done.items():
+        assert process.returncode == 0, f"{name}: {process.stderr[-2000:]}"
+    # what a job writes when it runs, never when it is reused (a reused probes job rewrites
+    # its summary and figures)
+    results = {"ppl.json", "extend.json", "probes.jsonl"}
+    wrote = {
+        name: {p for p in paths if Path(p).name in results}
+        for name, paths in writes(tmp_path).items()
+    }
+    expected = {str(f.relative_to(root)) for f in (root / "out").rglob("*") if f.name in results}
+    assert wrote["first"] and wrote["joined"], wrote  # the work was shared
+    assert not wrote["first"] & wrote["joined"]  # no job run twice
+    assert wrote["first"] | wrote["joined"] == expected
+    mine = read_record(out / "compare.json", CompareResult)
+    alone = read_record(root / "out" / "compare.json", CompareResult)
+    assert mine.stage == "done" and mine.table == alone.table and mine.verdict == alone.verdict
+    assert mine.retrieval == alone.retrieval and mine.lr_search == alone.lr_search
+    records = [json.loads(line) for line in (out / "times.jsonl").read_text().splitlines()]
+    jobs = [r["job"] for r in records]
+    assert len(jobs) == len(set(jobs)) and all("seconds" in r for r in records)
+    assert set(jobs) == {r.job for r in alone.times}
+    assert not list((out / ".jobs").iterdir())  # every claim released
+
+
+def test_a_comparison_waits_for_a_job_another_process_holds_then_takes_it_over(
+    compared, tmp_path, monkeypatch
+):
+    """The one job left is held by another live process: the run scores nothing twice, says
+    what it waits for, and once that process is gone (kill -9: it released nothing) takes
+    the job over and scores it as a run alone would."""
+    import contextlib
+
+    from ropekit.compare import run as compare_run
+    from ropekit.compare.run import CLAIMS, _slug, run_compare
+    from ropekit.results import read_records, write_records
+    from tests.processes import locked_elsewhere
+
+    out, config = _copied(compared, tmp_path)
+    folder = out / "eval" / "yarn" / "s0" / "kjv"
+    original = read_record(folder / "ppl.json", PerplexityResult)
+    (folder / "ppl.json").unlink()
+    job = "eval eval/yarn/s0/kjv"
+    write_records(
+        out / "times.jsonl", [r for r in read_records(out / "times.jsonl") if r["job"] != job]
+    )
+    monkeypatch.setattr(compare_run, "WAIT_SECONDS", 0.1)
+    (out / CLAIMS).mkdir(exist_ok=True)
+    holder = contextlib.ExitStack()
+    holder.enter_context(locked_elsewhere(out, out / CLAIMS / f"{_slug(job)}.lock"))
+    said = []
+
+    def log(line: str) -> None:
+        said.append(line)
+        if "held by other processes" in line:
+            holder.close()  # the holder is killed while this run waits
+
+    with holder:
+        result = run_compare(config, out, log=log)
+    waits = [line for line in said if "held by other processes" in line]
+    assert waits == [
+        f"1 job left, held by other processes of this comparison ({job}): looking again in 0.1 s"
+    ]
+    assert result.stage == "done"
+    again = read_record(folder / "ppl.json", PerplexityResult)
+    assert again.results == original.results
+    assert job in {r["job"] for r in read_records(out / "times.jsonl") if "seconds" in r}

@@ -22,6 +22,14 @@ domain kept, every other field the same): the rerun scores what was added and re
 finished job, the learning-rate selections too (each keyed by what it depends on: the
 method's spec, the training and the rate).
 
+Several processes may run one comparison into one folder (``ropekit compare --join``): each
+claims a job before it runs or loads it (`_Comparison.claim`: a ``flock`` per job under
+``.jobs/``, dropped by the kernel when its process dies, kill -9 included), leaves a job
+another process holds for a later pass (`JobHeld`), and, when only such jobs are left, waits
+for them (`WAIT_SECONDS`) and takes over any whose process died. times.jsonl is rewritten
+under a lock with every other process's records kept, and the verdict is written by one
+process at a time. Alone in its folder a comparison ends in one pass.
+
 Layout of ``out_dir``:
 
     compare.json, report.md, report.html, *.png      the verdict, the tables, the figures
@@ -37,22 +45,25 @@ Layout of ``out_dir``:
                                                       single_documents=False)
     eval/<label>/s<seed>/probes/                      retrieval probes (summary.json, one
                                                       folder per length)
+    .jobs/                                            the claims of the jobs running now
 
 The plan (``plan_compare``, every run's first line) costs each job from one timed forward,
 and for a resumed folder also at the pace its finished jobs kept: their recorded wall time
 over the same estimate, the median per kind of job, since one forward's rate moves with the
 machine's load.
 
-Holds: run_compare, plan_compare, run_folder, engine_answers, length_entries, JobCost.
+Holds: run_compare, plan_compare, run_folder, engine_answers, length_entries, JobCost,
+JobHeld.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -82,6 +93,7 @@ from ropekit.evals.probes import (
     check_probe_sizes,
     probe_task,
 )
+from ropekit.outdir import LockHolder, OutDirLocked, hold_lock
 from ropekit.results import (
     ResultError,
     check_replaceable,
@@ -164,6 +176,7 @@ class _Comparison:
         self.times = out / "times.jsonl"  # wall time of each job, kept when a job is reused
         self.records: dict[str, dict[str, Any]] = {}  # finished jobs: {"job", "seconds", ...}
         self.attempts: dict[str, dict[str, Any]] = {}  # jobs begun, not finished (_timed)
+        self.changed: set[str] = set()  # jobs whose entry this process changed, not yet written
         for record in read_records(self.times):
             (self.attempts if "started" in record else self.records)[record["job"]] = record
         # The jobs of this comparison, run or reused: the time table lists only these (the
@@ -359,31 +372,28 @@ class _Comparison:
         A job whose ``result`` file is in ``folder`` with no record of it here, finished or
         begun, was computed elsewhere (copied in, or run ahead into the folder): it is
         loaded and gets no record, since the second the loading takes is not its time."""
-        finished = job in self.records
-        unknown = not finished and job not in self.attempts
-        if unknown and folder is not None and result and (folder / result).is_file():
-            value = fn()  # computed elsewhere: loaded
-            self.jobs.add(job)
-            return value
-        if not finished:
-            earlier = self._earlier_seconds(job, folder)
-            self.attempts[job] = {"job": job, "started": time.time(), "earlier": earlier}
-            self._write_times()
-        start = time.perf_counter()
-        try:
-            value = fn()
-        except BaseException:
+        with self.claim(job):
+            finished = job in self.records
+            unknown = not finished and job not in self.attempts
+            if unknown and folder is not None and result and (folder / result).is_file():
+                value = fn()  # computed elsewhere: loaded
+                self.jobs.add(job)
+                return value
             if not finished:
-                settled = self._earlier_seconds(job, folder)
-                self.attempts[job] = {"job": job, "started": None, "earlier": settled}
-                self._write_times()
-            raise
-        self.jobs.add(job)
-        if not finished:
-            del self.attempts[job]
-            self.records[job] = {"job": job, "seconds": earlier + time.perf_counter() - start}
-            self._write_times()
-        return value
+                earlier = self._earlier_seconds(job, folder)
+                self._set(job, {"job": job, "started": time.time(), "earlier": earlier})
+            start = time.perf_counter()
+            try:
+                value = fn()
+            except BaseException:
+                if not finished:
+                    settled = self._earlier_seconds(job, folder)
+                    self._set(job, {"job": job, "started": None, "earlier": settled})
+                raise
+            self.jobs.add(job)
+            if not finished:
+                self._set(job, {"job": job, "seconds": earlier + time.perf_counter() - start})
+            return value
 
     def _earlier_seconds(self, job: str, folder: Path | None) -> float:
         """Wall seconds of ``job``'s earlier attempts, each up to the last file it wrote in
@@ -398,8 +408,64 @@ class _Comparison:
         last = max((f.stat().st_mtime for f in files if f.is_file()), default=0.0)
         return attempt["earlier"] + max(0.0, last - attempt["started"])
 
+    @contextlib.contextmanager
+    def claim(self, job: str) -> Iterator[None]:
+        """Hold ``job`` for this process while it runs or loads it: several processes may run
+        one comparison in one folder (``ropekit compare --join``), and each takes only the
+        jobs no other holds. A job another live process holds raises `JobHeld`; a job held
+        by a process that died is free (the kernel drops its lock; `ropekit.outdir`). Inside,
+        the records are the folder's as of the claim (`_sync_times`), so a job another
+        process finished meanwhile is found finished. A process may claim a job it holds."""
+        (self.out / CLAIMS).mkdir(parents=True, exist_ok=True)
+        try:
+            lock = hold_lock(self.out / CLAIMS / f"{_slug(job)}.lock", command=job)
+        except OutDirLocked as e:
+            raise JobHeld((job,), e.holder) from None
+        with lock:
+            self._sync_times()
+            yield
+
+    @contextlib.contextmanager
+    def _waiting(self, name: str) -> Iterator[None]:
+        """The folder-wide lock ``name`` (a few milliseconds of writing), waited for."""
+        (self.out / CLAIMS).mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                lock = hold_lock(self.out / CLAIMS / name)
+                break
+            except OutDirLocked:
+                time.sleep(0.05)
+        with lock:
+            yield
+
+    def _set(self, job: str, entry: dict[str, Any]) -> None:
+        """Record ``job`` as finished ({"job", "seconds", ...}) or begun ("started") and write
+        times.jsonl; the entry is this process's until then (`_sync_times`)."""
+        begun = "started" in entry
+        (self.records if begun else self.attempts).pop(job, None)
+        (self.attempts if begun else self.records)[job] = entry
+        self.changed.add(job)
+        self._write_times()
+
+    def _sync_times(self, write: bool = False) -> None:
+        """Take into this process's records what times.jsonl now says of every job it has
+        not changed since it last wrote (the other processes' jobs); with ``write``, then
+        write them all back, this process's changes with the others', under the folder's
+        lock, so no process's record is lost to another's write."""
+        with self._waiting("times.lock"):
+            for record in read_records(self.times):
+                job = record["job"]
+                if job in self.changed:
+                    continue
+                begun = "started" in record
+                (self.records if begun else self.attempts).pop(job, None)
+                (self.attempts if begun else self.records)[job] = record
+            if write:
+                write_records(self.times, [*self.records.values(), *self.attempts.values()])
+                self.changed.clear()
+
     def _write_times(self) -> None:
-        write_records(self.times, [*self.records.values(), *self.attempts.values()])
+        self._sync_times(write=True)
 
     def job_name(self, kind: str, folder: Path) -> str:
         """A training run's, a perplexity's or a probes' job name in times.jsonl: the kind's
@@ -425,15 +491,16 @@ class _Comparison:
             return extend(backbone, config, folder, resume=True, command=self.command, log=self.log)
 
         job = self.job_name("training", folder)
-        result = self._timed(job, run, folder, RESULT_FILE["training"])
-        # A run that finished before the comparison reached it (trained ahead into its folder,
-        # as experiment E's prefetch does) is loaded, not trained: its time is the run's own
-        # (extend.json's). A run the comparison trained records at least the run's own time
-        # (the whole call, every attempt), so the larger of the two is the run's either way;
-        # a load recorded as the run's time before this rule is mended when it is next reached.
-        if result.elapsed_s > self.records.get(job, {}).get("seconds", 0.0):
-            self.records[job] = {"job": job, "seconds": result.elapsed_s}
-            self._write_times()
+        with self.claim(job):
+            result = self._timed(job, run, folder, RESULT_FILE["training"])
+            # A run that finished before the comparison reached it (trained ahead into its
+            # folder, as experiment E's prefetch does) is loaded, not trained: its time is the
+            # run's own (extend.json's). A run the comparison trained records at least the
+            # run's own time (the whole call, every attempt), so the larger of the two is the
+            # run's either way; a load recorded as the run's time before this rule is mended
+            # when it is next reached.
+            if result.elapsed_s > self.records.get(job, {}).get("seconds", 0.0):
+                self._set(job, {"job": job, "seconds": result.elapsed_s})
         backbone.cast(COMPUTE_DTYPES[c.dtype])  # trained in float32, scored in the config's dtype
         return backbone
 
@@ -482,7 +549,7 @@ class _Comparison:
     def evaluate(self, method: Method, seed: int, backbone: Backbone) -> Scores:
         """Perplexity of the model on every held-out domain that holds a length:
         {domain: ppl.json's record}."""
-        out = {}
+        out, held = {}, []
         for domain in self.config.eval_data:
             lengths = self.domain_lengths(domain)
             if not lengths:
@@ -500,41 +567,71 @@ class _Comparison:
                 ).result  # fmt: skip
 
             job = self.job_name("perplexity", folder)
-            out[domain] = self._timed(job, score, folder, RESULT_FILE["perplexity"])
+            with _unless_held(held):
+                out[domain] = self._timed(job, score, folder, RESULT_FILE["perplexity"])
+        _raise_held(held)  # every domain another process does not hold is scored first
         return out
 
     # ------------------------------------------------------------------ stages
-    def free(self) -> dict[str, dict[int, Scores]]:
-        results: dict[str, dict[int, Scores]] = {}
-        for method in (m for m in self.methods if not m.trained):
-            lr = self.config.lrs[0]
-            self.log(f"{method.label}: attached as {method.spec}, scoring")
-            backbone = self.extension(method, 0, lr, self.run_folder(method, 0, lr))
-            self.served[method.label] = engine_answers(backbone, self.config.target_length)
-            results[method.label] = {0: self.evaluate(method, 0, backbone)}
-        return results
+    def sweep(self, results: dict, searches: dict[str, LrSearch], probes: dict) -> list[str]:
+        """One pass over the stages (module docstring), filling in what ``results``,
+        ``searches`` and ``probes`` lack and writing the verdict after each stage that added
+        to them; returns the jobs other processes held (`JobHeld`), left for a later pass.
+        Alone in its folder a comparison ends in one pass."""
+        held: list[str] = []
+        before = len(results) if results else -1  # the first pass writes in any case
+        for method in (m for m in self.methods if not m.trained and m.label not in results):
+            with _unless_held(held):
+                results[method.label] = {0: self.untrained(method)}
+        if len(results) > before:
+            self.write(results, searches, probes, "untrained methods scored")
+        for method in (m for m in self.methods if m.trained and m.label not in results):
+            with _unless_held(held):
+                results[method.label], searches[method.label] = self.trained(method)
+                self.write(results, searches, probes, f"{method.label} trained and scored")
+        if self.config.retrieval_lengths(self.trained_at):
+            for method in (m for m in self.methods if m.label not in probes):
+                if method.trained and method.label not in searches:
+                    continue  # its rate is not chosen yet: held above
+                lr = searches[method.label].chosen if method.trained else self.config.lrs[0]
+                with _unless_held(held):
+                    self.log(f"{method.label}: retrieval probes")
+                    probes[method.label] = self.retrieval(method, lr)
+                    self.write(results, searches, probes, f"{method.label} probed")
+        return held
+
+    def untrained(self, method: Method) -> dict[str, PerplexityResult]:
+        lr = self.config.lrs[0]
+        self.log(f"{method.label}: attached as {method.spec}, scoring")
+        backbone = self.extension(method, 0, lr, self.run_folder(method, 0, lr))
+        self.served[method.label] = engine_answers(backbone, self.config.target_length)
+        return self.evaluate(method, 0, backbone)
 
     def trained(self, method: Method) -> tuple[dict[int, Scores], LrSearch]:
         c = self.config
         first = c.seeds[0]
-        candidates = {}
+        candidates, held = {}, []
         for lr in c.lrs:
-            self.log(f"{method.label}: training at lr {lr:g}, seed {first}")
-            backbone = self.extension(method, first, lr, self.run_folder(method, first, lr))
-            if len(c.lrs) > 1:
-                job = f"select {method.label} lr {lr:g}"
-                candidates[lr] = self._selected(
-                    job, method, lambda b=backbone: self.selection_nll(b, first)
-                )
+            with _unless_held(held):
+                self.log(f"{method.label}: training at lr {lr:g}, seed {first}")
+                backbone = self.extension(method, first, lr, self.run_folder(method, first, lr))
+                if len(c.lrs) > 1:
+                    job = f"select {method.label} lr {lr:g}"
+                    candidates[lr] = self._selected(
+                        job, method, lambda b=backbone: self.selection_nll(b, first)
+                    )
+        _raise_held(held)  # the rate is chosen from every candidate
         lr = min(candidates, key=candidates.get) if candidates else c.lrs[0]
         search = LrSearch(tuple(c.lrs), candidates, lr)
         results = {}
         for seed in c.seeds:
-            self.log(f"{method.label}: seed {seed} at lr {lr:g}, scoring")
-            backbone = self.extension(method, seed, lr, self.run_folder(method, seed, lr))
-            if seed == first:
-                self.served[method.label] = engine_answers(backbone, c.target_length)
-            results[seed] = self.evaluate(method, seed, backbone)
+            with _unless_held(held):
+                self.log(f"{method.label}: seed {seed} at lr {lr:g}, scoring")
+                backbone = self.extension(method, seed, lr, self.run_folder(method, seed, lr))
+                if seed == first:
+                    self.served[method.label] = engine_answers(backbone, c.target_length)
+                results[seed] = self.evaluate(method, seed, backbone)
+        _raise_held(held)  # a method enters the table with every seed, or not yet
         return results, search
 
     def retrieval(self, method: Method, lr: float) -> dict[int, ProbesResult]:
@@ -543,7 +640,7 @@ class _Comparison:
         reuses its answers and other probe settings or another model there are refused."""
         c = self.config
         config = c.probe_config(self.trained_at)
-        out = {}
+        out, held = {}, []
         for seed in c.probed_seeds(method.trained):
             backbone = self.extension(method, seed, lr, self.run_folder(method, seed, lr))
             folder = self.eval_folder(method, seed, "probes")
@@ -555,7 +652,9 @@ class _Comparison:
                 )  # fmt: skip
 
             job = self.job_name("probes", folder)
-            out[seed] = self._timed(job, probe, folder, RESULT_FILE["probes"])
+            with _unless_held(held):
+                out[seed] = self._timed(job, probe, folder, RESULT_FILE["probes"])
+        _raise_held(held)
         return out
 
     def _selected(self, job: str, method: Method, fn: Callable[[], float]) -> float:
@@ -573,17 +672,16 @@ class _Comparison:
         }  # fmt: skip
         key = digest({"job": job, "selection": depends})
         earlier = digest({"job": job, "config": c.to_dict()})
-        for record in self.records.values():
-            if record.get("key") in (key, earlier):
-                self.jobs.add(record["job"])
-                if record["key"] != key:
-                    record["key"] = key
-                    self._write_times()
-                return record["nll"]
-        value = self._timed(job, fn)
-        self.records[job] = {**self.records[job], "key": key, "nll": value}
-        self._write_times()
-        return value
+        with self.claim(job):
+            for record in list(self.records.values()):
+                if record.get("key") in (key, earlier):
+                    self.jobs.add(record["job"])
+                    if record["key"] != key:
+                        self._set(record["job"], {**record, "key": key})
+                    return record["nll"]
+            value = self._timed(job, fn)
+            self._set(job, {**self.records[job], "key": key, "nll": value})
+            return value
 
     # ------------------------------------------------------------------ the verdict
     def table(self, results: dict[str, dict[int, Scores]]) -> Rows:
@@ -656,8 +754,9 @@ class _Comparison:
             times=tuple(JobTime(**r) for r in self.records.values() if r["job"] in self.jobs),
             config=c.to_dict(),
         )  # fmt: skip
-        write_result(self.out / COMPARE_JSON, "compare", record)
-        write_report(record, self.out)
+        with self._waiting("write.lock"):  # one process at a time writes the verdict
+            write_result(self.out / COMPARE_JSON, "compare", record)
+            write_report(record, self.out)
         return record
 
 
@@ -727,6 +826,33 @@ class JobCost(NamedTuple):
 # The prefix of each kind's job names in times.jsonl (`_Comparison.job_name`; a selection's
 # name is "select {label} lr {lr}"), and the file in its folder that holds its result once
 # it is finished.
+class JobHeld(Exception):
+    """Jobs another live process of the same comparison holds (``ropekit compare --join``):
+    this process leaves them, takes the next jobs, and waits for these at the end."""
+
+    def __init__(self, jobs: tuple[str, ...], holder: LockHolder | None = None) -> None:
+        super().__init__(", ".join(jobs))
+        self.jobs, self.holder = jobs, holder
+
+
+@contextlib.contextmanager
+def _unless_held(held: list[str]) -> Iterator[None]:
+    """Run the block; a `JobHeld` raised in it adds its jobs to ``held`` instead, so the
+    jobs after the block still run."""
+    try:
+        yield
+    except JobHeld as e:
+        held.extend(e.jobs)
+
+
+def _raise_held(held: list[str]) -> None:
+    if held:
+        raise JobHeld(tuple(held))
+
+
+# Where the processes of one comparison claim its jobs (`_Comparison.claim`); how long one
+# that has nothing left but jobs another holds waits before it looks again.
+CLAIMS, WAIT_SECONDS = ".jobs", 60.0
 JOB_PREFIX = {"training": "train", "perplexity": "eval", "probes": "probes"}
 RESULT_FILE = {"training": EXTEND_JSON, "perplexity": "ppl.json", "probes": "summary.json"}
 
@@ -882,18 +1008,16 @@ def run_compare(
     progress bar (the command line does)."""
     run = _open(config, Path(out_dir), command, log, progress)
     log(run.plan())
-    results = run.free()
+    results: dict[str, dict[int, Scores]] = {}
     searches: dict[str, LrSearch] = {}
     probes: dict[str, Any] = {}
-    summary = run.write(results, searches, probes, "untrained methods scored")
-    for method in (m for m in run.methods if m.trained):
-        results[method.label], searches[method.label] = run.trained(method)
-        summary = run.write(results, searches, probes, f"{method.label} trained and scored")
-    if config.retrieval_lengths(run.trained_at):
-        for method in run.methods:
-            lr = searches[method.label].chosen if method.trained else config.lrs[0]
-            run.log(f"{method.label}: retrieval probes")
-            probes[method.label] = run.retrieval(method, lr)
-            summary = run.write(results, searches, probes, f"{method.label} probed")
-    summary = run.write(results, searches, probes, "done")
-    return summary
+    while held := run.sweep(results, searches, probes):
+        # What is left is held by other processes of this comparison (--join): wait for it,
+        # or take it over from one that stopped (its lock is then free).
+        log(
+            f"{len(held)} job{'s' * (len(held) != 1)} left, held by other processes of this "
+            f"comparison ({held[0]}{', ...' * (len(held) > 1)}): looking again in "
+            f"{WAIT_SECONDS:g} s"
+        )
+        time.sleep(WAIT_SECONDS)
+    return run.write(results, searches, probes, "done")
