@@ -105,8 +105,11 @@ def hook(event, args):
     else:
         return
     for p in paths:
-        if isinstance(p, (str, os.PathLike)) and os.fspath(p).startswith(root):
-            log.write(event + " " + os.path.relpath(os.fspath(p), root) + "\\n")
+        if not isinstance(p, (str, os.PathLike)) or isinstance(os.fspath(p), bytes):
+            continue
+        p = os.path.abspath(os.fspath(p))  # a relative path: from this process's folder
+        if p.startswith(root):
+            log.write(event + " " + os.path.relpath(p, root) + "\\n")
 
 sys.addaudithook(hook)
 """
@@ -147,8 +150,9 @@ def launch(args: list[str], root: Path, timeout: float = 180) -> subprocess.Comp
 def run_together(
     argvs: dict[str, list[str]], root: Path, timeout: float = 300
 ) -> dict[str, subprocess.CompletedProcess]:
-    """{name: `ropekit *argv`} started at once as separate processes (one thread each), each
-    logging what it writes under `root` as `name` (read them with `writes`); their results."""
+    """{name: `ropekit *argv`} started at once in `root` as separate processes (one thread
+    each), each logging what it writes under `root` as `name` (read them with `writes`);
+    their results."""
     audit, log = root / ".audit", root / ".writes"
     audit.mkdir(parents=True, exist_ok=True)
     log.mkdir(exist_ok=True)
@@ -165,6 +169,7 @@ def run_together(
             started[name] = subprocess.Popen(
                 [sys.executable, "-m", "ropekit.cli", *argv],
                 env=env | {"ROPEKIT_TEST_WRITE_NAME": name},
+                cwd=root,
                 stdout=stdout,
                 stderr=stderr,
             )

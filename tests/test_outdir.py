@@ -104,6 +104,23 @@ def test_the_lock_is_released_on_exceptions_and_ctrl_c(tmp_path):
         lock_out_dir(out).release()  # free again
 
 
+def test_a_lock_taken_by_a_relative_path_is_released_by_it(tmp_path, monkeypatch):
+    """A lock taken by a relative path (an --out given relative; compare's job claims in it)
+    is given back when its holder releases it, not only at the process's exit: its file is
+    gone and another process takes it at once."""
+    monkeypatch.chdir(tmp_path)
+    with lock_out_dir("run"):
+        (tmp_path / "run" / "result.json").write_text("{}")
+    with outdir.hold_lock(Path("run") / "job.lock"):
+        pass
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
+    assert not (tmp_path / "run" / "job.lock").exists()
+    run = tmp_path / "run"
+    script = "from ropekit.outdir import hold_lock, lock_out_dir; "
+    script += f"lock_out_dir({str(run)!r}); hold_lock({str(run / 'job.lock')!r})"
+    subprocess.run([sys.executable, "-c", script], env=_env(), check=True)
+
+
 def test_the_lock_is_released_when_the_process_exits(tmp_path):
     out = tmp_path / "run"
     script = f"from ropekit.outdir import lock_out_dir; lock_out_dir({str(out)!r}); "

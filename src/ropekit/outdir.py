@@ -245,6 +245,9 @@ class OutDirLock:
 
     def __init__(self, path: Path, *, held: bool, previous: LockHolder | None = None):
         self.path = path  # the lock file
+        # the key hold_lock filed it under: the absolute path now, so that a lock taken by a
+        # relative path (an --out given relative) is found again at release
+        self._key = str(path.absolute())
         self.held = held
         self.previous = previous  # the dead process whose lock this one took over, if any
         self._released = False
@@ -260,7 +263,7 @@ class OutDirLock:
         if not self.held or self._released:
             return
         self._released = True
-        _release(str(self.path))
+        _release(self._key)
 
 
 def held_root(path: str | os.PathLike[str]) -> Path | None:

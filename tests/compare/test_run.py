@@ -685,7 +685,7 @@ def test_two_processes_share_one_comparison_each_job_run_once(compared, tmp_path
 
     root, argv = compared
     out = tmp_path / "out"
-    shared = [*argv[: argv.index("--out") + 1], str(out)]
+    shared = [*argv[: argv.index("--out") + 1], "out"]  # relative: each claim released by it
     done = run_together({"first": shared, "joined": [*shared, "--join"]}, tmp_path)
     for name, process in done.items():
         assert process.returncode == 0, f"{name}: {process.stderr[-2000:]}"
