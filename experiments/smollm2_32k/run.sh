@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Experiment E's comparison on one core (resumable: rerun to continue). From the repo root:
-#   nohup experiments/smollm2_32k/run.sh > e.log 2>&1 &          # stages 1 (and 3), final/
-#   nohup experiments/smollm2_32k/run.sh stage2 > e2.log 2>&1 &   # stage 2 beside it, stage2/
-# Stage 2's folder starts with the unmodified model's finished jobs copied from final/, so
-# they are reused, not recomputed; `python -m experiments.smollm2_32k.merge` later copies
-# stage 2's finished jobs into final/ (while final/'s run is stopped).
+#   nohup experiments/smollm2_32k/run.sh > e.log 2>&1 &          # the comparison, final/
+#   nohup experiments/smollm2_32k/run.sh join > e2.log 2>&1 &     # a second core on it
+# `join` runs the same comparison with --join: each process takes the jobs the other does not
+# hold. (Until 2026-12-05 the second core ran stage 2 as a comparison of its own, `stage2`,
+# into stage2/, which started with the unmodified model's finished jobs copied from final/;
+# `python -m experiments.smollm2_32k.merge` copied its finished jobs into final/.)
 # From nothing: it sets up .venv and installs the model when they are missing (a new
 # checkout has neither), and it runs the committed source (HEAD's src/, copied to a temporary
 # folder), so src/ can be edited while it runs.
@@ -12,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export OMP_NUM_THREADS=1
 E=experiments/smollm2_32k
-case "${1:-final}" in final | stage2) ;; *) echo "usage: $0 [final|stage2]" >&2; exit 2 ;; esac
+case "${1:-final}" in final | join | stage2) ;; *) echo "usage: $0 [final|join|stage2]" >&2; exit 2 ;; esac
 flock "${TMPDIR:-/tmp}/ropekit-setup.lock" make -s setup  # both stages may start at once
 .venv/bin/ropekit models install smollm2-135m
 SRC=$(mktemp -d "${TMPDIR:-/tmp}/ropekit-e-src.XXXXXX")
@@ -21,6 +22,7 @@ export PYTHONPATH="$SRC/src"
 echo "running ropekit from $SRC (HEAD $(git rev-parse --short HEAD))"
 case "${1:-final}" in
   final) exec .venv/bin/ropekit compare --config "$E/compare.json" --out "$E/final" ;;
+  join) exec .venv/bin/ropekit compare --config "$E/compare.json" --out "$E/final" --join ;;
   stage2)
     mkdir -p "$E/stage2/methods" "$E/stage2/eval"
     [ -e "$E/stage2/methods/rope" ] || cp -r "$E/final/methods/rope" "$E/stage2/methods/"
