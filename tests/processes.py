@@ -193,16 +193,19 @@ def writes(root: Path) -> dict[str, set[str]]:
 
 
 @contextlib.contextmanager
-def locked_elsewhere(folder: Path, lock_file: Path | None = None) -> Iterator[None]:
+def locked_elsewhere(
+    folder: Path, lock_file: Path | None = None, command: str = "test"
+) -> Iterator[None]:
     """``folder``'s lock (``ropekit.outdir.lock_out_dir``), or the lock file ``lock_file``
-    (``hold_lock``), held by another process for the span of the block, as a running command
-    holds it; that process is killed after (kill -9: it releases nothing itself), and the
-    lock file it leaves removed. (A lock taken in this process would not stop this process.)"""
+    (``hold_lock``, its record naming ``command``), held by another process for the span of
+    the block, as a running command holds it; that process is killed after (kill -9: it
+    releases nothing itself), and the lock file it leaves removed. (A lock taken in this
+    process would not stop this process.)"""
     from ropekit.outdir import LOCK_FILE
 
     path = Path(lock_file) if lock_file is not None else Path(folder) / LOCK_FILE
     take = (
-        f"hold_lock({str(path)!r}, command='test')"
+        f"hold_lock({str(path)!r}, command={command!r})"
         if lock_file is not None
         else f"lock_out_dir({str(folder)!r})"
     )

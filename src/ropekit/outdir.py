@@ -4,6 +4,7 @@ Holds:
     OutputError      an OSError *and* a ValueError: "cannot write <path>: <reason>", one line.
     OutDirLocked     OutputError: another live process holds the folder (names its pid).
     LockHolder       who holds a lock: pid, host, command, since (the lock file's record).
+    holder_of        the record in a lock file, read without taking the lock.
     OutDirLock       a lock this process holds (or, on a non-main process, a no-op one).
     lock_out_dir     create `--out` if needed, check it is a writable folder, lock it.
     hold_lock        the same lock on any lock-file path (`models install` locks its model).
@@ -415,6 +416,20 @@ def _read_holder(fd: int, wait: bool = False) -> LockHolder | None:
             if wait:
                 time.sleep(0.01)
     return None
+
+
+def holder_of(path: str | os.PathLike[str]) -> LockHolder | None:
+    """The record in the lock file ``path``, read without taking the lock (so it changes
+    nothing): who holds it, or last held it if that process is gone (`LockHolder.alive`);
+    None when there is no readable record."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        return _read_holder(fd)
+    finally:
+        os.close(fd)
 
 
 def _locked(path: Path, what: str, holder: LockHolder | None) -> OutDirLocked:

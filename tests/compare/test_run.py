@@ -714,9 +714,9 @@ def test_two_processes_share_one_comparison_each_job_run_once(compared, tmp_path
 def test_a_comparison_waits_for_a_job_another_process_holds_then_takes_it_over(
     compared, tmp_path, monkeypatch
 ):
-    """The one job left is held by another live process: the run scores nothing twice, says
-    what it waits for, and once that process is gone (kill -9: it released nothing) takes
-    the job over and scores it as a run alone would."""
+    """The one job left is held by another live process: the run's plan names it, the run
+    scores nothing twice, says what it waits for, and once that process is gone (kill -9: it
+    released nothing) takes the job over and scores it as a run alone would."""
     import contextlib
 
     from ropekit.compare import run as compare_run
@@ -735,7 +735,7 @@ def test_a_comparison_waits_for_a_job_another_process_holds_then_takes_it_over(
     monkeypatch.setattr(compare_run, "WAIT_SECONDS", 0.1)
     (out / CLAIMS).mkdir(exist_ok=True)
     holder = contextlib.ExitStack()
-    holder.enter_context(locked_elsewhere(out, out / CLAIMS / f"{_slug(job)}.lock"))
+    holder.enter_context(locked_elsewhere(out, out / CLAIMS / f"{_slug(job)}.lock", job))
     said = []
 
     def log(line: str) -> None:
@@ -745,6 +745,8 @@ def test_a_comparison_waits_for_a_job_another_process_holds_then_takes_it_over(
 
     with holder:
         result = run_compare(config, out, log=log)
+    assert said[0].startswith("plan: ")  # the plan names what the other process runs
+    assert said[0].endswith(f"; running now in other processes: {job}")
     waits = [line for line in said if "held by other processes" in line]
     assert waits == [
         f"1 job left, held by other processes of this comparison ({job}): looking again in 0.1 s"

@@ -61,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -93,7 +94,7 @@ from ropekit.evals.probes import (
     check_probe_sizes,
     probe_task,
 )
-from ropekit.outdir import LockHolder, OutDirLocked, hold_lock
+from ropekit.outdir import LockHolder, OutDirLocked, hold_lock, holder_of
 from ropekit.results import (
     ResultError,
     check_replaceable,
@@ -245,8 +246,17 @@ class _Comparison:
             + (f" of up to {max(lengths):,} tokens" if lengths else "")
             + "; finished jobs in the folder are reused"
             + self.estimate()
+            + self.running_elsewhere()
             + warning
         )
+
+    def running_elsewhere(self) -> str:
+        """The jobs other live processes of this comparison hold now (``--join``), from their
+        claims' records, read without taking them (so the plan stays read-only)."""
+        claims = sorted((self.out / CLAIMS).glob("*.lock")) if (self.out / CLAIMS).is_dir() else []
+        holders = [h for h in map(holder_of, claims) if h is not None and h.command]
+        jobs = [h.command for h in holders if h.pid != os.getpid() and h.alive() is not False]
+        return f"; running now in other processes: {', '.join(jobs)}" if jobs else ""
 
     def estimate(self) -> str:
         """The plan's compute estimate (`job_costs`), in words: for every job, and for the jobs
