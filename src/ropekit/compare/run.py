@@ -652,17 +652,17 @@ class _Comparison:
         config = c.probe_config(self.trained_at)
         out, held = {}, []
         for seed in c.probed_seeds(method.trained):
-            backbone = self.extension(method, seed, lr, self.run_folder(method, seed, lr))
             folder = self.eval_folder(method, seed, "probes")
-
-            def probe(backbone: Backbone = backbone, folder: Path = folder) -> ProbesResult:
-                return run_probes(
-                    backbone, config, folder, spec=method.spec, command=self.command,
-                    progress=self.progress,
-                )  # fmt: skip
-
-            job = self.job_name("probes", folder)
             with _unless_held(held):
+                backbone = self.extension(method, seed, lr, self.run_folder(method, seed, lr))
+
+                def probe(backbone: Backbone = backbone, folder: Path = folder) -> ProbesResult:
+                    return run_probes(
+                        backbone, config, folder, spec=method.spec, command=self.command,
+                        progress=self.progress,
+                    )  # fmt: skip
+
+                job = self.job_name("probes", folder)
                 out[seed] = self._timed(job, probe, folder, RESULT_FILE["probes"])
         _raise_held(held)
         return out
@@ -833,9 +833,6 @@ class JobCost(NamedTuple):
     finished: bool  # its result is in the folder
 
 
-# The prefix of each kind's job names in times.jsonl (`_Comparison.job_name`; a selection's
-# name is "select {label} lr {lr}"), and the file in its folder that holds its result once
-# it is finished.
 class JobHeld(Exception):
     """Jobs another live process of the same comparison holds (``ropekit compare --join``):
     this process leaves them, takes the next jobs, and waits for these at the end."""
@@ -863,6 +860,9 @@ def _raise_held(held: list[str]) -> None:
 # Where the processes of one comparison claim its jobs (`_Comparison.claim`); how long one
 # that has nothing left but jobs another holds waits before it looks again.
 CLAIMS, WAIT_SECONDS = ".jobs", 60.0
+# The prefix of each kind's job names in times.jsonl (`_Comparison.job_name`; a selection's
+# name is "select {label} lr {lr}"), and the file in its folder that holds its result once
+# it is finished.
 JOB_PREFIX = {"training": "train", "perplexity": "eval", "probes": "probes"}
 RESULT_FILE = {"training": EXTEND_JSON, "perplexity": "ppl.json", "probes": "summary.json"}
 
