@@ -484,22 +484,23 @@ def test_smollm2_32k_contrasts_also_read_a_second_folders_methods(tmp_path):
 
     final = ROOT / "experiments" / "smollm2_32k" / "final"
     stage2 = tmp_path / "stage2"
-    for method, source in [("string", "yarn-x4"), ("rope", "tuned-yarn")]:
+    # a method final/ will never hold (its own methods fill in as E runs)
+    for method, source in [("stage2-only", "yarn-x4"), ("rope", "tuned-yarn")]:
         for domain in contrasts.DOMAINS:
             target = stage2 / "eval" / method / "s0" / domain
             target.mkdir(parents=True)
             shutil.copy(final / "eval" / source / "s0" / domain / "ppl.json", target)
     seeds = contrasts.scored_seeds(final)
     merged = contrasts.union([final, stage2], tmp_path / "view")
-    assert contrasts.scored_seeds(merged) == seeds | {"string": [0]}
-    rows = {m: score for m, _, score, _ in contrasts.standing(merged, seeds | {"string": [0]},
+    assert contrasts.scored_seeds(merged) == seeds | {"stage2-only": [0]}
+    rows = {m: score for m, _, score, _ in contrasts.standing(merged, seeds | {"stage2-only": [0]},
                                                                 32768)}  # fmt: skip
     alone = {m: score for m, _, score, _ in contrasts.standing(final, seeds, 32768)}
-    assert rows["string"] == alone["yarn-x4"] and rows["rope"] == alone["rope"]
+    assert rows["stage2-only"] == alone["yarn-x4"] and rows["rope"] == alone["rope"]
     command = [sys.executable, "-m", "experiments.smollm2_32k.contrasts", "--also", str(stage2)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "| string | 0 |" in done.stdout and "string (seeds [0])" in done.stdout
+    assert "| stage2-only | 0 |" in done.stdout and "stage2-only (seeds [0])" in done.stdout
     done = subprocess.run([*command, "--also", str(tmp_path / "nothing")], cwd=ROOT,
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 2 and "--also" in done.stderr and "has no eval/" in done.stderr
