@@ -715,7 +715,7 @@ def test_a_comparison_waits_for_a_job_another_process_holds_then_takes_it_over(
     compared, tmp_path, monkeypatch
 ):
     """The one job left is held by another live process: the run's plan names it, the run
-    scores nothing twice, says what it waits for, and once that process is gone (kill -9: it
+    scores nothing twice, says once what it waits for, and once that process is gone (kill -9: it
     released nothing) takes the job over and scores it as a run alone would."""
     import contextlib
 
@@ -736,20 +736,23 @@ def test_a_comparison_waits_for_a_job_another_process_holds_then_takes_it_over(
     (out / CLAIMS).mkdir(exist_ok=True)
     holder = contextlib.ExitStack()
     holder.enter_context(locked_elsewhere(out, out / CLAIMS / f"{_slug(job)}.lock", job))
-    said = []
+    said, looks = [], []
+    sleep = compare_run.time.sleep
 
-    def log(line: str) -> None:
-        said.append(line)
-        if "held by other processes" in line:
-            holder.close()  # the holder is killed while this run waits
+    def wait(seconds: float) -> None:  # the holder is killed while this run waits, 3 looks in
+        looks.append(seconds)
+        if len(looks) == 3:
+            holder.close()
+        sleep(seconds)
 
+    monkeypatch.setattr(compare_run.time, "sleep", wait)
     with holder:
-        result = run_compare(config, out, log=log)
+        result = run_compare(config, out, log=said.append)
     assert said[0].startswith("plan: ")  # the plan names what the other process runs
     assert said[0].endswith(f"; running now in other processes: {job}")
     waits = [line for line in said if "held by other processes" in line]
-    assert waits == [
-        f"1 job left, held by other processes of this comparison ({job}): looking again in 0.1 s"
+    assert looks == [0.1] * 3 and waits == [  # said once, not at every look
+        f"1 job left, held by other processes of this comparison ({job}): looking again every 0.1 s"
     ]
     assert result.stage == "done"
     again = read_record(folder / "ppl.json", PerplexityResult)

@@ -1021,13 +1021,17 @@ def run_compare(
     results: dict[str, dict[int, Scores]] = {}
     searches: dict[str, LrSearch] = {}
     probes: dict[str, Any] = {}
+    said: list[str] = []
     while held := run.sweep(results, searches, probes):
         # What is left is held by other processes of this comparison (--join): wait for it,
-        # or take it over from one that stopped (its lock is then free).
-        log(
-            f"{len(held)} job{'s' * (len(held) != 1)} left, held by other processes of this "
-            f"comparison ({held[0]}{', ...' * (len(held) > 1)}): looking again in "
-            f"{WAIT_SECONDS:g} s"
-        )
+        # or take it over from one that stopped (its lock is then free). Said once per set
+        # of held jobs, not at every look (the last job may run for hours).
+        if held != said:
+            log(
+                f"{len(held)} job{'s' * (len(held) != 1)} left, held by other processes of "
+                f"this comparison ({held[0]}{', ...' * (len(held) > 1)}): looking again every "
+                f"{WAIT_SECONDS:g} s"
+            )
+            said = held
         time.sleep(WAIT_SECONDS)
     return run.write(results, searches, probes, "done")
