@@ -179,7 +179,7 @@ class _Comparison:
         self.attempts: dict[str, dict[str, Any]] = {}  # jobs begun, not finished (_timed)
         self.changed: set[str] = set()  # jobs whose entry this process changed, not yet written
         for record in read_records(self.times):
-            (self.attempts if "started" in record else self.records)[record["job"]] = record
+            self._place(record)
         # The jobs of this comparison, run or reused: the time table lists only these (the
         # folder may keep records of a stopped run with other methods or domains).
         self.jobs: set[str] = set()
@@ -426,9 +426,8 @@ class _Comparison:
         by a process that died is free (the kernel drops its lock; `ropekit.outdir`). Inside,
         the records are the folder's as of the claim (`_sync_times`), so a job another
         process finished meanwhile is found finished. A process may claim a job it holds."""
-        (self.out / CLAIMS).mkdir(parents=True, exist_ok=True)
         try:
-            lock = hold_lock(self.out / CLAIMS / f"{_slug(job)}.lock", command=job)
+            lock = hold_lock(self._claims(f"{_slug(job)}.lock"), command=job)
         except OutDirLocked as e:
             raise JobHeld((job,), e.holder) from None
         with lock:
@@ -438,10 +437,9 @@ class _Comparison:
     @contextlib.contextmanager
     def _waiting(self, name: str) -> Iterator[None]:
         """The folder-wide lock ``name`` (a few milliseconds of writing), waited for."""
-        (self.out / CLAIMS).mkdir(parents=True, exist_ok=True)
         while True:
             try:
-                lock = hold_lock(self.out / CLAIMS / name)
+                lock = hold_lock(self._claims(name))
                 break
             except OutDirLocked:
                 time.sleep(0.05)
@@ -451,11 +449,20 @@ class _Comparison:
     def _set(self, job: str, entry: dict[str, Any]) -> None:
         """Record ``job`` as finished ({"job", "seconds", ...}) or begun ("started") and write
         times.jsonl; the entry is this process's until then (`_sync_times`)."""
-        begun = "started" in entry
-        (self.records if begun else self.attempts).pop(job, None)
-        (self.attempts if begun else self.records)[job] = entry
+        self._place(entry)
         self.changed.add(job)
         self._write_times()
+
+    def _place(self, entry: dict[str, Any]) -> None:
+        """``entry`` as its job's one record: begun ("started") or finished."""
+        begun = "started" in entry
+        (self.records if begun else self.attempts).pop(entry["job"], None)
+        (self.attempts if begun else self.records)[entry["job"]] = entry
+
+    def _claims(self, name: str) -> Path:
+        """The lock file ``name`` in the folder's claims (`claim`), its folder made."""
+        (self.out / CLAIMS).mkdir(parents=True, exist_ok=True)
+        return self.out / CLAIMS / name
 
     def _sync_times(self, write: bool = False) -> None:
         """Take into this process's records what times.jsonl now says of every job it has
@@ -464,12 +471,8 @@ class _Comparison:
         lock, so no process's record is lost to another's write."""
         with self._waiting("times.lock"):
             for record in read_records(self.times):
-                job = record["job"]
-                if job in self.changed:
-                    continue
-                begun = "started" in record
-                (self.records if begun else self.attempts).pop(job, None)
-                (self.attempts if begun else self.records)[job] = record
+                if record["job"] not in self.changed:
+                    self._place(record)
             if write:
                 write_records(self.times, [*self.records.values(), *self.attempts.values()])
                 self.changed.clear()
