@@ -54,14 +54,18 @@ BASELINE = "rope"  # the unmodified model: the cost at L0 is against it; it exte
 # once stage 2 has scored its methods.
 BEST_FREE = "best-free"
 # The question (head-wise AdaRoPE against its global control, tuned YaRN and the best
-# training-free method), then what the partial results already show.
+# training-free method), then each learned or searched schedule against YaRN x4, the schedule
+# every trained method starts from (did learning or searching improve on it?), and the best
+# free method against it.
 PAIRS = (
     ("adarope", "adarope-global"),
     ("adarope", "tuned-yarn"),
     ("adarope", BEST_FREE),
+    ("adarope", "yarn-x4"),
     ("adarope-global", "yarn-x4"),
     ("adarope-global", BEST_FREE),
     ("tuned-yarn", "yarn-x4"),
+    ("searched", "yarn-x4"),
     (BEST_FREE, "yarn-x4"),
 )
 
