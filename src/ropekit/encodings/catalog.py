@@ -123,7 +123,7 @@ ENTRIES: tuple[Entry, ...] = (
     Entry(
         String,
         StringConfig,
-        "large distances shifted onto well-trained small ones (shift S, window W)",
+        "far distances shifted onto well-trained small ones (shift S, window W); reach ~1.5 L0",
         "An et al. 2025",
     ),
 )

@@ -41,7 +41,9 @@ keys at other positions in a few bands:
   attended (niah/test_niah_llama.py, ruler/test_ruler_llama.py: 0.33 of the test length;
   ``shift_of=original``: 0.33 L0, ropekit's first STRING), W = 128, and the cos and sin of q
   and k times 0.1 ln 2 + 1 (string_for_llama.py, replace_with_string: attention_factor), so
-  logits times 1.143 (``scale=authors``; ``scale=none`` without).
+  logits times 1.143 (``scale=authors``; ``scale=none`` without). With the authors' shift
+  the longest distance maps to about 0.67 L + W: inside L0 only up to about 1.5 L0
+  (`StringConfig`).
 
 DCA's scale and STRING's default shift follow the length attended, L = the last key position
 + 1 of the call (the rule of length-following schedules): such an encoding is ``dynamic``, so
@@ -319,7 +321,13 @@ class StringConfig(RemapConfig):
     """STRING (An et al. 2025): distances >= S are shifted down by S - W, as the authors run
     it by default: S = int(0.33 x the length attended), cos and sin x (0.1 ln 2 + 1)
     (``shift_of``, ``scale``; the module docstring cites each). The spec always names both: a
-    STRING spec written before they existed was S = int(0.33 L0) with no scale."""
+    STRING spec written before they existed was S = int(0.33 L0) with no scale.
+
+    Its reach: the longest distance, L - 1, becomes L - 1 - S + W, about 0.67 L + W with the
+    authors' shift, which stays inside a model's trained L0 only while L <= (L0 - W) / 0.67,
+    about 1.5 L0. STRING replaces undertrained far positions inside L0; it does not extend a
+    model 4x (experiment E: 785-1236 last-quarter perplexity at 32k from SmolLM2-135M's 8k,
+    where the other remaps read 11-33)."""
 
     name: ClassVar[str] = "string"
     shift: int | None = None  # S (tokens): distances >= S become d - S + W; None: shift_of's rule
