@@ -365,6 +365,11 @@ def cmd_eval_probes(args: argparse.Namespace) -> int:
             f"length {e.length:>7}: accuracy {e.accuracy:.2f} "
             f"[{e.low:.2f}, {e.high:.2f}] ({e.correct}/{e.n} probes, {e.haystacks} prefills)"
             + (
+                f"; {e.substring.correct}/{e.n} by RULER's substring rule"
+                if e.substring is not None and e.substring.correct != e.correct
+                else ""
+            )
+            + (
                 f"; {e.other_needle} of {e.n - e.correct} wrong answers name another "
                 f"needle's value ({e.nearest_needle} the needle nearest the question)"
                 if config.needles > 1 and e.correct < e.n

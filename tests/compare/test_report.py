@@ -16,6 +16,8 @@ from ropekit.compare.record import (
     SummaryEntry,
 )
 from ropekit.compare.verdict import pooled_retrieval
+from ropekit.evals.intervals import accuracy_entry
+from ropekit.evals.probes import Accuracy
 from ropekit.results import read_record
 
 # A committed comparison: the base the report's unit tests change a few fields of.
@@ -27,7 +29,7 @@ def test_the_report_counts_answers_that_name_another_needle_when_a_haystack_hold
 
     seed = SeedAccuracy(
         correct=1, n=10, accuracy=0.1, low=0.0, high=0.4, confidence=0.95, other_needle=8,
-        nearest_needle=7, length=64, seed=0,
+        nearest_needle=7, length=64, seed=0, substring=None,
     )  # fmt: skip
     data = dataclasses.replace(
         read_record(COMMITTED, CompareResult),
@@ -40,6 +42,33 @@ def test_the_report_counts_answers_that_name_another_needle_when_a_haystack_hold
     assert "probe_needles=1" in blocks[-1].caption
     one = dataclasses.replace(data, probes=dataclasses.replace(data.probes, needles=1))
     assert len(_retrieval_table(one)) == 2  # the heading and the accuracies only
+
+
+def test_the_report_shows_the_substring_rule_where_it_differs_from_exact_match():
+    """YaRN x4 at 32k in experiment E: 3/5 exact, 4/5 by RULER's rule ("7432144.0000"). The
+    second table appears only where the rules differ somewhere; '?' where it was not counted."""
+    from ropekit.compare.report import _retrieval_table
+
+    def seed(correct: int, substring: int | None, label_seed: int = 0) -> SeedAccuracy:
+        exact, by_rule = (accuracy_entry(k, 5) if k is not None else None
+                          for k in (correct, substring))  # fmt: skip
+        return SeedAccuracy(
+            **exact, other_needle=0, nearest_needle=0, length=64, seed=label_seed,
+            substring=by_rule and Accuracy(**by_rule),
+        )  # fmt: skip
+
+    data = dataclasses.replace(
+        read_record(COMMITTED, CompareResult),
+        methods=(Method("rope", "rope", False), Method("yarn", "yarn", False)),
+        probes=ProbeSettings(lengths=(64,), needles=1, haystacks=5, task="t", probes_per_run=5),
+        retrieval={"rope": {64: pooled_retrieval([seed(0, None)])},
+                   "yarn": {64: pooled_retrieval([seed(3, 4)])}},
+    )  # fmt: skip
+    blocks = _retrieval_table(data)
+    assert len(blocks) == 3 and "substring rule" in blocks[-1].caption
+    assert blocks[-1].rows == [["rope", "?"], ["yarn", "0.80 [0.38, 0.96] (4/5)"]]
+    same = {"yarn": {64: pooled_retrieval([seed(3, 3)])}}
+    assert len(_retrieval_table(dataclasses.replace(data, retrieval=same))) == 2
 
 
 def test_a_collapsed_method_does_not_flatten_the_perplexity_figures(tmp_path):

@@ -15,6 +15,8 @@ from ropekit.compare import recommend
 from ropekit.compare.record import EngineAnswer, SeedAccuracy, TableEntry, Verdict
 from ropekit.compare.verdict import per_engine, pooled_accuracy, pooled_retrieval, retrieval_note
 from ropekit.evals import wilson_interval
+from ropekit.evals.intervals import accuracy_entry
+from ropekit.evals.probes import Accuracy
 from ropekit.results import encode
 from tests.runaway import cpu_limit
 
@@ -233,13 +235,28 @@ def test_pooled_retrieval_keeps_the_confidence_level_asked_for():
     assert pooled["confidence"] == 0.9
 
 
-def _seed(correct, n, seed, other=None, nearest=None, confidence=0.95, length=64):
-    """One seed's probes at one length, its interval Wilson's at ``confidence``."""
+def _accuracy(correct, n, confidence=0.95) -> Accuracy:
+    return Accuracy(**accuracy_entry(correct, n, confidence))
+
+
+def _seed(correct, n, seed, other=None, nearest=None, confidence=0.95, length=64, substring=None):
+    """One seed's probes at one length, its interval Wilson's at ``confidence``; ``substring``
+    correct by RULER's rule (None: not counted)."""
     low, high = wilson_interval(correct, n, confidence)
     return SeedAccuracy(
         correct=correct, n=n, accuracy=correct / n, low=low, high=high, confidence=confidence,
         other_needle=other, nearest_needle=nearest, length=length, seed=seed,
+        substring=None if substring is None else _accuracy(substring, n, confidence),
     )  # fmt: skip
+
+
+def test_pooled_retrieval_sums_the_substring_rule_apart_and_refuses_a_partial_count():
+    """3/10 and 7/10 exact, 4/10 and 9/10 by the substring rule: 13/20 with its own Wilson
+    interval. A seed whose summary did not count it leaves the pooled one unknown."""
+    pooled = pooled_retrieval([_seed(3, 10, 0, substring=4), _seed(7, 10, 1, substring=9)])
+    assert (pooled.correct, pooled.substring) == (10, _accuracy(13, 20))
+    partial = pooled_retrieval([_seed(3, 10, 0, substring=4), _seed(7, 10, 1)])
+    assert partial.substring is None and partial.correct == 10
 
 
 def test_pooled_retrieval_sums_the_probes_and_the_wrong_answers_naming_another_needle():

@@ -356,6 +356,54 @@ def test_wrong_answers_naming_another_needle_are_counted_per_haystack_and_length
     ]
 
 
+def test_each_length_has_its_accuracy_by_the_substring_rule_beside_exact_match():
+    """RULER's rule counts "7432144.0000" for 7432144; exact match does not. The two are
+    summed apart per length, and a record without the substring verdict leaves it unknown."""
+
+    def rec(length, haystack, value, pred):
+        return {"length": length, "haystack": haystack, "needle_position": haystack,
+                "value": value, "pred": pred, "depth": 0.0, "needle_depth": 0.0,
+                "correct": exact_match(pred, value), "contains": value in pred}  # fmt: skip
+
+    records = [
+        rec(100, 0, "7432144", "7432144.0000"),  # right by the substring rule only
+        rec(100, 1, "1111", "1111."),  # right by both
+        rec(100, 2, "2222", "2223"),  # wrong by both
+        rec(200, 0, "3333", "the value is 3333"),  # right by the substring rule only
+    ]
+    by_length = summarize_records(records)["by_length"]
+    assert [(e["correct"], e["substring"]["correct"]) for e in by_length] == [(1, 2), (0, 1)]
+    assert (by_length[0]["substring"]["low"], by_length[0]["substring"]["high"]) == (
+        wilson_interval(2, 3)
+    )
+    unknown = summarize_records([{k: v for k, v in r.items() if k != "contains"} for r in records])
+    assert all(e["substring"] is None for e in unknown["by_length"])
+
+
+def test_a_summary_from_before_the_substring_rule_reads_as_unknown_and_a_rerun_counts_it(
+    tmp_path, byte_tok
+):
+    """Migration, never a silent recompute: a version 3 summary reads with the substring
+    accuracy None; rerunning in the folder sums it from the stored answers, no model call."""
+    lm = as_language_model(SuffixCopyLM(window=300), byte_tok)
+    first = run_probes(lm, CONFIG, tmp_path, **OPTIONS)
+    assert [e.substring.correct for e in first.by_length] == [e.correct for e in first.by_length]
+    path = tmp_path / "summary.json"
+    old = json.loads(path.read_text())
+    old["format_version"] = 3
+    for entry in old["by_length"]:
+        del entry["substring"]
+    path.write_text(json.dumps(old))
+    migrated = read_record(path, ProbesResult)
+    assert [e.substring for e in migrated.by_length] == [None, None]
+    assert [e.correct for e in migrated.by_length] == [e.correct for e in first.by_length]
+    counter = RunCounter(lm)
+    again = run_probes(lm, CONFIG, tmp_path, **OPTIONS)
+    assert counter.tokens == 0
+    assert again.by_length == first.by_length
+    assert json.loads(path.read_text())["format_version"] == 4
+
+
 def test_a_finished_run_makes_no_model_call_and_a_partial_one_prefills_only_what_is_missing(
     tmp_path, byte_tok
 ):

@@ -25,9 +25,9 @@ from ropekit.results import register
 
 from .config import CompareConfig
 
-# 4: the verdict's error has the seeds' spread; 3: typed, every field written, none left out;
-# 2: the untyped layout
-VERSION = 4
+# 5: retrieval by RULER's substring rule beside exact match; 4: the verdict's error has the
+# seeds' spread; 3: typed, every field written, none left out; 2: the untyped layout
+VERSION = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +105,8 @@ class SeedAccuracy(NeedleAccuracy):
 @dataclasses.dataclass(frozen=True)
 class Retrieval(NeedleAccuracy):
     """Accuracy at one length pooled over seeds (correct and n summed, one Wilson interval;
-    the wrong answers naming another needle summed too, None when a seed did not count
-    them)."""
+    the wrong answers naming another needle and the substring rule's accuracy pooled too,
+    None when a seed did not count them)."""
 
     runs: int  # seeds pooled
     per_seed: tuple[SeedAccuracy, ...]
@@ -202,7 +202,11 @@ class Verdict:
     serving: dict[str, EngineChoice] | None = None  # engine -> choice (verdict.per_engine)
 
 
-@register("compare", VERSION, {2: lambda data: _from_v2(data), 3: lambda data: _from_v3(data)})
+@register(
+    "compare",
+    VERSION,
+    {2: lambda data: _from_v2(data), 3: lambda data: _from_v3(data), 4: lambda d: _from_v4(d)},
+)
 @dataclasses.dataclass(frozen=True)
 class CompareResult:
     """compare.json (``ropekit.compare.run`` writes it after every stage)."""
@@ -275,4 +279,15 @@ def _from_v3(data: dict[str, Any]) -> dict[str, Any]:
     verdict = data.get("verdict")
     if verdict is not None and verdict["difference"] is not None:
         verdict["difference"] = {**verdict["difference"], "se_seeds": None, "seeds": None}
+    return data
+
+
+def _from_v4(data: dict[str, Any]) -> dict[str, Any]:
+    """Before retrieval was summed by the substring rule too: unknown here (None); the
+    comparison's next pass reads it from the probes' answers."""
+    for by_length in data["retrieval"].values():
+        for entry in by_length.values():
+            entry["substring"] = None
+            for seed in entry["per_seed"]:
+                seed["substring"] = None
     return data

@@ -252,6 +252,21 @@ def _retrieval_table(data: CompareResult) -> list[Block]:
         Heading("Retrieval", 2),
         Table(["method", *(f"@{n}" for n in lengths)], rows(accuracy_text), caption),
     ]
+    # RULER's rule counts an answer holding the value anywhere ("7432144.0000"): shown where
+    # it differs from exact match somewhere, "?" where a summary did not count it
+    differs = [e for by_length in retrieval.values() for e in by_length.values()
+               if e.substring is not None and e.substring.correct != e.correct]  # fmt: skip
+    if differs:
+        caption = (
+            "Retrieval accuracy by RULER's substring rule (the value anywhere in the answer, "
+            'case ignored: "7432144.0000" counts for 7432144), pooled and intervalled as '
+            "above; '?' where a summary written before it was counted lacks it."
+        )
+
+        def substring(e: Any) -> str:
+            return "?" if e.substring is None else accuracy_text(e.substring)
+
+        blocks.append(Table(["method", *(f"@{n}" for n in lengths)], rows(substring), caption))
     if settings.needles > 1:  # distractors: a model may copy a needle, not the asked one
 
         def wrong(e: Any) -> str:  # a Retrieval; "?" where a seed did not count them

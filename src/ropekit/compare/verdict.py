@@ -63,6 +63,7 @@ import numpy as np
 
 from ropekit.evals.intervals import CONFIDENCE, accuracy_entry
 from ropekit.evals.perplexity import QUARTER_BLOCK
+from ropekit.evals.probes import Accuracy
 
 from .record import (
     BeyondMargin,
@@ -102,21 +103,30 @@ def pooled_accuracy(
 
 def pooled_retrieval(per_seed: Sequence[SeedAccuracy]) -> Retrieval:
     """``pooled_accuracy`` of one length's seeds, with the wrong answers that name another
-    needle summed like the probes (None when a seed's summary did not count them)."""
+    needle and the substring rule's accuracy pooled like the probes (None when a seed's
+    summary did not count them)."""
     pooled = pooled_accuracy(
         [{"correct": e.correct, "n": e.n} for e in per_seed], per_seed[0].confidence
     )
     others = [e.other_needle for e in per_seed]
     nearest = [e.nearest_needle for e in per_seed]
+    substring = [e.substring for e in per_seed]
     return Retrieval(
         **pooled,
         other_needle=None if None in others else sum(o or 0 for o in others),
         nearest_needle=None if None in nearest else sum(o or 0 for o in nearest),
+        substring=None if None in substring else _summed(substring),
         per_seed=tuple(per_seed),
     )
 
 
-def accuracy_text(entry: Retrieval | SeedAccuracy) -> str:
+def _summed(accuracies: Sequence[Accuracy]) -> Accuracy:
+    """One accuracy of several: correct and n summed, one interval (as pooled_accuracy)."""
+    correct, n = sum(a.correct for a in accuracies), sum(a.n for a in accuracies)
+    return Accuracy(**accuracy_entry(correct, n, accuracies[0].confidence))
+
+
+def accuracy_text(entry: Accuracy) -> str:
     """``0.70 [0.48, 0.85] (14/20)``: an accuracy, its interval and its probes."""
     return f"{entry.accuracy:.2f} [{entry.low:.2f}, {entry.high:.2f}] ({entry.correct}/{entry.n})"
 

@@ -49,7 +49,8 @@ boundaries.
 
 Score: exact match of the first word of the answer line (trailing punctuation and quotes
 stripped, case ignored) with the value: "4819302." is right, "48193021" and "the value is
-4819302" are not. RULER's substring rule is recorded beside it (`contains`). Accuracies come
+4819302" are not. RULER's substring rule is recorded beside it (`contains`) and each length
+has its accuracy by that rule too (`substring`: "4819302.0000" is right by it). Accuracies come
 with Wilson score intervals (`evals/intervals.py`). Beside each length's accuracy, the wrong
 answers that name another needle's value, and how many of those the needle nearest the
 question (`distractor_answers`): a model that copies the latest needle has not read the
@@ -617,6 +618,14 @@ def _accuracy(records: Sequence[dict[str, Any]], confidence: float) -> dict[str,
     return accuracy_entry(sum(bool(r["correct"]) for r in records), len(records), confidence)
 
 
+def _substring(records: Sequence[dict[str, Any]], confidence: float) -> dict[str, Any] | None:
+    """The accuracy by RULER's substring rule (``contains``: the value anywhere in the answer,
+    case ignored), from the answers' own records; None if any answer did not record it."""
+    if any("contains" not in r for r in records):
+        return None
+    return accuracy_entry(sum(bool(r["contains"]) for r in records), len(records), confidence)
+
+
 def distractor_answers(records: Sequence[dict[str, Any]]) -> dict[str, int]:
     """How many wrong answers name the value of another needle of the same haystack
     (``other_needle``), and how many of those the needle nearest the question
@@ -644,7 +653,7 @@ def summarize_records(
 ) -> dict[str, Any]:
     """Accuracy (with its Wilson interval) per length, per depth (all lengths pooled), per
     (length, depth) cell and overall, from per-probe records carrying "length", "depth",
-    "correct" and "needle_depth"."""
+    "correct" and "needle_depth"; per length also by RULER's substring rule, from "contains"."""
     if not records:
         raise ValueError("records=[] is not allowed; allowed: at least one answered probe")
     lengths = sorted({r["length"] for r in records})
@@ -656,7 +665,12 @@ def summarize_records(
     return {
         "overall": _accuracy(records, confidence),
         "by_length": [
-            {"length": n, **_accuracy(at, confidence), **distractor_answers(at)}
+            {
+                "length": n,
+                **_accuracy(at, confidence),
+                **distractor_answers(at),
+                "substring": _substring(at, confidence),
+            }
             for n in lengths
             if (at := group(length=n))
         ],
@@ -692,12 +706,14 @@ class Accuracy:
 
 @dataclass(frozen=True)
 class NeedleAccuracy(Accuracy):
-    """An accuracy of needle probes with its wrong answers that name another needle's value,
-    and of those the nearest needle's (``distractor_answers``); both None in a summary
-    written before they were counted."""
+    """An accuracy of needle probes (exact match) with its wrong answers that name another
+    needle's value, and of those the nearest needle's (``distractor_answers``), and the
+    accuracy by RULER's substring rule (``substring``: "7432144.0000" counts for 7432144);
+    each None in a summary written before it was counted."""
 
     other_needle: int | None
     nearest_needle: int | None
+    substring: Accuracy | None
 
 
 @dataclass(frozen=True)
@@ -726,7 +742,7 @@ class CellAccuracy(Accuracy):
     depth: float
 
 
-VERSION = 3  # 3: typed (2: the untyped layout)
+VERSION = 4  # 4: the substring rule's accuracy per length; 3: typed; 2: the untyped layout
 
 
 def _from_v2(data: dict[str, Any]) -> dict[str, Any]:
@@ -735,7 +751,13 @@ def _from_v2(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "by_length": entries}
 
 
-@register("probes", VERSION, {2: _from_v2})
+def _from_v3(data: dict[str, Any]) -> dict[str, Any]:
+    """Before the substring rule was summed: unknown here (None). Its answers hold it, so a
+    rerun in the folder (no model call once every probe is answered) writes it."""
+    return {**data, "by_length": [{**e, "substring": None} for e in data["by_length"]]}
+
+
+@register("probes", VERSION, {2: _from_v2, 3: _from_v3})
 @dataclass(frozen=True)
 class ProbesResult:
     """summary.json of ``run_probes`` (also what it returns)."""
@@ -850,9 +872,13 @@ def run_probes(
         probes_per_length=config.needles * config.haystacks,
         prefills_per_length=config.haystacks,
         scoring="exact match of the answer's first word with the value (trailing "
-        "punctuation stripped, case ignored)",
+        "punctuation stripped, case ignored); per length also RULER's substring rule (the "
+        "value anywhere in the answer, case ignored)",
         overall=Accuracy(**summary["overall"]),
-        by_length=tuple(LengthAccuracy(**e) for e in summary["by_length"]),
+        by_length=tuple(
+            LengthAccuracy(**{**e, "substring": e["substring"] and Accuracy(**e["substring"])})
+            for e in summary["by_length"]
+        ),
         by_depth=tuple(DepthAccuracy(**e) for e in summary["by_depth"]),
         cells=tuple(CellAccuracy(**e) for e in summary["cells"]),
         model=lm.describe(),
