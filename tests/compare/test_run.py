@@ -711,6 +711,34 @@ def test_two_processes_share_one_comparison_each_job_run_once(compared, tmp_path
     assert not list((out / ".jobs").iterdir())  # every claim released
 
 
+def test_an_interim_report_holds_the_probes_other_processes_finished(compared, tmp_path):
+    """A --join process writes its report after each stage with what it read itself; the
+    probes another process finished are read from their folders too, so the report is whole
+    (experiment E's 19:40 report lacked the unmodified model's probes). A method enters only
+    with every probed seed's job finished."""
+    from ropekit.compare.run import _Comparison
+    from ropekit.results import read_records, write_records
+
+    out, config = _copied(compared, tmp_path)
+    finished = read_record(out / "compare.json", CompareResult)
+    run = _Comparison(config, out, "", lambda *_: None, False)
+    assert (
+        set(run.probed_elsewhere({})) == set(finished.retrieval) == {m.label for m in run.methods}
+    )
+    interim = run.write({}, {}, {}, "interim")
+    assert interim.retrieval == finished.retrieval
+    assert {t.job for t in interim.times} >= {t.job for t in finished.times if "probes" in t.job}
+    # a job begun, not finished (its summary aside): that method is left out, not half read
+    job = "probes eval/yarn/s0/probes"
+    write_records(
+        out / "times.jsonl",
+        [r if r["job"] != job else {"job": job, "started": 1.0, "earlier": 0.0}
+         for r in read_records(out / "times.jsonl")],
+    )  # fmt: skip
+    again = _Comparison(config, out, "", lambda *_: None, False)
+    assert set(again.probed_elsewhere({})) == set(finished.retrieval) - {"yarn"}
+
+
 def test_a_comparison_waits_for_a_job_another_process_holds_then_takes_it_over(
     compared, tmp_path, monkeypatch
 ):

@@ -670,6 +670,30 @@ class _Comparison:
         _raise_held(held)
         return out
 
+    def probed_elsewhere(
+        self, probes: dict[str, dict[int, ProbesResult]]
+    ) -> dict[str, dict[int, ProbesResult]]:
+        """``probes`` with every method that other processes of this comparison (``--join``)
+        finished probing since this one last looked, read from its folders: so an interim
+        report is whole, not only this process's. A method enters with every probed seed
+        finished (times.jsonl records it and its summary is there), or not at all."""
+        c, out = self.config, dict(probes)
+        if not c.retrieval_lengths(self.trained_at):
+            return out
+        self._sync_times()
+        for method in (m for m in self.methods if m.label not in out):
+            folders = {
+                s: self.eval_folder(method, s, "probes") for s in c.probed_seeds(method.trained)
+            }
+            jobs = [self.job_name("probes", f) for f in folders.values()]
+            summaries = [f / RESULT_FILE["probes"] for f in folders.values()]
+            if all(j in self.records for j in jobs) and all(p.is_file() for p in summaries):
+                out[method.label] = {
+                    s: read_record(p, ProbesResult) for s, p in zip(folders, summaries, strict=True)
+                }
+                self.jobs.update(jobs)
+        return out
+
     def _selected(self, job: str, method: Method, fn: Callable[[], float]) -> float:
         """A selection score, computed once (its record keeps it with what it depends on:
         the model, the method's spec, the first seed's training and the selection samples;
@@ -743,7 +767,7 @@ class _Comparison:
             if self.baseline in table
             else None
         )
-        retrieval = _retrieval(probes)
+        retrieval = _retrieval(self.probed_elsewhere(probes))
         if verdict is not None:  # supporting numbers beside the rule, never part of it
             verdict = dataclasses.replace(
                 verdict,
