@@ -105,3 +105,19 @@ def test_the_time_table_lists_each_job_and_their_sum():
     assert heading.text == "Time"
     assert table.rows == [["eval a", "90.0 min"], ["select b lr 0.02", "30.0 min"]]
     assert "; 2 jobs, 2.0 h in all" in table.caption
+
+
+def test_the_serving_table_gives_a_reason_several_engines_share_once_under_it():
+    """Experiment D's verdict: four engines refuse Leaky ReRoPE for one reason, written once
+    in the caption as (1), each cell keeping its own refusal ("export --format gguf")."""
+    from ropekit.compare.report import _serving_table
+
+    verdict = read_record(COMMITTED, CompareResult).verdict
+    (table,) = _serving_table(verdict)
+    whys = [row[5] for row in table.rows]
+    assert whys == [f"export --format {f} refused: see (1)" for f in ("hf", "hf", "vllm", "gguf")]
+    reason = verdict.serving["llama.cpp"].why_not_best.partition(": ")[2]
+    assert table.caption.endswith(f" (1) {reason}") and table.caption.count(reason) == 1
+    alone = {"vllm": verdict.serving["vllm"]}
+    (one,) = _serving_table(dataclasses.replace(verdict, serving=alone))
+    assert one.rows[0][5] == verdict.serving["vllm"].why_not_best and "(1)" not in one.caption

@@ -291,16 +291,30 @@ def _serving_table(verdict: Verdict | None) -> list[Block]:
         return []
     n, short = verdict.target_length, verdict.short_length
     rows = [_serving_row(engine, e) for engine, e in verdict.serving.items()]
+    notes = _shared_reasons(rows, column=5)
     caption = (
         f"What each engine serves exactly (within its measured noise floor, by ropekit "
         f"inspect's rules): the best eligible method for it, its last-quarter NLL at {n} (mean "
         f"over domains), nats behind the recommended {verdict.winner}, its cost at {short} "
         "tokens, why the engine does not serve the recommended method, and the best method it "
         "serves over the cost margin where that one scores better at N (NLL, cost)."
-    )
+    ) + "".join(f" ({i}) {reason}" for i, reason in enumerate(notes, 1))
     header = ["engine", "best it serves", f"NLL @{n}", "behind", f"cost @{short}", "why not best",
               "over the margin"]  # fmt: skip
     return [Table(header, rows, caption)]
+
+
+def _shared_reasons(rows: list[list[str]], column: int) -> list[str]:
+    """The reasons (what follows "<refusal>: ") that several rows give in ``column``, each
+    replaced there by "<refusal>: see (k)" (in place), in order: a long reason is read once
+    under the table, not once per engine."""
+    split = [cell.partition(": ") for cell in (row[column] for row in rows)]
+    reasons = [reason for _, _, reason in split]
+    shared = list(dict.fromkeys(r for r in reasons if r and reasons.count(r) > 1))
+    for row, (head, _, reason) in zip(rows, split, strict=True):
+        if reason in shared:
+            row[column] = f"{head}: see ({shared.index(reason) + 1})"
+    return shared
 
 
 def _serving_row(engine: str, e: EngineChoice) -> list[str]:
