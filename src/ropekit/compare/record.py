@@ -285,7 +285,7 @@ def _from_v3(data: dict[str, Any]) -> dict[str, Any]:
 def _from_v4(data: dict[str, Any]) -> dict[str, Any]:
     """Before retrieval was summed by the substring rule too: unknown here (None); the
     comparison's next pass reads it from the probes' answers."""
-    for by_length in data["retrieval"].values():
+    for by_length in data.get("retrieval", {}).values():  # a v2 file may have none
         for entry in by_length.values():
             entry["substring"] = None
             for seed in entry["per_seed"]:
