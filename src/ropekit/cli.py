@@ -598,7 +598,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if args.plan_only:
         print(plan_compare(config, args.out))
         return 0
-    result = run_compare(config, args.out, command=_command(), progress=True)
+    # --join is how a process takes part, not what the comparison is: every process records
+    # the same command, so a result file is the same whichever process wrote it last
+    command = " ".join(word for word in _command().split(" ") if word != "--join")
+    result = run_compare(config, args.out, command=command, progress=True)
     verdict = result.verdict
     print(verdict.sentence if verdict else "no verdict: the unmodified model is not scored")
     if verdict and verdict.retrieval:

@@ -709,6 +709,11 @@ def test_two_processes_share_one_comparison_each_job_run_once(compared, tmp_path
     assert len(jobs) == len(set(jobs)) and all("seconds" in r for r in records)
     assert set(jobs) == {r.job for r in alone.times}
     assert not list((out / ".jobs").iterdir())  # every claim released
+    # the files a process rewrites when it reuses a job (a probes summary, the verdict) record
+    # the comparison's command, not the process's: the same whichever process wrote them
+    rewritten = [out / "compare.json", *out.glob("eval/*/s*/probes/summary.json")]
+    commands = {json.loads(f.read_text())["meta"]["command"] for f in rewritten}
+    assert len(rewritten) > 3 and len(commands) == 1 and "--join" not in commands.pop()
 
 
 def test_an_interim_report_holds_the_probes_other_processes_finished(compared, tmp_path):
