@@ -4,6 +4,7 @@ config: test_config.py; its report: test_report.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -716,32 +717,31 @@ def test_two_processes_share_one_comparison_each_job_run_once(compared, tmp_path
     assert len(rewritten) > 3 and len(commands) == 1 and "--join" not in commands.pop()
 
 
-def test_an_interim_report_holds_the_probes_other_processes_finished(compared, tmp_path):
-    """A --join process writes its report after each stage with what it read itself; the
-    probes another process finished are read from their folders too, so the report is whole
-    (experiment E's 19:40 report lacked the unmodified model's probes). A method enters only
-    with every probed seed's job finished."""
-    from ropekit.compare.run import _Comparison
-    from ropekit.results import read_records, write_records
+def test_an_interim_report_keeps_what_other_processes_wrote(compared, tmp_path):
+    """A --join process holds only the jobs it ran or loaded itself; its interim report keeps
+    what the others wrote before (experiment E's 19:40 report, written by the joined process,
+    lacked STRING's perplexity and the unmodified model's probes). A method scored as another
+    spec, or a compare.json of other settings, is not taken."""
+    from ropekit.compare.run import COMPARE_JSON, _Comparison
 
     out, config = _copied(compared, tmp_path)
-    finished = read_record(out / "compare.json", CompareResult)
+    finished = read_record(out / COMPARE_JSON, CompareResult)
     run = _Comparison(config, out, "", lambda *_: None, False)
-    assert (
-        set(run.probed_elsewhere({})) == set(finished.retrieval) == {m.label for m in run.methods}
+    interim = run.write({}, {}, {}, "interim")  # this process has read nothing yet
+    for field in ("table", "summary", "lr_search", "retrieval", "served", "held_out", "verdict"):
+        assert getattr(interim, field) == getattr(finished, field), field
+    assert {t.job for t in interim.times} == {t.job for t in finished.times}
+    assert list(interim.table) == [m.label for m in finished.methods]  # in the methods' order
+
+    spec = {m.label: m.spec for m in finished.methods}
+    respecified = dataclasses.replace(
+        config, methods=tuple("yarn:factor=8" if s == spec["yarn"] else s for s in config.methods)
     )
-    interim = run.write({}, {}, {}, "interim")
-    assert interim.retrieval == finished.retrieval
-    assert {t.job for t in interim.times} >= {t.job for t in finished.times if "probes" in t.job}
-    # a job begun, not finished (its summary aside): that method is left out, not half read
-    job = "probes eval/yarn/s0/probes"
-    write_records(
-        out / "times.jsonl",
-        [r if r["job"] != job else {"job": job, "started": 1.0, "earlier": 0.0}
-         for r in read_records(out / "times.jsonl")],
-    )  # fmt: skip
-    again = _Comparison(config, out, "", lambda *_: None, False)
-    assert set(again.probed_elsewhere({})) == set(finished.retrieval) - {"yarn"}
+    other = _Comparison(respecified, out, "", lambda *_: None, False).write({}, {}, {}, "x")
+    assert "yarn" not in other.table and "yarn" not in other.retrieval
+    assert set(other.table) == set(finished.table) - {"yarn"}
+    moved = dataclasses.replace(config, margin=0.5)  # other settings: nothing is taken
+    assert _Comparison(moved, out, "", lambda *_: None, False).write({}, {}, {}, "x").table == {}
 
 
 def test_a_comparison_waits_for_a_job_another_process_holds_then_takes_it_over(

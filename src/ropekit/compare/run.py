@@ -64,7 +64,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -670,30 +670,6 @@ class _Comparison:
         _raise_held(held)
         return out
 
-    def probed_elsewhere(
-        self, probes: dict[str, dict[int, ProbesResult]]
-    ) -> dict[str, dict[int, ProbesResult]]:
-        """``probes`` with every method that other processes of this comparison (``--join``)
-        finished probing since this one last looked, read from its folders: so an interim
-        report is whole, not only this process's. A method enters with every probed seed
-        finished (times.jsonl records it and its summary is there), or not at all."""
-        c, out = self.config, dict(probes)
-        if not c.retrieval_lengths(self.trained_at):
-            return out
-        self._sync_times()
-        for method in (m for m in self.methods if m.label not in out):
-            folders = {
-                s: self.eval_folder(method, s, "probes") for s in c.probed_seeds(method.trained)
-            }
-            jobs = [self.job_name("probes", f) for f in folders.values()]
-            summaries = [f / RESULT_FILE["probes"] for f in folders.values()]
-            if all(j in self.records for j in jobs) and all(p.is_file() for p in summaries):
-                out[method.label] = {
-                    s: read_record(p, ProbesResult) for s, p in zip(folders, summaries, strict=True)
-                }
-                self.jobs.update(jobs)
-        return out
-
     def _selected(self, job: str, method: Method, fn: Callable[[], float]) -> float:
         """A selection score, computed once (its record keeps it with what it depends on:
         the model, the method's spec, the first seed's training and the selection samples;
@@ -750,51 +726,111 @@ class _Comparison:
     def write(
         self, results: dict, searches: dict[str, LrSearch], probes: dict, stage: str
     ) -> CompareResult:
+        """Write compare.json and the report from what this process holds, with what other
+        processes of this comparison (``--join``) finished and wrote in it before (`_merged`):
+        each process reads only the jobs it ran or loaded itself, so without this a process's
+        interim report drops the others' methods (experiment E's 19:40 report lacked STRING's
+        perplexity and the unmodified model's probes)."""
         c = self.config
-        table = self.table(results)
-        labels = [m.label for m in self.methods if m.label in table]
-        verdict = (
-            recommend(
-                table,
-                labels,
-                self.baseline,
-                self.trained_at,
-                c.target_length,
-                c.margin,
-                min_difference=c.min_difference,
-                trained=[m.label for m in self.methods if m.trained],
+        with self._waiting("write.lock"):  # one process at a time reads and writes the verdict
+            mine = _Written(
+                self.table(results), dict(searches), _retrieval(probes), dict(self.served),
+                self.held_out(results), set(self.jobs),
+            )  # fmt: skip
+            written = _merged(self._previous(), mine, self.methods)
+            table = written.table
+            verdict = (
+                recommend(
+                    table,
+                    [m.label for m in self.methods if m.label in table],
+                    self.baseline,
+                    self.trained_at,
+                    c.target_length,
+                    c.margin,
+                    min_difference=c.min_difference,
+                    trained=[m.label for m in self.methods if m.trained],
+                )
+                if self.baseline in table
+                else None
             )
-            if self.baseline in table
-            else None
-        )
-        retrieval = _retrieval(self.probed_elsewhere(probes))
-        if verdict is not None:  # supporting numbers beside the rule, never part of it
-            verdict = dataclasses.replace(
-                verdict,
-                retrieval=retrieval_note(retrieval, verdict),
-                serving=per_engine(verdict, self.served),
-            )
-        lengths = c.retrieval_lengths(self.trained_at)
-        settings = ProbeSettings(
-            tuple(lengths), c.probe_needles, c.probe_haystacks, c.probe_task,
-            c.probe_needles * c.probe_haystacks,
-        ) if lengths else None  # fmt: skip
-        record = CompareResult(
-            meta=run_metadata(self.command, seed=c.seed), provenance={"config": c.to_dict()},
-            stage=stage, trained_at=self.trained_at, target_length=c.target_length,
-            lengths=tuple(c.eval_lengths(self.trained_at)), domains=tuple(c.eval_data),
-            single_documents=c.single_documents, skipped=tuple(self.skipped),
-            held_out=self.held_out(results), methods=tuple(self.methods),
-            baseline=self.baseline, table=table, summary=_summary(table),
-            lr_search=dict(searches), verdict=verdict, retrieval=retrieval, probes=settings,
-            served=dict(self.served),
-            times=tuple(JobTime(**r) for r in self.records.values() if r["job"] in self.jobs),
-            config=c.to_dict(),
-        )  # fmt: skip
-        with self._waiting("write.lock"):  # one process at a time writes the verdict
+            if verdict is not None:  # supporting numbers beside the rule, never part of it
+                verdict = dataclasses.replace(
+                    verdict,
+                    retrieval=retrieval_note(written.retrieval, verdict),
+                    serving=per_engine(verdict, written.served),
+                )
+            lengths = c.retrieval_lengths(self.trained_at)
+            settings = ProbeSettings(
+                tuple(lengths), c.probe_needles, c.probe_haystacks, c.probe_task,
+                c.probe_needles * c.probe_haystacks,
+            ) if lengths else None  # fmt: skip
+            self._sync_times()  # the jobs the others finished, with their times
+            times = (JobTime(**r) for r in self.records.values() if r["job"] in written.jobs)
+            record = CompareResult(
+                meta=run_metadata(self.command, seed=c.seed), provenance={"config": c.to_dict()},
+                stage=stage, trained_at=self.trained_at, target_length=c.target_length,
+                lengths=tuple(c.eval_lengths(self.trained_at)), domains=tuple(c.eval_data),
+                single_documents=c.single_documents, skipped=tuple(self.skipped),
+                held_out=written.held_out, methods=tuple(self.methods),
+                baseline=self.baseline, table=table, summary=_summary(table),
+                lr_search=written.lr_search, verdict=verdict, retrieval=written.retrieval,
+                probes=settings, served=written.served, times=tuple(times), config=c.to_dict(),
+            )  # fmt: skip
             write_result(self.out / COMPARE_JSON, "compare", record)
             write_report(record, self.out)
         return record
+
+    def _previous(self) -> CompareResult | None:
+        """compare.json as a process of this comparison last wrote it: None when there is
+        none, or it is unreadable, or of other settings (methods aside: a comparison may have
+        gained methods since)."""
+        try:
+            data = read_record(self.out / COMPARE_JSON, CompareResult)
+        except (OSError, ResultError):
+            return None
+        settings = _settings(self.config.to_dict())
+        return data if _settings(data.config) == settings else None
+
+
+def _settings(config: dict[str, Any]) -> dict[str, Any]:
+    """A comparison's settings but its methods (and their names)."""
+    return {k: v for k, v in config.items() if k not in ("methods", "names")}
+
+
+class _Written(NamedTuple):
+    """What a compare.json holds per method: the table, the rate searches, the retrieval,
+    the engines' answers, the held-out text per domain, and the jobs timed."""
+
+    table: Rows
+    lr_search: dict[str, LrSearch]
+    retrieval: dict[str, dict[int, Retrieval]]
+    served: dict[str, dict[str, EngineAnswer]]
+    held_out: dict[str, tuple[Stretch, ...]]
+    jobs: set[str]
+
+
+def _merged(previous: CompareResult | None, mine: _Written, methods: Sequence[Method]) -> _Written:
+    """``mine`` with what ``previous`` holds of the methods it lacks, where ``previous`` is
+    of the same comparison and scored that method as the same spec (a method this process
+    holds is its own: its results were read from the files just now). In the methods'
+    order."""
+    if previous is None:
+        return mine
+    same = {m.label for m in previous.methods if m in methods}
+
+    def merge(theirs: Mapping[str, Any], ours: Mapping[str, Any]) -> dict[str, Any]:
+        both = {**{k: v for k, v in theirs.items() if k in same}, **ours}
+        return {m.label: both[m.label] for m in methods if m.label in both}
+
+    held_out = {**previous.held_out, **mine.held_out}
+    return _Written(
+        merge(previous.table, mine.table),
+        merge(previous.lr_search, mine.lr_search),
+        merge(previous.retrieval, mine.retrieval),
+        merge(previous.served or {}, mine.served),
+        {d: held_out[d] for d in previous.domains if d in held_out},
+        mine.jobs | {t.job for t in previous.times},
+    )
 
 
 def engine_answers(
