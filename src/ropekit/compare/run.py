@@ -28,7 +28,9 @@ claims a job before it runs or loads it (`_Comparison.claim`: a ``flock`` per jo
 another process holds for a later pass (`JobHeld`), and, when only such jobs are left, waits
 for them (`WAIT_SECONDS`) and takes over any whose process died. times.jsonl is rewritten
 under a lock with every other process's records kept, and the verdict is written by one
-process at a time. Alone in its folder a comparison ends in one pass.
+process at a time, keeping what the others wrote of the methods it has not read itself
+(`_merged`), so every interim report is whole. Alone in its folder a comparison ends in one
+pass.
 
 Layout of ``out_dir``:
 
