@@ -876,6 +876,13 @@ def add_report(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("run_dir", type=Path, help="folder searched recursively for result JSON")
     p.add_argument("--title", default=None, help="report title (default: from the folder name)")
+    p.add_argument(
+        "--engines",
+        action="store_true",
+        help="on a compare folder: ask the serving engines again which methods they serve "
+        "exactly (by this ropekit's rules, which may serve more than the one that ran it) "
+        "and redo the per-engine verdict; no score is recomputed",
+    )
     p.set_defaults(func=cmd_report)
 
 
@@ -885,7 +892,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if (args.run_dir / "compare.json").is_file():
         from ropekit.compare.refresh import refresh_comparison
 
-        md, html = refresh_comparison(args.run_dir)
+        md, html = refresh_comparison(args.run_dir, engines=args.engines)
         print(f"wrote {md} and {html} from {args.run_dir / 'compare.json'}")
         return 0
     paths = build_report(args.run_dir, title=args.title)

@@ -11,12 +11,14 @@ from pathlib import Path
 import torch
 
 from ropekit.compare import refresh
-from ropekit.compare.record import CompareResult
+from ropekit.compare.record import CompareResult, EngineAnswer
 from ropekit.compare.verdict import per_engine
 from ropekit.encodings import build
 from ropekit.results import read_record
 
-COMMITTED = Path(__file__).resolve().parents[2] / "experiments/smollm2_16k/ood/compare.json"
+# Experiment D's out-of-domain comparison as first committed (format version 2; its serving
+# answers predate the vLLM plugin's remaps): see test_record.
+COMMITTED = Path(__file__).resolve().parent / "data/ood_v2/compare.json"
 
 
 def test_a_comparison_before_the_per_engine_verdict_gets_it_and_says_so(tmp_path, monkeypatch):
@@ -68,3 +70,23 @@ def test_a_trained_method_is_asked_one_percent_off_its_initialization_seeded():
         assert p.shape == before[name].shape  # a shared parameter stays one parameter
     again = moved()[1]
     assert all(torch.equal(after[n], again[n]) for n in after)  # seeded
+
+
+def test_asked_again_a_comparison_gets_this_versions_engine_answers(tmp_path, monkeypatch):
+    """Experiment D's comparison ran before the vLLM plugin served remaps: its record says
+    vllm+ropekit refuses Leaky ReRoPE. --engines asks again and redoes the per-engine verdict,
+    its scores untouched."""
+    committed = read_record(COMMITTED, CompareResult)
+    (tmp_path / "compare.json").write_bytes(COMMITTED.read_bytes())
+    now = {**committed.served, "leaky-rerope": {
+        **committed.served["leaky-rerope"], "vllm+ropekit": EngineAnswer(True, "")}}  # fmt: skip
+    monkeypatch.setattr(refresh, "_served", lambda config, methods: now)
+    log = []
+    refresh.refresh_comparison(tmp_path, engines=True, log=log.append)
+    assert "asked again" in log[0]
+    data = read_record(tmp_path / "compare.json", CompareResult)
+    assert data.served == now and data.table == committed.table
+    assert data.verdict.serving["vllm+ropekit"].method == committed.verdict.winner == "leaky-rerope"
+    assert committed.verdict.serving["vllm+ropekit"].method != "leaky-rerope"
+    amended = {"command": f"ropekit report {tmp_path} --engines"}
+    assert data.meta["amended"] == {**amended, "replaced": ["served", "verdict.serving"]}

@@ -11,7 +11,10 @@ head of a per-head AdaRoPE still holds the same YaRN schedule and its temperatur
 any engine serves, while trained heads differ (measured: 7.9 max |d log p| at 9216 when served
 as their nearest shared schedule). Each trainable positional parameter is moved by 1% of its
 scale (seeded), which keeps shared parameters shared. The scores, the rule's numbers and the
-provenance stay as written; the record says it was amended and by what.
+provenance stay as written; the record says it was amended and by what. The same asking
+redoes a comparison's engine answers when asked (``ropekit report DIR --engines``): the rules
+are this version's, and a newer version may serve more (experiment D's comparison was run
+before the vLLM plugin served the remaps).
 
 Holds: refresh_comparison.
 """
@@ -37,22 +40,28 @@ from .verdict import per_engine
 
 
 def refresh_comparison(
-    folder: str | Path, *, log: Callable[[str], None] = print
+    folder: str | Path, *, engines: bool = False, log: Callable[[str], None] = print
 ) -> tuple[Path, Path]:
     """Add what ``folder``'s compare.json lacks (which engines serve each method, the verdict
     per engine), rewrite it atomically, and write report.md and report.html from it; returns
-    the report's paths. Raises ResultError for a file that is not a comparison."""
+    the report's paths. ``engines``: ask the engines again even where it has their answers
+    (the serving rules of the ropekit that ran it may be older: experiment D's comparison
+    predates the vLLM plugin's remaps). Raises ResultError for a file that is not a
+    comparison."""
     path = Path(folder) / COMPARE_JSON
     data = read_record(path, CompareResult)  # migrated from an older layout in memory
-    if data.served is None:
+    if data.served is None or engines:
         config = data.compare_config
-        log(f"{path} predates the per-engine verdict: asking each engine about its "
-            f"{len(data.methods)} methods on {config.model} (no score is recomputed)")  # fmt: skip
+        why = "predates the per-engine verdict" if data.served is None else "asked again"
+        log(f"{path} {why}: asking each engine about its {len(data.methods)} methods on "
+            f"{config.model} (no score is recomputed)")  # fmt: skip
         served = _served(config, data.methods)
         verdict = data.verdict
         if verdict is not None:
             verdict = dataclasses.replace(verdict, serving=per_engine(verdict, served))
-        amended = {"command": f"ropekit report {folder}", "added": ["served", "verdict.serving"]}
+        command = f"ropekit report {folder}" + " --engines" * engines
+        what = "added" if data.served is None else "replaced"
+        amended = {"command": command, what: ["served", "verdict.serving"]}
         data = dataclasses.replace(
             data, served=served, verdict=verdict, meta={**data.meta, "amended": amended}
         )
