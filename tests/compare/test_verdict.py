@@ -15,7 +15,7 @@ from ropekit.compare import recommend
 from ropekit.compare.record import EngineAnswer, SeedAccuracy, TableEntry, Verdict
 from ropekit.compare.verdict import per_engine, pooled_accuracy, pooled_retrieval, retrieval_note
 from ropekit.evals import wilson_interval
-from ropekit.evals.intervals import accuracy_entry
+from ropekit.evals.intervals import accuracy_entry, difference_interval
 from ropekit.evals.probes import Accuracy
 from ropekit.results import encode
 from tests.runaway import cpu_limit
@@ -302,19 +302,27 @@ def _text(correct: int, confidence=0.95) -> str:
 
 def test_the_retrieval_note_gives_winner_and_runner_up_at_the_target_length():
     retrieval = {"a": _probed({16: 9, 32: 7, 64: 2}), "b": _probed({16: 8, 32: 3, 64: 1})}
+    low, high = difference_interval(7, 10, 3, 10)
     assert retrieval_note(retrieval, _verdict()) == (
         "Retrieval at 32 tokens (accuracy, 95% Wilson interval, correct/probes), beside the "
-        f"rule, not part of it: a {_text(7)}; b {_text(3)}."
+        f"rule, not part of it: a {_text(7)}; b {_text(3)}; the difference +0.40 "
+        f"[{low:+.2f}, {high:+.2f}] (Newcombe's interval) does not tell them apart."
     )
+    assert low < 0 < high
+    apart = {"a": _probed({32: 10}), "b": _probed({32: 1})}
+    assert retrieval_note(apart, _verdict()).endswith(") tells them apart.")
 
 
 def test_the_retrieval_note_falls_back_to_the_longest_length_both_probed():
     """Neither probed at the target (128): the longest length both hold, 32 (b lacks 64)."""
     retrieval = {"a": _probed({16: 9, 32: 7, 64: 2}, 0.9), "b": _probed({16: 8, 32: 3}, 0.9)}
+    low, high = difference_interval(7, 10, 3, 10, 0.9)
     assert retrieval_note(retrieval, _verdict(target=128)) == (
         "Retrieval at 32 tokens (accuracy, 90% Wilson interval, correct/probes), beside the "
-        f"rule, not part of it: a {_text(7, 0.9)}; b {_text(3, 0.9)}."
+        f"rule, not part of it: a {_text(7, 0.9)}; b {_text(3, 0.9)}; the difference +0.40 "
+        f"[{low:+.2f}, {high:+.2f}] (Newcombe's interval) tells them apart."
     )
+    assert low > 0  # at 90% 7/10 against 3/10 is told apart; at 95% it is not (above)
 
 
 def test_the_retrieval_note_names_only_the_methods_probed_and_is_none_without_numbers():

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from ropekit.evals.intervals import accuracy_entry, wilson_interval
+from ropekit.evals.intervals import accuracy_entry, difference_interval, wilson_interval
 
 # Newcombe (1998), "Two-sided confidence intervals for the single proportion: comparison of
 # seven methods", Statistics in Medicine 17, Table II, method 3 (score, no continuity
@@ -104,3 +104,42 @@ def test_bad_inputs(args, message):
     with pytest.raises(ValueError, match=f"^{message}") as info:
         wilson_interval(*args)
     assert "\n" not in str(info.value)
+
+
+# Newcombe (1998), "Interval estimation for the difference between independent proportions:
+# comparison of eleven methods", Statistics in Medicine 17, Table II, method 10 (the hybrid
+# score interval), 95%: his worked examples (a)-(g), to the 4 decimals printed there.
+NEWCOMBE_DIFFERENCES = [
+    (56, 70, 48, 80, 0.0524, 0.3339),
+    (9, 10, 3, 10, 0.1705, 0.8090),
+    (6, 7, 2, 7, 0.0582, 0.8062),
+    (5, 56, 0, 29, -0.0381, 0.1926),
+    (0, 10, 0, 20, -0.1611, 0.2775),
+    (0, 10, 0, 10, -0.2775, 0.2775),
+    (10, 10, 0, 20, 0.6791, 1.0000),
+]
+
+
+@pytest.mark.parametrize(("a", "n_a", "b", "n_b", "low", "high"), NEWCOMBE_DIFFERENCES)
+def test_difference_interval_published_values(a, n_a, b, n_b, low, high):
+    assert difference_interval(a, n_a, b, n_b) == pytest.approx((low, high), abs=5e-5)
+
+
+@pytest.mark.parametrize(("n_a", "n_b"), [(5, 5), (10, 7), (20, 40)])
+def test_difference_interval_laws(n_a, n_b):
+    """It holds the difference, stays in [-1, 1], turns over when the two are swapped, and
+    widens with the confidence asked."""
+    for a in range(n_a + 1):
+        for b in range(n_b + 1):
+            low, high = difference_interval(a, n_a, b, n_b)
+            assert -1.0 <= low <= a / n_a - b / n_b <= high <= 1.0
+            assert difference_interval(b, n_b, a, n_a) == pytest.approx((-high, -low))
+            wider = difference_interval(a, n_a, b, n_b, confidence=0.99)
+            assert wider[0] <= low and high <= wider[1]
+
+
+def test_difference_interval_refuses_what_wilson_refuses():
+    with pytest.raises(ValueError, match="n=0"):
+        difference_interval(0, 0, 1, 5)
+    with pytest.raises(ValueError, match="successes=6"):
+        difference_interval(1, 5, 6, 5)

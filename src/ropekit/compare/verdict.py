@@ -61,7 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from ropekit.evals.intervals import CONFIDENCE, accuracy_entry
+from ropekit.evals.intervals import CONFIDENCE, accuracy_entry, difference_interval
 from ropekit.evals.perplexity import QUARTER_BLOCK
 from ropekit.evals.probes import Accuracy
 
@@ -135,8 +135,8 @@ def retrieval_note(
     retrieval: Mapping[str, Mapping[int, Retrieval]], verdict: Verdict
 ) -> str | None:
     """The recommended method's and the runner-up's retrieval at the target length (or the
-    longest probed length both have), as supporting numbers beside the rule; None without a
-    winner or probes."""
+    longest probed length both have), and the interval of their difference (Newcombe's), as
+    supporting numbers beside the rule; None without a winner or probes."""
     names = [m for m in (verdict.winner, verdict.runner_up) if m in retrieval]
     lengths = set.intersection(*(set(retrieval[m]) for m in names)) if names else set()
     if not lengths:
@@ -144,9 +144,18 @@ def retrieval_note(
     n = verdict.target_length if verdict.target_length in lengths else max(lengths)
     parts = "; ".join(f"{m} {accuracy_text(retrieval[m][n])}" for m in names)
     level = retrieval[names[0]][n].confidence
-    return (
+    note = (
         f"Retrieval at {n} tokens (accuracy, {level:.0%} Wilson interval, correct/probes), "
-        f"beside the rule, not part of it: {parts}."
+        f"beside the rule, not part of it: {parts}"
+    )
+    if len(names) < 2:
+        return note + "."
+    a, b = (retrieval[m][n] for m in names)
+    low, high = difference_interval(a.correct, a.n, b.correct, b.n, level)
+    told = "tells them apart" if low > 0 or high < 0 else "does not tell them apart"
+    return (
+        f"{note}; the difference {a.accuracy - b.accuracy:+.2f} [{low:+.2f}, {high:+.2f}] "
+        f"(Newcombe's interval) {told}."
     )
 
 

@@ -14,7 +14,8 @@ Modules:
 - `probes`: `ProbeConfig`, `run_probes` (`ropekit eval probes`; returns a `ProbesResult`):
   many retrieval probes per long prefill, the KV cache cropped back to the haystack for each
   question.
-- `intervals`: `wilson_interval`, `accuracy_entry` (Wilson score intervals of accuracies).
+- `intervals`: `wilson_interval`, `accuracy_entry` (Wilson score intervals of accuracies),
+  `difference_interval` (Newcombe's interval for the difference of two).
 - `plots`: pictures (files go through `ropekit.results`).
 """
 
@@ -24,7 +25,7 @@ from ropekit.evals.adapters import (
     as_language_model,
     newline_ids,
 )
-from ropekit.evals.intervals import accuracy_entry, wilson_interval
+from ropekit.evals.intervals import accuracy_entry, difference_interval, wilson_interval
 from ropekit.evals.perplexity import (
     DocumentsTooShort,
     PerplexityConfig,
@@ -84,6 +85,7 @@ __all__ = [
     "accuracy_entry",
     "as_language_model",
     "check_single_documents",
+    "difference_interval",
     "effective_length",
     "evaluate_perplexity",
     "generate_sample",
