@@ -725,6 +725,12 @@ class LengthAccuracy(NeedleAccuracy):
     mean_prefix_tokens: float
     stage: str  # the stage's digest
 
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any]) -> LengthAccuracy:
+        """A `summarize_records` by_length entry, completed by `_complete_stages`."""
+        substring = entry["substring"] and Accuracy(**entry["substring"])
+        return cls(**{**entry, "substring": substring})
+
 
 @dataclass(frozen=True)
 class DepthAccuracy(Accuracy):
@@ -743,6 +749,11 @@ class CellAccuracy(Accuracy):
 
 
 VERSION = 4  # 4: the substring rule's accuracy per length; 3: typed; 2: the untyped layout
+SCORING = (
+    "exact match of the answer's first word with the value (trailing punctuation stripped, "
+    "case ignored); per length also RULER's substring rule (the value anywhere in the "
+    "answer, case ignored)"
+)
 
 
 def _from_v2(data: dict[str, Any]) -> dict[str, Any]:
@@ -871,14 +882,9 @@ def run_probes(
         depths=tuple(config.depths),
         probes_per_length=config.needles * config.haystacks,
         prefills_per_length=config.haystacks,
-        scoring="exact match of the answer's first word with the value (trailing "
-        "punctuation stripped, case ignored); per length also RULER's substring rule (the "
-        "value anywhere in the answer, case ignored)",
+        scoring=SCORING,
         overall=Accuracy(**summary["overall"]),
-        by_length=tuple(
-            LengthAccuracy(**{**e, "substring": e["substring"] and Accuracy(**e["substring"])})
-            for e in summary["by_length"]
-        ),
+        by_length=tuple(LengthAccuracy.from_entry(e) for e in summary["by_length"]),
         by_depth=tuple(DepthAccuracy(**e) for e in summary["by_depth"]),
         cells=tuple(CellAccuracy(**e) for e in summary["cells"]),
         model=lm.describe(),
