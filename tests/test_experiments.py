@@ -355,6 +355,37 @@ def test_smollm2_16k_remaps_rows_run_as_a_user_runs_them_and_resume(tmp_path):
     assert json.loads((tmp_path / "results" / "results.json").read_text())["not_run"] == ["dca"]
 
 
+def test_smollm2_32k_retrieval_contrasts_pool_the_lengths_with_newcombes_interval(tmp_path):
+    """Experiment E's retrieval from its committed probes: each finished method's accuracy per
+    length as its summary says, and a pair's difference pooled over the lengths, with
+    Newcombe's interval of the pooled counts; a method whose probes are unfinished (no
+    summary.json yet) is left out."""
+    from experiments.smollm2_32k import contrasts
+
+    from ropekit.evals import difference_interval
+
+    final = ROOT / "experiments" / "smollm2_32k" / "final"
+
+    def correct(method):
+        data = json.loads((final / "eval" / method / "s0/probes/summary.json").read_text())
+        return sum(e["correct"] for e in data["by_length"]), sum(e["n"] for e in data["by_length"])
+
+    probed = contrasts.retrieval(final)
+    assert {"rope", "yarn-x4", "leaky-rerope", "tuned-yarn"} <= set(probed)
+    assert [e.length for e in probed["yarn-x4"]] == [16384, 32768]
+    rows = {(a, b): row for a, b, *row in contrasts.retrieval_contrasts(final, 32768)}
+    (k_a, n), (k_b, _) = correct("tuned-yarn"), correct("yarn-x4")
+    assert rows[("tuned-yarn", "yarn-x4")] == [k_a, k_b, n, difference_interval(k_a, n, k_b, n)]
+    # a copy without YaRN x4's summary (its probes unfinished): no pair with it
+    partial = tmp_path / "final"
+    for method in probed:
+        source = final / "eval" / method / "s0" / "probes" / "summary.json"
+        if method != "yarn-x4":
+            (partial / "eval" / method / "s0" / "probes").mkdir(parents=True)
+            shutil.copy(source, partial / "eval" / method / "s0" / "probes")
+    assert set(contrasts.retrieval(partial)) == set(probed) - {"yarn-x4"}
+
+
 def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tmp_path):
     """The contrasts of experiment E from its committed ppl.json files, against the same files
     read by hand: a minus b over every domain's windows at 32k, a trained method's windows

@@ -17,6 +17,12 @@ comparison has not scored.
 ``--also experiments/smollm2_32k/stage2`` reads stage 2's methods too before they are merged
 into final/ (a method both folders hold is read from --final).
 
+Retrieval beside it (``retrieval``, ``retrieval_contrasts``): each probed method's passkey
+accuracy per length (exact match, and RULER's substring rule where it differs) from its
+finished probes summary, and for the same pairs the difference of their accuracies pooled
+over the probe lengths, with Newcombe's 95% interval (``ropekit.evals.difference_interval``:
+for independent samples, the wider one for methods asked the same probes).
+
 It also prints every run scored so far, seed by seed, on each domain it is scored on (a
 partial table: ``per_seed``), so the tables of the README are copied from the files, not typed.
 
@@ -25,7 +31,8 @@ standard errors, and each method's score seed by seed beside its mean, so a lead
 seeds' spread that decides it are read at a glance.
 
 Holds: L0, BASELINE, BEST_FREE, PAIRS, MIN_DIFFERENCE, scored_seeds, pair_table, best_free,
-standing, seed_scores, contrasts, one_seed, resolved, per_seed, union, figure, main.
+standing, seed_scores, contrasts, one_seed, resolved, retrieval, retrieval_contrasts, per_seed,
+union, figure, main.
 """
 
 from __future__ import annotations
@@ -40,7 +47,9 @@ from ropekit.compare.config import CompareConfig
 from ropekit.compare.record import Difference, TableEntry
 from ropekit.compare.run import length_entries
 from ropekit.compare.verdict import cost_at, paired_difference, paired_seeds, score_at
+from ropekit.evals.intervals import difference_interval
 from ropekit.evals.perplexity import PerplexityResult
+from ropekit.evals.probes import LengthAccuracy, ProbesResult
 from ropekit.figures import figure as canvas
 from ropekit.figures import save
 from ropekit.results import read_record
@@ -187,6 +196,35 @@ def resolved(d: Difference) -> bool:
     """The verdict's rule: the mean difference beyond 2 standard errors and at least
     MIN_DIFFERENCE nats."""
     return d.se is not None and abs(d.mean) > 2 * d.se and abs(d.mean) >= MIN_DIFFERENCE
+
+
+def retrieval(final: Path) -> dict[str, tuple[LengthAccuracy, ...]]:
+    """Each method whose probes have finished (at seed 0, the one probed): its accuracy per
+    probe length, from its summary.json."""
+    out = {}
+    for summary in sorted((final / "eval").glob("*/s0/probes/summary.json")):
+        out[summary.parents[2].name] = read_record(summary, ProbesResult).by_length
+    return out
+
+
+def retrieval_contrasts(
+    final: Path, length: int
+) -> list[tuple[str, str, int, int, int, tuple[float, float]]]:
+    """For each pair (``BEST_FREE`` as at ``length`` in perplexity) whose probes both
+    finished: a, b, a's and b's correct answers pooled over the probe lengths, the probes
+    each, and the 95% interval of the difference of the two accuracies (Newcombe's)."""
+    probed = retrieval(final)
+    free = best_free(final, scored_seeds(final), length)
+    out = []
+    for a, b in PAIRS:
+        a, b = (free if m == BEST_FREE else m for m in (a, b))
+        if a in probed and b in probed and a != b:
+            k_a, k_b = (sum(e.correct for e in probed[m]) for m in (a, b))
+            n = sum(e.n for e in probed[a])
+            if n != sum(e.n for e in probed[b]):
+                raise ValueError(f"{a} and {b} were asked different numbers of probes")
+            out.append((a, b, k_a, k_b, n, difference_interval(k_a, n, k_b, n)))
+    return out
 
 
 def per_seed(final: Path, length: int) -> list[tuple[str, int, dict[str, tuple[float, float]]]]:
@@ -342,12 +380,48 @@ def _print(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         values = [f"{cells[d][0]:.2f}" if d in cells else "-" for d in DOMAINS]
         values += [f"{cells[d][1]:.2f}" if d in cells else "-" for d in DOMAINS]
         print(f"| {method} | {seed} | {' | '.join(values)} |")
+    _print_retrieval(args.final, args.length)
     print(f"\nScored: {', '.join(f'{m} (seeds {s})' for m, s in seeds.items())}")
     print(
         f"Best training-free method at {args.length}: {best_free(args.final, seeds, args.length)}"
     )
     if args.figure is not None:
         print(f"Figure: {figure(args.final, args.length, args.figure)}")
+
+
+def _print_retrieval(final: Path, length: int) -> None:
+    """main's retrieval tables: accuracy per method and length, and the pairs' differences."""
+    probed = retrieval(final)
+    if not probed:
+        return
+    lengths = sorted({e.length for entries in probed.values() for e in entries})
+    print(
+        "\nRetrieval (the one-needle passkey, seed 0): correct of probes per length by exact "
+        "match, RULER's substring rule in brackets where it differs; methods whose probes "
+        "have finished.\n"
+    )
+    print(f"| method | {' | '.join(f'@{n}' for n in lengths)} |")
+    print(f"|---|{'---|' * len(lengths)}")
+    for method, entries in probed.items():
+        at = {e.length: e for e in entries}
+        cells = []
+        for n in lengths:
+            e = at.get(n)
+            cell = "-" if e is None else f"{e.correct}/{e.n}"
+            if e is not None and e.substring is not None and e.substring.correct != e.correct:
+                cell += f" ({e.substring.correct}/{e.n})"
+            cells.append(cell)
+        print(f"| {method} | {' | '.join(cells)} |")
+    print(
+        "\nThe pairs' retrieval, pooled over the probe lengths: a minus b in accuracy, with "
+        "Newcombe's 95% interval of the difference (told apart: the interval excludes 0).\n"
+    )
+    print("| a | b | a | b | a - b | 95% interval | told apart |")
+    print("|---|---|---|---|---|---|---|")
+    for a, b, k_a, k_b, n, (low, high) in retrieval_contrasts(final, length):
+        apart = "yes" if low > 0 or high < 0 else "no"
+        print(f"| {a} | {b} | {k_a}/{n} | {k_b}/{n} | {(k_a - k_b) / n:+.2f} | "
+              f"[{low:+.2f}, {high:+.2f}] | {apart} |")  # fmt: skip
 
 
 if __name__ == "__main__":
