@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -603,3 +604,31 @@ def test_the_summary_is_a_typed_record_and_an_untyped_one_is_migrated(tmp_path, 
         read_record(path, ProbesResult)
     with pytest.raises(ResultError, match=r"by_length\[0\]\.prefills is not a field"):
         run_probes(SuffixCopyLM(), config, tmp_path, tokenizer=byte_tok, **OPTIONS)
+
+
+def test_the_accuracy_figure_draws_the_substring_rule_only_where_it_differs(tmp_path, monkeypatch):
+    """YaRN x4 in experiment E: 3/5 exact and 4/5 by the substring rule at 32k: two series,
+    each with its Wilson interval; where the rules agree everywhere, one."""
+    from ropekit.evals import probes
+    from ropekit.evals.intervals import accuracy_entry
+
+    drawn = []
+    monkeypatch.setattr(probes, "save", lambda fig, path: drawn.append(fig) or Path(path))
+
+    def entry(length, correct, substring):
+        return probes.LengthAccuracy(
+            **accuracy_entry(correct, 5), other_needle=0, nearest_needle=0, length=length,
+            substring=probes.Accuracy(**accuracy_entry(substring, 5)), haystacks=5,
+            mean_prefix_tokens=float(length), stage="s",
+        )  # fmt: skip
+
+    differs = [entry(16384, 4, 4), entry(32768, 3, 4)]
+    probes.plot_accuracy(differs, tmp_path / "a.png")
+    probes.plot_accuracy([entry(16384, 4, 4)], tmp_path / "b.png")
+    series = [fig.axes[0].containers for fig in drawn]
+    assert [len(s) for s in series] == [2, 1]
+    by_rule = series[0][1].lines[0].get_ydata()
+    assert list(by_rule) == [0.8, 0.8] and list(series[0][0].lines[0].get_ydata()) == [0.8, 0.6]
+    assert [t.get_text() for t in drawn[0].axes[0].get_legend().get_texts()] == [
+        "exact match", "RULER's substring rule",
+    ]  # fmt: skip

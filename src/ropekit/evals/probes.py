@@ -801,14 +801,25 @@ class ProbesResult:
 
 
 def plot_accuracy(by_length: Sequence[LengthAccuracy], path: str | Path, title: str = "") -> Path:
-    """Accuracy vs length with its (asymmetric) Wilson interval as error bars."""
+    """Accuracy vs length with its (asymmetric) Wilson interval as error bars; RULER's
+    substring rule beside exact match where the two differ at some length."""
     fig, axes = figure(6.8, 4.2)
     ax = axes[0, 0]
     xs = [e.length for e in by_length]
-    ys = [e.accuracy for e in by_length]
-    below = [e.accuracy - e.low for e in by_length]
-    above = [e.high - e.accuracy for e in by_length]
-    ax.errorbar(xs, ys, yerr=[below, above], marker="o", ms=4, capsize=3, lw=1.5)
+    series: list[tuple[str, list[tuple[int, Accuracy]], str, str]] = [
+        ("exact match", [(e.length, e) for e in by_length], "o", "-")
+    ]
+    if any(e.substring is not None and e.substring.correct != e.correct for e in by_length):
+        by_rule = [(e.length, e.substring) for e in by_length if e.substring is not None]
+        series.append(("RULER's substring rule", by_rule, "s", "--"))
+    for label, points, marker, style in series:
+        ys = [a.accuracy for _, a in points]
+        below = [a.accuracy - a.low for _, a in points]
+        above = [a.high - a.accuracy for _, a in points]
+        ax.errorbar([n for n, _ in points], ys, yerr=[below, above], marker=marker, ms=4,
+                    capsize=3, lw=1.5, ls=style, label=label)  # fmt: skip
+    if len(series) > 1:
+        ax.legend(fontsize=8)
     length_axis(ax, xs, rotate=True)
     level = f"{100 * by_length[0].confidence:g}%" if by_length else ""
     ax.set(
