@@ -6,8 +6,9 @@ A stream is `doc_0 SEP doc_1 SEP ... doc_last` (the tokenizer's separator betwee
 none after the last). It keeps cumulative byte offsets, so any window of tokens knows how many
 UTF-8 bytes of text it covers: the denominator of bits per byte.
 
-The token cache: a subword tokenizer takes minutes over a long corpus (experiment E reads
-16.5M characters each time a comparison starts or plans), so the documents' tokens are kept in
+The token cache: a subword tokenizer takes a while over a long corpus, every time a
+comparison starts or plans (the State of the Union messages took 11 s with both cores busy,
+0.1 s from the cache), so the documents' tokens are kept in
 ``$ROPEKIT_CACHE/tokens/<key>.npz``. The key is a digest of everything the tokens depend on:
 the cache layout's version, the tokenizer's identity (a digest of its whole specification,
 `tokenizer_identity`), the ``tokenizers`` library's version and every document's text. Any
