@@ -66,7 +66,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -790,13 +790,14 @@ class _Comparison:
             data = read_record(self.out / COMPARE_JSON, CompareResult)
         except (OSError, ResultError):
             return None
-        settings = _settings(self.config.to_dict())
-        return data if _settings(data.config) == settings else None
+        methods = ("methods", "names")  # added methods keep the others; added domains do not
+        return data if _but(data.config, methods) == _but(self.config.to_dict(), methods) else None
 
 
-def _settings(config: dict[str, Any]) -> dict[str, Any]:
-    """A comparison's settings but its methods (and their names)."""
-    return {k: v for k, v in config.items() if k not in ("methods", "names")}
+def _but(config: dict[str, Any], fields: Collection[str]) -> dict[str, Any]:
+    """A comparison's config (``to_dict``) without ``fields``: what must stay the same when
+    those may change."""
+    return {k: v for k, v in config.items() if k not in fields}
 
 
 class _Written(NamedTuple):
@@ -1036,9 +1037,7 @@ def _folder_config(out: Path, config: CompareConfig, log: Callable[[str], None])
     except (OSError, ResultError, KeyError, TypeError, ValueError):
         return current  # no comparison there, or not one this can grow: the check says which
     grown = ("methods", "names", "eval_data")
-    same = {k: v for k, v in recorded.items() if k not in grown} == {
-        k: v for k, v in current.items() if k not in grown
-    }
+    same = _but(recorded, grown) == _but(current, grown)
     specs = dict(zip(config.labels, config.methods, strict=True))
     kept = all(specs.get(lb) == m for lb, m in zip(earlier.labels, earlier.methods, strict=True))
     kept = kept and set(earlier.eval_data) <= set(config.eval_data)

@@ -614,8 +614,11 @@ def _run_stage(
 
 
 # ----------------------------------------------------------------------------- summaries
-def _accuracy(records: Sequence[dict[str, Any]], confidence: float) -> dict[str, Any]:
-    return accuracy_entry(sum(bool(r["correct"]) for r in records), len(records), confidence)
+def _accuracy(
+    records: Sequence[dict[str, Any]], confidence: float, rule: str = "correct"
+) -> dict[str, Any]:
+    """The accuracy of ``records`` by ``rule``, the field each answer's verdict is in."""
+    return accuracy_entry(sum(bool(r[rule]) for r in records), len(records), confidence)
 
 
 def _substring(records: Sequence[dict[str, Any]], confidence: float) -> dict[str, Any] | None:
@@ -623,7 +626,7 @@ def _substring(records: Sequence[dict[str, Any]], confidence: float) -> dict[str
     case ignored), from the answers' own records; None if any answer did not record it."""
     if any("contains" not in r for r in records):
         return None
-    return accuracy_entry(sum(bool(r["contains"]) for r in records), len(records), confidence)
+    return _accuracy(records, confidence, rule="contains")
 
 
 def distractor_answers(records: Sequence[dict[str, Any]]) -> dict[str, int]:
