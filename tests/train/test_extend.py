@@ -67,7 +67,7 @@ def test_positional_mode_trains_only_the_encoding_and_keeps_the_backbone_bit_ide
     model = _base(base_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     config = ExtendConfig("adarope:init=yarn,factor=4", TARGET, samples=8, batch_size=4)
-    result = extend(model, config, tmp_path / "ext")
+    result = extend(model, config, tmp_path / "ext", command="ropekit extend m")
     # 2 layers x 2 kv heads x 6 pairs of AdaFreq + 2 layers x 4 heads x 2 of AdaScale
     assert result.trainable == {"positional": 2 * 2 * 6 + 2 * 4 * 2, "lora": 0, "total": 40}
     assert "training 40 positional parameters; backbone frozen" in capsys.readouterr().out
@@ -76,6 +76,10 @@ def test_positional_mode_trains_only_the_encoding_and_keeps_the_backbone_bit_ide
         assert torch.equal(tensor, after[name]), name
     assert as_backbone(model).encoding.dxi.abs().sum() > 0  # the encoding did train
     assert (tmp_path / "ext" / "adapter" / "adapter.safetensors").exists()
+    # Both records name the command given, the training loop's too (not pytest's argv).
+    for record in ("extend.json", "train/summary.json"):
+        meta = json.loads((tmp_path / "ext" / record).read_text())["meta"]
+        assert meta["command"] == "ropekit extend m", record
 
 
 def test_positional_extension_beats_the_untuned_schedule_at_the_target_length(base_dir, tmp_path):

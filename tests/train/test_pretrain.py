@@ -26,6 +26,9 @@ def test_pretrain_writes_the_trained_model_and_what_it_trained(tmp_path):
     assert trained.config == config and trained.encoding.spec == "alibi"
     summary = json.loads(result.summary.read_text())
     assert summary["kind"] == "pretrain" and summary["meta"]["command"] == "ropekit pretrain"
+    # The training loop's own summary records the command it was given, not this process's.
+    trained_by = json.loads(result.train.summary.read_text())["meta"]["command"]
+    assert trained_by == "ropekit pretrain"
     assert (summary["steps"], summary["data"], summary["encoding"]) == (2, "shakespeare", "alibi")
     assert summary["tokens"] == 2 * 2 * 16 == result.train.tokens
     fpt, peak = summary["flops_per_token"], summary["matmul_flops_per_s"]

@@ -363,6 +363,7 @@ def _train(
     config: ExtendConfig,
     train_config: TrainConfig,
     provenance: dict[str, Any],
+    command: str,
 ) -> tuple[float, int]:
     """Train what is trainable (final loss, tokens); checkpointing switched off after."""
     disable = backbone.enable_grad_checkpointing() if config.grad_checkpointing else None
@@ -373,7 +374,7 @@ def _train(
     try:
         result = train(
             model, samples, train_config, loss_fn=backbone_loss(backbone),
-            provenance=provenance, plan=plan,
+            provenance=provenance, plan=plan, command=command,
         )  # fmt: skip
     finally:
         model.train(was_training)
@@ -450,7 +451,9 @@ def extend(
         samples = _dataset(backbone, config, pose_window)
         train_config = _train_config(config, out_dir, bool(counts["lora"]), resume, fsdp)
         train_provenance = {**provenance, "data": samples_identity(samples)}
-        final_loss, tokens = _train(backbone, samples, config, train_config, train_provenance)
+        final_loss, tokens = _train(
+            backbone, samples, config, train_config, train_provenance, command
+        )
     select_trainable(backbone, "none")  # leave the model frozen, as evaluation expects
     record = ExtendRecord(
         meta=run_metadata(command, spec=encoding.spec, seed=config.seed),

@@ -118,6 +118,7 @@ def train(
     accelerator: Accelerator | None = None,
     provenance: Mapping[str, Any] | None = None,
     plan: ShardPlan | None = None,
+    command: str = "",
 ) -> TrainResult:
     """Train `model` in place on `dataset`; checkpoints, metrics and summary go to out_dir.
 
@@ -132,6 +133,8 @@ def train(
     a run continues from its latest checkpoint exactly as if it had never stopped; a
     checkpoint whose recorded `provenance` (what the run trains: model, encoding, data,
     tokenizer; ropekit.results) differs from the one passed is refused, naming the field.
+    `command` is what the summary records as the command that made it (default: the
+    process's own command line, which under `ropekit extend` or a script is not the run's).
 
     Raises NonFiniteLossError when a loss or gradient norm is not finite, FileExistsError
     when out_dir already holds files and neither resume nor overwrite is set, and
@@ -148,7 +151,9 @@ def train(
     try:
         parallel = parallel_for(model, config, accelerator, plan)
         try:
-            return _train(parallel, dataset, config, loss_fn, accelerator, checkpoint, provenance)
+            return _train(
+                parallel, dataset, config, loss_fn, accelerator, checkpoint, provenance, command
+            )
         finally:
             parallel.close()
     finally:
@@ -163,6 +168,7 @@ def _train(
     accelerator: Accelerator,
     checkpoint: Path | None,
     provenance: Mapping[str, Any] | None,
+    command: str,
 ) -> TrainResult:
     """`train` in an out_dir this run holds, resuming from `checkpoint` if there is one."""
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -228,7 +234,7 @@ def _train(
         if metrics is not None:
             metrics.close()
     parallel.finish()  # sharded: the trained values, whole, into the caller's model
-    return _finish(state, checkpoint, config, accelerator)
+    return _finish(state, checkpoint, config, accelerator, command)
 
 
 def _log_line(
@@ -320,7 +326,11 @@ def _optimizer_step(
 
 
 def _finish(
-    state: CheckpointState, checkpoint: Path, config: TrainConfig, accelerator: Accelerator
+    state: CheckpointState,
+    checkpoint: Path,
+    config: TrainConfig,
+    accelerator: Accelerator,
+    command: str,
 ) -> TrainResult:
     result = TrainResult(
         final_loss=state.loss,
@@ -332,7 +342,7 @@ def _finish(
         summary=config.out_dir / SUMMARY,
     )
     if accelerator.is_main_process:
-        _write_summary(result, config, accelerator.num_processes, state.provenance)
+        _write_summary(result, config, accelerator.num_processes, state.provenance, command)
     accelerator.wait_for_everyone()
     return result
 
@@ -476,7 +486,11 @@ def _open_metrics(path: Path, step: int) -> IO[str]:
 
 
 def _write_summary(
-    result: TrainResult, config: TrainConfig, num_processes: int, provenance: dict[str, Any]
+    result: TrainResult,
+    config: TrainConfig,
+    num_processes: int,
+    provenance: dict[str, Any],
+    command: str,
 ) -> None:
     summary: dict[str, Any] = {
         "final_loss": result.final_loss,
@@ -488,5 +502,5 @@ def _write_summary(
         "num_processes": num_processes,
         "config": config.to_dict(),
     }
-    meta = run_metadata("", seed=config.seed)
+    meta = run_metadata(command, seed=config.seed)
     write_result(result.summary, "train", summary, meta=meta, provenance=provenance)

@@ -69,7 +69,7 @@ def pretrain(
     provenance = {
         "model": model.to_dict(), "spec": decoder.encoding.spec, "data": dataset.identity(),
     }  # fmt: skip
-    result = train(decoder, dataset, train_config, provenance=provenance)
+    result = train(decoder, dataset, train_config, provenance=provenance, command=command)
     model_dir, path = out_dir / "model", out_dir / "pretrain.json"
     # Under `accelerate launch` every process holds the same trained weights (DDP keeps them
     # equal); the main process alone writes them, and the others wait until it has.

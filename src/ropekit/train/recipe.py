@@ -172,7 +172,7 @@ def _train_stage(
         resume=True,  # a finished stage only reloads its final weights
     )
     provenance = {"recipe": recipe.settings(), "stage": stage["name"]}
-    result = train(decoder, dataset, config, provenance=provenance)
+    result = train(decoder, dataset, config, provenance=provenance, command="ropekit base recipe")
     return {
         **stage,
         "final_loss": result.final_loss,
