@@ -509,6 +509,32 @@ def test_a_job_computed_elsewhere_records_its_own_time_or_none(compared, tmp_pat
     assert 50.0 <= run.records[job]["seconds"] < 51
 
 
+def test_processes_writing_in_turn_keep_the_jobs_in_the_order_they_finished(compared, tmp_path):
+    """times.jsonl lists finished jobs in the order they finished, whichever process writes
+    it, and so does the report's time table read from a process's records: experiment E's two
+    processes (one with --join) flipped two probe jobs' rows at each other's writes, because
+    each wrote its own records first."""
+    from ropekit.compare.run import _Comparison
+    from ropekit.results import read_records
+
+    out, config = _copied(compared, tmp_path)
+    first, second = (_Comparison(config, out, "", lambda *_: None, False) for _ in range(2))
+    second._set("job b", {"job": "job b", "started": 1.0, "earlier": 0.0})
+    first._set("job a", {"job": "job a", "started": 2.0, "earlier": 0.0})
+    first._set("job a", {"job": "job a", "seconds": 10.0})  # a finishes first
+    second._set("job b", {"job": "job b", "seconds": 20.0})
+
+    def finished() -> list[str]:
+        return [r["job"] for r in read_records(out / "times.jsonl") if "seconds" in r][-2:]
+
+    assert finished() == ["job a", "job b"]
+    first._set("job c", {"job": "job c", "started": 3.0, "earlier": 0.0})
+    assert finished() == ["job a", "job b"]
+    for run in (first, second):
+        run._sync_times()
+        assert [j for j in run.records if j.startswith("job ")] == ["job a", "job b"]
+
+
 def test_a_job_resumed_after_a_stop_counts_its_earlier_attempts(compared, tmp_path):
     """times.jsonl records a job as begun before it runs; a stop Python sees settles the
     attempt's time there (up to the last file it wrote in the job's folder), a kill -9 leaves

@@ -470,11 +470,20 @@ class _Comparison:
         """Take into this process's records what times.jsonl now says of every job it has
         not changed since it last wrote (the other processes' jobs); with ``write``, then
         write them all back, this process's changes with the others', under the folder's
-        lock, so no process's record is lost to another's write."""
+        lock, so no process's record is lost to another's write. The records keep the file's
+        order (a job finished since, at its attempt's place: after every finished one), so
+        processes writing in turn list the jobs in the order they finished."""
         with self._waiting("times.lock"):
-            for record in read_records(self.times):
+            on_file = read_records(self.times)
+            for record in on_file:
                 if record["job"] not in self.changed:
                     self._place(record)
+            place = {r["job"]: i for i, r in enumerate(on_file)}
+
+            def in_file_order(records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+                return dict(sorted(records.items(), key=lambda jr: place.get(jr[0], len(place))))
+
+            self.records, self.attempts = map(in_file_order, (self.records, self.attempts))
             if write:
                 write_records(self.times, [*self.records.values(), *self.attempts.values()])
                 self.changed.clear()
