@@ -133,8 +133,9 @@ def train(
     a run continues from its latest checkpoint exactly as if it had never stopped; a
     checkpoint whose recorded `provenance` (what the run trains: model, encoding, data,
     tokenizer; ropekit.results) differs from the one passed is refused, naming the field.
-    `command` is what the summary records as the command that made it (default: the
-    process's own command line, which under `ropekit extend` or a script is not the run's).
+    `command` is what the summary records as the command that made the run (empty: the
+    process's own command line, which for a run launched by code names that code's entry,
+    e.g. `ropekit compare ... --join` or pytest, not the run).
 
     Raises NonFiniteLossError when a loss or gradient norm is not finite, FileExistsError
     when out_dir already holds files and neither resume nor overwrite is set, and
