@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
-from ropekit.cli import main
+from ropekit.cli import build_parser, main
 
 
 def test_encodings_lists_every_encoding_with_options(capsys):
@@ -20,6 +22,34 @@ def test_encodings_lists_every_encoding_with_options(capsys):
     assert "required" not in dca
     assert "from the model" in dca.split("original_length", 1)[1].split("\n", 1)[0]
     assert "N / L0 (extend, compare)" in out
+
+
+def test_help_lists_the_commands_without_loading_torch():
+    """`ropekit --help` and a mistyped command are answered from the command table alone (torch
+    and transformers took about 5 s to load for them); the listing is the full parser's."""
+    code = (
+        "import sys\n"
+        "from ropekit.cli import main\n"
+        "assert main(['--help']) == 0 and main(['extnd']) == 2\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip().endswith("[]")
+    assert "invalid choice: 'extnd'" in done.stderr
+    assert done.stdout.rstrip().removesuffix("[]").rstrip() == build_parser().format_help().rstrip()
+
+
+def test_each_command_parses_with_its_own_options_alone(capsys):
+    """main builds only the named command's options: its --help shows them, opening with the
+    command's summary, and the other commands' options are not built."""
+    assert main(["inspect", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "What each serving engine does" in out and "llama.cpp" in out and "--json" in out
+    parser = build_parser(["inspect"])
+    commands = parser._subparsers._group_actions[0].choices
+    assert [a.dest for a in commands["extend"]._actions] == ["help"]
+    assert "json" in [a.dest for a in commands["inspect"]._actions]
 
 
 def test_schedules_writes_png_and_json(tmp_path, capsys):

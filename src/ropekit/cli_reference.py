@@ -111,10 +111,12 @@ def cli_reference(parser: argparse.ArgumentParser | None = None) -> str:
         if _has_subcommands(sub):
             continue
         lines += [f"## {prog}", ""]
-        if summary:
-            lines += [_cell(summary)[0].upper() + _cell(summary)[1:] + ".", ""]
-        if sub.description:
-            lines += [sub.description, ""]
+        sentence = _cell(summary)[0].upper() + _cell(summary)[1:] + "." if summary else ""
+        # A command's --help description opens with its summary (ropekit.cli.build_parser);
+        # what it adds follows the summary here.
+        more = " ".join((sub.description or "").split()).removeprefix(sentence).strip()
+        lines += [sentence, ""] if sentence else []
+        lines += [more, ""] if more else []
         lines += ["```text", _usage(sub), "```", ""]
         lines += _options(sub)
     return "\n".join(lines).rstrip() + "\n"
