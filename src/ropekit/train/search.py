@@ -29,6 +29,10 @@ part of LongRoPE is public; here it is, on any model ropekit can give an encodin
    45.46, experiment D); ``mixed:method=longrope,...`` keeps the original RoPE whole inside
    the window, but no engine's config expresses it.
 
+The score is perplexity, which can keep factors that do not retrieve: on SmolLM2 at 32k
+(experiment E) the search kept NTK-aware's factors, which answered 0 of 5 passkeys at 32k and
+5 of 5 at 16k; check a result with ``ropekit eval probes`` or ``ropekit compare``.
+
 Resumable: every scored candidate is a record of ``candidates.jsonl`` carrying the digest of
 the search's provenance (model, data, config); a rerun scores only what is missing and a
 finished search makes no forward. What LongRoPE also searches and ropekit does not: the number
