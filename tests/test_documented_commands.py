@@ -124,6 +124,7 @@ STAND_INS: dict[str, str] = {
     "ropekit compare": "compare --help",
     "ropekit report DIR": "report {ood}",
     "ropekit eval probes": "eval probes --help",
+    "ropekit schedules": "schedules --help",
 }  # fmt: skip
 ORDER = sorted(STAND_INS)
 

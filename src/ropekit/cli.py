@@ -129,6 +129,20 @@ def add_schedules(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_schedules)
 
 
+def _pair_list(pairs: list[int]) -> str:
+    """``11 (20-30)``: how many rotary pairs, and which, as runs of consecutive indices."""
+    if not pairs:
+        return "0"
+    runs: list[list[int]] = []
+    for f in pairs:
+        if runs and f == runs[-1][-1] + 1:
+            runs[-1].append(f)
+        else:
+            runs.append([f])
+    text = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+    return f"{len(pairs)} ({text})"
+
+
 def cmd_schedules(args: argparse.Namespace) -> int:
     from ropekit.report.schedules import compare_schedules, write_schedules
 
@@ -140,11 +154,12 @@ def cmd_schedules(args: argparse.Namespace) -> int:
         original_length=args.original_length,
     )
     paths = write_schedules(result, args.out, command=_command(), overwrite=args.overwrite)
-    print(f"{'method':<12} {'slowest θ':>11} {'longest λ':>11} {'attn factor':>11}")
+    print(f"{'method':<12} {'slowest θ':>11} {'longest λ':>11} {'attn factor':>11} "
+          f"{'pairs past trained angles':>26}")  # fmt: skip
     for row in result["methods"]:
         print(
             f"{row['method']:<12} {row['inv_freq'][-1]:>11.3e} {row['wavelength'][-1]:>11.0f} "
-            f"{row['attention_factor']:>11.4f}"
+            f"{row['attention_factor']:>11.4f} {_pair_list(row['unseen_pairs']):>26}"
         )
     print(f"wrote {paths['png']} and {paths['json']}")
     return 0
@@ -514,6 +529,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     result = search(backbone, config, args.out, overwrite=args.overwrite, command=_command())
     seeds = ", ".join(f"{name} {nll:.4f}" for name, nll in result.baselines.items())
     print(f"best mean NLL {result.nll:.4f} nats/token after {result.forwards} forwards ({seeds})")
+    print(f"rotary pairs past their trained angles at {config.target_length} tokens: "
+          f"{_pair_list(list(result.unseen_pairs))}")  # fmt: skip
     print(f"wrote {args.out / 'adapter'} ({result.spec}) and {args.out / 'search.json'}")
     return 0
 

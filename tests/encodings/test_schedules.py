@@ -250,3 +250,33 @@ def test_yarn_with_a_zero_width_ramp_keeps_the_pairs_up_to_its_edge_and_divides_
     torch.testing.assert_close(
         inv_freq, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0
     )
+
+
+def _unseen(inv_freq, length, dim=64, base=1e5, original_length=8192):
+    trained, _ = schedules.rope(dim, base)
+    return schedules.unseen_rotations(inv_freq, trained, length, original_length)
+
+
+def test_unseen_rotations_are_the_slow_pairs_an_extension_divides_by_less_than_the_ratio():
+    """SmolLM2's schedule (64 dims, base 1e5, L0 8192): pairs 20-31 never turned fully in
+    training. At 32k plain RoPE turns all 12 past their trained angles, NTK-aware at s = 4 all
+    but the slowest (divided by 4^(f/31), the factors experiment E's search kept), and PI, YaRN
+    and Llama 3 none; at 16k NTK-aware none (each slow pair divided by at least 2.45 > 2)."""
+    rope, _ = schedules.rope(64, 1e5)
+    ntk, _ = schedules.ntk(64, 1e5, 4.0)
+    assert _unseen(rope, 32768).nonzero().flatten().tolist() == list(range(20, 32))
+    assert _unseen(ntk, 32768).nonzero().flatten().tolist() == list(range(20, 31))
+    assert not _unseen(ntk, 16384).any()
+    for inv_freq in (
+        schedules.linear(64, 1e5, 4.0)[0],
+        schedules.yarn(64, 1e5, 4.0, 8192)[0],
+        schedules.llama3(64, 1e5, 4.0, 8192)[0],
+    ):
+        assert not _unseen(inv_freq, 32768).any()
+    # PI at exactly s = N / L0 is in range (lengths, not last positions); a hair less is not,
+    # for every slow pair and no fast one (those saw every angle).
+    assert not _unseen(schedules.linear(64, 1e5, 4.0)[0], 32768).any()
+    short = _unseen(schedules.linear(64, 1e5, 3.999)[0], 32768)
+    assert short.nonzero().flatten().tolist() == list(range(20, 32))
+    # Inside the trained window nothing is unseen, whatever the schedule.
+    assert not _unseen(rope, 8192).any()

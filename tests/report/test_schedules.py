@@ -77,3 +77,20 @@ def test_files_are_replaced_only_over_the_same_settings(tmp_path):
     assert len(read_result(paths["json"], "schedules")["methods"]) == 2
     write_schedules(other, tmp_path, overwrite=True)
     assert len(read_result(paths["json"], "schedules")["methods"]) == 1
+
+
+def test_each_row_names_the_pairs_turned_past_their_trained_angles_at_the_target(tmp_path, capsys):
+    """At SmolLM2's schedule and 4x: NTK-aware leaves pairs 20-30 past the angles plain RoPE
+    saw in 8,192 tokens, YaRN none; `ropekit schedules` prints them as runs."""
+    from ropekit.cli import main
+
+    result = compare_schedules(
+        ("rope", "ntk", "yarn"), head_dim=64, base=1e5, factor=4.0, original_length=8192
+    )
+    unseen = {method: row["unseen_pairs"] for method, row in _rows(result).items()}
+    assert unseen == {"rope": list(range(20, 32)), "ntk": list(range(20, 31)), "yarn": []}
+    argv = ["schedules", "--methods", "rope,ntk,yarn", "--base", "100000", "--factor", "4"]
+    assert main([*argv, "--original-length", "8192", "--out", str(tmp_path)]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["rope"].endswith("12 (20-31)") and lines["ntk"].endswith("11 (20-30)")
+    assert lines["yarn"].endswith(" 0")

@@ -621,3 +621,50 @@ def test_a_seed_that_is_not_an_integer_of_at_least_zero_is_refused(value):
     message = f"seed={value!r} is not allowed; it must be an integer >= 0"
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         SearchConfig(TARGET, seed=value)
+
+
+def test_the_kept_factors_name_the_slow_pairs_they_divide_by_less_than_the_ratio(
+    base_dir, tmp_path
+):
+    """The search's warning and ``unseen_pairs``: a pair of the tiny model (16 dims, base 1e4,
+    trained at 32 tokens) is unseen at 128 tokens when its wavelength exceeds 32 (pairs 2-7)
+    and its factor is under 128 / 32; read here from the factors, not the frequencies."""
+    from ropekit.train.search import _unseen_pairs
+
+    backbone = as_backbone(Decoder.load(base_dir).eval())
+    rope = schedules.rope(16, 10000.0)[0]
+    slow = [f for f in range(8) if 2 * math.pi / float(rope[f]) > CONTEXT]
+    assert slow == list(range(2, 8))
+    for spec, factors in (
+        ("ntk:factor=4", (rope / schedules.ntk(16, 10000.0, 4.0)[0]).tolist()),
+        ("yarn:factor=4", (rope / schedules.yarn(16, 10000.0, 4.0, CONTEXT)[0]).tolist()),
+        ("rope", [1.0] * 8),
+    ):
+        lines = []
+        encoding = backbone.set_encoding(spec)
+        pairs = _unseen_pairs(backbone, encoding, TARGET, lines.append)
+        expected = tuple(f for f in slow if factors[f] < TARGET / CONTEXT - 1e-9)
+        assert pairs == expected, spec
+        assert bool(lines) == bool(expected)
+    assert expected == tuple(slow)  # plain RoPE: every slow pair
+    assert lines[0].startswith("warning: the kept factors turn 6 of 8 rotary pairs (2-7) past")
+
+
+def test_a_search_result_names_its_unseen_pairs_fresh_and_finished(base_dir, tmp_path):
+    """The pairs of the kept candidate's factors (candidates.jsonl), in the result of the
+    search and of its rerun, which reads the finished search.json."""
+    config = SearchConfig(TARGET, samples=1, budget=3, population=3, parents=2, chunk=64)
+    logged: list[str] = []
+    runs = [
+        search(Decoder.load(base_dir).eval(), config, tmp_path, progress=False, log=logged.append)
+        for _ in range(2)
+    ]
+    records = [json.loads(x) for x in (tmp_path / "candidates.jsonl").read_text().splitlines()]
+    kept = next(r for r in records if r["nll"] == runs[0].nll)
+    rope = schedules.rope(16, 10000.0)[0]
+    expected = tuple(
+        f for f, v in enumerate(kept["factors"])
+        if 2 * math.pi / float(rope[f]) > CONTEXT and v < TARGET / CONTEXT - 1e-9
+    )  # fmt: skip
+    assert runs[0].unseen_pairs == runs[1].unseen_pairs == expected
+    assert sum("warning: the kept factors" in line for line in logged) == 2 * bool(expected)

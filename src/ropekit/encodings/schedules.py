@@ -10,7 +10,8 @@ float64; tests hold the two together.
 just a smaller ``dim``. Note the equivalence transformers records: scaling positions by 1/s is
 the same as scaling ``inv_freq`` by 1/s, which is why PI is a schedule here.
 
-Holds: rope, linear (PI), ntk, dynamic_ntk, yarn (+ its helpers), llama3, longrope, n_pairs.
+Holds: rope, linear (PI), ntk, dynamic_ntk, yarn (+ its helpers), llama3, longrope, n_pairs,
+unseen_rotations.
 """
 
 from __future__ import annotations
@@ -197,3 +198,24 @@ def longrope(
     if attention_factor is None:
         attention_factor = longrope_attention_factor(factor, original_length)
     return inv_freq / factors, float(attention_factor)
+
+
+def unseen_rotations(
+    inv_freq: Tensor, trained: Tensor, length: int, original_length: int
+) -> Tensor:
+    """Which rotary pairs of ``inv_freq`` turn past every angle they saw in training when the
+    model reads ``length`` tokens: a bool tensor (F,), against the schedule it was trained
+    with (``trained``, over ``original_length`` tokens).
+
+    A pair whose wavelength 2 pi / theta_f exceeds the training length never completed a turn,
+    so it knows only the angles theta_f p for p < L0; an extension must interpolate such pairs,
+    not extrapolate them (YaRN, Peng et al. 2023, sec. 3.2, the reason NTK-by-parts divides them
+    by the whole s). The extended pair reaches theta'_f N at N tokens and stays in range when
+    theta'_f N <= theta_f L0: lengths rather than last positions, so PI at exactly s = N / L0
+    counts as in range, as it is used. Pairs that turned fully in training saw every angle and
+    never count. NTK-aware at s = N / L0 leaves the slow pairs short of s (experiment E: 11 of
+    SmolLM2's 32 pairs at 4x).
+    """
+    turned = trained * original_length >= 2 * math.pi
+    reach = inv_freq * length
+    return ~turned & (reach > trained * original_length * (1 + 1e-12))

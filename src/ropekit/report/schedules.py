@@ -1,6 +1,7 @@
 """Compare frequency schedules side by side: numbers as JSON, a picture as PNG.
 
-Holds: compare_schedules (pure: spec list -> per-pair inverse frequencies and wavelengths),
+Holds: compare_schedules (pure: spec list -> per-pair inverse frequencies, wavelengths and
+the pairs turned past their trained angles at the target length),
 plot_schedules (PNG), write_schedules (both files, atomically).
 """
 
@@ -10,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ropekit.encodings import Spec
+from ropekit.encodings import Spec, schedules
 from ropekit.results import check_replaceable, run_metadata, write_result
 
 DEFAULT_METHODS = ("rope", "linear", "ntk", "yarn", "llama3")
@@ -36,9 +37,11 @@ def compare_schedules(
     factor: float = 8.0,
     original_length: int = 512,
 ) -> dict[str, Any]:
-    """Inverse frequency and wavelength per rotary pair for each method.
+    """Inverse frequency and wavelength per rotary pair for each method, and the pairs that
+    turn past every angle plain RoPE's saw in ``original_length`` tokens when the method reads
+    the target length ``factor * original_length`` (``schedules.unseen_rotations``).
 
-    Dynamic schedules are evaluated at the target length ``factor * original_length``.
+    Dynamic schedules are evaluated at the target length.
     """
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim={head_dim} is not allowed; it must be an even integer >= 2")
@@ -62,6 +65,8 @@ def compare_schedules(
             raise ValueError(f"{spec.name!r} is not a rotary schedule; compare rotary methods only")
         dim = schedule.rotary_dim(head_dim)
         inv_freq, attention_factor = schedule.schedule(dim, target if schedule.dynamic else None)
+        trained, _ = schedules.rope(dim, base)
+        unseen = schedules.unseen_rotations(inv_freq, trained, target, original_length)
         rows.append(
             {
                 "method": method,
@@ -69,6 +74,7 @@ def compare_schedules(
                 "inv_freq": [float(v) for v in inv_freq],
                 "wavelength": [2 * math.pi / float(v) for v in inv_freq],
                 "attention_factor": float(attention_factor),
+                "unseen_pairs": unseen.nonzero().flatten().tolist(),
             }
         )
     return {

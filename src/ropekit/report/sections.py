@@ -443,12 +443,20 @@ def schedules_section(results: Sequence[Result], root: Path) -> list[Block]:
                 fmt(m["inv_freq"][-1], 6),
                 fmt(m["wavelength"][-1], 0),
                 fmt(m["attention_factor"], 4),
+                # schedules.json written before the pairs were counted lacks them
+                str(len(m["unseen_pairs"])) if "unseen_pairs" in m else "-",
             ]
             for m in d["methods"]
         ]
         blocks.append(
             Table(
-                ["method", "slowest θ (rad/token)", "longest wavelength (tokens)", "attn factor"],
+                [
+                    "method",
+                    "slowest θ (rad/token)",
+                    "longest wavelength (tokens)",
+                    "attn factor",
+                    "pairs past their trained angles at the target",
+                ],
                 rows,
                 f"{r.label}: head dim {d['head_dim']}, base {fmt(d['base'], 0)}, "
                 f"factor {d['factor']}, original length {d['original_length']}",

@@ -31,7 +31,10 @@ part of LongRoPE is public; here it is, on any model ropekit can give an encodin
 
 The score is perplexity, which can keep factors that do not retrieve: on SmolLM2 at 32k
 (experiment E) the search kept NTK-aware's factors, which answered 0 of 5 passkeys at 32k and
-5 of 5 at 16k; check a result with ``ropekit eval probes`` or ``ropekit compare``.
+5 of 5 at 16k. Those factors turn 11 slow pairs past every angle they saw in training at 32k
+and none at 16k (``schedules.unseen_rotations``); the search names such pairs in a warning and
+in its result (``unseen_pairs``). Check a result with ``ropekit eval probes`` or ``ropekit
+compare``.
 
 Resumable: every scored candidate is a record of ``candidates.jsonl`` carrying the digest of
 the search's provenance (model, data, config); a rerun scores only what is missing and a
@@ -170,6 +173,9 @@ class SearchResult:
     baselines: dict[str, float]  # the seeds' fitness: pi, ntk, yarn
     forwards: int  # forwards spent (this run and earlier ones together)
     elapsed_s: float
+    # Rotary pairs the spec turns past every angle they saw in training at the target length
+    # (``schedules.unseen_rotations``), which a perplexity score does not see.
+    unseen_pairs: tuple[int, ...] = ()
 
 
 def _monotone(factors: np.ndarray, cap: float) -> np.ndarray:
@@ -291,13 +297,35 @@ def _evolve(scorer: _Scorer, config: SearchConfig, seeds: dict, cap: float, bar:
     return {"factors": factors, "nll": nll, "origin": origin}
 
 
-def _finished(backbone: Backbone, out: Path, log: Any) -> SearchResult:
+def _unseen_pairs(
+    backbone: Backbone, encoding: PositionEncoding, target_length: int, log: Any
+) -> tuple[int, ...]:
+    """The pairs of the kept spec past their trained angles at the target length, each named
+    in one warning line: perplexity can keep such factors (module docstring)."""
+    trained, _ = backbone.build_encoding("rope").inv_freq(length=target_length)
+    searched, _ = encoding.inv_freq(length=target_length)  # (1, F): one schedule for all heads
+    mask = schedules.unseen_rotations(
+        searched[0], trained[0], target_length, backbone.training_length
+    )
+    pairs = tuple(int(f) for f in mask.nonzero().flatten())
+    if pairs:
+        log(
+            f"warning: the kept factors turn {len(pairs)} of {mask.numel()} rotary pairs "
+            f"({pairs[0]}-{pairs[-1]}) past every angle they saw in training at "
+            f"{target_length} tokens; a perplexity score does not see it, retrieval can fail "
+            "there: check it with ropekit eval probes"
+        )
+    return pairs
+
+
+def _finished(backbone: Backbone, config: SearchConfig, out: Path, log: Any) -> SearchResult:
     """A finished search of this model, data and config: its result, its spec attached."""
     found = read_record(out / SEARCH_JSON, SearchRecord)
-    backbone.set_encoding(found.spec)
+    encoding = backbone.set_encoding(found.spec)
     log(f"{out} holds this search, finished: {found.spec}")
+    unseen = _unseen_pairs(backbone, encoding, config.target_length, log)
     return SearchResult(
-        out, found.spec, found.nll, found.baselines, found.forwards, found.elapsed_s
+        out, found.spec, found.nll, found.baselines, found.forwards, found.elapsed_s, unseen
     )
 
 
@@ -335,7 +363,7 @@ def search(
     context = {"factor": factor, "original_length": trained_at}
     provenance = {"model": backbone.identity(), "config": config.to_dict()}
     if check_replaceable(out / SEARCH_JSON, "search", provenance, overwrite=overwrite):
-        return _finished(backbone, out, log)
+        return _finished(backbone, config, out, log)
     if overwrite:
         (out / CANDIDATES).unlink(missing_ok=True)
     dim = rope.rotary_dim
@@ -361,4 +389,7 @@ def search(
         adapter=str(out / "adapter"),
     )  # fmt: skip
     write_result(out / SEARCH_JSON, "search", record)
-    return SearchResult(out, record.spec, record.nll, baselines, record.forwards, record.elapsed_s)
+    unseen = _unseen_pairs(backbone, encoding, config.target_length, log)
+    return SearchResult(
+        out, record.spec, record.nll, baselines, record.forwards, record.elapsed_s, unseen
+    )
