@@ -209,12 +209,13 @@ def unseen_rotations(
 
     A pair whose wavelength 2 pi / theta_f exceeds the training length never completed a turn,
     so it knows only the angles theta_f p for p < L0; an extension must interpolate such pairs,
-    not extrapolate them (YaRN, Peng et al. 2023, sec. 3.2, the reason NTK-by-parts divides them
-    by the whole s). The extended pair reaches theta'_f N at N tokens and stays in range when
-    theta'_f N <= theta_f L0: lengths rather than last positions, so PI at exactly s = N / L0
-    counts as in range, as it is used. Pairs that turned fully in training saw every angle and
-    never count. NTK-aware at s = N / L0 leaves the slow pairs short of s (experiment E: 11 of
-    SmolLM2's 32 pairs at 4x).
+    not extrapolate them. This is YaRN's objection to NTK-aware scaling, which "extrapolates
+    some dimensions to out-of-bound values", and why NTK-by-parts divides every pair whose
+    wavelength exceeds the context by the whole s (Peng et al. 2023, eqs. 17-20). The extended
+    pair reaches theta'_f N at N tokens and stays in range when theta'_f N <= theta_f L0:
+    lengths rather than last positions, so PI at exactly s = N / L0 counts as in range, as it
+    is used. Pairs that turned fully in training saw every angle and never count. NTK-aware at
+    s = N / L0 leaves the slow pairs short of s (experiment E: 11 of SmolLM2's 32 pairs at 4x).
     """
     turned = trained * original_length >= 2 * math.pi
     reach = inv_freq * length
