@@ -209,8 +209,8 @@ def unseen_rotations(
 
     A pair whose wavelength 2 pi / theta_f exceeds the training length never completed a turn,
     so it knows only the angles theta_f p for p < L0; an extension must interpolate such pairs,
-    not extrapolate them. This is YaRN's objection to NTK-aware scaling, which "extrapolates
-    some dimensions to out-of-bound values", and why NTK-by-parts divides every pair whose
+    not extrapolate them. This is YaRN's objection to NTK-aware scaling, that it extrapolates
+    some dimensions to out-of-bound values, and why NTK-by-parts divides every pair whose
     wavelength exceeds the context by the whole s (Peng et al. 2023, eqs. 17-20). The extended
     pair reaches theta'_f N at N tokens and stays in range when theta'_f N <= theta_f L0:
     lengths rather than last positions, so PI at exactly s = N / L0 counts as in range, as it
