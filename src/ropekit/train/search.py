@@ -300,8 +300,9 @@ def _evolve(scorer: _Scorer, config: SearchConfig, seeds: dict, cap: float, bar:
 def _unseen_pairs(
     backbone: Backbone, encoding: PositionEncoding, target_length: int, log: Any
 ) -> tuple[int, ...]:
-    """The pairs of the kept spec past their trained angles at the target length, each named
-    in one warning line: perplexity can keep such factors (module docstring)."""
+    """The pairs of the kept spec past their trained angles at the target length, named in
+    one warning line: perplexity can keep such factors (module docstring). They are one run of
+    pairs: the slow pairs are the last ones, and the factors never decrease towards them."""
     trained, _ = backbone.build_encoding("rope").inv_freq(length=target_length)
     searched, _ = encoding.inv_freq(length=target_length)  # (1, F): one schedule for all heads
     mask = schedules.unseen_rotations(
