@@ -26,6 +26,7 @@ DECLARED = {
     "rope": ("rope", (False, False, False, False, False, True)),
     "linear": ("linear:factor=4", (False, False, False, False, False, True)),
     "ntk": ("ntk:factor=4", (False, False, False, False, False, True)),
+    "proportional": ("proportional:proportion=0.5", (False, False, False, False, False, True)),
     "dynamic-ntk": (
         "dynamic-ntk:factor=4,original_length=16",
         (False, False, False, True, False, True),
@@ -293,7 +294,7 @@ def test_a_list_option_with_one_bracket_is_refused(text):
         (
             "rope:bsae=10",
             "spec 'rope:bsae=10': unknown option 'bsae' for RopeConfig; allowed: base, pairing, "
-            "fraction",
+            "fraction, proportion",
         ),
         (
             "longrope:factor=4,original_length=64,long_factor=[]",

@@ -27,7 +27,7 @@ def test_the_mixed_window_wraps_every_rotary_entry_of_the_registry_but_the_remap
 
     remaps = {n for n, e in REGISTRY.items() if issubclass(e.config, RemapConfig)}
     rotary = {n for n in REGISTRY if n != "mixed" and n not in remaps and rotates(n)}
-    assert set(MIXABLE) == rotary and len(rotary) == 9
+    assert set(MIXABLE) == rotary and len(rotary) == 10
 
 
 def test_plain_rope_within_the_window_and_the_wrapped_schedule_beyond_it():
@@ -47,7 +47,7 @@ def test_plain_rope_within_the_window_and_the_wrapped_schedule_beyond_it():
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("mixed:method=foo", "method='foo' is not allowed; use one of rope, linear, ntk, "),
+        ("mixed:method=foo", "method='foo' is not allowed; use one of rope, linear, proportional, ntk, "),
         (
             "mixed:method=yarn,factor=0",
             "factor=0.0 is not allowed; it must be a finite number >= 1 (mixed with method=yarn)",
@@ -72,7 +72,8 @@ def test_mixed_without_a_method_lists_every_mixable_encoding():
             ask()
         assert str(info.value).endswith(
             "method is required for mixed; e.g. mixed:method=yarn,factor=2 "
-            "(allowed: rope, linear, ntk, dynamic-ntk, yarn, llama3, longrope, adarope, tuned-yarn)"
+            "(allowed: rope, linear, proportional, ntk, dynamic-ntk, yarn, llama3, longrope, adarope, "
+            "tuned-yarn)"
         )
 
 

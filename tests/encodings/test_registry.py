@@ -154,6 +154,7 @@ def test_every_registered_encoding_is_described_and_builds_with_defaults_or_says
                 ("base", "float", FROM_MODEL),
                 ("pairing", "str", FROM_MODEL),
                 ("fraction", "float", FROM_MODEL),
+                ("proportion", "float", 1.0),
                 ("factor", "float | None", FROM_TARGET),
                 ("original_length", "int | None", FROM_MODEL),
                 ("beta_fast", "float", 32.0),
@@ -256,6 +257,7 @@ BUILD_WITH_DEFAULTS = {
     "learned",
     "alibi",
     "rope",
+    "proportional",
     "adarope",
     "rerope",
     "self-extend",
@@ -287,7 +289,8 @@ def test_exactly_the_listed_encodings_build_with_defaults():
 
 
 KNOWN = (
-    "nope, sinusoidal, learned, alibi, rope, linear, ntk, dynamic-ntk, yarn, llama3, longrope, "
+    "nope, sinusoidal, learned, alibi, rope, linear, proportional, ntk, dynamic-ntk, yarn, llama3, "
+    "longrope, "
     "adarope, tuned-yarn, rerope, self-extend, dca, string, mixed"
 )
 

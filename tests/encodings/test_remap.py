@@ -688,13 +688,14 @@ def test_bands_are_reused_for_the_same_positions_and_remade_for_other_queries():
         (
             "rerope:init=yarn,factor=0,original_length=64",
             "factor=0.0 is not allowed; it must be a finite number >= 1 (rerope with init=yarn "
-            "allows: init, original_length, window, leaky, logn, base, pairing, fraction, factor, "
+            "allows: init, original_length, window, leaky, logn, base, pairing, fraction, proportion, "
+            "factor, "
             "beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate)",
         ),
         (
             "self-extend:init=linear,factor=abc",
             "factor='abc' is not a number (self-extend with init=linear allows: init, "
-            "original_length, group, window, mode, base, pairing, fraction, factor)",
+            "original_length, group, window, mode, base, pairing, fraction, proportion, factor)",
         ),
         ("rerope:window=abc", "window='abc' is not an integer"),
     ],

@@ -11,6 +11,7 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ropekit.encodings import schedules
+from ropekit.encodings.rope import ProportionalConfig, RopeConfig
 
 from ..tiny import tiny_config
 
@@ -280,3 +281,34 @@ def test_unseen_rotations_are_the_slow_pairs_an_extension_divides_by_less_than_t
     assert short.nonzero().flatten().tolist() == list(range(20, 32))
     # Inside the trained window nothing is unseen, whatever the schedule.
     assert not _unseen(rope, 8192).any()
+
+
+# ----------------------------------------------------------------------------- p-RoPE
+@pytest.mark.parametrize("head_dim", [32, 64, 256])
+@pytest.mark.parametrize("proportion", [0.125, 0.25, 0.5, 0.75])
+@pytest.mark.parametrize("factor", [1.0, 8.0])
+def test_proportional_matches_transformers(head_dim, proportion, factor):
+    """Gemma 4's rope_type "proportional": the kept pairs equal full RoPE's first pairs (to
+    float32 rounding: transformers computes in float32), the rest are exactly zero."""
+    config = ProportionalConfig(base=1e6, proportion=proportion, factor=factor)
+    ours, attention = config.frequencies(head_dim)
+    theirs, their_attention = _hf(
+        "proportional", head_dim, 1e6, 4096, partial_rotary_factor=proportion, factor=factor
+    )
+    assert ours.shape == theirs.shape == (head_dim // 2,)
+    kept = config.kept_pairs(head_dim)
+    assert kept == int(proportion * head_dim // 2)
+    assert torch.equal(ours[kept:], torch.zeros(head_dim // 2 - kept, dtype=torch.float64))
+    assert torch.equal(theirs[kept:] == 0, torch.ones(head_dim // 2 - kept, dtype=torch.bool))
+    torch.testing.assert_close(ours[:kept], theirs[:kept], **TOL)
+    assert attention == their_attention == 1.0
+
+
+def test_proportional_differs_from_partial_rope_in_its_exponents():
+    """p-RoPE keeps full RoPE's fastest frequencies; ``fraction`` cuts the head and spreads
+    the exponents over the channels it keeps (so its slowest pair is much slower)."""
+    p = RopeConfig(base=BASE, proportion=0.25).frequencies(64)[0]
+    f = RopeConfig(base=BASE, fraction=0.25).frequencies(int(64 * 0.25))[0]
+    full = schedules.rope(64, BASE)[0]
+    assert torch.equal(p[:8], full[:8]) and torch.equal(p[8:], torch.zeros(24, dtype=p.dtype))
+    assert f.shape == (8,) and f[-1] < p[7] / 100

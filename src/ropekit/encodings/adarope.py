@@ -237,9 +237,10 @@ class AdaRoPE(_LearnedRotary):
     def __init__(self, config: AdaRoPEConfig, **dims: int) -> None:
         super().__init__(config, **dims)
         self._setup_dims(config.schedule)
-        inv_freq, attention_factor = config.schedule.schedule(self.rotary_dim)
+        inv_freq, attention_factor = config.schedule.frequencies(self.rotary_dim)
+        # theta = theta_init exp(dxi): p-RoPE's still pairs (theta_init = 0) stay still.
         self._theta_init = inv_freq  # (F,) float64, derived from the config, never cast
-        self._xi_init = inv_freq.log()  # (F,) float64
+        self._xi_init = inv_freq.log()  # (F,) float64; -inf for p-RoPE's still pairs
         self.attention_factor = float(attention_factor)  # the init schedule's (YaRN mscale)
         n_layers = 1 if config.share_layers else self.n_layers
         n_kv = 1 if config.share_heads else self.n_kv_heads
@@ -338,6 +339,12 @@ class TunedYarnConfig(YarnConfig):
             raise ValueError(
                 "truncate=true is not allowed for tuned-yarn; the ramp ends must stay continuous "
                 "to be learned (use yarn:truncate=true for the fixed schedule)"
+            )
+        if self.proportion < 1:
+            raise ValueError(
+                f"proportion={self.proportion!r} is not allowed for tuned-yarn, whose learned "
+                "ramp spans every pair; use yarn:proportion=... (fixed) or adarope:init=yarn,"
+                "proportion=... (learned, still pairs stay still)"
             )
 
 

@@ -28,6 +28,7 @@ from .rope import (
     Llama3Config,
     LongRopeConfig,
     NTKConfig,
+    ProportionalConfig,
     RopeConfig,
     RotaryEncoding,
     YarnConfig,
@@ -69,6 +70,13 @@ ENTRIES: tuple[Entry, ...] = (
         LinearConfig,
         "position interpolation (PI)",
         "Chen et al. 2023",
+    ),
+    Entry(
+        RotaryEncoding,
+        ProportionalConfig,
+        "p-RoPE: only the fastest pairs turn, exponents over the whole head (fraction cuts "
+        "the head instead)",
+        "Barbero et al. 2025",
     ),
     Entry(RotaryEncoding, NTKConfig, "NTK-aware base rescaling", "bloc97 2023"),
     Entry(

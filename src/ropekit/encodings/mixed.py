@@ -153,7 +153,12 @@ class MixedWindow(PositionEncoding):
         module_cls = MIXABLE[config.method].module
         self.schedule_encoding = module_cls(config.schedule, **dims)
         base = config.schedule.base_schedule
-        original = RopeConfig(base=base.base, pairing=base.pairing, fraction=base.fraction)
+        original = RopeConfig(
+            base=base.base,
+            pairing=base.pairing,
+            fraction=base.fraction,
+            proportion=base.proportion,
+        )
         self.original = RotaryEncoding(original, **dims)
         self.window = config.window
         inner = self.schedule_encoding

@@ -9,7 +9,8 @@ function (see ``schedules.py``), the module turns it into cos/sin tables once pe
 (cached for the positions tensor and its version counter, so every layer reuses them and a
 positions tensor advanced in place gets new ones) and rotates q and k.
 
-Holds: RopeConfig and one subclass per schedule, RotaryEncoding.
+Holds: RopeConfig and one subclass per schedule (ProportionalConfig: p-RoPE as transformers'
+"proportional"), RotaryEncoding.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ class RopeConfig(EncodingConfig):
     base: float = 10000.0  # b in theta_f = b^(-2f/d); Llama 2: 1e4, Llama 3: 5e5, Qwen2: 1e6
     pairing: str = "half"  # "half" (NeoX/Llama rotate_half) or "interleaved" (GPT-J, RoPE paper)
     fraction: float = 1.0  # partial RoPE: share of head_dim that rotates (GPT-NeoX rotary_pct)
+    # Proportional RoPE (p-RoPE, Barbero et al. 2025; Gemma 4's rope_type "proportional"):
+    # share of the rotated pairs that keep their frequency; the slowest pairs get theta = 0 and
+    # so never turn. Unlike ``fraction`` the exponents 2f/d keep the whole rotated dim d, so
+    # the pairs that do rotate have exactly the frequencies of full RoPE (schedules.proportional).
+    proportion: float = 1.0
 
     CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = ("base", "pairing", "fraction", "original_length")
     dynamic: ClassVar[bool] = False
@@ -52,10 +58,26 @@ class RopeConfig(EncodingConfig):
         check_choice("pairing", self.pairing, PAIRINGS)
         if not 0 < self.fraction <= 1:
             raise ValueError(f"fraction={self.fraction!r} is not allowed; it must lie in (0, 1]")
+        if not 0 <= self.proportion <= 1:
+            raise ValueError(
+                f"proportion={self.proportion!r} is not allowed; it must lie in [0, 1]"
+            )
 
     def rotary_dim(self, head_dim: int) -> int:
         """Rotated channels, as transformers computes them: int(head_dim * fraction)."""
         return int(head_dim * self.fraction)
+
+    def kept_pairs(self, dim: int) -> int:
+        """Pairs of ``dim`` rotated channels that keep their frequency under ``proportion``,
+        as transformers counts them: int(proportion * d // 2)."""
+        return int(self.proportion * dim // 2)
+
+    def frequencies(self, dim: int, length: int | None = None) -> schedules.Schedule:
+        """The schedule with p-RoPE's ``proportion`` applied: what an encoding rotates by."""
+        inv_freq, attention_factor = self.schedule(dim, length)
+        if self.proportion < 1:
+            inv_freq = schedules.proportional(inv_freq, self.kept_pairs(dim))
+        return inv_freq, attention_factor
 
     @property
     def base_schedule(self) -> RopeConfig:
@@ -91,6 +113,17 @@ class LinearConfig(RopeConfig):
 
     def schedule(self, dim: int, length: int | None = None) -> schedules.Schedule:
         return schedules.linear(dim, self.base, self.factor)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProportionalConfig(LinearConfig):
+    """Proportional RoPE as transformers' rope_type "proportional" (Gemma 4's global layers):
+    RoPE over the whole head with only the fastest ``proportion`` of pairs turning, every
+    frequency divided by ``factor`` (1 by default, as there; so is ``proportion``, which makes
+    it plain RoPE: Gemma 4 gives 0.25)."""
+
+    name: ClassVar[str] = "proportional"
+    factor: float | None = 1.0  # s: frequencies / s, as linear; transformers' default 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,14 +320,14 @@ class RotaryEncoding(PositionEncoding):
         self.dynamic = config.dynamic
         # Validate the schedule now (e.g. LongRoPE factor counts) rather than at first forward;
         # a fixed schedule is computed this once.
-        self._fixed = config.schedule(self.rotary_dim, None)
+        self._fixed = config.frequencies(self.rotary_dim, None)
         self._cache: list[tuple[PositionsKey, torch.dtype, tuple[Tensor, Tensor]]] = []
 
     def frequencies(self, length: int | None) -> schedules.Schedule:
         """(inv_freq (F,), attention_factor) for a sequence of ``length`` positions."""
         if not self.dynamic:
             return self._fixed
-        return self.config.schedule(self.rotary_dim, length)
+        return self.config.frequencies(self.rotary_dim, length)
 
     def inv_freq(self, layer: int = 0, length: int | None = None) -> tuple[Tensor, float]:
         """theta (1, F): one schedule for every layer and key/value head."""

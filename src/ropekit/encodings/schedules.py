@@ -10,7 +10,7 @@ float64; tests hold the two together.
 just a smaller ``dim``. Note the equivalence transformers records: scaling positions by 1/s is
 the same as scaling ``inv_freq`` by 1/s, which is why PI is a schedule here.
 
-Holds: rope, linear (PI), ntk, dynamic_ntk, yarn (+ its helpers), llama3, longrope, n_pairs,
+Holds: rope, linear (PI), proportional (p-RoPE), ntk, dynamic_ntk, yarn (+ its helpers), llama3, longrope, n_pairs,
 unseen_rotations.
 """
 
@@ -45,6 +45,16 @@ def linear(dim: int, base: float, factor: float) -> Schedule:
     """Position interpolation (Chen et al. 2023): positions / s, i.e. every theta_f / s."""
     inv_freq, _ = rope(dim, base)
     return inv_freq / factor, 1.0
+
+
+def proportional(inv_freq: Tensor, kept: int) -> Tensor:
+    """p-RoPE (Barbero et al. 2025, "Round and round we go"; transformers' "proportional"):
+    the first ``kept`` pairs keep theta_f, the slower rest get theta = 0 (angle 0 at every
+    position: cos 1, sin 0), so they carry content, never position. Applied after any schedule;
+    zero stays zero under PI's 1/s and YaRN's blend, so the order does not matter."""
+    out = inv_freq.clone()
+    out[kept:] = 0.0
+    return out
 
 
 def _stretched_base(dim: int, base: float, multiplier: float, factor: float) -> float:
