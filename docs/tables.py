@@ -179,6 +179,34 @@ def comparison(path: str) -> Callable[[Path], str]:
     return render
 
 
+def headline(path: str) -> Callable[[Path], str]:
+    """A comparison in one line per method: its far-position perplexity at the target (exp of
+    the verdict's score, the mean last-quarter NLL over domains), its cost at the trained
+    length and its passkeys at the target."""
+
+    def render(root: Path) -> str:
+        data = _json(root, path)
+        verdict, target = data["verdict"], str(data["target_length"])
+        scores = verdict["scores"]
+        trained = {m["label"]: m["trained"] for m in data["methods"]}
+        rows = []
+        for label in sorted(scores, key=lambda m: (scores[m] is None, scores[m] or 0.0)):
+            probe = data["retrieval"].get(label, {}).get(target)
+            cost = verdict["costs"].get(label)
+            rows.append(
+                [f"`{label}`", "yes" if trained[label] else "no", f"{math.exp(scores[label]):.1f}",
+                 "-" if label == data["baseline"] or cost is None else f"{cost:+.1%}",
+                 f"{probe['correct']}/{probe['n']}" if probe else "-"]
+            )  # fmt: skip
+        return markdown(
+            ["method", "trained", f"far-position ppl @{target}", f"cost @{data['trained_at']}",
+             f"passkey @{target}"],
+            rows,
+        )  # fmt: skip
+
+    return render
+
+
 def _difference(d: dict) -> str:
     if not d:
         return "-"
@@ -419,6 +447,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "results-16k-ood": comparison(COMPARISONS["D, out of domain"]),
     "results-32k": comparison(COMPARISONS["E"]),
     "results-verdicts": verdicts,
+    "headline": headline(COMPARISONS["E"]),
     "benchmarks-cpu": benchmarks("cpu"),
     "benchmarks-remaps-cpu": remap_summary("cpu"),
     "benchmarks-remaps-cuda": remap_summary("NVIDIA"),
