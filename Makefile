@@ -33,10 +33,11 @@ test: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks experiments docs
 	$(BIN)/python -m pytest -n 2
 
-# The documentation site (mkdocs-material, mkdocstrings; dev extras): every table of measured
-# numbers written from the committed files, then the site into site/, failing on a broken link
-# or a missing page.
+# The documentation site (mkdocs-material, mkdocstrings; dev extras): the CLI reference from
+# the parser, every table of measured numbers from the committed files, then the site into
+# site/, failing on a broken link or a missing page.
 docs: $(STAMP)
+	$(BIN)/python -m ropekit.cli_reference docs/cli.md
 	$(BIN)/python -m docs.tables
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 

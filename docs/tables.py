@@ -207,6 +207,33 @@ def headline(path: str) -> Callable[[Path], str]:
     return render
 
 
+def engines(path: str) -> Callable[[Path], str]:
+    """A comparison's answer per engine: the best method within the cost margin that the
+    engine serves exactly, how far behind the recommended method it is, and the best it serves
+    over the margin."""
+
+    def render(root: Path) -> str:
+        data = _json(root, path)
+        verdict = data["verdict"]
+        best = verdict["scores"][verdict["winner"]]
+        rows = []
+        for engine, c in verdict["serving"].items():
+            over = c["beyond_margin"]
+            rows.append(
+                [engine, f"`{c['method']}`" if c["method"] else "none",
+                 "-" if c["behind"] is None else f"{c['behind']:+.3f}",
+                 f"`{over['method']}` ({over['cost']:+.1%}, {over['score'] - best:+.3f})"
+                 if over else "-"]
+            )  # fmt: skip
+        return markdown(
+            ["engine", f"best it serves within {verdict['margin']:.0%}", "nats behind",
+             "best it serves over the margin (cost, nats behind)"],
+            rows,
+        )  # fmt: skip
+
+    return render
+
+
 def _difference(d: dict) -> str:
     if not d:
         return "-"
@@ -448,6 +475,8 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "results-32k": comparison(COMPARISONS["E"]),
     "results-verdicts": verdicts,
     "headline": headline(COMPARISONS["E"]),
+    "engines-16k-ood": engines(COMPARISONS["D, out of domain"]),
+    "engines-32k": engines(COMPARISONS["E"]),
     "benchmarks-cpu": benchmarks("cpu"),
     "benchmarks-remaps-cpu": remap_summary("cpu"),
     "benchmarks-remaps-cuda": remap_summary("NVIDIA"),
