@@ -389,7 +389,8 @@ def vllm_remaps(root: Path) -> str:
         ["remap (vLLM + ropekit's plugin)", *(f"max / mean @{n}" for n in lengths),
          f"{data['decoded']} decoded @{lengths[-1]}", "prefill / decode speed vs stock YaRN x2"],
         (
-            [f"`{row['spec']}`", *(_serving_cell(row[n]) for n in lengths),
+            [f"`{row['spec']}`" + (" (earlier run)" if row.get("earlier_run") else ""),
+             *(_serving_cell(row[n]) for n in lengths),
              _serving_cell(row["decode"]),
              f"{row['speed']['prefill_ratio']:.2f}x / {row['speed']['decode_ratio']:.2f}x"]
             for row in data["rows"].values()
