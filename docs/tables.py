@@ -454,8 +454,8 @@ def mutation(root: Path) -> str:
 
 # --------------------------------------------------------------------------- architectures
 def architectures(root: Path) -> str:
-    """The Hugging Face model types ropekit patches (``ropekit.hf.archs.ARCHS``)."""
-    sys.path.insert(0, str(root / "src"))
+    """The Hugging Face model types ropekit patches (``ropekit.hf.archs.ARCHS``, the registry
+    in the code, not a file: ``root`` has no say)."""
     from ropekit.hf.archs import ARCHS
 
     return markdown(["model_type"], ([f"`{name}`"] for name in sorted(ARCHS)))
