@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.ropekit-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test test-slow test-serving serving-setup lint format bench mutation cuda-check clean
+.PHONY: setup demo test test-slow test-serving serving-setup lint format bench mutation cuda-check docs clean
 
 setup: $(STAMP)
 
@@ -26,17 +26,28 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/ropekit demo
 
+# The suite includes the documentation: every generated table equal to what the committed
+# files give (tests/test_docs_tables.py) and the site built with --strict (tests/test_docs_site.py).
 test: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks experiments
-	$(BIN)/ruff format --check src tests benchmarks experiments
+	$(BIN)/ruff check src tests benchmarks experiments docs
+	$(BIN)/ruff format --check src tests benchmarks experiments docs
 	$(BIN)/python -m pytest -n 2
+
+# The documentation site (mkdocs-material, mkdocstrings; dev extras): the CLI reference from
+# the parser, every table of measured numbers from the committed files, then the site into
+# site/, failing on a broken link or a missing page.
+docs: $(STAMP)
+	$(BIN)/python -m ropekit.cli_reference docs/cli.md
+	$(BIN)/python -m docs.tables
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
 
 # Mutation testing (not part of `make test`): mutmut mutates the modules named in
 # pyproject.toml's [tool.mutmut] and runs, per mutant, the selected tests that reach it; the
-# scores per module and the survivors go to docs/mutation.md (its runtime is written there).
+# counts per module go to docs/mutation.json, the survivors to docs/mutation.md (its runtime is
+# written there), and python -m docs.tables writes its table.
 # ROPEKIT_COMPILE=never: rotary._kernel copies the fused function for torch.compile, which
 # cannot copy mutmut's trampoline; the eager path runs the same function. A stopped run
 # resumes where it left off; delete mutants/ after changing [tool.mutmut]'s module list
@@ -46,7 +57,8 @@ test-slow: $(STAMP)
 mutation: $(STAMP)
 	$(BIN)/python -m pip install -q mutmut==3.8.1
 	start=$$(date +%s) && ROPEKIT_COMPILE=never $(BIN)/mutmut run --max-children 2 && \
-		$(BIN)/python tests/mutation.py docs/mutation.md $$(( $$(date +%s) - start ))
+		$(BIN)/python tests/mutation.py docs/mutation.md $$(( $$(date +%s) - start )) && \
+		$(BIN)/python -m docs.tables
 
 # The CUDA checks (not part of `make test`, which runs where there is no GPU): on a machine
 # with a GPU and a PyTorch of its own (no setup: PY=python3), the CUDA tests and the bands
@@ -58,8 +70,8 @@ cuda-check:
 	PYTHONPATH=src $(PY) -m benchmarks bands
 
 lint: $(STAMP)
-	$(BIN)/ruff check --fix src tests benchmarks experiments
-	$(BIN)/ruff format src tests benchmarks experiments
+	$(BIN)/ruff check --fix src tests benchmarks experiments docs
+	$(BIN)/ruff format src tests benchmarks experiments docs
 
 # The serving target: real engines, each in its own environment under .venv-serving/ (not part
 # of `make test`): vLLM's CPU build pins torch 2.13.0+cpu and transformers < 5.20, so it cannot
@@ -109,4 +121,4 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
 clean:
-	rm -rf $(VENV) $(SERVING) build *.egg-info src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(SERVING) build site *.egg-info src/*.egg-info .pytest_cache

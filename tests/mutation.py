@@ -1,10 +1,11 @@
 """Mutation scores per module from mutmut's results (``make mutation`` runs it; not a test).
 
 Reads ``mutmut results --all true`` (one ``module.x_function__mutmut_N: status`` line per
-mutant) and writes a Markdown table: per module, the mutants killed by a test, survived, not
-reached by any selected test, timed out, and not run (a stopped run), with the score killed /
-(mutants run, timeouts excepted: a mutant that loops forever is caught, only by the clock).
-Then the mutants not killed: those ``tests/mutation_equivalent.txt`` explains (one
+mutant) and writes the record docs/mutation.json (per module, its mutants by status; the status
+of each mutant not killed) and docs/mutation.md: the place of its table, which
+``python -m docs.tables`` renders from the record (the score killed / (mutants run, timeouts
+excepted: a mutant that loops forever is caught, only by the clock), and the mutants not killed
+by reason), then those ``tests/mutation_equivalent.txt`` explains (one
 ``NAME: why no test can tell it from the original`` line each) with their reason, and the rest
 per function, to be read with ``mutmut show NAME``: each of those is a test still to write.
 
@@ -13,13 +14,16 @@ Usage: python tests/mutation.py OUT.md [SECONDS]
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
 EQUIVALENT = Path(__file__).with_name("mutation_equivalent.txt")
-NOT_KILLED = ("survived", "no tests")
+# mutmut's "suspicious": the test process died (a crash, not a failed assertion)
+NOT_KILLED = ("survived", "no tests", "suspicious")
+TABLE_OPEN, TABLE_CLOSE = "<!-- table: mutation -->\n", "<!-- /table: mutation -->"
 
 
 def parse(lines: list[str]) -> dict[str, str]:
@@ -59,12 +63,19 @@ def equivalents(text: str) -> dict[str, str]:
     return out
 
 
+def record(status: dict[str, str]) -> dict:
+    """The committed record docs/mutation.json: per module, its mutants by mutmut's status;
+    and the status of every mutant not killed (docs.tables renders both, with the reasons)."""
+    return {
+        "mutmut": "3.8.1",
+        "modules": {m: dict(sorted(c.items())) for m, c in sorted(scores(status).items())},
+        "not_killed": {n: s for n, s in sorted(status.items()) if s in NOT_KILLED},
+    }
+
+
 def report(status: dict[str, str], explained: dict[str, str], seconds: str | None) -> str:
-    header = (
-        "| module | mutants | killed | survived | no tests | timeout | not run | score "
-        "| equivalent | to kill |"
-    )
-    rows = [header, "|---" * 10 + "|"]
+    """docs/mutation.md: what was run, the table's place (filled by ``python -m docs.tables``
+    from docs/mutation.json), the mutants still to kill and the explained ones."""
     unexplained: dict[str, list[str]] = defaultdict(list)
     listed = []
     for name, s in sorted(status.items()):
@@ -75,16 +86,6 @@ def report(status: dict[str, str], explained: dict[str, str], seconds: str | Non
         else:
             fn, _, number = name.rpartition("__mutmut_")
             unexplained[fn].append(number)
-    for module, c in sorted(scores(status).items()):
-        total = sum(c.values())
-        judged = total - c["timeout"] - c["not checked"]  # a stopped run: what it reached
-        score = f"{c['killed'] / judged:.1%}" if judged else "-"
-        alive = [n for n, s in status.items() if module_of(n) == module and s in NOT_KILLED]
-        known = sum(n in explained for n in alive)
-        rows.append(
-            f"| `{module}` | {total} | {c['killed']} | {c['survived']} | {c['no tests']} | "
-            f"{c['timeout']} | {c['not checked']} | {score} | {known} | {len(alive) - known} |"
-        )
     left = [
         f"- `{fn}`: {', '.join(sorted(ids, key=int))}" for fn, ids in sorted(unexplained.items())
     ]
@@ -93,11 +94,11 @@ def report(status: dict[str, str], explained: dict[str, str], seconds: str | Non
         "# Mutation scores\n\n"
         f"`make mutation` (mutmut 3.8.1{timing}; the modules and the tests it runs per mutant "
         "are `[tool.mutmut]` in pyproject.toml). Score: killed / (mutants run - timeouts). "
-        "'equivalent': mutants not killed that no test can tell from the original, each with "
-        "its reason below (from tests/mutation_equivalent.txt); 'to kill': the rest.\n\n"
-        + "\n".join(rows)
-        + "\n\n## Mutants not killed, still to kill (read one with `mutmut show "
-        "NAME__mutmut_N`)\n\n"
+        "The mutants not killed are counted by the reason their line in "
+        "tests/mutation_equivalent.txt gives (listed below); 'unexplained': the rest, still "
+        "to kill.\n\n"
+        f"{TABLE_OPEN}{TABLE_CLOSE}\n\n"
+        "## Mutants not killed, still to kill (read one with `mutmut show NAME__mutmut_N`)\n\n"
         + ("\n".join(left) or "None.")
         + "\n\n## Equivalent mutants\n\n"
         + ("\n".join(listed) or "None.")
@@ -111,8 +112,10 @@ def main(out: Path, seconds: str | None) -> None:
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     explained = equivalents(EQUIVALENT.read_text(encoding="utf-8")) if EQUIVALENT.exists() else {}
-    out.write_text(report(parse(done.stdout.splitlines()), explained, seconds), encoding="utf-8")
-    print(f"wrote {out}")
+    status = parse(done.stdout.splitlines())
+    out.with_suffix(".json").write_text(json.dumps(record(status), indent=1) + "\n")
+    out.write_text(report(status, explained, seconds), encoding="utf-8")
+    print(f"wrote {out.with_suffix('.json')} and {out} (its table: python -m docs.tables)")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""tests/mutation.py, the script that turns mutmut's results into docs/mutation.md: scores per
-module, and every mutant not killed either explained as equivalent or listed to kill."""
+"""tests/mutation.py, the script that turns mutmut's results into docs/mutation.json (counts per
+module and status) and docs/mutation.md: every mutant not killed either explained as equivalent
+or listed to kill (the table is docs.tables', tested in tests/test_docs_tables.py)."""
 
 import pytest
 
-from tests.mutation import equivalents, parse, report
+from tests.mutation import equivalents, parse, record, report
 
 LINES = [
     "    ropekit.a.x_f__mutmut_1: killed",
@@ -16,19 +17,29 @@ LINES = [
 ]
 
 
-def test_scores_count_killed_over_mutants_run_without_timeouts():
+def test_the_record_counts_every_status_and_keeps_each_mutant_not_killed():
+    data = record(parse([*LINES, "    ropekit.b.x_h__mutmut_3: suspicious"]))
+    assert data["modules"] == {
+        "ropekit.a": {"killed": 1, "no tests": 1, "survived": 1, "timeout": 1},
+        "ropekit.b": {"killed": 1, "not checked": 1, "suspicious": 1},
+    }
+    assert data["not_killed"] == {
+        "ropekit.a.x_f__mutmut_2": "survived",
+        "ropekit.a.xǁCǁg__mutmut_1": "no tests",
+        "ropekit.b.x_h__mutmut_3": "suspicious",
+    }
+
+
+def test_the_report_lists_mutants_to_kill_and_leaves_the_table_to_the_generator():
     text = report(parse(LINES), {}, "12")
-    # module a: 1 killed of 3 run (the timeout is not judged); b: 1 of 1 (one not run)
-    assert "| `ropekit.a` | 4 | 1 | 1 | 1 | 1 | 0 | 33.3% | 0 | 2 |" in text
-    assert "| `ropekit.b` | 2 | 1 | 0 | 0 | 0 | 1 | 100.0% | 0 | 0 |" in text
     assert "in 12 s" in text
+    assert "<!-- table: mutation -->\n<!-- /table: mutation -->" in text
     assert "- `ropekit.a.x_f`: 2" in text and "- `ropekit.a.xǁCǁg`: 1" in text
 
 
 def test_an_explained_survivor_moves_from_to_kill_to_equivalent_with_its_reason():
     explained = equivalents("# why\n\nropekit.a.x_f__mutmut_2: a default no caller uses\n")
     text = report(parse(LINES), explained, None)
-    assert "| 33.3% | 1 | 1 |" in text
     assert "- `ropekit.a.x_f__mutmut_2` (survived): a default no caller uses" in text
     assert "- `ropekit.a.x_f`: 2" not in text
 
