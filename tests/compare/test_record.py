@@ -183,3 +183,29 @@ def test_the_oldest_untyped_layout_reads_as_its_readers_took_it(tmp_path, counte
     assert pooled.per_seed[0].other_needle == (1 if counted else None)
     text = to_markdown(report_blocks(record, tmp_path), tmp_path)
     assert record.verdict.sentence in text
+
+
+def test_a_method_recorded_as_the_user_wrote_it_reads_by_its_canonical_spec(tmp_path):
+    """format_version 5 recorded each method as the user wrote it: read now, its spec is the
+    canonical one (a factor it left out is N / L0, extend's rule), the text it was written as
+    is kept as ``given``, and the config it records (provenance and ``config``) names the
+    canonical specs, so the folder is the comparison a rerun spelling the factor out makes.
+    Every committed comparison wrote its specs canonical already: given == spec there."""
+    record = read_record(FINISHED, CompareResult)
+    assert record.trained_at * 2 == record.target_length
+    path = write_result(tmp_path / "compare.json", "compare", record)
+    data = json.loads(path.read_text())
+    data["format_version"] = 5
+    for method in data["methods"]:
+        del method["given"]
+    yarn = next(m for m in data["methods"] if m["spec"] == "yarn:factor=2")
+    yarn["spec"] = "yarn"
+    for config in (data["config"], data["provenance"]["config"]):
+        config["methods"] = ["yarn" if m == "yarn:factor=2" else m for m in config["methods"]]
+    path.write_text(json.dumps(data))
+    old = read_record(path, CompareResult)
+    method = next(m for m in old.methods if m.label == yarn["label"])
+    assert (method.spec, method.given) == ("yarn:factor=2", "yarn")
+    assert old.config == record.config and old.provenance == record.provenance
+    for committed in COMMITTED:
+        assert all(m.given == m.spec for m in read_record(committed, CompareResult).methods)
