@@ -209,3 +209,22 @@ def test_a_method_recorded_as_the_user_wrote_it_reads_by_its_canonical_spec(tmp_
     assert old.config == record.config and old.provenance == record.provenance
     for committed in COMMITTED:
         assert all(m.given == m.spec for m in read_record(committed, CompareResult).methods)
+
+
+@pytest.mark.slow
+def test_experiment_e_resumes_with_nothing_left_to_run():
+    """Issue 55, must 7: planned by this version (its jobs, names and canonical specs), the
+    committed experiment E has nothing left: every job's result is in its folder (a changed
+    job name, folder or spec would put it back in the plan); the plan writes nothing there.
+    Opens SmolLM2-135M (installed from the GGUF, offline) and tokenizes the held-out domains:
+    a few minutes."""
+    from ropekit.compare import plan_compare
+    from ropekit.hf import install_model
+
+    install_model("smollm2-135m")
+    final = RUNNING.parent
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in final.rglob("*"))
+    plan = plan_compare(from_file(ROOT / "experiments/smollm2_32k/compare.json"), final)
+    assert plan.startswith("plan: 11 methods; 12 training runs")
+    assert "; left (a job in progress counted whole): none (rough" in plan
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in final.rglob("*")) == before
