@@ -21,7 +21,7 @@ encoding that follows the length) and the probes' prefills (less the filler a la
 keeps).
 
 Holds: BASELINE, KINDS, ResolvedMethod, resolve_methods, Job, jobs, selection_key,
-chosen_rates, CostModel, forward_seconds, run_folder, eval_folder, slug.
+chosen_rates, ppl_config, CostModel, forward_seconds, run_folder, eval_folder, slug.
 """
 
 from __future__ import annotations
@@ -215,6 +215,15 @@ def chosen_rates(
     return out
 
 
+def ppl_config(config: CompareConfig, lengths: tuple[int, ...]) -> PerplexityConfig:
+    """The perplexity every model is scored with on a domain held at ``lengths``: the same
+    spans x N targets at every length, the same windows for every method."""
+    return PerplexityConfig(
+        lengths, n_tokens=config.spans * config.target_length, seed=config.seed,
+        single_documents=config.single_documents,
+    )  # fmt: skip
+
+
 class CostModel:
     """Seconds each job takes on this machine, from ``forward_seconds(tokens)``."""
 
@@ -229,13 +238,6 @@ class CostModel:
         self.config, self.trained_at, self.forward = config, trained_at, forward
         self.domains, self.kept = domains, kept  # kept: probe length -> tokens a later one keeps
 
-    def ppl_config(self, lengths: tuple[int, ...]) -> PerplexityConfig:
-        c = self.config
-        return PerplexityConfig(
-            lengths, n_tokens=c.spans * c.target_length, seed=c.seed,
-            single_documents=c.single_documents,
-        )  # fmt: skip
-
     def __call__(self, job: Job) -> float:
         c, seconds = self.config, self.forward
         if job.kind == "training":
@@ -247,7 +249,7 @@ class CostModel:
             return c.selection_samples * seconds(c.target_length)
         if job.kind == "perplexity":
             assert job.domain is not None
-            read = windows_read(self.ppl_config(self.domains[job.domain]), not job.method.dynamic)
+            read = windows_read(ppl_config(c, self.domains[job.domain]), not job.method.dynamic)
             return sum(k * seconds(n) for n, k in read.items())
         return sum(  # probes: each length's first prefill, then what a later one adds
             seconds(n) + (c.probe_haystacks - 1) * (seconds(n) - seconds(self.kept.get(n, 0)))

@@ -47,7 +47,7 @@ The plan (``plan_compare``, every run's first line) costs each job (`plan.CostMo
 a resumed folder also at the pace its finished jobs kept: their recorded wall time over the
 same estimate, the median per kind of job, since one forward's rate moves with the load.
 
-Holds: run_compare, plan_compare, Comparison, JobCost.
+Holds: run_compare, plan_compare, Comparison, RUNNERS, JobCost.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ from .plan import (
     chosen_rates,
     forward_seconds,
     jobs,
+    ppl_config,
     resolve_methods,
     selection_key,
 )
@@ -201,7 +202,7 @@ class Comparison:
         lengths = self.config.eval_lengths(self.trained_at)
         while self.config.single_documents and lengths:
             try:
-                ppl = CostModel(self.config, self.trained_at, float, {}, {}).ppl_config(lengths)
+                ppl = ppl_config(self.config, lengths)
                 check_single_documents(self.streams[domain], self.tokenizer, ppl)
                 break
             except DocumentsTooShort as e:
@@ -262,7 +263,7 @@ class Comparison:
         if job.method.label not in self.finished.served:  # the first run scored says it
             served = engine_answers(backbone, self.config.target_length)
             self.finished.served[job.method.label] = served
-        config = self.cost_model().ppl_config(self.domains[job.domain])
+        config = ppl_config(self.config, self.domains[job.domain])
         return run_perplexity(
             backbone, config, job.folder, data=job.domain, stream=self.streams[job.domain],
             spec=str(job.method.spec), command=self.command, progress=self.progress,
@@ -379,8 +380,8 @@ def _plan_line(run: Comparison) -> str:
     trained = [m for m in run.methods if m.trained]
     runs = sum(j.kind == "training" and j.method.trained for j in planned)
     scored = len({(j.method.label, j.seed) for j in planned if j.kind == "perplexity"})
-    windows = {d: n for d, n in run.domains.items()}
-    per_length = run.cost_model().ppl_config((c.target_length,)).n_tokens
+    windows = run.domains
+    per_length = ppl_config(c, (c.target_length,)).n_tokens
     tokens = sum(len(n) for n in windows.values()) * per_length
     lengths = c.retrieval_lengths(run.trained_at)
     prefills = sum(j.kind == "probes" for j in planned) * c.probe_haystacks * len(lengths)
