@@ -43,9 +43,9 @@ import math
 import tempfile
 from pathlib import Path
 
+from ropekit.compare.assemble import length_entries
 from ropekit.compare.config import CompareConfig
 from ropekit.compare.record import Difference, TableEntry
-from ropekit.compare.run import length_entries
 from ropekit.compare.verdict import cost_at, paired_difference, paired_seeds, score_at
 from ropekit.evals.intervals import difference_interval
 from ropekit.evals.perplexity import PerplexityResult
@@ -99,7 +99,7 @@ def scored_seeds(final: Path) -> dict[str, list[int]]:
 
 
 def _trained(final: Path, method: str) -> bool:
-    """Whether the comparison trains ``method`` (``compare.run.run_folder``: per rate)."""
+    """Whether the comparison trains ``method`` (``compare.plan.run_folder``: per rate)."""
     return any((final / "methods" / method).glob("lr-*"))
 
 

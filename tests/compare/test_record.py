@@ -183,3 +183,48 @@ def test_the_oldest_untyped_layout_reads_as_its_readers_took_it(tmp_path, counte
     assert pooled.per_seed[0].other_needle == (1 if counted else None)
     text = to_markdown(report_blocks(record, tmp_path), tmp_path)
     assert record.verdict.sentence in text
+
+
+def test_a_method_recorded_as_the_user_wrote_it_reads_by_its_canonical_spec(tmp_path):
+    """format_version 5 recorded each method as the user wrote it: read now, its spec is the
+    canonical one (a factor it left out is N / L0, extend's rule), the text it was written as
+    is kept as ``given``, and the config it records (provenance and ``config``) names the
+    canonical specs, so the folder is the comparison a rerun spelling the factor out makes.
+    Every committed comparison wrote its specs canonical already: given == spec there."""
+    record = read_record(FINISHED, CompareResult)
+    assert record.trained_at * 2 == record.target_length
+    path = write_result(tmp_path / "compare.json", "compare", record)
+    data = json.loads(path.read_text())
+    data["format_version"] = 5
+    for method in data["methods"]:
+        del method["given"]
+    yarn = next(m for m in data["methods"] if m["spec"] == "yarn:factor=2")
+    yarn["spec"] = "yarn"
+    for config in (data["config"], data["provenance"]["config"]):
+        config["methods"] = ["yarn" if m == "yarn:factor=2" else m for m in config["methods"]]
+    path.write_text(json.dumps(data))
+    old = read_record(path, CompareResult)
+    method = next(m for m in old.methods if m.label == yarn["label"])
+    assert (method.spec, method.given) == ("yarn:factor=2", "yarn")
+    assert old.config == record.config and old.provenance == record.provenance
+    for committed in COMMITTED:
+        assert all(m.given == m.spec for m in read_record(committed, CompareResult).methods)
+
+
+@pytest.mark.slow
+def test_experiment_e_resumes_with_nothing_left_to_run():
+    """Issue 55, must 7: planned by this version (its jobs, names and canonical specs), the
+    committed experiment E has nothing left: every job's result is in its folder (a changed
+    job name, folder or spec would put it back in the plan); the plan writes nothing there.
+    Opens SmolLM2-135M (installed from the GGUF, offline) and tokenizes the held-out domains:
+    a few minutes."""
+    from ropekit.compare import plan_compare
+    from ropekit.hf import install_model
+
+    install_model("smollm2-135m")
+    final = RUNNING.parent
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in final.rglob("*"))
+    plan = plan_compare(from_file(ROOT / "experiments/smollm2_32k/compare.json"), final)
+    assert plan.startswith("plan: 11 methods; 12 training runs")
+    assert "; left (a job in progress counted whole): none (rough" in plan
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in final.rglob("*")) == before

@@ -34,7 +34,7 @@ def test_the_report_counts_answers_that_name_another_needle_when_a_haystack_hold
     )  # fmt: skip
     data = dataclasses.replace(
         read_record(COMMITTED, CompareResult),
-        methods=(Method("rope", "rope", False),),
+        methods=(Method("rope", "rope", False, "rope"),),
         probes=ProbeSettings(lengths=(64,), needles=5, haystacks=2, task="t", probes_per_run=10),
         retrieval={"rope": {64: pooled_retrieval([seed])}},
     )
@@ -60,7 +60,7 @@ def test_the_report_shows_the_substring_rule_where_it_differs_from_exact_match()
 
     data = dataclasses.replace(
         read_record(COMMITTED, CompareResult),
-        methods=(Method("rope", "rope", False), Method("yarn", "yarn", False)),
+        methods=(Method("rope", "rope", False, "rope"), Method("yarn", "yarn", False, "yarn")),
         probes=ProbeSettings(lengths=(64,), needles=1, haystacks=5, task="t", probes_per_run=5),
         retrieval={"rope": {64: pooled_retrieval([seed(0, None)])},
                    "yarn": {64: pooled_retrieval([seed(3, 4)])}},

@@ -185,12 +185,12 @@ def test_a_method_added_to_a_finished_comparison_reuses_every_finished_job(
     before = {p: p.read_bytes() for p in [*out.glob("eval/**/ppl.json"), *out.glob("**/*.jsonl")]}
     before.pop(out / "times.jsonl")  # the job records: the new method's are added
     selections = [r for r in map(json.loads, (out / "times.jsonl").open()) if "nll" in r]
-    real_selection = compare_run._Comparison.selection_nll
+    real_selection = compare_run.Comparison.selection_nll
 
     def selection(self, backbone, seed):
         raise AssertionError("a finished learning-rate selection was recomputed")
 
-    monkeypatch.setattr(compare_run._Comparison, "selection_nll", selection)
+    monkeypatch.setattr(compare_run.Comparison, "selection_nll", selection)
     grown = [*argv]
     grown[grown.index("--methods") + 1] += ",ntk:factor=4"
     grown[grown.index("--names") + 1] += ",ntk"
@@ -313,7 +313,7 @@ def test_the_plans_cost_model_grows_with_attentions_square(compared):
     """forward_seconds: positive, linear in the weights' term and quadratic in attention's,
     so doubling a long window more than doubles its time (and less than quadruples it)."""
     from ropekit.backbone import open_backbone
-    from ropekit.compare.run import forward_seconds
+    from ropekit.compare.plan import forward_seconds
 
     root, _ = compared
     seconds = forward_seconds(open_backbone(root / "base"))
@@ -324,7 +324,7 @@ def test_the_plans_estimate_leaves_out_what_is_read_once(compared, tmp_path, mon
     """Perplexity windows read in a longer window's reading cost nothing for an encoding that
     does not follow the length, and all of their time for one that does; a later haystack
     costs its prefill less the filler it keeps."""
-    from ropekit.compare.run import _Comparison
+    from ropekit.compare.run import Comparison
     from ropekit.evals.adapters import BackboneLM
 
     # SmolLM2's chunk (a byte vocabulary's would hold a whole haystack: nothing is kept)
@@ -335,9 +335,9 @@ def test_the_plans_estimate_leaves_out_what_is_read_once(compared, tmp_path, mon
         eval_data=("shakespeare",), lengths=(8192, 16384), single_documents=False,
         probe_lengths=(16384,), probe_needles=1, probe_haystacks=3, probe_task="niah_single_1",
     )  # fmt: skip
-    run = _Comparison(config, tmp_path, "", lambda *_: None, False)
+    run = Comparison(config, tmp_path, "", lambda *_: None, False)
     run.forward_seconds = float  # one second per token: the sums below are token counts
-    assert run.reads_alone == {"dynamic-ntk factor512"}
+    assert {m.label for m in run.methods if m.dynamic} == {"dynamic-ntk factor512"}
     seconds = run.estimated_seconds()
     # One span of 16k: the first 8k window is read in the 16k window's reading.
     assert seconds["perplexity"] == 2 * (8192 + 16384) + (2 * 8192 + 16384)
@@ -374,13 +374,13 @@ def test_the_plan_says_what_is_left_of_a_resumed_comparison(compared, tmp_path):
     its own job's seconds, costed here at one second per token against hand sums."""
     import shutil
 
-    from ropekit.compare.run import _Comparison
+    from ropekit.compare.run import Comparison, _estimate
 
     out, config = _copied(compared, tmp_path)
     assert config.seeds == (0, 1) and config.lrs == (0.01, 0.03)
 
-    def comparison() -> _Comparison:
-        return _per_token(_Comparison(config, out, "", lambda *_: None, False))
+    def comparison() -> Comparison:
+        return _per_token(Comparison(config, out, "", lambda *_: None, False))
 
     run = comparison()
     every = run.estimated_seconds()
@@ -393,7 +393,7 @@ def test_the_plan_says_what_is_left_of_a_resumed_comparison(compared, tmp_path):
     probes = sum(n + 2 * (n - run.kept.get(n, 0)) for n in (96, 128))
     assert every["probes"] == 4 * probes  # rope, yarn, adarope at both seeds
     assert run.estimated_seconds(left=True) == dict.fromkeys(every, 0.0)
-    assert "; left (a job in progress counted whole): none (rough" in run.estimate()
+    assert "; left (a job in progress counted whole): none (rough" in _estimate(run)
 
     (out / "eval/adarope/s1/kjv/ppl.json").unlink()
     (out / "eval/yarn/s0/probes/summary.json").unlink()
@@ -409,7 +409,7 @@ def test_the_plan_says_what_is_left_of_a_resumed_comparison(compared, tmp_path):
     assert run.estimated_seconds(left=True) == {
         "training": 2 * 3 * 128, "selection": 128, "perplexity": per_domain, "probes": probes,
     }  # fmt: skip
-    assert "; left (a job in progress counted whole): training 13 min" in run.estimate()
+    assert "; left (a job in progress counted whole): training 13 min" in _estimate(run)
 
 
 def test_the_plan_scales_what_is_left_by_the_pace_of_the_finished_jobs(compared, tmp_path):
@@ -418,21 +418,23 @@ def test_the_plan_scales_what_is_left_by_the_pace_of_the_finished_jobs(compared,
     move it; a job whose result is gone does not count), and what is left is scaled by it."""
     import shutil
 
-    from ropekit.compare.run import _Comparison
+    from ropekit.compare.run import Comparison, _estimate
     from ropekit.results import write_records
 
     out, config = _copied(compared, tmp_path)
 
-    def comparison() -> _Comparison:
-        return _per_token(_Comparison(config, out, "", lambda *_: None, False))
+    def comparison() -> Comparison:
+        return _per_token(Comparison(config, out, "", lambda *_: None, False))
 
     run = comparison()
     jobs = run.job_costs()
-    assert all(j.finished for j in jobs) and {j.job for j in jobs} <= set(run.records)
-    assert run.estimate().count("pace") == 0  # nothing left: no pace to state
+    assert all(j.finished for j in jobs) and {j.job for j in jobs} <= set(run.ledger.records)
+    assert _estimate(run).count("pace") == 0  # nothing left: no pace to state
     pace = {"training": 0.5, "selection": 1.0, "perplexity": 2.0, "probes": 3.0}
     outlier = next(j.job for j in jobs if j.kind == "perplexity")
-    records = {j.job: {**run.records[j.job], "seconds": j.seconds * pace[j.kind]} for j in jobs}
+    records = {
+        j.job: {**run.ledger.records[j.job], "seconds": j.seconds * pace[j.kind]} for j in jobs
+    }
     records[outlier]["seconds"] *= 50
     (out / "eval/adarope/s1/kjv/ppl.json").unlink()  # its record stays: not finished, not counted
     records["eval eval/adarope/s1/kjv"]["seconds"] = 1e9
@@ -449,8 +451,8 @@ def test_the_plan_scales_what_is_left_by_the_pace_of_the_finished_jobs(compared,
     assert left["perplexity"] > 0 and left["training"] > 0
     assert paced == {kind: seconds * pace[kind] for kind, seconds in left.items()}
     assert run.estimated_seconds(paced=True) != run.estimated_seconds()
-    assert "; left at the pace of this folder's finished jobs: training" in run.estimate()
-    assert "perplexity x2.00 of 7" in run.estimate()
+    assert "; left at the pace of this folder's finished jobs: training" in _estimate(run)
+    assert "perplexity x2.00 of 7" in _estimate(run)
 
 
 def test_a_job_computed_elsewhere_records_its_own_time_or_none(compared, tmp_path):
@@ -462,16 +464,15 @@ def test_a_job_computed_elsewhere_records_its_own_time_or_none(compared, tmp_pat
     plan's pace leaves it out; one begun here and killed after its result was written keeps
     its attempt's time."""
 
-    from ropekit.compare.run import _Comparison
+    from ropekit.compare.run import Comparison
     from ropekit.results import read_record, read_records, write_records
     from ropekit.train.extend import EXTEND_JSON, ExtendRecord
 
     out, config = _copied(compared, tmp_path)
-    run = _Comparison(config, out, "", lambda *_: None, False)
+    run = Comparison(config, out, "", lambda *_: None, False)
     method = next(m for m in run.methods if m.trained)
-    lr = config.lrs[0]
-    folder = run.run_folder(method, 0, lr)
-    job = run.job_name("training", folder)
+    train = next(j for j in run.jobs() if j.method == method and j.kind == "training")
+    job, folder = train.name, train.folder
     assert read_record(folder / EXTEND_JSON, ExtendRecord).elapsed_s > 0
     # as long as a real run takes (this tiny one trains in a fraction of a second, as fast
     # as it loads)
@@ -481,122 +482,32 @@ def test_a_job_computed_elsewhere_records_its_own_time_or_none(compared, tmp_pat
     records = read_records(out / "times.jsonl")
     write_records(out / "times.jsonl", [r for r in records if r["job"] != job])
 
-    run = _Comparison(config, out, "", lambda *_: None, False)
-    run.extension(method, 0, lr, folder)
-    assert run.records[job]["seconds"] == own
+    run = Comparison(config, out, "", lambda *_: None, False)
+    run.run_job(train)
+    assert run.ledger.records[job]["seconds"] == own
     assert {"job": job, "seconds": own} in read_records(out / "times.jsonl")
-    run._set(job, {"job": job, "seconds": 0.4})  # a load recorded before the rule: mended
-    run.extension(method, 0, lr, folder)
-    assert run.records[job]["seconds"] == own
-    run._set(job, {"job": job, "seconds": 2000.0})  # the comparison trained it: kept
-    run.extension(method, 0, lr, folder)
-    assert run.records[job]["seconds"] == 2000.0
+    run.ledger.set(job, {"job": job, "seconds": 0.4})  # a load recorded before the rule: mended
+    run.run_job(train)
+    assert run.ledger.records[job]["seconds"] == own
+    run.ledger.set(job, {"job": job, "seconds": 2000.0})  # the comparison trained it: kept
+    run.run_job(train)
+    assert run.ledger.records[job]["seconds"] == 2000.0
 
-    eval_folder = run.eval_folder(method, 0, "kjv")
-    job = run.job_name("perplexity", eval_folder)
-    assert (eval_folder / "ppl.json").is_file() and job in run.records
+    scored = next(j for j in run.jobs() if j.method == method and j.domain == "kjv")
+    job, eval_folder = scored.name, scored.folder
+    assert (eval_folder / "ppl.json").is_file() and job in run.ledger.records
     records = read_records(out / "times.jsonl")
     write_records(out / "times.jsonl", [r for r in records if r["job"] != job])
-    run = _Comparison(config, out, "", lambda *_: None, False)
-    assert run._timed(job, lambda: "loaded", eval_folder, "ppl.json") == "loaded"
-    assert job not in run.records and job in run.jobs
+    run = Comparison(config, out, "", lambda *_: None, False)
+    assert run.ledger.run(job, lambda: "loaded", eval_folder, "ppl.json") == "loaded"
+    assert job not in run.ledger.records and job in run.ledger.jobs
     assert job not in {r["job"] for r in read_records(out / "times.jsonl")}
     paces = run.paces(run.job_costs())
     assert paces["perplexity"][1] == sum(j.kind == "perplexity" for j in run.job_costs()) - 1
     # begun here (a kill -9 after ppl.json was written): its attempt is its time
-    run._set(job, {"job": job, "started": None, "earlier": 50.0})
-    run._timed(job, lambda: "loaded", eval_folder, "ppl.json")
-    assert 50.0 <= run.records[job]["seconds"] < 51
-
-
-def test_processes_writing_in_turn_keep_the_jobs_in_the_order_they_finished(compared, tmp_path):
-    """times.jsonl lists finished jobs in the order they finished, whichever process writes
-    it, and so does the report's time table read from a process's records: experiment E's two
-    processes (one with --join) flipped two probe jobs' rows at each other's writes, because
-    each wrote its own records first."""
-    from ropekit.compare.run import _Comparison
-    from ropekit.results import read_records
-
-    out, config = _copied(compared, tmp_path)
-    first, second = (_Comparison(config, out, "", lambda *_: None, False) for _ in range(2))
-    second._set("job b", {"job": "job b", "started": 1.0, "earlier": 0.0})
-    first._set("job a", {"job": "job a", "started": 2.0, "earlier": 0.0})
-    first._set("job a", {"job": "job a", "seconds": 10.0})  # a finishes first
-    second._set("job b", {"job": "job b", "seconds": 20.0})
-
-    def finished() -> list[str]:
-        return [r["job"] for r in read_records(out / "times.jsonl") if "seconds" in r][-2:]
-
-    assert finished() == ["job a", "job b"]
-    first._set("job c", {"job": "job c", "started": 3.0, "earlier": 0.0})
-    assert finished() == ["job a", "job b"]
-    for run in (first, second):
-        run._sync_times()
-        assert [j for j in run.records if j.startswith("job ")] == ["job a", "job b"]
-
-
-def test_a_job_resumed_after_a_stop_counts_its_earlier_attempts(compared, tmp_path):
-    """times.jsonl records a job as begun before it runs; a stop Python sees settles the
-    attempt's time there (up to the last file it wrote in the job's folder), a kill -9 leaves
-    the begun record, and the resumed job's time adds the earlier attempt's wall time up to
-    the last file it wrote (not the stop, not files older than the attempt). Only finished
-    jobs reach compare.json's time table; a finished job's time is never rewritten."""
-    import os
-    import time
-
-    from ropekit.compare.run import _Comparison
-    from ropekit.results import read_records
-
-    root, _ = compared
-    config = CompareConfig(
-        str(root / "base"), 128, ("rope",), eval_data=("shakespeare",), lengths=(128,),
-        probe_lengths=(),
-    )  # fmt: skip
-    out = tmp_path / "out"
-    run = _Comparison(config, out, "", lambda *_: None, False)
-    folder = out / "eval" / "job"
-    folder.mkdir(parents=True)
-
-    def stopped() -> None:  # saves a window 30 s into the attempt, then is stopped
-        started = run.attempts["eval job"]["started"]
-        (folder / "saved.npz").write_bytes(b"")
-        os.utime(folder / "saved.npz", (started + 30, started + 30))
-        raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        run._timed("eval job", stopped, folder)
-    (settled,) = read_records(out / "times.jsonl")  # a stop Python sees: settled at once
-    assert settled["started"] is None and settled["earlier"] == pytest.approx(30, abs=1e-3)
-    (folder / "saved.npz").unlink()
-    # a kill -9 leaves the record as the attempt began it (what follows fakes that record)
-    begun = {"job": "eval job", "started": time.time(), "earlier": 0.0}
-    # the stopped attempt began 100 s ago and saved its last file 60 s after that; an older
-    # file (before the attempt) and the time since the last file do not count
-    started = begun["started"] - 100
-    (out / "times.jsonl").write_text(json.dumps({**begun, "started": started}) + "\n")
-    for name, when in (("old.npz", started - 500), ("last.npz", started + 60)):
-        (folder / name).write_bytes(b"")
-        os.utime(folder / name, (when, when))
-
-    run = _Comparison(config, out, "", lambda *_: None, False)
-    assert run.records == {} and set(run.attempts) == {"eval job"}
-    run._timed("eval job", lambda: time.sleep(0.2), folder)
-    (record,) = read_records(out / "times.jsonl")
-    assert record.keys() == {"job", "seconds"} and 60.2 <= record["seconds"] < 61
-    run._timed("eval job", lambda: time.sleep(0.1), folder)  # finished: reused, not retimed
-    assert read_records(out / "times.jsonl") == [record]
-    # settled at a stop: the files' times no longer count (a copy may have changed them)
-    run.records.clear()
-    run.attempts["eval job"] = {"job": "eval job", "started": None, "earlier": 42.0}
-    os.utime(folder / "last.npz")  # touched now, long after the stop
-    assert run._earlier_seconds("eval job", folder) == 42.0
-    # a second stop after the resumed attempt wrote its own file: both attempts count
-    run.records.clear()
-    run.attempts["eval job"] = {"job": "eval job", "started": time.time() - 30, "earlier": 60.0}
-    os.utime(folder / "last.npz", (time.time() - 10, time.time() - 10))
-    assert 79 < run._earlier_seconds("eval job", folder) < 81
-    os.utime(folder / "last.npz", (time.time() - 40, time.time() - 40))  # before it began
-    assert run._earlier_seconds("eval job", folder) == 60.0
+    run.ledger.set(job, {"job": job, "started": None, "earlier": 50.0})
+    run.ledger.run(job, lambda: "loaded", eval_folder, "ppl.json")
+    assert 50.0 <= run.ledger.records[job]["seconds"] < 51
 
 
 def test_plan_only_prints_the_plan_and_writes_nothing_even_beside_a_running_comparison(
@@ -735,7 +646,8 @@ def test_two_processes_share_one_comparison_each_job_run_once(compared, tmp_path
     jobs = [r["job"] for r in records]
     assert len(jobs) == len(set(jobs)) and all("seconds" in r for r in records)
     assert set(jobs) == {r.job for r in alone.times}
-    assert not list((out / ".jobs").iterdir())  # every claim released
+    # every claim released (the folder-wide writing locks, dot files, are filelock's: kept)
+    assert [p.name for p in (out / ".jobs").iterdir() if not p.name.startswith(".")] == []
     # the files a process rewrites when it reuses a job (a probes summary, the verdict) record
     # the comparison's command, not the process's: the same whichever process wrote them
     rewritten = [out / "compare.json", *out.glob("eval/*/s*/probes/summary.json")]
@@ -748,12 +660,12 @@ def test_an_interim_report_keeps_what_other_processes_wrote(compared, tmp_path):
     what the others wrote before (experiment E's 19:40 report, written by the joined process,
     lacked STRING's perplexity and the unmodified model's probes). A method scored as another
     spec, or a compare.json of other settings, is not taken."""
-    from ropekit.compare.run import COMPARE_JSON, _Comparison
+    from ropekit.compare.run import COMPARE_JSON, Comparison
 
     out, config = _copied(compared, tmp_path)
     finished = read_record(out / COMPARE_JSON, CompareResult)
-    run = _Comparison(config, out, "", lambda *_: None, False)
-    interim = run.write({}, {}, {}, "interim")  # this process has read nothing yet
+    run = Comparison(config, out, "", lambda *_: None, False)
+    interim = run.write("interim")  # this process has read nothing yet
     for field in ("table", "summary", "lr_search", "retrieval", "served", "held_out", "verdict"):
         assert getattr(interim, field) == getattr(finished, field), field
     assert {t.job for t in interim.times} == {t.job for t in finished.times}
@@ -761,13 +673,14 @@ def test_an_interim_report_keeps_what_other_processes_wrote(compared, tmp_path):
 
     spec = {m.label: m.spec for m in finished.methods}
     respecified = dataclasses.replace(
-        config, methods=tuple("yarn:factor=8" if s == spec["yarn"] else s for s in config.methods)
+        config,
+        methods=tuple("yarn:factor=8" if str(s) == spec["yarn"] else s for s in config.methods),
     )
-    other = _Comparison(respecified, out, "", lambda *_: None, False).write({}, {}, {}, "x")
+    other = Comparison(respecified, out, "", lambda *_: None, False).write("x")
     assert "yarn" not in other.table and "yarn" not in other.retrieval
     assert set(other.table) == set(finished.table) - {"yarn"}
     moved = dataclasses.replace(config, margin=0.5)  # other settings: nothing is taken
-    assert _Comparison(moved, out, "", lambda *_: None, False).write({}, {}, {}, "x").table == {}
+    assert Comparison(moved, out, "", lambda *_: None, False).write("x").table == {}
 
 
 def test_a_comparison_waits_for_a_job_another_process_holds_then_takes_it_over(
@@ -778,8 +691,10 @@ def test_a_comparison_waits_for_a_job_another_process_holds_then_takes_it_over(
     released nothing) takes the job over and scores it as a run alone would."""
     import contextlib
 
+    from ropekit.compare import ledger
     from ropekit.compare import run as compare_run
-    from ropekit.compare.run import CLAIMS, _slug, run_compare
+    from ropekit.compare.ledger import CLAIMS, _slug
+    from ropekit.compare.run import run_compare
     from ropekit.results import read_records, write_records
     from tests.processes import locked_elsewhere
 
@@ -791,7 +706,7 @@ def test_a_comparison_waits_for_a_job_another_process_holds_then_takes_it_over(
     write_records(
         out / "times.jsonl", [r for r in read_records(out / "times.jsonl") if r["job"] != job]
     )
-    monkeypatch.setattr(compare_run, "WAIT_SECONDS", 0.1)
+    monkeypatch.setattr(ledger, "WAIT_SECONDS", 0.1)
     (out / CLAIMS).mkdir(exist_ok=True)
     holder = contextlib.ExitStack()
     holder.enter_context(locked_elsewhere(out, out / CLAIMS / f"{_slug(job)}.lock", job))
@@ -817,3 +732,74 @@ def test_a_comparison_waits_for_a_job_another_process_holds_then_takes_it_over(
     again = read_record(folder / "ppl.json", PerplexityResult)
     assert again.results == original.results
     assert job in {r["job"] for r in read_records(out / "times.jsonl") if "seconds" in r}
+
+
+def test_the_plan_lists_the_jobs_a_run_records_and_the_prefetch_trains(compared, tmp_path, capsys):
+    """One job list (compare.plan.jobs): the jobs the plan names for the fixture's finished
+    comparison are the jobs its run wrote to times.jsonl, each once and in the order they
+    ran; experiment E's prefetch trains exactly the plan's candidate runs (loaded here: the
+    folder is finished)."""
+    from experiments.smollm2_32k import prefetch
+
+    from ropekit.compare.run import Comparison
+    from ropekit.results import read_records
+
+    root, _ = compared
+    out, config = _copied(compared, tmp_path)
+    run = Comparison(config, out, "", lambda *_: None, False)
+    planned = [job.name for job in run.jobs()]
+    recorded = [r["job"] for r in read_records(root / "out" / "times.jsonl")]
+    assert planned == recorded and len(set(planned)) == len(planned)
+    assert {j.kind for j in run.jobs()} == {"training", "selection", "perplexity", "probes"}
+    capsys.readouterr()
+    prefetch.main(["--config", str(tmp_path / "config.json"), "--out", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    trained = [line.split(" -> ")[1] for line in printed if " -> " in line]
+    candidates = [
+        str(j.folder)
+        for j in run.jobs()
+        if j.kind == "training" and j.method.trained and j.seed == config.seeds[0]
+    ]
+    assert trained == candidates and len(trained) == len(config.lrs)
+
+
+def test_two_spellings_of_one_method_are_one_method(compared, tmp_path, monkeypatch):
+    """A method is recorded by its canonical spec (a factor left out is N / L0): the same
+    method with its factor spelled out, rerun into the same folder, is the same comparison,
+    and reuses every result, the learning-rate selection (keyed by the canonical spec) too;
+    compare.json keeps the text the user gave."""
+    from ropekit.compare import run as compare_run
+
+    root, _ = compared
+    out = tmp_path / "out"
+    argv = [
+        "compare", "--model", str(root / "base"), "--target-length", "128",
+        "--methods", "adarope:init=yarn", "--names", "adarope", "--seeds", "0",
+        "--samples", "1", "--lrs", "0.01,0.03", "--selection-samples", "1",
+        "--eval-data", "shakespeare", "--lengths", "128", "--probe-lengths", "",
+        "--out", str(out),
+    ]  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(argv) == 0
+        results = [*out.glob("eval/**/ppl.json"), *out.glob("methods/**/extend.json")]
+        before = {p: p.read_bytes() for p in results}
+        records = (out / "times.jsonl").read_text()
+
+        def selection(self, backbone, seed):
+            raise AssertionError("a selection was recomputed for another spelling")
+
+        monkeypatch.setattr(compare_run.Comparison, "selection_nll", selection)
+        spelled = [*argv]
+        spelled[spelled.index("--methods") + 1] = "adarope:init=yarn,factor=4"
+        assert main(spelled) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert {p: p.read_bytes() for p in results} == before and len(before) == 5  # 2 + 3 runs
+    assert (out / "times.jsonl").read_text() == records  # nothing run, nothing rekeyed
+    data = json.loads((out / "compare.json").read_text())
+    adarope = next(m for m in data["methods"] if m["label"] == "adarope")
+    assert adarope["spec"] == "adarope:init=yarn,factor=4"
+    assert adarope["given"] == "adarope:init=yarn,factor=4"
+    assert data["config"]["methods"] == ["adarope:init=yarn,factor=4"]

@@ -6,8 +6,11 @@ on the same held-out windows of several domains, on whole windows and on their f
 and judged by one stated rule with its uncertainty.
 
 - ``config``: ``CompareConfig`` (the question), ``from_file``.
-- ``run``: ``run_compare`` (the stages, resumable, provenance-checked), ``plan_compare``
+- ``plan``: the methods resolved once, the one list of jobs (``jobs``) and their cost.
+- ``ledger``: ``Ledger``, jobs claimed, timed and reused in a folder shared by processes.
+- ``run``: ``run_compare`` (the plan run through the ledger), ``plan_compare``
   (what a run would do, and the compute it would take, without running it).
+- ``assemble``: finished jobs into compare.json and the report.
 - ``verdict``: the statistics and the recommendation (pure functions).
 - ``report``: report.md and report.html from compare.json.
 - ``refresh``: an older compare.json brought up to this verdict (``ropekit report DIR``).

@@ -8,7 +8,7 @@ the *training* domain; every other method (fixed schedules, attention-level rema
 factors) is applied as it is. Every method is then scored on the same held-out windows of
 several domains.
 
-Holds: CompareConfig, from_file.
+Holds: CompareConfig, from_file, spec_label.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from ropekit.backbone import COMPUTE_DTYPES
 from ropekit.data import CORPORA
 from ropekit.encodings import Spec
 from ropekit.evals.probes import ProbeConfig, probe_task
-from ropekit.train.extend import ExtendConfig
+from ropekit.train.extend import ExtendConfig, method_spec
 
 
-def _label(spec: str) -> str:
-    return spec.replace(":", " ").replace("=", "").replace(",", " ")
+def spec_label(spec: Spec) -> str:
+    """A method's label where the config names none: its spec in words."""
+    return str(spec).replace(":", " ").replace("=", "").replace(",", " ")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,7 @@ class CompareConfig:
 
     model: str  # a ropekit run or model folder, a Hugging Face folder, or an installed model name
     target_length: int  # N, the context the methods must serve (tokens)
-    methods: tuple[str, ...]  # encoding specs, comma-separated; rope = the model unmodified
+    methods: tuple[Spec, ...]  # encoding specs, comma-separated; rope = the model unmodified
     names: tuple[str, ...] | None = None  # one label per method (default: derived from its spec)
     seeds: tuple[int, ...] = (0, 1, 2)  # trained methods: one extension per seed, paired samples
     train_data: str | tuple[str, ...] = "shakespeare"  # text the trained methods learn from
@@ -72,7 +73,9 @@ class CompareConfig:
     dtype: str = "float32"  # the compute dtype every method is scored in (training: float32)
 
     def __post_init__(self) -> None:
-        for name in ("methods", "seeds", "eval_data", "lrs"):
+        # parsed once, here: an unknown name or a malformed spec stops here, model unread
+        object.__setattr__(self, "methods", tuple(map(Spec.parse, self.methods)))
+        for name in ("seeds", "eval_data", "lrs"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("names", "lengths", "probe_lengths"):
             if getattr(self, name) is not None:
@@ -101,8 +104,6 @@ class CompareConfig:
                 )
         if not self.methods:
             raise ValueError("methods=() is not allowed; name at least one encoding spec")
-        for spec in self.methods:  # an unknown name or a malformed spec stops here, model unread
-            Spec.parse(spec)
         if self.names is not None and len(self.names) != len(self.methods):
             raise ValueError(
                 f"names has {len(self.names)} labels for {len(self.methods)} methods; give one "
@@ -143,7 +144,7 @@ class CompareConfig:
 
     @property
     def labels(self) -> tuple[str, ...]:
-        return self.names if self.names is not None else tuple(_label(m) for m in self.methods)
+        return self.names if self.names is not None else tuple(map(spec_label, self.methods))
 
     def eval_lengths(self, trained_at: int) -> tuple[int, ...]:
         default = (max(2, trained_at // 4), trained_at, self.target_length)
@@ -164,7 +165,16 @@ class CompareConfig:
         trained_on = {self.train_data} if isinstance(self.train_data, str) else set(self.train_data)
         return "all" if self.whole_untrained_corpora and domain not in trained_on else "validation"
 
-    def extension_config(self, spec: str, seed: int, lr: float) -> ExtendConfig:
+    def canonical(self, trained_at: int) -> CompareConfig:
+        """This comparison with every method as extend builds it for a model trained at
+        ``trained_at`` tokens (``method_spec``: a factor it omits is N / L0), the spec every
+        file of the comparison records, so two spellings of one method are one method. A
+        label derived from a spec stays the one derived from the text given."""
+        methods = tuple(method_spec(m, self.target_length, trained_at) for m in self.methods)
+        names = self.names if self.names is not None or methods == self.methods else self.labels
+        return dataclasses.replace(self, methods=methods, names=names)
+
+    def extension_config(self, spec: Spec, seed: int, lr: float) -> ExtendConfig:
         """The extension run of method ``spec`` at ``seed`` and ``lr``: the same training for
         every method (samples, data, PoSE), so that differences are the methods'."""
         return ExtendConfig(
@@ -188,9 +198,11 @@ class CompareConfig:
         """The fields as JSON values, for files and provenance. A field added after
         comparisons were run is left out at its default (``_ADDED``), which is what those
         comparisons did: their folders stay resumable and their results keep matching."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["methods"] = tuple(map(str, self.methods))
         return {
             k: (list(v) if isinstance(v, tuple) else v)
-            for k, v in dataclasses.asdict(self).items()
+            for k, v in fields.items()
             if k not in _ADDED or v != _ADDED[k]
         }
 

@@ -6,8 +6,10 @@ seeds, which engines serve each method, the job times, and the ``Verdict`` (the 
 numbers, the paired ``Difference`` and, per serving engine, an ``EngineChoice``). Lengths
 and learning rates are int and float keys here; ``ropekit.results`` converts them at the
 JSON boundary. Registered as the ``compare`` kind at ``VERSION``; ``_from_v2`` migrates the
-untyped layout (format_version 2), whose older files omit fields later writers added, and
-``_from_v3`` a verdict whose error did not yet have the seeds' spread.
+untyped layout (format_version 2), whose older files omit fields later writers added,
+``_from_v3`` a verdict whose error did not yet have the seeds' spread, ``_from_v4`` retrieval
+before the substring rule, and ``_from_v5`` methods recorded as the user wrote them (now the
+canonical spec, the user's text kept as ``given``).
 
 Holds: VERSION, Method, Skipped, Stretch, TableEntry, Stat, SummaryEntry,
 LrSearch, SeedAccuracy, Retrieval, ProbeSettings, EngineAnswer, JobTime, Difference,
@@ -19,22 +21,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ropekit.encodings import Spec
 from ropekit.evals.perplexity import PositionCurve
 from ropekit.evals.probes import NeedleAccuracy
 from ropekit.results import register
+from ropekit.train.extend import method_spec
 
-from .config import CompareConfig
+from .config import CompareConfig, spec_label
 
-# 5: retrieval by RULER's substring rule beside exact match; 4: the verdict's error has the
-# seeds' spread; 3: typed, every field written, none left out; 2: the untyped layout
-VERSION = 5
+# 6: methods by their canonical spec, the user's text as `given`; 5: retrieval by RULER's
+# substring rule beside exact match; 4: the verdict's error has the seeds' spread; 3: typed,
+# every field written, none left out; 2: the untyped layout
+VERSION = 6
 
 
 @dataclasses.dataclass(frozen=True)
 class Method:
     label: str  # as the report names it (--names), unique
-    spec: str  # the encoding spec it was attached and scored with
+    spec: str  # canonical: the spec it was attached and scored with (CompareConfig.canonical)
     trained: bool  # its encoding has parameters to train
+    given: str  # the spec as the user wrote it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,8 +211,9 @@ class Verdict:
 @register(
     "compare",
     VERSION,
-    {2: lambda data: _from_v2(data), 3: lambda data: _from_v3(data), 4: lambda d: _from_v4(d)},
-)
+    {2: lambda d: _from_v2(d), 3: lambda d: _from_v3(d), 4: lambda d: _from_v4(d),
+     5: lambda d: _from_v5(d)},
+)  # fmt: skip
 @dataclasses.dataclass(frozen=True)
 class CompareResult:
     """compare.json (``ropekit.compare.run`` writes it after every stage)."""
@@ -290,4 +297,27 @@ def _from_v4(data: dict[str, Any]) -> dict[str, Any]:
             entry["substring"] = None
             for seed in entry["per_seed"]:
                 seed["substring"] = None
+    return data
+
+
+def _from_v5(data: dict[str, Any]) -> dict[str, Any]:
+    """Before methods were recorded by their canonical spec: each method's text is kept as
+    ``given`` and its spec, and the config's (provenance and ``config``), made canonical by
+    extend's rule (``method_spec``: a factor it omits is N / L0), so a rerun that spells a
+    method either way is the same comparison."""
+    target, trained_at = data["target_length"], data["trained_at"]
+
+    def canonical(text: str) -> str:
+        return str(method_spec(Spec.parse(text), target, trained_at))
+
+    data["methods"] = [
+        {**m, "spec": canonical(m["spec"]), "given": m["spec"]} for m in data["methods"]
+    ]
+    for config in (data["config"], data["provenance"].get("config")):
+        if config is None:
+            continue
+        given = list(config["methods"])
+        config["methods"] = [canonical(m) for m in given]
+        if config["methods"] != given and config.get("names") is None:
+            config["names"] = [spec_label(Spec.parse(m)) for m in given]  # as they were
     return data

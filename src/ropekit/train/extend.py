@@ -44,7 +44,7 @@ Cheap long positions (for targets where a full-length backward is too slow or to
   memory (long targets on a GPU, or a CPU that would swap); it changes no number.
 
 Holds: ExtendConfig, VERSION, Trainable, ExtendRecord (extend.json, the ``extend`` kind),
-ExtendResult, MODES, RECIPES, select_trainable, trainable_summary,
+ExtendResult, MODES, RECIPES, method_spec, resolve_method, select_trainable, trainable_summary,
 extend, run_extension.
 """
 
@@ -277,14 +277,21 @@ class _Samples(Dataset):
 
 
 # ----------------------------------------------------------------------------- stages
+def method_spec(spec: Spec, target_length: int, trained_at: int) -> Spec:
+    """``spec`` as extend builds it: a factor it omits, where its encoding takes one, is
+    N / L0 (the one rule; ``compare`` records a method by this spec)."""
+    if spec.takes("factor") and not spec.gives("factor"):
+        return spec.with_options(factor=target_length / trained_at)
+    return spec
+
+
 def resolve_method(backbone: Backbone, config: ExtendConfig) -> tuple[PositionEncoding, str]:
     """The encoding ``config.method`` names for this model (not attached) and a note on its
     factor (module docstring: derived when missing, refused when too small)."""
     trained_at = backbone.training_length
     ratio = config.target_length / trained_at
-    spec, note = config.method, ""
-    if spec.takes("factor") and not spec.gives("factor"):  # the one rule: s = N / L0
-        spec = spec.with_options(factor=ratio)
+    spec, note = method_spec(config.method, config.target_length, trained_at), ""
+    if spec != config.method:
         note = f"factor={ratio:g} derived from {config.target_length} / {trained_at} tokens"
     encoding = backbone.build_encoding(spec)
     factor = encoding.factor

@@ -1,0 +1,299 @@
+"""What a comparison runs: its methods resolved once, its one list of jobs, and their cost.
+
+``--plan-only``, the run, ``--join``, the plan's cost line and experiment E's prefetch all read
+the jobs from here (``jobs``), so what is planned, costed, run and recorded in times.jsonl is
+one list of names:
+
+- ``training``  ``train methods/<label>[/lr-<lr>]/s<seed>``: an extension run (a method that
+  trains nothing is attached once, at seed 0, and its adapter kept: ``ropekit extend``);
+- ``selection`` ``select <label> lr <lr>``: a trained method's candidate rate scored on unseen
+  training-split samples at the first seed (only where there are several rates);
+- ``perplexity`` ``eval eval/<label>/s<seed>/<domain>``: one run on one held-out domain;
+- ``probes``    ``probes eval/<label>/s<seed>/probes``: one run's retrieval probes.
+
+A trained method's later seeds run at the rate its selections choose; until they have chosen,
+they are planned (and named) at the first rate, after the selections.
+
+The cost model (``CostModel``) prices each job from one timed forward on this machine
+(``forward_seconds``): a training step as three forwards per sample, a selection's forwards,
+a perplexity's windows (those read in a longer window's reading cost nothing, except for an
+encoding that follows the length) and the probes' prefills (less the filler a later haystack
+keeps).
+
+Holds: BASELINE, KINDS, ResolvedMethod, resolve_methods, Job, jobs, selection_key,
+chosen_rates, ppl_config, CostModel, forward_seconds, run_folder, eval_folder, slug.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ropekit.backbone import Backbone
+from ropekit.encodings import Spec
+from ropekit.evals import PerplexityConfig
+from ropekit.evals.perplexity import windows_read
+from ropekit.results import digest
+from ropekit.train.extend import EXTEND_JSON, resolve_method
+
+from .config import CompareConfig
+
+BASELINE = Spec("rope")  # the unmodified model: what a method's cost at L0 is measured against
+BASELINE_LABEL = "rope (unmodified)"  # its label where the config does not name it
+KINDS = ("training", "selection", "perplexity", "probes")
+# The prefix of each kind's job names in times.jsonl, and the file in its folder that holds
+# its result once it is finished (a selection's result is its record in times.jsonl).
+JOB_PREFIX = {"training": "train", "perplexity": "eval", "probes": "probes"}
+RESULT_FILE = {"training": EXTEND_JSON, "perplexity": "ppl.json", "probes": "summary.json"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedMethod:
+    """A method of a comparison, resolved once for its model."""
+
+    label: str
+    spec: Spec  # canonical: as extend builds it (CompareConfig.canonical)
+    given: str  # the spec as the user wrote it
+    trained: bool  # its encoding has parameters to train
+    dynamic: bool  # it follows the length: each perplexity window is read alone
+
+
+def resolve_methods(config: CompareConfig, probe: Backbone) -> tuple[ResolvedMethod, ...]:
+    """``config``'s methods as given, each made canonical (``CompareConfig.canonical``) and
+    built once for ``probe``'s model, the unmodified model first when the config does not
+    name it: a spec that cannot be built stops the comparison here, before any job."""
+    canonical = config.canonical(probe.training_length)
+    pairs = list(zip(config.labels, canonical.methods, config.methods, strict=True))
+    if BASELINE not in canonical.methods:
+        pairs.insert(0, (BASELINE_LABEL, BASELINE, BASELINE))
+    out = []
+    for label, spec, given in pairs:
+        extension = config.extension_config(spec, config.seeds[0], config.lrs[0])
+        encoding = resolve_method(probe, extension)[0]
+        trained = bool(encoding.positional_parameters())
+        out.append(ResolvedMethod(label, spec, str(given), trained, encoding.dynamic))
+    return tuple(out)
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in text).strip("-") or "method"
+
+
+def run_folder(out: Path, label: str, trained: bool, seed: int, lr: float) -> Path:
+    """Where the comparison in ``out`` keeps the extension run of method ``label`` at ``seed``
+    (and ``lr``, if it trains): another process may run it there first (``ropekit extend
+    --resume`` with ``CompareConfig.extension_config``), and the comparison then reuses it."""
+    base = Path(out) / "methods" / slug(label)
+    return base / f"lr-{lr:g}" / f"s{seed}" if trained else base / f"s{seed}"
+
+
+def eval_folder(out: Path, label: str, seed: int, job: str) -> Path:
+    """Where method ``label``'s run at ``seed`` is scored: ``job`` a held-out domain, or
+    "probes"."""
+    return Path(out) / "eval" / slug(label) / f"s{seed}" / slug(job)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One job of a comparison: what it is, where its result goes, what it needs first."""
+
+    kind: str  # one of KINDS
+    name: str  # its name in times.jsonl
+    method: ResolvedMethod
+    seed: int
+    lr: float  # the rate its run trains at (a method that trains nothing: the first rate)
+    folder: Path | None  # where its result is written (None: a selection)
+    domain: str | None = None  # perplexity: the held-out domain
+    after: tuple[str, ...] = ()  # the jobs whose results it needs
+
+    @property
+    def result(self) -> Path | None:
+        """The file that holds its result once it is finished (None: a selection)."""
+        return None if self.folder is None else self.folder / RESULT_FILE[self.kind]
+
+
+def _named(kind: str, out: Path, folder: Path) -> str:
+    return f"{JOB_PREFIX[kind]} {folder.relative_to(out)}"
+
+
+def jobs(
+    config: CompareConfig,
+    out: Path,
+    methods: Sequence[ResolvedMethod],
+    domains: Mapping[str, tuple[int, ...]],
+    chosen: Mapping[str, float],
+    probed: bool,
+) -> Iterator[Job]:
+    """Every job of the comparison, cheapest stage first (the module docstring): the methods
+    that train nothing, attached and scored; the trained ones, their rate chosen, each seed
+    trained and scored; then every run's probes (where ``probed``). ``domains``: the lengths
+    each held-out domain is scored at (none: not scored there); ``chosen``: each trained
+    method's chosen rate, read as the jobs are generated, so a runner that fills it in as
+    selections finish gets the later seeds at that rate."""
+    out = Path(out)
+
+    def training(m: ResolvedMethod, seed: int, lr: float, after: tuple[str, ...] = ()) -> Job:
+        folder = run_folder(out, m.label, m.trained, seed, lr)
+        return Job("training", _named("training", out, folder), m, seed, lr, folder, after=after)
+
+    def scored(m: ResolvedMethod, run: Job) -> Iterator[Job]:
+        for domain, lengths in domains.items():
+            if lengths:
+                folder = eval_folder(out, m.label, run.seed, domain)
+                name = _named("perplexity", out, folder)
+                after = (run.name, *run.after)
+                yield Job("perplexity", name, m, run.seed, run.lr, folder, domain, after)
+
+    runs: dict[str, list[Job]] = {}  # label -> its runs, in seed order
+    for m in (m for m in methods if not m.trained):
+        run = training(m, 0, config.lrs[0])
+        runs[m.label] = [run]
+        yield run
+        yield from scored(m, run)
+    first = config.seeds[0]
+    for m in (m for m in methods if m.trained):
+        candidates = [training(m, first, lr) for lr in config.lrs]
+        selections = []
+        for run in candidates:
+            yield run
+            if len(config.lrs) > 1:
+                name = f"select {m.label} lr {run.lr:g}"
+                selections.append(Job("selection", name, m, first, run.lr, None, None, (run.name,)))
+                yield selections[-1]
+        lr = chosen.get(m.label, config.lrs[0])  # read now: the selections have run
+        after = tuple(s.name for s in selections)
+        runs[m.label] = []
+        for seed in config.seeds:
+            run = training(m, seed, lr, after)
+            if seed != first:
+                yield run
+            runs[m.label].append(run)
+            yield from scored(m, run)
+    if probed:
+        for m in methods:
+            for run in runs[m.label][: len(config.probed_seeds(m.trained))]:
+                folder = eval_folder(out, m.label, run.seed, "probes")
+                name = _named("probes", out, folder)
+                after = (run.name, *run.after)
+                yield Job("probes", name, m, run.seed, run.lr, folder, after=after)
+
+
+def selection_key(config: CompareConfig, method: ResolvedMethod, lr: float) -> str:
+    """What a selection score depends on, digested: the model, the method's canonical spec,
+    the first seed's training and the selection samples (the rate is in the job's name), so
+    the same method spelled another way finds the same score."""
+    c = config
+    depends = {
+        "model": c.model, "target_length": c.target_length, "spec": str(method.spec),
+        "seed": c.seeds[0], "train_data": c.train_data, "samples": c.samples,
+        "pose": c.pose, "pose_window": c.pose_window,
+        "grad_checkpointing": c.grad_checkpointing,
+        "selection_samples": c.selection_samples, "dtype": c.dtype,
+    }  # fmt: skip
+    return digest({"job": f"select {method.label} lr {lr:g}", "selection": depends})
+
+
+def chosen_rates(
+    config: CompareConfig, methods: Sequence[ResolvedMethod], nll: Callable[[str], float | None]
+) -> dict[str, float]:
+    """label -> the rate each trained method's selections chose (the lowest selection NLL),
+    for the methods whose every candidate has a score (``nll(job name)``, None: not yet)."""
+    out = {}
+    for m in (m for m in methods if m.trained):
+        if len(config.lrs) == 1:
+            out[m.label] = config.lrs[0]
+            continue
+        scores = {lr: nll(f"select {m.label} lr {lr:g}") for lr in config.lrs}
+        if all(v is not None for v in scores.values()):
+            out[m.label] = min(scores, key=lambda lr: scores[lr])
+    return out
+
+
+def ppl_config(config: CompareConfig, lengths: tuple[int, ...]) -> PerplexityConfig:
+    """The perplexity every model is scored with on a domain held at ``lengths``: the same
+    spans x N targets at every length, the same windows for every method."""
+    return PerplexityConfig(
+        lengths, n_tokens=config.spans * config.target_length, seed=config.seed,
+        single_documents=config.single_documents,
+    )  # fmt: skip
+
+
+class CostModel:
+    """Seconds each job takes on this machine, from ``forward_seconds(tokens)``."""
+
+    def __init__(
+        self,
+        config: CompareConfig,
+        trained_at: int,
+        forward: Callable[[int], float],
+        domains: Mapping[str, tuple[int, ...]],
+        kept: Mapping[int, int],
+    ) -> None:
+        self.config, self.trained_at, self.forward = config, trained_at, forward
+        self.domains, self.kept = domains, kept  # kept: probe length -> tokens a later one keeps
+
+    def __call__(self, job: Job) -> float:
+        c, seconds = self.config, self.forward
+        if job.kind == "training":
+            if not job.method.trained:
+                return 0.0  # attached: nothing trained
+            window = (c.pose_window or self.trained_at) if c.pose else c.target_length
+            return c.samples * 3 * seconds(window)
+        if job.kind == "selection":
+            return c.selection_samples * seconds(c.target_length)
+        if job.kind == "perplexity":
+            assert job.domain is not None
+            read = windows_read(ppl_config(c, self.domains[job.domain]), not job.method.dynamic)
+            return sum(k * seconds(n) for n, k in read.items())
+        return sum(  # probes: each length's first prefill, then what a later one adds
+            seconds(n) + (c.probe_haystacks - 1) * (seconds(n) - seconds(self.kept.get(n, 0)))
+            for n in c.retrieval_lengths(self.trained_at)
+        )
+
+
+# The forward a comparison times before it starts, to estimate what it will take (plan), and
+# the length of the attention call timed beside it (long enough that its T^2 term dominates).
+TIMED_TOKENS, TIMED_ATTENTION = 1024, 4096
+
+
+def forward_seconds(backbone: Backbone) -> Callable[[int], float]:
+    """A rough cost model of one forward over T tokens on this machine: 2 FLOPs per weight per
+    token at the rate of one timed forward of ``TIMED_TOKENS`` tokens (at most L0), plus
+    causal attention's 2 x heads x head_dim x T^2 per layer at the rate of one timed causal
+    attention call of ``TIMED_ATTENTION`` tokens (attention runs slower per FLOP here)."""
+    shape = backbone.fingerprint()
+    weights = sum(p.numel() for p in backbone.backbone_parameters().values())
+    heads, dim = shape.get("n_heads", 1), shape.get("head_dim", 1)
+    attention = shape.get("n_layers", 0) * 2 * heads * dim  # x T^2
+
+    def timed(fn: Callable[[], Any]) -> float:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            fn()
+            return max(time.perf_counter() - start, 1e-9)
+
+    g = torch.Generator().manual_seed(0)
+    dtype = next(iter(backbone.backbone_parameters().values())).dtype
+    q, k = (torch.randn(1, h, TIMED_ATTENTION, dim, generator=g).to(dtype) for h in (heads, 1))
+    attention_rate = (
+        2
+        * heads
+        * dim
+        * TIMED_ATTENTION**2
+        / timed(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True))
+    )
+    n = min(TIMED_TOKENS, backbone.training_length)
+    ids = torch.randint(0, backbone.vocab_size, (1, n), generator=g)
+    timed(lambda: backbone.forward_logits(ids[:, :16]))  # compiled kernels warm up untimed
+    whole = timed(lambda: backbone.forward_logits(ids))
+    rest = max(whole - attention * n**2 / attention_rate, whole / 10)  # the weights' share
+    weight_rate = 2.0 * weights * n / rest
+    return lambda tokens: (
+        2.0 * weights * tokens / weight_rate + attention * tokens**2 / attention_rate
+    )
