@@ -47,7 +47,10 @@ def test_plain_rope_within_the_window_and_the_wrapped_schedule_beyond_it():
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("mixed:method=foo", "method='foo' is not allowed; use one of rope, linear, proportional, ntk, "),
+        (
+            "mixed:method=foo",
+            "method='foo' is not allowed; use one of rope, linear, proportional, ntk, ",
+        ),
         (
             "mixed:method=yarn,factor=0",
             "factor=0.0 is not allowed; it must be a finite number >= 1 (mixed with method=yarn)",

@@ -154,7 +154,7 @@ def test_every_registered_encoding_is_described_and_builds_with_defaults_or_says
                 ("base", "float", FROM_MODEL),
                 ("pairing", "str", FROM_MODEL),
                 ("fraction", "float", FROM_MODEL),
-                ("proportion", "float", 1.0),
+                ("proportion", "float", FROM_MODEL),
                 ("factor", "float | None", FROM_TARGET),
                 ("original_length", "int | None", FROM_MODEL),
                 ("beta_fast", "float", 32.0),

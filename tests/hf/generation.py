@@ -4,6 +4,8 @@ Holds:
     positions_from_mask  the position_ids generate() derives from a left-padded mask.
     last_logits, greedy_reference  uncached full forwards: the references generation must match.
     greedy_cached   model.generate with the KV cache, returning its per-step logits.
+    assert_layers_attend_as_at_the_final_length  each attention layer alone, cached step by
+                    step against uncached calls (layer inputs that carry no position).
 """
 
 from __future__ import annotations
@@ -48,3 +50,31 @@ def greedy_cached(model: nn.Module, ids: Tensor, steps: int, **kwargs: Any):
         **kwargs,
     )
     return out.sequences, list(out.logits)
+
+
+def assert_layers_attend_as_at_the_final_length(
+    model: nn.Module, prompt: int, total: int, *, seed: int, atol: float
+) -> None:
+    """Each attention layer of a patched model, fed the same random inputs token by token with
+    a cache after a ``prompt``-token prefill, returns at every step what one uncached call over
+    all tokens so far returns for the last one: every cached key is rotated (or banded) at the
+    current length. The layer is called as its decoder layer calls it, with the model's (neutral)
+    rotary tables; no mask, so sdpa attends causally."""
+    from transformers import DynamicCache
+
+    hidden = torch.randn(
+        2, total, model.config.hidden_size, generator=torch.Generator().manual_seed(seed)
+    )
+
+    def call(attn: nn.Module, start: int, stop: int, cache: Any = None) -> Tensor:
+        positions = torch.arange(start, stop)[None]
+        tables = model.model.rotary_emb(hidden, positions)
+        return attn(hidden[:, start:stop], tables, None, position_ids=positions, cache=cache)[0]
+
+    with torch.no_grad():
+        for attn in (layer.self_attn for layer in model.model.layers):
+            cache = DynamicCache(config=model.config)
+            call(attn, 0, prompt, cache)
+            for t in range(prompt, total):
+                step, full = call(attn, t, t + 1, cache), call(attn, 0, t + 1)
+                torch.testing.assert_close(step[:, -1], full[:, -1], atol=atol, rtol=0)

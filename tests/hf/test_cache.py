@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from ropekit.hf import encoding_of, patch, spec_from_config
 
 from ..tiny import ARCH_NAMES, L0, VOCAB, perturb, tiny_model
-from .generation import greedy_cached, greedy_reference, last_logits, positions_from_mask
+from .generation import (
+    assert_layers_attend_as_at_the_final_length,
+    greedy_cached,
+    greedy_reference,
+    last_logits,
+    positions_from_mask,
+)
 
 ATOL = 1e-5
 
@@ -118,17 +123,8 @@ def test_dynamic_schedule_every_layer_attends_as_at_the_final_length(spec: str) 
     cache, returns what one full call over all of them returns: all cached keys are rotated
     at the current length (the inputs of layers > 0 are what the cache cannot revisit)."""
     model = _patched("qwen3", spec)
-    generator = torch.Generator().manual_seed(8)
-    hidden = torch.randn(2, 40, model.config.hidden_size, generator=generator)
-    for attn in (layer.self_attn for layer in model.model.layers):
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            attn(hidden[:, :26], position_ids=torch.arange(26)[None], cache=cache)
-            for t in range(26, 40):
-                step, _ = attn(hidden[:, t : t + 1], position_ids=torch.tensor([[t]]), cache=cache)
-                full, _ = attn(hidden[:, : t + 1], position_ids=torch.arange(t + 1)[None])
-                torch.testing.assert_close(step[:, -1], full[:, -1], atol=ATOL, rtol=0)
-    assert t + 1 > L0
+    assert_layers_attend_as_at_the_final_length(model, 26, 40, seed=8, atol=ATOL)
+    assert L0 < 40
 
 
 def test_dynamic_schedule_refuses_a_cache_it_did_not_fill() -> None:

@@ -82,7 +82,7 @@ def test_refuses_what_it_cannot_wire() -> None:
     with pytest.raises(ValueError, match="rotary encodings"):
         patch(model, "alibi")
     other = build("rope", n_heads=4, n_kv_heads=4, head_dim=16, n_layers=2)
-    with pytest.raises(ValueError, match="n_kv_heads=4; this model has 2"):
+    with pytest.raises(ValueError, match="n_kv_heads=4; this model's full_attention layers have 2"):
         patch(model, other)
     with pytest.raises(ValueError, match="factor"):
         patch(model, "yarn:factor=0.5")

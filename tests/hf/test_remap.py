@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from ropekit.hf import encoding_of, patch, spec_from_config
 
 from ..tiny import ARCH_NAMES, L0, VOCAB, tiny_model
-from .generation import greedy_cached, greedy_reference, last_logits, positions_from_mask
+from .generation import (
+    assert_layers_attend_as_at_the_final_length,
+    greedy_cached,
+    greedy_reference,
+    last_logits,
+    positions_from_mask,
+)
 
 ATOL = 1e-5
 REMAPS = [
@@ -183,18 +188,8 @@ def test_mixed_window_decoding_across_the_boundary_equals_full_forwards(spec: st
 
 def test_mixed_window_every_layer_attends_as_at_the_final_length() -> None:
     model = _patched("qwen3", "mixed:method=yarn,factor=2")
-    hidden = torch.randn(
-        2, 40, model.config.hidden_size, generator=torch.Generator().manual_seed(8)
-    )
-    for attn in (layer.self_attn for layer in model.model.layers):
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            attn(hidden[:, :26], position_ids=torch.arange(26)[None], cache=cache)
-            for t in range(26, 40):
-                step, _ = attn(hidden[:, t : t + 1], position_ids=torch.tensor([[t]]), cache=cache)
-                full, _ = attn(hidden[:, : t + 1], position_ids=torch.arange(t + 1)[None])
-                torch.testing.assert_close(step[:, -1], full[:, -1], atol=ATOL, rtol=0)
-    assert t + 1 > L0
+    assert_layers_attend_as_at_the_final_length(model, 26, 40, seed=8, atol=ATOL)
+    assert L0 < 40
 
 
 def test_remap_and_mixed_specs_round_trip_through_a_patched_model() -> None:
@@ -221,14 +216,4 @@ def test_length_following_remaps_decode_as_full_forwards_with_one_layer(spec: st
 @pytest.mark.parametrize("spec", FOLLOWING)
 def test_length_following_remaps_every_layer_attends_as_at_the_final_length(spec: str) -> None:
     model = _patched("qwen2", spec)
-    hidden = torch.randn(
-        2, 44, model.config.hidden_size, generator=torch.Generator().manual_seed(9)
-    )
-    for attn in (layer.self_attn for layer in model.model.layers):
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            attn(hidden[:, :30], position_ids=torch.arange(30)[None], cache=cache)
-            for t in range(30, 44):
-                step, _ = attn(hidden[:, t : t + 1], position_ids=torch.tensor([[t]]), cache=cache)
-                full, _ = attn(hidden[:, : t + 1], position_ids=torch.arange(t + 1)[None])
-                torch.testing.assert_close(step[:, -1], full[:, -1], atol=ATOL, rtol=0)
+    assert_layers_attend_as_at_the_final_length(model, 30, 44, seed=9, atol=ATOL)

@@ -32,8 +32,8 @@ def test_spec_from_config_names_the_schedule_of_the_configs_rope(params, spec):
 
 def test_a_rope_type_without_an_equivalent_is_refused_naming_the_supported_ones():
     config = tiny_config("llama")
-    config.rope_parameters = {"rope_type": "proportional", "rope_theta": 1e4}
-    with pytest.raises(ValueError, match=r"rope_type='proportional'.*supported: default"):
+    config.rope_parameters = {"rope_type": "axial", "rope_theta": 1e4}
+    with pytest.raises(ValueError, match=r"rope_type='axial'.*supported: default"):
         spec_from_config(config)
 
 

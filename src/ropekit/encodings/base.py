@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from typing import Any, ClassVar, NamedTuple
@@ -193,6 +194,21 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+# The option every spec may give: the layer types the encoding covers (read by the model).
+LAYERS = "layers"
+_LAYER_TYPES = re.compile(r"^[a-z][a-z0-9_]*(\+[a-z][a-z0-9_]*)*$")
+
+
+def check_layers(value: str) -> str:
+    """A ``layers=`` value: layer type names joined by '+' (or all, rope, global, local)."""
+    if not _LAYER_TYPES.match(value):
+        raise ValueError(
+            f"layers={value!r} is not allowed; name layer types joined by '+' (e.g. "
+            "layers=full_attention, layers=global, layers=all)"
+        )
+    return value
+
+
 def split_options(body: str, spec: str) -> list[str]:
     """Split a spec's option text on commas outside brackets, so lists like [1,2,3] stay
     whole."""
@@ -308,6 +324,9 @@ class PositionEncoding(nn.Module):
     pairing: str | None = None
     # AdaScale's reference length L_ref (tokens); None when queries carry no temperature.
     l_ref: int | None = None
+    # The layer types this encoding covers in a model that has several (Gemma 3's local and
+    # global layers; ``layers=`` of a spec, read by ropekit.hf); None: the model's default.
+    layers: str | None = None
 
     def __init__(
         self,
@@ -331,7 +350,10 @@ class PositionEncoding(nn.Module):
     @property
     def spec(self) -> str:
         """The spec string that rebuilds this encoding (non-default options only)."""
-        return spec_of(self.config)
+        spec = spec_of(self.config)
+        if self.layers is None:
+            return spec
+        return f"{spec}{',' if ':' in spec else ':'}{LAYERS}={self.layers}"
 
     def extra_repr(self) -> str:
         return (

@@ -14,7 +14,15 @@ import dataclasses
 import re
 from typing import Any
 
-from .base import EncodingConfig, PositionEncoding, format_value, parse_options, split_options
+from .base import (
+    LAYERS,
+    EncodingConfig,
+    PositionEncoding,
+    check_layers,
+    format_value,
+    parse_options,
+    split_options,
+)
 from .catalog import ENTRIES, Entry
 from .mixed import MixedConfig, MixedWindow
 
@@ -88,6 +96,16 @@ class Spec:
     def gives(self, option: str) -> bool:
         return option in self.given
 
+    @property
+    def layers(self) -> str | None:
+        """The layer types the spec covers (``layers=``; read by models with several types)."""
+        value = self.given.get(LAYERS)
+        return None if value is None else check_layers(value)
+
+    def without(self, *options: str) -> Spec:
+        """This spec without ``options``."""
+        return Spec(self.name, tuple((k, v) for k, v in self.options if k not in options))
+
     def takes(self, option: str) -> bool:
         """Whether ``option`` is one this encoding accepts, given the spec's ``init`` or
         ``method`` (AdaRoPE and the remaps pass options to their init schedule)."""
@@ -101,9 +119,9 @@ class Spec:
 
     def config(self, **context: Any) -> EncodingConfig:
         """The validated config, context fields (base, original_length...) filled from
-        ``context`` where the spec leaves them out."""
+        ``context`` where the spec leaves them out (``layers=`` belongs to the module)."""
         try:
-            return self.entry.config.from_options(self.given, context)
+            return self.entry.config.from_options(self.without(LAYERS).given, context)
         except (TypeError, ValueError) as e:  # TypeError: a required dataclass field missing
             raise ValueError(f"spec {str(self)!r}: {e}") from None
 
@@ -191,7 +209,7 @@ def build(
     spec = Spec.parse(spec)
     config = spec.config(**context)
     try:
-        return spec.entry.module(
+        module = spec.entry.module(
             config,
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
@@ -199,5 +217,7 @@ def build(
             n_layers=n_layers,
             d_model=d_model or n_heads * head_dim,
         )
+        module.layers = spec.layers
     except ValueError as e:
         raise ValueError(f"spec {str(spec)!r}: {e}") from None
+    return module

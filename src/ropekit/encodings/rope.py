@@ -49,7 +49,13 @@ class RopeConfig(EncodingConfig):
     # the pairs that do rotate have exactly the frequencies of full RoPE (schedules.proportional).
     proportion: float = 1.0
 
-    CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = ("base", "pairing", "fraction", "original_length")
+    CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = (
+        "base",
+        "pairing",
+        "fraction",
+        "proportion",
+        "original_length",
+    )
     dynamic: ClassVar[bool] = False
     mixable: ClassVar[bool] = True
 

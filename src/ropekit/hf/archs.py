@@ -1,15 +1,21 @@
-"""The Hugging Face architectures ropekit can patch, and what it reads from their configs.
+"""The Hugging Face decoders ropekit can take over, as data: one row per ``model_type``.
 
-Holds: ArchSpec (how one architecture's attention differs from Llama's), ARCHS (model_type ->
-ArchSpec, chosen by name, never by which attributes a module happens to have), arch_for,
-unwrap (the model inside a PEFT wrapper), base_model (the decoder stack inside a
-``*ForCausalLM``), ModelDims and model_dims (heads, layers, head dim from a config),
-rope_parameters, original_length, rope_context (the ``base=``, ``original_length=``,
-``fraction=``, ``pairing=`` a spec may omit).
+A decoder in transformers 5.24 runs its own attention forward (projections, q/k norms, the
+KV cache, logit softcap, attention sinks, sliding or chunked windows) and calls the attention
+function its config names through ``ALL_ATTENTION_FUNCTIONS``. ropekit takes over only the
+rotation (``ropekit.hf.attention``), so what differs between families is what this table
+says: which layers rotate, how their channels pair, where each layer type's RoPE settings
+live, which layer types a family's own long-context recipe extends, and the attention extras
+a distance remap cannot reproduce. Adding a family is a row here and its parity test
+(tests/hf/test_families.py); nothing else in ropekit names a model type.
+
+Holds: Architecture, ARCHS (model_type -> Architecture), arch_for, unwrap, base_model,
+LayerInfo, layer_infos, ModelDims, model_dims, layer_dims, rope_parameters, original_length,
+rope_context, layer_types, rotating_types.
 
 Everything here reads transformers 5.24 configs: RoPE settings live in ``config.rope_parameters``
 (``rope_theta``, ``rope_type``, ``original_max_position_embeddings``, ``partial_rotary_factor``),
-standardised by ``RotaryEmbeddingConfigMixin.standardize_rope_params``.
+flat, or nested by layer type (Gemma 3/4, OLMo 3) as transformers' ``layer_types`` name them.
 """
 
 from __future__ import annotations
@@ -22,69 +28,135 @@ from typing import Any
 
 from torch import nn
 
+FULL = "full_attention"  # transformers' name for a layer without a window
+SLIDING = "sliding_attention"
 
-def _config_window(module: nn.Module) -> int | None:
-    # MistralAttention.forward passes getattr(self.config, "sliding_window", None).
-    return getattr(module.config, "sliding_window", None)
-
-
-def _module_window(module: nn.Module) -> int | None:
-    # Qwen2/Qwen3 attention set self.sliding_window per layer from config.layer_types.
-    return module.sliding_window
+# Which layers of a family rotate (the rule its attention forward applies):
+#   "all"        every attention layer (Llama...)
+#   "rope_flags" config.no_rope_layers[i] is 1 where layer i rotates (SmolLM3, Llama 4)
+#   "sliding"    only sliding-window layers rotate, full layers are NoPE (Cohere 2; EXAONE 4
+#                when it has sliding layers)
+ROTATION_RULES = ("all", "rope_flags", "sliding")
 
 
 @dataclasses.dataclass(frozen=True)
-class ArchSpec:
-    """How one architecture's attention forward differs from Llama's (transformers 5.24)."""
+class Architecture:
+    """One decoder family: what its attention forward does that ropekit must know."""
 
     model_type: str  # config.model_type
-    modeling: str  # module holding the attention class and its eager_attention_forward
-    attention: str  # attention class name; every layer's self_attn must be one
-    qk_norm: bool  # Qwen3: RMSNorm over each head's q and k before the rotation
-    # The sliding_window the model's forward passes to its attention function; None for
-    # architectures whose forward passes none (Llama).
-    sliding_window: Callable[[nn.Module], int | None] | None
+    package: str  # transformers.models.<package>.modeling_<package>
+    attention: str  # the attention class every rotating layer's ``self_attn`` is
+    pairing: str = "half"  # "half" (rotate_half) or "interleaved" (GLM, Cohere: x[0::2], x[1::2])
+    rotation: str = "all"  # which layers rotate (ROTATION_RULES)
+    # Layer types the family's own long-context recipe extends, when not every rotating one
+    # (Gemma 3: only the global layers carry long-range attention, the local ones keep 10k).
+    recipe: tuple[str, ...] | None = None
+    # Attention extras a distance remap's banded kernel does not compute, as (what, the config
+    # field that turns it on; None: always on). Remaps are refused where one is on.
+    extras: tuple[tuple[str, str | None], ...] = ()
+    # Llama 4: an L2 norm of q and k follows the rotation (config.use_qk_norm on rope layers).
+    # The patched attention applies the module's ``qk_norm`` again after rotating, so a scale
+    # the rotation carries is removed as in the model (the norm of a rotated vector is its own).
+    norm_after_rotation: str | None = None
+    per_layer_dims: bool = False  # Gemma 4: head dim and kv heads per layer (per_layer_config)
+    # Gemma 4's shared-KV layers read the keys of an earlier layer (config.num_kv_shared_layers).
+    shares_kv: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rotation not in ROTATION_RULES:
+            raise ValueError(f"{self.model_type}: rotation={self.rotation!r}; use {ROTATION_RULES}")
+
+    @property
+    def modeling(self) -> str:
+        return f"transformers.models.{self.package}.modeling_{self.package}"
 
     def attention_class(self) -> type[nn.Module]:
         return getattr(importlib.import_module(self.modeling), self.attention)
 
     def eager_attention(self) -> Callable[..., Any]:
-        """The architecture's own eager attention, the fallback transformers uses when
+        """The family's own eager attention (softcap, sinks...): what transformers calls when
         ``config._attn_implementation`` is "eager"."""
         return importlib.import_module(self.modeling).eager_attention_forward
 
+    def active_extras(self, config: Any) -> list[str]:
+        """The extras this config turns on (named in a remap's refusal)."""
+        return [
+            what for what, field in self.extras if field is None or getattr(config, field, None)
+        ]
 
-_MODELS = "transformers.models"
-ARCHS: dict[str, ArchSpec] = {
+
+def _row(model_type: str, package: str, attention: str, **data: Any) -> Architecture:
+    return Architecture(model_type, package, attention, **data)
+
+
+_SOFTCAP = ("logit softcap", "attn_logit_softcapping")
+ARCHS: dict[str, Architecture] = {
     a.model_type: a
     for a in (
-        ArchSpec("llama", f"{_MODELS}.llama.modeling_llama", "LlamaAttention", False, None),
-        ArchSpec(
-            "mistral",
-            f"{_MODELS}.mistral.modeling_mistral",
-            "MistralAttention",
-            False,
-            _config_window,
+        _row("llama", "llama", "LlamaAttention"),
+        _row("mistral", "mistral", "MistralAttention"),
+        _row("ministral", "ministral", "MinistralAttention"),
+        _row("mixtral", "mixtral", "MixtralAttention"),
+        _row("qwen2", "qwen2", "Qwen2Attention"),
+        _row("qwen3", "qwen3", "Qwen3Attention"),
+        _row("qwen3_moe", "qwen3_moe", "Qwen3MoeAttention"),
+        _row("qwen3_5_text", "qwen3_5", "Qwen3_5Attention"),  # linear-attention layers skipped
+        _row("gemma", "gemma", "GemmaAttention"),
+        _row("gemma2", "gemma2", "Gemma2Attention", extras=(_SOFTCAP,)),
+        _row("gemma3_text", "gemma3", "Gemma3Attention", recipe=(FULL,), extras=(_SOFTCAP,)),
+        _row(
+            "gemma4_text",
+            "gemma4",
+            "Gemma4TextAttention",
+            recipe=(FULL,),
+            per_layer_dims=True,
+            shares_kv=True,
         ),
-        ArchSpec(
-            "qwen2", f"{_MODELS}.qwen2.modeling_qwen2", "Qwen2Attention", False, _module_window
+        _row("phi3", "phi3", "Phi3Attention"),
+        _row("phi", "phi", "PhiAttention"),
+        _row("olmo", "olmo", "OlmoAttention"),
+        _row("olmo2", "olmo2", "Olmo2Attention"),
+        _row("olmo3", "olmo3", "Olmo3Attention"),
+        _row("smollm3", "smollm3", "SmolLM3Attention", rotation="rope_flags"),
+        _row("gpt_oss", "gpt_oss", "GptOssAttention", extras=(("attention sinks", None),)),
+        _row(
+            "llama4_text",
+            "llama4",
+            "Llama4TextAttention",
+            rotation="rope_flags",
+            norm_after_rotation="use_qk_norm",
         ),
-        ArchSpec(
-            "qwen3", f"{_MODELS}.qwen3.modeling_qwen3", "Qwen3Attention", True, _module_window
-        ),
+        _row("granite", "granite", "GraniteAttention"),
+        _row("cohere", "cohere", "CohereAttention", pairing="interleaved"),
+        _row("cohere2", "cohere2", "Cohere2Attention", pairing="interleaved", rotation="sliding"),
+        _row("stablelm", "stablelm", "StableLmAttention"),
+        _row("gpt_neox", "gpt_neox", "GPTNeoXAttention"),
+        _row("exaone4", "exaone4", "Exaone4Attention", rotation="sliding"),
+        _row("glm", "glm", "GlmAttention", pairing="interleaved"),
+        _row("glm4", "glm4", "Glm4Attention", pairing="interleaved"),
+        _row("helium", "helium", "HeliumAttention"),
+        _row("starcoder2", "starcoder2", "Starcoder2Attention"),
     )
 }
 
+# Families ropekit knows and cannot take, with why (the refusal says it).
+REFUSED: dict[str, str] = {
+    "deepseek_v2": "multi-head latent attention rotates a separate low-rank key part",
+    "deepseek_v3": "multi-head latent attention rotates a separate low-rank key part",
+    "kimi_linear": "multi-head latent attention rotates a separate low-rank key part",
+}
 
-def arch_for(config: Any) -> ArchSpec:
-    """The ArchSpec for a config, or ValueError naming the supported model types."""
+
+def arch_for(config: Any) -> Architecture:
+    """The Architecture of a config, or ValueError naming why and what is supported."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in ARCHS:
-        raise ValueError(
-            f"model_type={model_type!r} is not supported by ropekit.hf; supported: "
-            f"{', '.join(ARCHS)} (their attention forwards are the ones ropekit replaces)"
-        )
-    return ARCHS[model_type]
+    if model_type in ARCHS:
+        return ARCHS[model_type]
+    why = REFUSED.get(model_type, "it has no row in ropekit.hf.archs.ARCHS")
+    raise ValueError(
+        f"model_type={model_type!r} is not supported by ropekit.hf ({why}); supported: "
+        f"{', '.join(sorted(ARCHS))}"
+    )
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -105,9 +177,53 @@ def base_model(model: nn.Module) -> nn.Module:
     if not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
         raise ValueError(
             f"{type(model).__name__} has no decoder stack with .layers and .rotary_emb; "
-            "pass a transformers causal LM (Llama, Mistral, Qwen2, Qwen3)"
+            f"pass a transformers causal LM of a supported family ({', '.join(sorted(ARCHS))})"
         )
     return base
+
+
+# ----------------------------------------------------------------------------- layers
+def layer_types(config: Any) -> tuple[str, ...]:
+    """Each layer's type as the config names it (``layer_types``; full attention when the
+    config has none)."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    return tuple(types) if types else (FULL,) * n
+
+
+def _rotates(arch: Architecture, config: Any, layer: int, kind: str) -> bool:
+    if arch.rotation == "rope_flags":
+        return bool(config.no_rope_layers[layer])
+    if arch.rotation == "sliding":
+        # EXAONE 4 without sliding layers rotates everywhere; Cohere 2 always has them.
+        windowed = getattr(config, "sliding_window", None) is not None
+        return kind == SLIDING or (arch.model_type == "exaone4" and not windowed)
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInfo:
+    """What one decoder layer is: its type, whether it has softmax attention ropekit reaches
+    (Qwen3.5's linear-attention layers do not), and whether that attention rotates."""
+
+    index: int
+    kind: str  # the config's layer type ("full_attention", "sliding_attention", ...)
+    attends: bool
+    rotates: bool
+
+
+def layer_infos(config: Any) -> tuple[LayerInfo, ...]:
+    arch = arch_for(config)
+    out = []
+    for i, kind in enumerate(layer_types(config)):
+        attends = kind in (FULL, SLIDING, "chunked_attention")
+        out.append(LayerInfo(i, kind, attends, attends and _rotates(arch, config, i, kind)))
+    return tuple(out)
+
+
+def rotating_types(config: Any) -> tuple[str, ...]:
+    """The layer types that rotate, in the order they first appear."""
+    return tuple(dict.fromkeys(info.kind for info in layer_infos(config) if info.rotates))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,49 +240,75 @@ class ModelDims:
         return dataclasses.asdict(self)
 
 
-def model_dims(config: Any) -> ModelDims:
+def layer_dims(config: Any, layer: int) -> ModelDims:
+    """The shape of one layer's attention: Gemma 4 sets head dim and kv heads per layer."""
     n_heads = config.num_attention_heads
+    source = config.per_layer_config[layer] if arch_for(config).per_layer_dims else config
     # Same rule as LlamaAttention: head_dim if set, else hidden_size // heads.
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    head_dim = getattr(source, "head_dim", None) or config.hidden_size // n_heads
     return ModelDims(
         n_heads=n_heads,
-        n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+        n_kv_heads=getattr(source, "num_key_value_heads", None) or n_heads,
         head_dim=head_dim,
         n_layers=config.num_hidden_layers,
         d_model=config.hidden_size,
     )
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The config's flat ``rope_parameters`` dict (refusing per-layer-type dicts, which these
-    architectures do not use)."""
+def model_dims(config: Any, kind: str | None = None) -> ModelDims:
+    """The shape of the layers of type ``kind`` (the first rotating type when None); refused
+    where layers of one type differ in shape."""
+    infos = [i for i in layer_infos(config) if i.attends]
+    kind = kind or next((i.kind for i in infos if i.rotates), infos[0].kind if infos else FULL)
+    shapes = {layer_dims(config, i.index) for i in infos if i.kind == kind}
+    if len(shapes) > 1:
+        raise ValueError(f"layers of type {kind!r} differ in shape: {sorted(map(str, shapes))}")
+    return shapes.pop() if shapes else layer_dims(config, 0)
+
+
+# ----------------------------------------------------------------------------- RoPE settings
+def _nested(params: dict[str, Any]) -> bool:
+    return any(isinstance(v, dict) for v in params.values())
+
+
+def rope_parameters(config: Any, kind: str | None = None) -> dict[str, Any]:
+    """The ``rope_parameters`` of layers of type ``kind`` (the config's nested dict for it, or
+    its flat dict, which every type shares)."""
     params = getattr(config, "rope_parameters", None) or {}
-    nested = [k for k in params if isinstance(params[k], dict)]
-    if nested:
-        raise ValueError(
-            f"rope_parameters is nested by layer type ({', '.join(nested)}); ropekit.hf supports "
-            "one RoPE setting for all layers"
-        )
+    if _nested(params):
+        kinds = [k for k, v in params.items() if isinstance(v, dict)]
+        if kind is None:
+            kind = rotating_types(config)[0] if rotating_types(config) else kinds[0]
+        if kind not in params:
+            raise ValueError(
+                f"config.rope_parameters has no settings for layer type {kind!r}; it has "
+                f"{', '.join(kinds)}"
+            )
+        params = params[kind]
     if "rope_theta" not in params:
         raise ValueError(f"config.rope_parameters has no rope_theta: {params!r}")
     return dict(params)
 
 
-def original_length(config: Any) -> int:
+def original_length(config: Any, kind: str | None = None) -> int:
     """L0: ``original_max_position_embeddings`` when the config already scales RoPE (yarn,
     llama3, longrope), else ``max_position_embeddings``."""
-    params = rope_parameters(config)
+    params = rope_parameters(config, kind)
     value = params.get("original_max_position_embeddings") or config.max_position_embeddings
     return int(value)
 
 
-def rope_context(config: Any) -> dict[str, Any]:
-    """Options a spec may omit, filled from the model: ``base``, ``original_length``,
-    ``fraction`` and ``pairing`` (these architectures use ``rotate_half``)."""
-    params = rope_parameters(config)
+def rope_context(config: Any, kind: str | None = None) -> dict[str, Any]:
+    """Options a spec may omit, filled from the model for layers of type ``kind``: ``base``,
+    ``original_length``, ``fraction``, ``proportion`` and ``pairing``. transformers spells
+    both partial RoPE and p-RoPE's share ``partial_rotary_factor``; the rope type says which."""
+    params = rope_parameters(config, kind)
+    share = float(params.get("partial_rotary_factor") or 1.0)
+    proportional = params.get("rope_type") == "proportional"
     return {
         "base": float(params["rope_theta"]),
-        "original_length": original_length(config),
-        "fraction": float(params.get("partial_rotary_factor") or 1.0),
-        "pairing": "half",
+        "original_length": original_length(config, kind),
+        "fraction": 1.0 if proportional else share,
+        "proportion": share if proportional else 1.0,
+        "pairing": arch_for(config).pairing,
     }

@@ -41,16 +41,21 @@ def _factor_or_ratio(params: dict[str, Any], config: Any) -> float:
     return float(factor)
 
 
-def spec_from_config(config: Any) -> Spec:
-    """The ropekit spec equal to the model's own RoPE (``config.rope_parameters``)."""
-    p = rope_parameters(config)
+def spec_from_config(config: Any, layer_type: str | None = None) -> Spec:
+    """The ropekit spec equal to the model's own RoPE (``config.rope_parameters``) for layers
+    of ``layer_type`` (the first rotating type when None)."""
+    p = rope_parameters(config, layer_type)
     kind = p.get("rope_type", "default")
     common: dict[str, Any] = {"base": float(p["rope_theta"])}
-    fraction = p.get("partial_rotary_factor")
-    if fraction is not None and float(fraction) != 1.0:
-        common["fraction"] = float(fraction)
+    share = p.get("partial_rotary_factor")
+    if share is not None and float(share) != 1.0:
+        # transformers' one name for two widths: p-RoPE's share of pairs, or partial RoPE's
+        # share of channels (archs.rope_context).
+        common["proportion" if kind == "proportional" else "fraction"] = float(share)
     if kind == "default":
         return format_spec("rope", common)
+    if kind == "proportional":
+        return format_spec("proportional", {**common, "factor": float(p.get("factor", 1.0))})
     if kind == "linear":
         return format_spec("linear", {**common, "factor": float(p["factor"])})
     if kind == "dynamic":
@@ -104,7 +109,7 @@ def spec_from_config(config: Any) -> Spec:
         )
     raise ValueError(
         f"rope_type={kind!r} has no ropekit equivalent; supported: default, linear, dynamic, "
-        "yarn, llama3, longrope"
+        "yarn, llama3, longrope, proportional"
     )
 
 
