@@ -10,8 +10,8 @@ float64; tests hold the two together.
 just a smaller ``dim``. Note the equivalence transformers records: scaling positions by 1/s is
 the same as scaling ``inv_freq`` by 1/s, which is why PI is a schedule here.
 
-Holds: rope, linear (PI), proportional (p-RoPE), ntk, dynamic_ntk, yarn (+ its helpers), llama3, longrope, n_pairs,
-unseen_rotations.
+Holds: rope, linear (PI), proportional (p-RoPE), ntk, dynamic_ntk, yarn (+ its helpers), llama3,
+longrope, n_pairs, unseen_rotations.
 """
 
 from __future__ import annotations

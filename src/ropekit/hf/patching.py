@@ -78,7 +78,7 @@ def covered_types(config: Any, layers: str | None) -> tuple[str, ...]:
         return chosen or rotating
     out: list[str] = []
     for word in layers.split("+"):
-        named = ALIASES[word] if word in ALIASES else (word,)
+        named = ALIASES.get(word, (word,))
         for kind in rotating if named is None else named:
             if kind not in rotating:
                 raise ValueError(
