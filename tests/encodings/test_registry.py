@@ -260,6 +260,8 @@ BUILD_WITH_DEFAULTS = {
     "rerope",
     "self-extend",
     "string",
+    "cope",
+    "hardclip",
 }
 NEED_OPTIONS = {
     "linear",
@@ -271,6 +273,8 @@ NEED_OPTIONS = {
     "tuned-yarn",
     "mixed",
     "dca",
+    "harpe",
+    "temperature",
 }
 # Specs that always name their variant (the authors' defaults are said, not implied).
 DEFAULT_SPECS = {"string": "string:shift_of=length,scale=authors"}
@@ -288,7 +292,8 @@ def test_exactly_the_listed_encodings_build_with_defaults():
 
 KNOWN = (
     "nope, sinusoidal, learned, alibi, rope, linear, ntk, dynamic-ntk, yarn, llama3, longrope, "
-    "adarope, tuned-yarn, rerope, self-extend, dca, string, mixed"
+    "cope, hardclip, harpe, adarope, tuned-yarn, rerope, self-extend, dca, string, "
+    "mixed, temperature"
 )
 
 

@@ -12,6 +12,8 @@ from .absolute import Learned, LearnedConfig, NoPE, NoPEConfig, Sinusoidal, Sinu
 from .adarope import AdaRoPE, AdaRoPEConfig, TunedYarn, TunedYarnConfig
 from .alibi import ALiBi, ALiBiConfig
 from .base import EncodingConfig, PositionEncoding
+from .clipping import CopeConfig, HardClipConfig
+from .harpe import Harpe, HarpeConfig
 from .remap import (
     DCA,
     DCAConfig,
@@ -89,6 +91,24 @@ ENTRIES: tuple[Entry, ...] = (
         LongRopeConfig,
         "searched per-pair rescale factors",
         "Ding et al. 2024",
+    ),
+    Entry(
+        RotaryEncoding,
+        CopeConfig,
+        "slowest pairs softly clipped (Hann taper to theta = 0)",
+        "Li et al. 2026 (CoPE)",
+    ),
+    Entry(
+        RotaryEncoding,
+        HardClipConfig,
+        "slowest pairs stop rotating (CoPE's hard-clip control)",
+        "Li et al. 2026 (CoPE)",
+    ),
+    Entry(
+        Harpe,
+        HarpeConfig,
+        "fixed per-head bases: kv head k at the NTK base of stage s^((k+1)/K)",
+        "Lian et al. 2024 (HARPE)",
     ),
     Entry(
         AdaRoPE,
