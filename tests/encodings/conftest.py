@@ -33,6 +33,7 @@ ROTARY_SPECS = [
     "temperature:rule=ssmax,learn=true,method=yarn,factor=8,original_length=64",
     "temperature:rule=llama4,method=harpe,factor=4,l_ref=16",
     "temperature:rule=logn,method=cope,l_ref=16,pairing=interleaved",
+    "adarope-remap:remap=rerope,window=6,leaky=4,original_length=16",
 ]
 
 SHAPE = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "n_layers": 3}

@@ -275,6 +275,7 @@ NEED_OPTIONS = {
     "dca",
     "harpe",
     "temperature",
+    "adarope-remap",
 }
 # Specs that always name their variant (the authors' defaults are said, not implied).
 DEFAULT_SPECS = {"string": "string:shift_of=length,scale=authors"}
@@ -293,7 +294,7 @@ def test_exactly_the_listed_encodings_build_with_defaults():
 KNOWN = (
     "nope, sinusoidal, learned, alibi, rope, linear, ntk, dynamic-ntk, yarn, llama3, longrope, "
     "cope, hardclip, harpe, adarope, tuned-yarn, rerope, self-extend, dca, string, "
-    "mixed, temperature"
+    "adarope-remap, mixed, temperature"
 )
 
 

@@ -41,13 +41,15 @@ SPECS = {
     "string": "string:shift=5,window=2,scale=none",
     # a fixed temperature over a remap: bands whose queries carry t of their true position
     "temperature": "temperature:rule=logn,method=rerope,window=5,leaky=2",
+    # AdaRoPE's learned frequencies and temperatures in Leaky ReRoPE's bands
+    "adarope-remap": "adarope-remap:remap=rerope,window=5,leaky=2,l_ref=4",
 }
 
 # Length-following schedules: keys are cached unrotated and re-rotated every step.
 DYNAMIC = {"dynamic-ntk", "longrope", "mixed"}
 
 # Distance remaps: attention in bands over cached unrotated keys.
-REMAPS = {"rerope", "self-extend", "dca", "string", "temperature"}
+REMAPS = {"rerope", "self-extend", "dca", "string", "temperature", "adarope-remap"}
 
 # Logits invariant to shifting every position: no absolute table, no length-following
 # schedule, no AdaScale (its temperature follows the absolute length by design).

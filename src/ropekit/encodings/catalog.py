@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from .absolute import Learned, LearnedConfig, NoPE, NoPEConfig, Sinusoidal, SinusoidalConfig
+from .adaremap import AdaRemap, AdaRemapConfig
 from .adarope import AdaRoPE, AdaRoPEConfig, TunedYarn, TunedYarnConfig
 from .alibi import ALiBi, ALiBiConfig
 from .base import EncodingConfig, PositionEncoding
@@ -145,5 +146,11 @@ ENTRIES: tuple[Entry, ...] = (
         StringConfig,
         "far distances shifted onto well-trained small ones (shift S, window W); reach ~1.5 L0",
         "An et al. 2025",
+    ),
+    Entry(
+        AdaRemap,
+        AdaRemapConfig,
+        "AdaRoPE's learned frequencies and temperatures over a remap's bands (remap=rerope...)",
+        "ropekit (issue 58)",
     ),
 )

@@ -46,7 +46,6 @@ class HarpeConfig(RopeConfig):
 
     name: ClassVar[str] = "harpe"
     factor: float | None = None  # s = target length / original length; s >= 1
-    mixable: ClassVar[bool] = False  # not one schedule: a mixed window cannot switch to it
 
     def __post_init__(self) -> None:
         super().__post_init__()
