@@ -266,12 +266,7 @@ class Temperature(PositionEncoding):
         return self.inner.head_rows(kind)
 
     def learned_state(self) -> dict[str, Any] | None:
-        if not self.config.learn:
-            return self.inner.learned_state()
-        return {
-            "kind": "ssmax",
-            "s": (self.config.s_init * self.log_s.detach().double().exp()).cpu().tolist(),  # (L, H)
-            "dxi": None,
-            "gamma": None,
-            "tau": None,
-        }
+        """The wrapped encoding's (None for a fixed schedule): analysis files describe learned
+        frequencies and AdaScale; a learned s is read per layer with ``s(layer)`` and reverted
+        by head influence through ``head_rows("scale")``."""
+        return self.inner.learned_state()
