@@ -621,3 +621,26 @@ def test_smollm2_32k_merge_copies_finished_jobs_with_their_times_and_replaces_no
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0 and (final / "eval/dca/s0/sotu/ppl.json").is_file(), done.stderr
     assert all("seconds" in r for r in read_records(final / "times.jsonl"))
+
+
+def test_issue_58_config_builds_every_method_at_smollm2s_shape():
+    """The neighbours' comparison (experiments/smollm2_32k_neighbours, not run yet) names
+    methods that build for SmolLM2-135M (9 query heads over 3 key/value heads, head dim 64,
+    30 layers, base 1e5, L0 8192), and only AdaRoPE and AdaRoPE in Leaky ReRoPE's bands train:
+    the fixed controls have no parameters, so they are scored once, as E's training-free
+    methods were."""
+    from ropekit.compare import from_file
+    from ropekit.encodings import build
+
+    config = from_file(ROOT / "experiments/smollm2_32k_neighbours/compare.json")
+    shape = {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64, "n_layers": 30}
+    trained = {}
+    for name, spec in zip(config.names, config.methods, strict=True):
+        encoding = build(spec, **shape, base=1e5, original_length=8192)
+        trained[name] = sum(p.numel() for p in encoding.positional_parameters().values())
+    assert {n for n, count in trained.items() if count} == {
+        "adarope",
+        "adarope-global",
+        "adarope-leaky-rerope",
+    }
+    assert trained["adarope-leaky-rerope"] == trained["adarope"] == 30 * 3 * 32 + 30 * 9 * 2

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ropekit.encodings import AdaRoPE, PositionEncoding, TunedYarn, build
+from ropekit.encodings.temperature import Temperature
 
 ROTARY_SPECS = [
     "rope",
@@ -24,6 +25,15 @@ ROTARY_SPECS = [
     "adarope:share_heads=true,share_layers=true,pairing=interleaved",
     "adarope:scale=false,fraction=0.5",
     "tuned-yarn:factor=8,original_length=64",
+    "cope",
+    "cope:clip=3,fraction=0.5",
+    "hardclip:clip=3,pairing=interleaved",
+    "harpe:factor=4",
+    "temperature:rule=logn,l_ref=16",
+    "temperature:rule=ssmax,learn=true,method=yarn,factor=8,original_length=64",
+    "temperature:rule=llama4,method=harpe,factor=4,l_ref=16",
+    "temperature:rule=logn,method=cope,l_ref=16,pairing=interleaved",
+    "adarope-remap:remap=rerope,window=6,leaky=4,original_length=16",
 ]
 
 SHAPE = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "n_layers": 3}
@@ -40,6 +50,8 @@ def perturb(encoding: PositionEncoding, seed: int = 0) -> PositionEncoding:
             if encoding.config.scale:
                 encoding.log_tau.add_(0.2 * torch.randn(encoding.log_tau.shape, generator=g))
                 encoding.gamma.add_(0.5 * torch.rand(encoding.gamma.shape, generator=g))
+        elif isinstance(encoding, Temperature) and encoding.config.learn:
+            encoding.log_s.add_(0.3 * torch.randn(encoding.log_s.shape, generator=g))
         elif isinstance(encoding, TunedYarn):
             for p in encoding.parameters():
                 p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))

@@ -37,6 +37,9 @@ DECLARED = {
         "longrope:factor=4,original_length=16,long_factor=[2],short_factor=[1.5]",
         (False, False, False, True, False, True),
     ),
+    "cope": ("cope", (False, False, False, False, False, True)),
+    "hardclip": ("hardclip:clip=2", (False, False, False, False, False, True)),
+    "harpe": ("harpe:factor=4", (False, False, False, False, False, True)),
     "adarope": ("adarope", (False, False, False, False, True, True)),
     "tuned-yarn": (
         "tuned-yarn:factor=4,original_length=16",
@@ -56,8 +59,17 @@ DECLARED = {
         (False, False, False, True, False, True),
     ),
     "string following": ("string:window=1", (False, False, False, True, False, True)),
+    "adarope-remap": (
+        "adarope-remap:remap=rerope,window=2,leaky=2",
+        (False, False, False, False, True, True),
+    ),
+    # a fixed temperature declares what it wraps (here a remap); its learned s is no frequency
+    "temperature": (
+        "temperature:rule=ssmax,learn=true,method=rerope,window=2,original_length=4",
+        (False, False, False, False, False, True),
+    ),
 }
-REMAPS = {"rerope", "self-extend", "dca", "string"}
+REMAPS = {"rerope", "self-extend", "dca", "string", "temperature", "adarope-remap"}
 
 
 def test_the_table_covers_the_registry():

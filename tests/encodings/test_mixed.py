@@ -12,7 +12,6 @@ from ropekit.encodings import REGISTRY, Spec, build
 from ropekit.encodings.adarope import TunedYarnConfig
 from ropekit.encodings.base import Extension
 from ropekit.encodings.mixed import MIXABLE, MixedConfig, MixedWindow
-from ropekit.encodings.remap import RemapConfig
 from ropekit.encodings.rope import LinearConfig, YarnConfig
 
 from .conftest import SHAPE, perturb
@@ -25,9 +24,10 @@ def test_the_mixed_window_wraps_every_rotary_entry_of_the_registry_but_the_remap
             spec = spec.with_options(factor=2)
         return build(spec, **SHAPE, original_length=64).rotary_dim > 0
 
-    remaps = {n for n, e in REGISTRY.items() if issubclass(e.config, RemapConfig)}
-    rotary = {n for n in REGISTRY if n != "mixed" and n not in remaps and rotates(n)}
-    assert set(MIXABLE) == rotary and len(rotary) == 10
+    remaps = {n for n, e in REGISTRY.items() if e.module.remaps_distance}  # AdaRoPE's included
+    wrappers = {"mixed", "temperature"}  # each wraps another encoding
+    rotary = {n for n in REGISTRY if n not in wrappers | remaps and rotates(n)}
+    assert set(MIXABLE) == rotary and len(rotary) == 13
 
 
 def test_plain_rope_within_the_window_and_the_wrapped_schedule_beyond_it():
@@ -75,8 +75,8 @@ def test_mixed_without_a_method_lists_every_mixable_encoding():
             ask()
         assert str(info.value).endswith(
             "method is required for mixed; e.g. mixed:method=yarn,factor=2 "
-            "(allowed: rope, linear, proportional, ntk, dynamic-ntk, yarn, llama3, longrope, adarope, "
-            "tuned-yarn)"
+            "(allowed: rope, linear, proportional, ntk, dynamic-ntk, yarn, llama3, longrope, "
+            "cope, hardclip, harpe, adarope, tuned-yarn)"
         )
 
 

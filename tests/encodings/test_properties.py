@@ -12,12 +12,11 @@ from .conftest import SHAPE, perturb
 
 
 def _unscaled_q(enc: PositionEncoding, q: torch.Tensor, pos: torch.Tensor, layer: int):
-    """rotate_q with AdaScale's temperature factored out (it depends on absolute length by
-    design, sec. 3.3 of the paper)."""
+    """rotate_q with its query temperature factored out (AdaScale's, sec. 3.3 of the paper, or
+    a fixed one: it depends on absolute length by design)."""
     out = enc.rotate_q(q, pos, layer)
-    if isinstance(enc, AdaRoPE) and enc.config.scale:
-        out = out / enc.temperature(pos, layer)
-    return out
+    temperature = enc.query_temperature(pos, layer)
+    return out if temperature is None else out / temperature
 
 
 def _attention_factor(enc: PositionEncoding, pos: torch.Tensor) -> float | torch.Tensor:

@@ -262,6 +262,8 @@ BUILD_WITH_DEFAULTS = {
     "rerope",
     "self-extend",
     "string",
+    "cope",
+    "hardclip",
 }
 NEED_OPTIONS = {
     "linear",
@@ -273,6 +275,9 @@ NEED_OPTIONS = {
     "tuned-yarn",
     "mixed",
     "dca",
+    "harpe",
+    "temperature",
+    "adarope-remap",
 }
 # Specs that always name their variant (the authors' defaults are said, not implied).
 DEFAULT_SPECS = {"string": "string:shift_of=length,scale=authors"}
@@ -289,9 +294,9 @@ def test_exactly_the_listed_encodings_build_with_defaults():
 
 
 KNOWN = (
-    "nope, sinusoidal, learned, alibi, rope, linear, proportional, ntk, dynamic-ntk, yarn, llama3, "
-    "longrope, "
-    "adarope, tuned-yarn, rerope, self-extend, dca, string, mixed"
+    "nope, sinusoidal, learned, alibi, rope, linear, proportional, ntk, dynamic-ntk, yarn, "
+    "llama3, longrope, cope, hardclip, harpe, adarope, tuned-yarn, rerope, self-extend, dca, "
+    "string, adarope-remap, mixed, temperature"
 )
 
 

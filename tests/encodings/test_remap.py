@@ -688,8 +688,8 @@ def test_bands_are_reused_for_the_same_positions_and_remade_for_other_queries():
         (
             "rerope:init=yarn,factor=0,original_length=64",
             "factor=0.0 is not allowed; it must be a finite number >= 1 (rerope with init=yarn "
-            "allows: init, original_length, window, leaky, logn, base, pairing, fraction, proportion, "
-            "factor, "
+            "allows: init, original_length, window, leaky, logn, base, pairing, fraction, "
+            "proportion, factor, "
             "beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate)",
         ),
         (

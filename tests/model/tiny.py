@@ -25,10 +25,14 @@ SPECS = {
     "rope": "rope",
     "linear": "linear:factor=2",
     "ntk": "ntk:factor=2",
+    "proportional": "proportional:proportion=0.5",
     "dynamic-ntk": "dynamic-ntk:factor=2",
     "yarn": "yarn:factor=4",
     "llama3": "llama3:factor=4",
     "longrope": "longrope:factor=4,long_factor=[2],short_factor=[1.5]",
+    "cope": "cope",
+    "hardclip": "hardclip:clip=2",
+    "harpe": "harpe:factor=2",
     "adarope": "adarope:l_ref=4",
     "tuned-yarn": "tuned-yarn:factor=4",
     "mixed": "mixed:method=adarope,init=yarn,factor=4",  # rope within 8 tokens, AdaRoPE beyond
@@ -36,13 +40,17 @@ SPECS = {
     "self-extend": "self-extend:group=2,window=4",
     "dca": "dca:chunk_size=6,local_size=2,scale=none",  # the positions alone: a static remap
     "string": "string:shift=5,window=2,scale=none",
+    # a fixed temperature over a remap: bands whose queries carry t of their true position
+    "temperature": "temperature:rule=logn,method=rerope,window=5,leaky=2",
+    # AdaRoPE's learned frequencies and temperatures in Leaky ReRoPE's bands
+    "adarope-remap": "adarope-remap:remap=rerope,window=5,leaky=2,l_ref=4",
 }
 
 # Length-following schedules: keys are cached unrotated and re-rotated every step.
 DYNAMIC = {"dynamic-ntk", "longrope", "mixed"}
 
 # Distance remaps: attention in bands over cached unrotated keys.
-REMAPS = {"rerope", "self-extend", "dca", "string"}
+REMAPS = {"rerope", "self-extend", "dca", "string", "temperature", "adarope-remap"}
 
 # Logits invariant to shifting every position: no absolute table, no length-following
 # schedule, no AdaScale (its temperature follows the absolute length by design).

@@ -185,6 +185,33 @@ def test_what_llama_attention_cannot_compute_is_refused(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("format", ["hf", "vllm", "gguf"])
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        ("cope", "no transformers rope_type computes 'cope'"),
+        ("hardclip", "no transformers rope_type computes 'hardclip'"),
+        ("harpe:factor=2", "no transformers rope_type computes 'harpe'"),
+        ("temperature:rule=logn", "a factor that follows its position"),
+        ("temperature:rule=llama4,method=rerope,leaky=4,window=8", "scales queries of its own"),
+        ("adarope-remap:remap=rerope,leaky=4,window=8", "scales queries of its own"),
+    ],
+)
+def test_the_issue_58_encodings_are_refused_in_one_line(
+    spec: str, why: str, format: str, tmp_path: Path, tiny_llama
+) -> None:
+    """No rope type computes CoPE's taper, per-head bases or a position-dependent query
+    temperature; a remap whose queries carry learned or fixed factors of their own is not
+    served by the plugin (was: an AttributeError on the plugin's path)."""
+    model = tiny_llama()
+    patch(model, spec)
+    with pytest.raises(ExportRefused) as info:
+        export(model, None, tmp_path / "out", format=format)
+    message = str(info.value)
+    assert "\n" not in message and (why in message or "only Self-Extend" in message)
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_from_a_folder_and_an_adapter(tmp_path: Path, tiny_llama) -> None:
     model = tiny_llama()
     model.save_pretrained(tmp_path / "base")

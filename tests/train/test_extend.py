@@ -82,6 +82,28 @@ def test_positional_mode_trains_only_the_encoding_and_keeps_the_backbone_bit_ide
         assert meta["command"] == "ropekit extend m", record
 
 
+def test_adarope_trains_in_leaky_reropes_bands_with_the_backbone_frozen(tmp_path):
+    """Issue 58: AdaRoPE's positional parameters trained with a remap's bands in the forward
+    (``adarope-remap``): only they move, through the remap's banded attention."""
+    torch.manual_seed(0)
+    model = Decoder(
+        DecoderConfig(d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, context_length=CONTEXT)
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    method = "adarope-remap:remap=rerope,window=16,leaky=4"
+    config = ExtendConfig(method, TARGET, samples=8, batch_size=4)
+    result = extend(model, config, tmp_path / "ext", command="ropekit extend m")
+    assert result.trainable == {"positional": 2 * 2 * 6 + 2 * 4 * 2, "lora": 0, "total": 40}
+    after = model.state_dict()
+    for name, tensor in before.items():
+        assert torch.equal(tensor, after[name]), name
+    encoding = as_backbone(model).encoding
+    assert encoding.remaps_distance and encoding.spec == (
+        f"adarope-remap:remap=rerope,original_length={CONTEXT},window=16,leaky=4"
+    )
+    assert encoding.dxi.abs().sum() > 0 and encoding.gamma.abs().sum() > 0
+
+
 def test_positional_extension_beats_the_untuned_schedule_at_the_target_length(base_dir, tmp_path):
     untuned = _base(base_dir)
     extend(untuned, ExtendConfig("yarn:factor=4", TARGET), tmp_path / "yarn")

@@ -79,7 +79,7 @@ class Band:
     ``q_positions`` (B|1, T) and ``k_positions`` (B|1, S): where queries and keys of this band
     are rotated (int64, or float64 for fractional positions). ``lo`` / ``hi`` (B|1, T) int64:
     the band covers, for query i, the keys whose true position p satisfies lo[i] <= p < hi[i];
-    None means unbounded. ``q_scale`` (B|1, 1, T, 1) or None: a factor on the queries (ReRoPE's
+    None means unbounded. ``q_scale`` (B|1, H|1, T, 1) or None: a factor on the queries (ReRoPE's
     log-n scaling) applied before rotating.
     """
 

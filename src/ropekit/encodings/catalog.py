@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 from .absolute import Learned, LearnedConfig, NoPE, NoPEConfig, Sinusoidal, SinusoidalConfig
+from .adaremap import AdaRemap, AdaRemapConfig
 from .adarope import AdaRoPE, AdaRoPEConfig, TunedYarn, TunedYarnConfig
 from .alibi import ALiBi, ALiBiConfig
 from .base import EncodingConfig, PositionEncoding
+from .clipping import CopeConfig, HardClipConfig
+from .harpe import Harpe, HarpeConfig
 from .remap import (
     DCA,
     DCAConfig,
@@ -99,6 +102,24 @@ ENTRIES: tuple[Entry, ...] = (
         "Ding et al. 2024",
     ),
     Entry(
+        RotaryEncoding,
+        CopeConfig,
+        "slowest pairs softly clipped (Hann taper to theta = 0)",
+        "Li et al. 2026 (CoPE)",
+    ),
+    Entry(
+        RotaryEncoding,
+        HardClipConfig,
+        "slowest pairs stop rotating (CoPE's hard-clip control)",
+        "Li et al. 2026 (CoPE)",
+    ),
+    Entry(
+        Harpe,
+        HarpeConfig,
+        "fixed per-head bases: kv head k at the NTK base of stage s^((k+1)/K)",
+        "Lian et al. 2024 (HARPE)",
+    ),
+    Entry(
         AdaRoPE,
         AdaRoPEConfig,
         "per-head learnable frequencies (AdaFreq) and temperature (AdaScale)",
@@ -133,5 +154,11 @@ ENTRIES: tuple[Entry, ...] = (
         StringConfig,
         "far distances shifted onto well-trained small ones (shift S, window W); reach ~1.5 L0",
         "An et al. 2025",
+    ),
+    Entry(
+        AdaRemap,
+        AdaRemapConfig,
+        "AdaRoPE's learned frequencies and temperatures over a remap's bands (remap=rerope...)",
+        "ropekit (issue 58)",
     ),
 )

@@ -25,6 +25,7 @@ from .base import (
 )
 from .catalog import ENTRIES, Entry
 from .mixed import MixedConfig, MixedWindow
+from .temperature import Temperature, TemperatureConfig
 
 REGISTRY: dict[str, Entry] = {
     e.name: e
@@ -35,6 +36,13 @@ REGISTRY: dict[str, Entry] = {
             MixedConfig,
             "original RoPE within the original window, any schedule or adapter beyond it",
             "Shang et al. 2025 (LongRoPE2)",
+        ),
+        Entry(
+            Temperature,
+            TemperatureConfig,
+            "a fixed query temperature (log-n, Scalable-Softmax, Llama 4) over any fixed "
+            "schedule or remap",
+            "Su 2021; Nakanishi 2025; Meta 2025",
         ),
     )
 }

@@ -232,6 +232,12 @@ def export_rope_parameters(
             "rope config can express it (transformers, vLLM and llama.cpp rotate q and k once)"
         )
     if encoding.rotary_dim > 0 and not encoding.learned_frequencies:
+        if encoding.query_temperature(torch.zeros(1, 1, dtype=torch.long)) is not None:
+            raise ExportRefused(
+                f"{encoding.spec!r} scales each query by a factor that follows its position; no "
+                "rope type does (rope_parameters scale cos and sin alike everywhere): serve it "
+                "with ropekit.hf"
+            )
         params, extra = rope_parameters_for(encoding, config)
         return params, extra, []
     if encoding.learned_frequencies:
@@ -395,6 +401,21 @@ def _encoding(model: nn.Module, adapter: Any, spec: str | None) -> PositionEncod
     return found
 
 
+def _refuse_remaps_with_own_queries(encoding: PositionEncoding) -> None:
+    """ExportRefused for a remap whose queries carry learned frequencies or a temperature of
+    their own (adarope-remap, a fixed temperature over a remap): no engine serves them."""
+    if encoding.remaps_distance and (
+        encoding.learned_frequencies
+        or encoding.query_temperature(torch.zeros(1, 1, dtype=torch.long)) is not None
+    ):
+        raise ExportRefused(
+            f"{encoding.spec!r} rotates or scales queries of its own inside a remap's bands; "
+            "no engine serves that (ropekit's vLLM plugin is tested on fixed remaps and on "
+            "learned rotations apart, not together): serve it with ropekit.hf "
+            "(load_model + load_adapter)"
+        )
+
+
 def served_config(
     model_config: Any,
     encoding: PositionEncoding,
@@ -412,6 +433,7 @@ def served_config(
             f"{encoding.spec!r} follows the sequence length; the vLLM plugin rotates by token "
             "position only (vLLM gives the rotary no sequence lengths)"
         )
+    _refuse_remaps_with_own_queries(encoding)
     recipe = None
     rope_encoding = encoding
     if encoding.remaps_distance:
