@@ -32,6 +32,7 @@ from ropekit.options import (
     from_args,
     integer,
     number,
+    one_line,
 )
 
 
@@ -91,9 +92,14 @@ def _specs(text: str) -> tuple[str, ...]:
     from ropekit.encodings import split_specs
 
     try:
-        return split_specs(text)
+        specs = split_specs(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if not specs:  # '' or ',': a run of no method would report an empty table as a result
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names no method; allowed: one or more specs, e.g. 'rope,yarn:factor=4'"
+        )
+    return specs
 
 
 def add_schedules(p: argparse.ArgumentParser) -> None:
@@ -767,6 +773,7 @@ def add_inspect(p: argparse.ArgumentParser) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import hashlib
 
+    from ropekit.outdir import writing
     from ropekit.results import check_replaceable, run_metadata, write_result
     from ropekit.serve.inspection import format_report, inspect_folder
 
@@ -776,10 +783,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     }
     if args.json is not None:  # refuse before printing: never replace another command's file
         check_replaceable(args.json, "inspect", provenance, overwrite=args.overwrite)
+        with writing(args.json):  # a file on the way is one line naming it
+            args.json.parent.mkdir(parents=True, exist_ok=True)
     for line in format_report(report):
         print(line)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = run_metadata(_command())
         write_result(args.json, "inspect", {"report": report}, meta=meta, provenance=provenance)
         print(f"wrote {args.json}")
@@ -967,9 +975,16 @@ def _message(error: BaseException) -> str:
     """One line naming what is wrong: an OS error's reason and path, else the message."""
     if isinstance(error, OSError) and error.strerror:
         where = f": {error.filename}" if error.filename else ""
-        return f"{error.strerror}{where}"
-    text = str(error).strip() or type(error).__name__
-    return " ".join(text.split())
+        return one_line(f"{error.strerror}{where}")
+    return one_line(str(error).strip() or type(error).__name__)
+
+
+def _close_progress_bars() -> None:
+    """Close the progress bars an error left open (its loop never reached its end): each
+    holds the cursor at the end of its line, where the error's line would otherwise start."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 def _continue_hint(args: argparse.Namespace) -> str:
@@ -981,7 +996,7 @@ def _continue_hint(args: argparse.Namespace) -> str:
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
-    return f"ropekit: {category.__name__}: {' '.join(str(message).split())}\n"
+    return f"ropekit: {category.__name__}: {one_line(str(message))}\n"
 
 
 def _holding_out(args: argparse.Namespace) -> contextlib.AbstractContextManager[Any]:
@@ -1022,6 +1037,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nropekit {args.command}: interrupted; {_continue_hint(args)}", file=sys.stderr)
         return 130
     except (ValueError, OSError) as e:  # FileNotFoundError, FileExistsError are OSErrors
+        _close_progress_bars()
         print(f"ropekit {args.command}: error: {_message(e)}", file=sys.stderr)
         return 2
 
