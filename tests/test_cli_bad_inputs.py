@@ -492,6 +492,16 @@ CASES: list[tuple[str, str, tuple[str, ...]]] = [
         ("checkpoints: it is a file, not a folder",),
     ),
     (
+        "probes-far-past-the-reach",  # once accepted: it fit in memory, then ran for days
+        "eval probes --model {base} --lengths 10000000 --out {tmp}/pr",
+        ("estimated at", "days", "(312,500x)", "--yes"),
+    ),
+    (
+        "search-far-past-the-reach",
+        "search --model {base} --target-length 1000000 --budget 400 --out {tmp}/sr",
+        ("estimated at", "(31,250x)", "--yes"),
+    ),
+    (
         "extend-batch-above-samples",
         "extend --model {base} --method adarope --target-length 64 --samples 2 --batch-size 4 "
         "--out {tmp}/e",

@@ -71,9 +71,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ropekit.backbone import COMPUTE_DTYPES, Backbone, open_backbone
+from ropekit.backbone.cost import TIMED_ATTENTION, TIMED_TOKENS, forward_seconds
 from ropekit.data import heldout_stream, make_train_dataset
 from ropekit.data.streams import TokenStream
 from ropekit.encodings import PositionEncoding
@@ -940,48 +940,6 @@ CLAIMS, WAIT_SECONDS = ".jobs", 60.0
 # it is finished.
 JOB_PREFIX = {"training": "train", "perplexity": "eval", "probes": "probes"}
 RESULT_FILE = {"training": EXTEND_JSON, "perplexity": "ppl.json", "probes": "summary.json"}
-
-
-# The forward a comparison times before it starts, to estimate what it will take (plan), and
-# the length of the attention call timed beside it (long enough that its T^2 term dominates).
-TIMED_TOKENS, TIMED_ATTENTION = 1024, 4096
-
-
-def forward_seconds(backbone: Backbone) -> Callable[[int], float]:
-    """A rough cost model of one forward over T tokens on this machine: 2 FLOPs per weight per
-    token at the rate of one timed forward of ``TIMED_TOKENS`` tokens (at most L0), plus
-    causal attention's 2 x heads x head_dim x T^2 per layer at the rate of one timed causal
-    attention call of ``TIMED_ATTENTION`` tokens (attention runs slower per FLOP here)."""
-    shape = backbone.fingerprint()
-    weights = sum(p.numel() for p in backbone.backbone_parameters().values())
-    heads, dim = shape.get("n_heads", 1), shape.get("head_dim", 1)
-    attention = shape.get("n_layers", 0) * 2 * heads * dim  # x T^2
-
-    def timed(fn: Callable[[], Any]) -> float:
-        with torch.inference_mode():
-            start = time.perf_counter()
-            fn()
-            return max(time.perf_counter() - start, 1e-9)
-
-    g = torch.Generator().manual_seed(0)
-    dtype = next(iter(backbone.backbone_parameters().values())).dtype
-    q, k = (torch.randn(1, h, TIMED_ATTENTION, dim, generator=g).to(dtype) for h in (heads, 1))
-    attention_rate = (
-        2
-        * heads
-        * dim
-        * TIMED_ATTENTION**2
-        / timed(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True))
-    )
-    n = min(TIMED_TOKENS, backbone.training_length)
-    ids = torch.randint(0, backbone.vocab_size, (1, n), generator=g)
-    timed(lambda: backbone.forward_logits(ids[:, :16]))  # compiled kernels warm up untimed
-    whole = timed(lambda: backbone.forward_logits(ids))
-    rest = max(whole - attention * n**2 / attention_rate, whole / 10)  # the weights' share
-    weight_rate = 2.0 * weights * n / rest
-    return lambda tokens: (
-        2.0 * weights * tokens / weight_rate + attention * tokens**2 / attention_rate
-    )
 
 
 def _totals(
