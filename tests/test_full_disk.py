@@ -10,6 +10,7 @@ sweep did reach the cache, so a change of file sizes cannot make it pass by miss
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,12 @@ def _one_line_naming_a_file(attempt: Attempt, command: str, disk: Path) -> str:
     errors = [line for line in lines if "error:" in line]
     assert attempt.code == 2 and errors == lines[-1:], (attempt.kib, attempt.stderr[-1500:])
     line = errors[0]
+    assert FULL in line, line
+    checkpoint = re.match(
+        rf"ropekit {command}: error: could not write checkpoint (\S+) in (\S+) ", line
+    )
+    if checkpoint:  # train/checkpoint.py: the checkpoint, its folder and the free space
+        return str(Path(checkpoint[2], checkpoint[1]).relative_to(disk))
     assert line.startswith(f"ropekit {command}: error: cannot write {disk}/"), line
     assert line.endswith(FULL), line
     return line.removeprefix(f"ropekit {command}: error: cannot write {disk}/").split(":")[0]
@@ -72,3 +79,60 @@ def test_eval_ppl_on_a_full_disk_names_the_file_and_leaves_no_temporary_file(bas
         assert a.after == ["q/", "q/ppl.json", "q/ppl.png"], (a.kib, a.after)
     assert {"q/windows/key.txt", "q/ppl.json", "q/ppl.png"} <= named, named
     assert any(n.startswith("q/windows/") and n.endswith(".npz") for n in named), named
+
+
+def _sweep(attempts: list[Attempt], command: str, disk: Path) -> set[str]:
+    """What every writer owes a full disk; returns the files the failures named."""
+    named = set()
+    for a in attempts:
+        assert _temporary(a.left) == [] and _temporary(a.after) == [], (a.kib, a.left, a.after)
+        assert a.again == 0, (a.kib, a.again_stderr[-1500:])
+        if a.code != 0:
+            named.add(_one_line_naming_a_file(a, command, disk))
+    return named
+
+
+# (command line with {base} and {out}, sizes in KiB, a file of its cache or stages that the
+# sweep must have filled the disk at)
+WRITERS = {
+    "eval passkey": (
+        "eval passkey --model {base} --lengths 96 --depths 1 --samples 1 --out {out}",
+        [4, 8, 12, 16, 24, 32],
+        "out/passkey/96/pred.jsonl",
+    ),
+    # Training is rerun with --resume: into a folder without a checkpoint it starts afresh.
+    "pretrain": (
+        "pretrain --context 32 --steps 4 --checkpoint-interval 2 --layers 1 --d-model 32 "
+        "--heads 2 --batch-size 2 --warmup 1 --resume --out {out}",
+        [4, 8, 16, 32, 64, 128, 192, 256],
+        "out/checkpoints/step-00000002",
+    ),
+    "extend": (
+        "extend --model {base} --method adarope:init=yarn,factor=2 --target-length 64 "
+        "--samples 2 --resume --out {out}",
+        [4, 16, 64, 128, 192],
+        "out/train/checkpoints/step-00000002",
+    ),
+    "eval probes": (
+        "eval probes --model {base} --lengths 256 --haystacks 1 --needles 2 --out {out}",
+        [4, 8, 12, 16, 24, 32, 48],
+        "out/256/probes.jsonl",
+    ),
+    "search": (
+        "search --model {base} --target-length 64 --samples 1 --budget 6 --population 3 "
+        "--parents 2 --chunk 64 --out {out}",
+        [4, 8, 12, 16, 24, 32, 64],
+        "out/candidates.jsonl",
+    ),
+}
+
+
+@pytest.mark.slow  # 30-60 s each here: a CLI process per size in a namespace
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_writer_with_stages_on_a_full_disk(base, tmp_path, writer):
+    template, sizes, cache = WRITERS[writer]
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    argv = template.format(base=base, out=disk / "out").split()
+    named = _sweep(on_full_disk(argv, disk, sizes), writer.split()[0], disk)
+    assert cache in named, named

@@ -1,6 +1,7 @@
 """train() end to end on a tiny Llama: learning, exact resume, frozen weights, loss weighting,
 non-finite losses, output-folder safety and the metrics log across resumes."""
 
+import errno
 import json
 import math
 import os
@@ -470,3 +471,20 @@ def test_a_batch_larger_than_the_data_is_said(tmp_path):
             CountingData(n=4),
             tiny_config(tmp_path, steps=1, batch_size=8, warmup_steps=0),
         )
+
+
+def test_a_first_checkpoint_that_cannot_be_written_leaves_the_folder_as_found(
+    tmp_path, monkeypatch
+):
+    """A full disk at the first checkpoint once left an empty checkpoints/ that made the
+    rerun ask for --resume or --overwrite, though there was nothing to resume."""
+    from ropekit.train import loop
+
+    def full(out_dir, *args, **kwargs):
+        (out_dir / "checkpoints").mkdir(exist_ok=True)  # what save_checkpoint makes first
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loop, "save_checkpoint", full)
+    with pytest.raises(OSError, match="No space"):
+        train(tiny_llama(), CountingData(), tiny_config(tmp_path / "run", steps=2))
+    assert not (tmp_path / "run").exists()

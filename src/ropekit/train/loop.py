@@ -18,6 +18,7 @@ checkpoints). The steps and their numbers are the same either way, up to float r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -243,6 +244,8 @@ def _train(
             # `train` gives back the run an --overwrite set aside).
             metrics.close()
             (config.out_dir / METRICS).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a first checkpoint that failed (a full disk)
+                (config.out_dir / CHECKPOINTS).rmdir()  # left it empty: it is not a run either
         raise
     finally:
         bar.close()
