@@ -611,3 +611,12 @@ def test_an_overwrite_that_fails_at_its_first_step_leaves_the_old_run(runs, caps
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("ropekit pretrain: error: position 31 is past the learned table"), last
     assert _snapshot(runs["root"]) == before
+
+
+def test_the_command_line_never_reaches_a_network(monkeypatch, capsys):
+    """Models and data come from installed packages: every command runs offline."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["encodings"]) == 0
+    capsys.readouterr()
+    assert [os.environ.get(v) for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")] == ["1", "1"]
