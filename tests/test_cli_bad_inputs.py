@@ -117,6 +117,16 @@ def _damaged(runs: dict[str, Path], tmp: Path, what: str) -> Path:
         folder = tmp / "bad-compare"
         folder.mkdir()
         (folder / "compare.json").write_text('{"kind": "compare", "format_version": 2, "verd')
+    elif what == "parquet":  # not parquet at all: pyarrow's message names no file
+        folder = tmp / "bad.parquet"
+        folder.write_bytes(b"PAR1 but not really\n")
+    elif what == "fifo":  # exists, so "no such file" would mislead
+        folder = tmp / "fifo.txt"
+        os.mkfifo(folder)
+    elif what == "checkpoints":  # a run folder whose checkpoints path is a file
+        folder = tmp / "run"
+        folder.mkdir()
+        (folder / "checkpoints").write_text("not a folder\n")
     else:  # pragma: no cover - a typo in the table
         raise AssertionError(what)
     return folder
@@ -431,6 +441,72 @@ CASES: list[tuple[str, str, tuple[str, ...]]] = [
     ("report-empty-folder", "report {tmp}/empty", ("no result",)),
     ("report-missing-folder", "report {tmp}/nowhere", ("nowhere",)),
     ("report-cut-comparison", "report {bad:comparison}", ("compare.json", "not valid JSON")),
+    # Round three (issue 57): each once exit 0, a traceback, a lost run or a useless line.
+    ("methods-empty", "schedules --methods= --out {tmp}/s", ("--methods", "names no method")),
+    ("methods-only-commas", "schedules --methods=, --out {tmp}/s", ("--methods", "no method")),
+    (
+        "compare-methods-empty",
+        "compare --model {base} --target-length 64 --methods=, --out {tmp}/c",
+        ("--methods", "names no method"),
+    ),
+    (
+        "spec-value-100k-digits",
+        "pretrain --encoding rope:base=" + "9" * 100_000 + " --out {tmp}/p",
+        ("rope:base=999", "(100,013 characters)", "base=inf", "finite"),
+    ),
+    (
+        "schedules-base-past-float32",
+        "schedules --base 1e300 --out {tmp}/s",
+        ("base=1e+300", "wavelength", "float32"),
+    ),
+    ("alibi-option", "pretrain --encoding alibi:base=2 --out {tmp}/p", ("'base'", "no options")),
+    (
+        "parquet-damaged",
+        "pretrain --data {bad:parquet} --out {tmp}/p",
+        ("bad.parquet", "not a readable parquet file"),
+    ),
+    ("data-fifo", "pretrain --data {bad:fifo} --out {tmp}/p", ("fifo.txt", "not a regular file")),
+    (
+        "export-decoder-run",
+        "export --model {base} --spec yarn:factor=2 --out {tmp}/x",
+        ("ropekit decoder run", "cannot be exported", "Hugging Face folder"),
+    ),
+    (
+        "export-out-under-a-file",
+        "export --model {hf} --spec yarn:factor=2 --out {file}/x",
+        ("a_file.txt is a file, not a folder",),
+    ),
+    (
+        "export-out-is-a-file",
+        "export --model {hf} --spec yarn:factor=2 --out {file}",
+        ("a_file.txt: it is a file, not a folder",),
+    ),
+    (
+        "inspect-json-under-a-file",
+        "inspect {hf} --json {file}/report.json",
+        ("a_file.txt is a file, not a folder",),
+    ),
+    (
+        "checkpoints-is-a-file",
+        "pretrain {tiny} --steps 12 --checkpoint-interval 10 --overwrite --out {bad:checkpoints}",
+        ("checkpoints: it is a file, not a folder",),
+    ),
+    (
+        "probes-far-past-the-reach",  # once accepted: it fit in memory, then ran for days
+        "eval probes --model {base} --lengths 10000000 --out {tmp}/pr",
+        ("estimated at", "days", "(312,500x)", "--yes"),
+    ),
+    (
+        "search-far-past-the-reach",
+        "search --model {base} --target-length 1000000 --budget 400 --out {tmp}/sr",
+        ("estimated at", "(31,250x)", "--yes"),
+    ),
+    (
+        "extend-batch-above-samples",
+        "extend --model {base} --method adarope --target-length 64 --samples 2 --batch-size 4 "
+        "--out {tmp}/e",
+        ("batch_size=4", "samples=2"),
+    ),
 ]
 
 
@@ -465,6 +541,7 @@ def test_bad_input(case, template, words, runs, tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip()
     assert code == 2, (case, code, err)
     assert err.count("\n") == 0 and err, (case, err)
+    assert len(err) < 1000, (case, len(err))  # a value echoed whole is cut (options.one_line)
     for word in words:
         assert word in err, (case, word, err)
     assert _snapshot(runs["root"]) == before["runs"], case
@@ -521,3 +598,25 @@ def test_resume_refuses_other_files_of_the_same_size(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "data.tokens" in err, err
     assert _snapshot(out) == before
+
+
+def test_an_overwrite_that_fails_at_its_first_step_leaves_the_old_run(runs, capsys):
+    """`--overwrite` with a config that fails at step 1 (a learned table too short for the
+    context) once removed the finished run's checkpoints, metrics and summary first, leaving
+    neither run; the run it replaces is set aside until the new one's first checkpoint."""
+    before = _snapshot(runs["root"])
+    argv = ["pretrain", "--context", "32", *TINY, "--steps", "2", "--overwrite",
+            "--encoding", "learned:max_length=8", "--out", str(runs["base"])]  # fmt: skip
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("ropekit pretrain: error: position 31 is past the learned table"), last
+    assert _snapshot(runs["root"]) == before
+
+
+def test_the_command_line_never_reaches_a_network(monkeypatch, capsys):
+    """Models and data come from installed packages: every command runs offline."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["encodings"]) == 0
+    capsys.readouterr()
+    assert [os.environ.get(v) for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")] == ["1", "1"]

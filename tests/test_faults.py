@@ -277,3 +277,69 @@ def test_eval_killed_at_random_then_rerun_ends_like_an_uninterrupted_run(
     )
     for pred in (tmp_path / "reference").rglob("pred.jsonl"):
         assert (out / pred.relative_to(tmp_path / "reference")).read_bytes() == pred.read_bytes()
+
+
+# The other writers with a cache or stage files, killed once some of it is saved: (arguments,
+# the glob of what it saves as it goes, its result file). The rerun is the same command.
+KILLED = {
+    "eval ppl": (
+        ["eval", "ppl", "--lengths", "32,64", "--tokens", "8192", "--batch-tokens", "64"],
+        "windows/*.npz",
+        "ppl.json",
+    ),
+    "eval probes": (
+        ["eval", "probes", "--lengths", "256,512", "--haystacks", "6", "--needles", "2"],
+        "*/probes.jsonl",
+        "summary.json",
+    ),
+    "search": (
+        [
+            "search",
+            "--target-length",
+            "64",
+            "--samples",
+            "2",
+            "--budget",
+            "60",
+            "--population",
+            "6",
+            "--parents",
+            "2",
+            "--chunk",
+            "64",
+        ],
+        "candidates.jsonl",
+        "search.json",
+    ),
+}
+_OWN_RUN = {"command", "paths", "adapter", "elapsed_s"}  # what names or times its own run
+
+
+def _result(path: Path) -> object:
+    def strip(value: object) -> object:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in _OWN_RUN}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    return strip(json.loads(path.read_text()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", sorted(KILLED))
+def test_a_writer_with_a_cache_killed_then_rerun_ends_like_an_uninterrupted_run(
+    tmp_path, base_model, command
+):
+    """kill -9 once something is saved (a window, a stage's probes, a candidate): the rerun
+    takes it as it is and ends with an uninterrupted run's result, lock given back."""
+    args, saved, result = KILLED[command]
+    args = [*args, "--model", str(base_model)]
+    _done(_cli([*args, "--out", str(tmp_path / "reference")]))
+    out = tmp_path / "run"
+    assert _kill_when(_cli([*args, "--out", str(out)]), lambda: any(out.glob(saved)),
+                      random.Random(7), 0.2)  # fmt: skip
+    assert not (out / result).exists(), "killed after the result: nothing was left to redo"
+    _done(_cli([*args, "--out", str(out)]))
+    assert _result(out / result) == _result(tmp_path / "reference" / result)
+    assert not (out / ".ropekit.lock").exists()

@@ -367,3 +367,40 @@ def test_a_lock_file_released_between_open_and_flock_is_opened_again(tmp_path, m
     with lock_out_dir(out):
         assert len(calls) == 2  # tried again on a fresh file
         assert _record(out)["pid"] == os.getpid()  # the file at the path is the one held
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_ctrl_c_stop_a_long_c_call_within_seconds(tmp_path, signum):
+    """A Python handler runs only when the current C call returns: a prefill's attention over
+    65k keys (here about 10-30 s on one core) once held SIGTERM off for all of that. Under
+    stop_within a watchdog thread ends the process about a second later, giving back the lock
+    and removing the temporary file being written, without waiting for the call."""
+    out = tmp_path / "run"
+    script = textwrap.dedent(
+        f"""
+        import torch, torch.nn.functional as F
+        from ropekit.outdir import exit_on_sigterm, lock_out_dir, stop_within, temporary
+        torch.set_num_threads(1)
+        q = torch.randn(1, 1, 65536, 64)
+        with exit_on_sigterm(), stop_within(1.0), lock_out_dir({str(out)!r}):
+            part = {str(out / ".result.json.tmp")!r}
+            open(part, "w").close()
+            with temporary(part):
+                print("computing", flush=True)
+                F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], env=_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert child.stdout.readline().strip() == "computing"
+    time.sleep(0.5)  # inside the call
+    sent = time.monotonic()
+    child.send_signal(signum)
+    code = child.wait(timeout=60)
+    waited = time.monotonic() - sent
+    err = child.stderr.read()
+    assert code == 128 + signum and waited < 6, (code, waited, err)
+    assert f"stopped by {signum.name} in the middle of a long computation" in err, err
+    assert not out.exists() or list(out.iterdir()) == []  # no lock, no temporary file

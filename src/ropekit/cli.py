@@ -32,6 +32,7 @@ from ropekit.options import (
     from_args,
     integer,
     number,
+    one_line,
 )
 
 
@@ -67,6 +68,24 @@ def _overwrite(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--overwrite", action="store_true", help=what)
 
 
+def _yes(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--yes",
+        action="store_true",
+        help="run work estimated past an hour on a model read far past its reach (16x its "
+        "training length x its stretch factor), which is otherwise refused; the estimate is "
+        "printed before any long work either way",
+    )
+
+
+def _check_work(args: argparse.Namespace, backbone, what: str, forwards, training=False) -> None:
+    """Print the estimate of the command's forwards; refuse work that will not finish
+    (ropekit.backbone.cost.check_work) unless --yes."""
+    from ropekit.backbone.cost import Work, check_work
+
+    check_work(backbone, Work(what, dict(forwards), training), yes=args.yes)
+
+
 # --------------------------------------------------------------------------- encodings
 def add_encodings(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_encodings)
@@ -91,9 +110,14 @@ def _specs(text: str) -> tuple[str, ...]:
     from ropekit.encodings import split_specs
 
     try:
-        return split_specs(text)
+        specs = split_specs(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if not specs:  # '' or ',': a run of no method would report an empty table as a result
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names no method; allowed: one or more specs, e.g. 'rope,yarn:factor=4'"
+        )
+    return specs
 
 
 def add_schedules(p: argparse.ArgumentParser) -> None:
@@ -311,6 +335,7 @@ def add_eval(p: argparse.ArgumentParser) -> None:
     _data(ppl, "held-out text (the validation split of each corpus or file set)")
     _out(ppl, "folder for ppl.json and ppl.png")
     _overwrite(ppl, "recompute and replace a ppl.json made with another model, data or config")
+    _yes(ppl)
     ppl.set_defaults(func=cmd_eval_ppl, fields=fields)
     for kind in ("needle", "passkey", "ruler"):
         q = kinds.add_parser(kind, help=f"{kind} accuracy over lengths (and depths)")
@@ -325,6 +350,7 @@ def add_eval(p: argparse.ArgumentParser) -> None:
         )
         _out(q, "folder for summary.json, figures and the resumable stages")
         _overwrite(q, "recompute stages made with other settings or another model")
+        _yes(q)
         if kind != "ruler":
             q.add_argument(
                 "--depths",
@@ -355,6 +381,7 @@ def add_eval_probes(kinds: argparse._SubParsersAction) -> None:
     fields = add_options(q, ProbeConfig, required=("lengths",))
     _out(q, "folder for summary.json, figures and the resumable per-length stages")
     _overwrite(q, "recompute stages made with other settings or another model")
+    _yes(q)
     q.set_defaults(func=cmd_eval_probes, fields=fields)
 
 
@@ -363,6 +390,8 @@ def cmd_eval_probes(args: argparse.Namespace) -> int:
 
     config = from_args(ProbeConfig, args, args.fields)
     backbone = _load(args)
+    prefills = {n: config.haystacks for n in config.lengths}
+    _check_work(args, backbone, f"eval probes ({config.haystacks} prefills per length)", prefills)
     result = run_probes(
         backbone,
         config,
@@ -394,10 +423,11 @@ def cmd_eval_probes(args: argparse.Namespace) -> int:
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from ropekit.evals import PerplexityConfig
-    from ropekit.evals.perplexity import run_perplexity
+    from ropekit.evals.perplexity import run_perplexity, windows_read
 
     config = from_args(PerplexityConfig, args, args.fields)
     backbone = _load(args)
+    _check_work(args, backbone, "eval ppl", windows_read(config, shared=False))
     result = run_perplexity(
         backbone,
         config,
@@ -426,6 +456,9 @@ def cmd_eval_tasks(args: argparse.Namespace) -> int:
         depths = tuple(i / (n - 1) for i in range(n)) if n > 1 else (0.5,)
     config = from_args(EvalConfig, args, args.fields, depths=depths)
     backbone = _load(args)
+    tasks = len(args.tasks or runner.RULER_TASKS) if args.kind == "ruler" else 1
+    prompts = config.samples * len(depths or (0,)) * tasks  # per length
+    _check_work(args, backbone, f"eval {args.kind}", {n: prompts for n in config.lengths})
     options = {
         "overwrite": args.overwrite,
         "spec": _spec_of(backbone),
@@ -473,6 +506,7 @@ def add_extend(p: argparse.ArgumentParser) -> None:
         help="continue an interrupted run in --out from its newest intact checkpoint",
     )
     _overwrite(p, "replace a previous run in --out")
+    _yes(p)
     p.add_argument(
         "--fsdp",
         action="store_true",
@@ -488,6 +522,9 @@ def cmd_extend(args: argparse.Namespace) -> int:
 
     config = from_args(ExtendConfig, args, args.fields)
     backbone = _load(args)
+    stages = 2 if args.recipe else 1
+    steps = {config.target_length: stages * config.steps * config.batch_size}
+    _check_work(args, backbone, "extend (training)", steps, training=True)
     results = run_extension(
         backbone,
         config,
@@ -518,6 +555,7 @@ def add_search(p: argparse.ArgumentParser) -> None:
     fields = add_options(p, SearchConfig, required=("target_length",))
     _out(p, "folder for candidates.jsonl (resumable), adapter/ and search.json")
     _overwrite(p, "start again, replacing a search made of another model, data or config")
+    _yes(p)
     p.set_defaults(func=cmd_search, fields=fields)
 
 
@@ -526,6 +564,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
     config = from_args(SearchConfig, args, args.fields)
     backbone = _load(args)
+    _check_work(args, backbone, "search", {config.target_length: config.budget})
     result = search(backbone, config, args.out, overwrite=args.overwrite, command=_command())
     seeds = ", ".join(f"{name} {nll:.4f}" for name, nll in result.baselines.items())
     print(f"best mean NLL {result.nll:.4f} nats/token after {result.forwards} forwards ({seeds})")
@@ -767,6 +806,7 @@ def add_inspect(p: argparse.ArgumentParser) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import hashlib
 
+    from ropekit.outdir import writing
     from ropekit.results import check_replaceable, run_metadata, write_result
     from ropekit.serve.inspection import format_report, inspect_folder
 
@@ -776,10 +816,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     }
     if args.json is not None:  # refuse before printing: never replace another command's file
         check_replaceable(args.json, "inspect", provenance, overwrite=args.overwrite)
+        with writing(args.json):  # a file on the way is one line naming it
+            args.json.parent.mkdir(parents=True, exist_ok=True)
     for line in format_report(report):
         print(line)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = run_metadata(_command())
         write_result(args.json, "inspect", {"report": report}, meta=meta, provenance=provenance)
         print(f"wrote {args.json}")
@@ -967,9 +1008,16 @@ def _message(error: BaseException) -> str:
     """One line naming what is wrong: an OS error's reason and path, else the message."""
     if isinstance(error, OSError) and error.strerror:
         where = f": {error.filename}" if error.filename else ""
-        return f"{error.strerror}{where}"
-    text = str(error).strip() or type(error).__name__
-    return " ".join(text.split())
+        return one_line(f"{error.strerror}{where}")
+    return one_line(str(error).strip() or type(error).__name__)
+
+
+def _close_progress_bars() -> None:
+    """Close the progress bars an error left open (its loop never reached its end): each
+    holds the cursor at the end of its line, where the error's line would otherwise start."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()
 
 
 def _continue_hint(args: argparse.Namespace) -> str:
@@ -981,7 +1029,7 @@ def _continue_hint(args: argparse.Namespace) -> str:
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
-    return f"ropekit: {category.__name__}: {' '.join(str(message).split())}\n"
+    return f"ropekit: {category.__name__}: {one_line(str(message))}\n"
 
 
 def _holding_out(args: argparse.Namespace) -> contextlib.AbstractContextManager[Any]:
@@ -1007,10 +1055,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line_warning
     try:
         from ropekit.allocator import bound_resident_memory
-        from ropekit.outdir import exit_on_sigterm
+        from ropekit.outdir import exit_on_sigterm, stop_within
 
         bound_resident_memory()  # freed activations leave the process (ropekit.allocator)
-        with _report_here(), exit_on_sigterm(), _holding_out(args):
+        # stop_within: SIGTERM and Ctrl-C end a command within seconds even mid-forward.
+        with _report_here(), exit_on_sigterm(), stop_within(), _holding_out(args):
             return args.func(args)
     except BrokenPipeError:
         # The reader went away (`ropekit encodings | head`): stop quietly, and keep Python from
@@ -1022,6 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nropekit {args.command}: interrupted; {_continue_hint(args)}", file=sys.stderr)
         return 130
     except (ValueError, OSError) as e:  # FileNotFoundError, FileExistsError are OSErrors
+        _close_progress_bars()
         print(f"ropekit {args.command}: error: {_message(e)}", file=sys.stderr)
         return 2
 

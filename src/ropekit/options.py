@@ -11,7 +11,8 @@ are refused at parse time), integers must be integers, lists are comma-separated
 the configs' own business (``__post_init__`` raises ValueError naming field, value and what is
 allowed), so one rule lives in one place.
 
-Holds: OneLineParser, field_help, add_options, from_args, finite_float, number, integer, csv.
+Holds: OneLineParser, one_line, field_help, add_options, from_args, finite_float, number,
+integer, csv.
 """
 
 from __future__ import annotations
@@ -30,13 +31,29 @@ import typing
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
+# A word of a message longer than this is cut: a value echoed whole (a 100,000-digit base)
+# would make the one line 100 KB long. Paths and specs users type stay well below it.
+LONGEST_WORD = 200
+
+
+def one_line(text: str) -> str:
+    """``text`` as one line, each word longer than `LONGEST_WORD` cut to its start and a note
+    of its length ("'rope:base=99999…' (100,012 characters)"), so the words around it (the
+    option, what is allowed) stay readable."""
+    words = []
+    for word in text.split():
+        if len(word) > LONGEST_WORD:
+            word = f"{word[: LONGEST_WORD // 2]}… ({len(word):,} characters)"
+        words.append(word)
+    return " ".join(words)
+
 
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line on stderr and exit code 2 (argparse's own
     print the whole usage first)."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message}; see {self.prog} --help", file=sys.stderr)
+        print(f"{self.prog}: error: {one_line(message)}; see {self.prog} --help", file=sys.stderr)
         raise SystemExit(2)
 
 

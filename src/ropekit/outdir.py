@@ -16,6 +16,12 @@ Holds:
     writing          context manager: OSErrors raised inside it become OutputErrors.
     exit_on_sigterm  context manager: SIGTERM raises SystemExit(143), so `finally` blocks (and
                      lock releases) run as they do for Ctrl-C.
+    stop_within      context manager: a SIGTERM or Ctrl-C the main thread has not acted on
+                     within a few seconds (it is inside one long C call) ends the process from
+                     a watchdog thread, giving back every lock and removing every temporary
+                     file this process holds.
+    temporary        context manager: a temporary file that `stop_within` removes if the
+                     process is ended while it exists (the atomic writers register theirs).
 
 How a command uses it (the main process; the others pass main=False or take nothing):
 
@@ -501,3 +507,92 @@ def exit_on_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+_TEMPORARIES: set[str] = set()  # temporary files being written now (removed by stop_within)
+
+
+@contextlib.contextmanager
+def temporary(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Register ``path`` as a temporary file for the span of the block: a process ended by
+    `stop_within` while it exists removes it (its owner's `finally` never runs then)."""
+    key = os.path.abspath(path)
+    with _HELD_GUARD:
+        _TEMPORARIES.add(key)
+    try:
+        yield
+    finally:
+        with _HELD_GUARD:
+            _TEMPORARIES.discard(key)
+
+
+# A signal's Python handler runs only between bytecodes, so in the middle of one long C call
+# (a prefill's attention over millions of keys took 80 s here) SIGTERM and Ctrl-C wait for it.
+STOP_GRACE_S = 3.0
+
+
+@contextlib.contextmanager
+def stop_within(grace_s: float = STOP_GRACE_S) -> Iterator[None]:
+    """While inside (main thread only), SIGTERM and SIGINT stop the process within about
+    ``grace_s`` seconds however long the C call it is in. The signal is seen at once through
+    `signal.set_wakeup_fd` (written by the C-level handler, even mid-call) by a watchdog
+    thread; torch releases the GIL in its kernels, so the thread runs beside them. If the main
+    thread has not left the block ``grace_s`` seconds later (acting on the signal: SystemExit,
+    KeyboardInterrupt and their `finally` blocks), the watchdog gives back every lock this
+    process holds, removes the temporary files being written (`temporary`), prints one line
+    and ends the process with 128 + the signal's number, as the signal itself would have."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except ValueError:  # pragma: no cover - not the main interpreter
+        os.close(read), os.close(write)
+        yield
+        return
+    left = threading.Event()
+    stopping = {signal.SIGTERM.value, signal.SIGINT.value}
+
+    def watch() -> None:
+        while not left.is_set():
+            try:
+                data = os.read(read, 1)
+            except OSError:
+                return
+            if not data or left.is_set():
+                return
+            if data[0] in stopping and not left.wait(grace_s):
+                _end_now(data[0], grace_s)
+
+    watchdog = threading.Thread(target=watch, name="ropekit-stop-within", daemon=True)
+    watchdog.start()
+    try:
+        yield
+    finally:
+        left.set()
+        signal.set_wakeup_fd(previous)
+        with contextlib.suppress(OSError):
+            os.write(write, b"\0")  # wake the watchdog so that it sees `left`
+        watchdog.join(timeout=1.0)
+        os.close(write)
+        os.close(read)
+
+
+def _end_now(signum: int, grace_s: float) -> None:
+    """The watchdog's way out: what the main thread's `finally` blocks would have done for
+    locks and temporary files, then exit without waiting for the C call."""
+    with _HELD_GUARD:
+        for path in list(_TEMPORARIES):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    _release_all()
+    name = signal.Signals(signum).name
+    with contextlib.suppress(OSError):
+        os.write(
+            2,
+            f"\nropekit: stopped by {name} in the middle of a long computation (it did not "
+            f"return within {grace_s:g} s); locks given back, temporary files removed\n".encode(),
+        )
+    os._exit(128 + signum)

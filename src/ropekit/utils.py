@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ropekit.outdir import check_target, writing
+from ropekit.outdir import check_target, temporary, writing
 
 
 def cache_dir() -> Path:
@@ -43,18 +43,19 @@ def atomic_write_bytes(path: Path, data: bytes, *, root: Path | None = None) -> 
         # is close to the 255-byte limit must not fail because of its temp file's name.
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:64]}.", suffix=".tmp")
         try:
-            try:
-                # mkstemp creates 0600; give the file the mode an ordinary open() would.
-                umask = os.umask(0)
-                os.umask(umask)
-                os.chmod(tmp, 0o666 & ~umask)
-                view = memoryview(data)
-                while view:  # os.write may write less than asked
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+            with temporary(tmp):  # removed even by a stop that runs no `finally` (stop_within)
+                try:
+                    # mkstemp creates 0600; give the file the mode an ordinary open() would.
+                    umask = os.umask(0)
+                    os.umask(umask)
+                    os.chmod(tmp, 0o666 & ~umask)
+                    view = memoryview(data)
+                    while view:  # os.write may write less than asked
+                        view = view[os.write(fd, view) :]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -282,3 +283,19 @@ def test_another_models_lora_is_refused(tmp_path: Path, tiny_llama) -> None:
     other = as_backbone(tiny_llama(seed=1))
     with pytest.raises(AdapterError, match="made for another model"):
         load_lora(other, tmp_path)
+
+
+@pytest.mark.parametrize("record", ['{"kind": "extend", "format_vers', "[1, 2]"])
+def test_a_damaged_run_record_beside_good_weights_is_said(tmp_path: Path, tiny_llama, record):
+    """The weights check themselves and load; a garbled extend.json beside them was once
+    passed over in silence, though it means the run folder was damaged."""
+    model, run = _lora_run(tmp_path, rank=2)
+    (run / "extend.json").write_text(record)
+    fresh = tiny_llama()
+    with pytest.warns(UserWarning, match=r"extend\.json is damaged \(.*loaded without it"):
+        load_adapter(fresh, run)
+    assert torch.equal(_logits(fresh), _logits(model))
+    (run / "extend.json").write_text('{"kind": "extend"}')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_adapter(tiny_llama(), run)

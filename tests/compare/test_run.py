@@ -313,7 +313,7 @@ def test_the_plans_cost_model_grows_with_attentions_square(compared):
     """forward_seconds: positive, linear in the weights' term and quadratic in attention's,
     so doubling a long window more than doubles its time (and less than quadruples it)."""
     from ropekit.backbone import open_backbone
-    from ropekit.compare.plan import forward_seconds
+    from ropekit.backbone.cost import forward_seconds
 
     root, _ = compared
     seconds = forward_seconds(open_backbone(root / "base"))

@@ -1,6 +1,7 @@
 """User files: .txt / .jsonl / parquet round trips and the errors that explain what is wrong."""
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -133,3 +134,23 @@ def test_parquet_errors_name_the_columns(tmp_path: Path):
         load_files(path)
     with pytest.raises(DataFileError, match="column 'n' is int64, expected a string"):
         load_files(path, text_field="n")
+
+
+@pytest.mark.parametrize("damage", ["not parquet", "cut short"])
+def test_a_damaged_parquet_file_is_named(tmp_path: Path, damage: str):
+    """pyarrow's own message ("Parquet magic bytes not found in footer") names no file."""
+    path = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"text": TEXTS}), path)
+    data = path.read_bytes()
+    path.write_bytes(b"not a parquet file\n" if damage == "not parquet" else data[: len(data) // 2])
+    with pytest.raises(DataFileError, match=r"data\.parquet: not a readable parquet file \("):
+        load_files(path)
+
+
+def test_a_fifo_is_not_called_missing(tmp_path: Path):
+    """A named pipe exists: "no such file" would send the user looking for the wrong fault,
+    and reading it would wait for a writer forever."""
+    fifo = tmp_path / "text.txt"
+    os.mkfifo(fifo)
+    with pytest.raises(DataFileError, match=r"text\.txt' is not a regular file \(a pipe"):
+        load_files(fifo)

@@ -1,6 +1,7 @@
 """train() end to end on a tiny Llama: learning, exact resume, frozen weights, loss weighting,
 non-finite losses, output-folder safety and the metrics log across resumes."""
 
+import errno
 import json
 import math
 import os
@@ -401,3 +402,89 @@ def test_a_linked_checkpoints_folder_is_refused_before_anything_is_read_or_remov
             config = tiny_config(out, steps=4, resume=resume, overwrite=overwrite)
             train(tiny_llama(), CountingData(), config)
     assert latest_checkpoint(elsewhere).name == "step-00000004"  # neither moved nor removed
+
+
+def _files(folder):
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.parametrize("step", [1, 3])  # at its first step; before its first checkpoint
+def test_an_overwrite_failing_before_its_first_checkpoint_gives_the_old_run_back(tmp_path, step):
+    """`overwrite` once removed the old run before the new one had taken a step: a config that
+    fails at step 1 left neither. The old run is set aside until the first checkpoint."""
+    train(tiny_llama(), CountingData(), tiny_config(tmp_path, steps=4))
+    old = _files(tmp_path)
+    with pytest.raises(RuntimeError, match="simulated"):
+        train(tiny_llama(), CountingData(), tiny_config(tmp_path, overwrite=True),
+              loss_fn=_failing_at(step))  # fmt: skip
+    assert _files(tmp_path) == old and sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoints", "metrics.jsonl", "summary.json"
+    ]  # fmt: skip
+    # Past its first checkpoint, the new run is the run: the old one is gone for good.
+    with pytest.raises(RuntimeError, match="simulated"):
+        train(tiny_llama(), CountingData(), tiny_config(tmp_path, overwrite=True),
+              loss_fn=_failing_at(6))  # fmt: skip
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl"]
+
+
+def test_an_overwrite_killed_before_its_first_checkpoint_is_undone_by_the_next_run(
+    tmp_path, monkeypatch
+):
+    """kill -9 runs no `except`: the next run into the folder finds the set-aside run and
+    gives it back (here --resume then continues the old run, as if the kill never came)."""
+    from ropekit.train import loop
+
+    train(tiny_llama(), CountingData(), tiny_config(tmp_path, steps=4))
+    old = _files(tmp_path)
+    monkeypatch.setattr(loop, "_restore_replaced", lambda out: None)  # what a kill skips
+    with pytest.raises(RuntimeError, match="simulated"):
+        train(tiny_llama(), CountingData(), tiny_config(tmp_path, overwrite=True),
+              loss_fn=_failing_at(2))  # fmt: skip
+    assert (tmp_path / loop.REPLACED).is_dir() and not (tmp_path / "checkpoints").exists()
+    monkeypatch.undo()
+    result = train(tiny_llama(), CountingData(), tiny_config(tmp_path, steps=4, resume=True))
+    assert result.steps == 4 and not (tmp_path / loop.REPLACED).exists()
+    assert _files(tmp_path).keys() == old.keys()
+    assert {k: v for k, v in _files(tmp_path).items() if "checkpoints" in k} == {
+        k: v for k, v in old.items() if "checkpoints" in k
+    }
+
+
+def test_a_checkpoints_path_that_is_a_file_is_refused_before_the_first_step(tmp_path):
+    (tmp_path / "checkpoints").write_text("mine")
+    config = tiny_config(tmp_path, overwrite=True)
+    with pytest.raises(OutputError, match=r"checkpoints: it is a file, not a folder"):
+        # A step taken would fail with "simulated" instead.
+        train(tiny_llama(), CountingData(), config, loss_fn=_failing_at(1))
+    assert (tmp_path / "checkpoints").read_text() == "mine"
+
+
+def test_a_batch_larger_than_the_data_is_said(tmp_path):
+    with pytest.warns(UserWarning, match=r"batch_size=8 is larger than the 4 training items"):
+        train(
+            tiny_llama(),
+            CountingData(n=4),
+            tiny_config(tmp_path, steps=1, batch_size=8, warmup_steps=0),
+        )
+
+
+def test_a_first_checkpoint_that_cannot_be_written_leaves_the_folder_as_found(
+    tmp_path, monkeypatch
+):
+    """A full disk at the first checkpoint once left an empty checkpoints/ that made the
+    rerun ask for --resume or --overwrite, though there was nothing to resume."""
+    from ropekit.train import loop
+
+    def full(out_dir, *args, **kwargs):
+        (out_dir / "checkpoints").mkdir(exist_ok=True)  # what save_checkpoint makes first
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(loop, "save_checkpoint", full)
+    with pytest.raises(OSError, match="No space"):
+        train(tiny_llama(), CountingData(), tiny_config(tmp_path / "run", steps=2))
+    assert not (tmp_path / "run").exists()

@@ -668,3 +668,11 @@ def test_a_search_result_names_its_unseen_pairs_fresh_and_finished(base_dir, tmp
     )  # fmt: skip
     assert runs[0].unseen_pairs == runs[1].unseen_pairs == expected
     assert sum("warning: the kept factors" in line for line in logged) == 2 * bool(expected)
+
+
+def test_one_parent_is_said_not_silent(base_dir, tmp_path):
+    """With one parent `_evolve` never crosses candidates: a search that quietly only
+    mutates is not the LongRoPE search the user asked for."""
+    config = SearchConfig(TARGET, samples=1, budget=3, population=3, parents=1, chunk=64)
+    with pytest.warns(UserWarning, match=r"parents=1: no crossover"):
+        search(Decoder.load(base_dir).eval(), config, tmp_path / "s", progress=False)

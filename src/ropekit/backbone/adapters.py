@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -369,8 +370,33 @@ def load_adapter(model: Backbone | nn.Module, directory: str | Path) -> Position
     adapter_dir = directory / "adapter" if run is not None else directory
     encoding = _apply_positional(backbone, adapter_dir)
     digests = [read_adapter(adapter_dir)[0]["sha256"]]
+    if run is not None:
+        _warn_if_record_damaged(run / RUN_RECORD)
     if run is not None and ((run / LORA_WEIGHTS).exists() or (run / LORA_CONFIG).exists()):
         load_lora(backbone, run)
         digests.append(json.loads((run / LORA_CONFIG).read_text())["sha256"])
     backbone.adapter_sha256 = digests[0] if len(digests) == 1 else "+".join(digests)
     return encoding
+
+
+RUN_RECORD = "extend.json"  # the extension run's record (ropekit.train.extend writes it)
+
+
+def _warn_if_record_damaged(path: Path) -> None:
+    """The weights check themselves and load without the run's record; a record that is
+    there but unreadable still means the folder was damaged, so it is said, not ignored."""
+    if not path.exists():
+        return
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        problem = " ".join(str(e).split())
+    else:
+        if isinstance(record, dict) and record.get("kind") == "extend":
+            return
+        problem = "not an extension record"
+    warnings.warn(
+        f"{path} is damaged ({problem}); the adapter and LoRA weights beside it passed their "
+        "own checks and are loaded without it",
+        stacklevel=3,
+    )

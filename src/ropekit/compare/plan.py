@@ -15,25 +15,20 @@ A trained method's later seeds run at the rate its selections choose; until they
 they are planned (and named) at the first rate, after the selections.
 
 The cost model (``CostModel``) prices each job from one timed forward on this machine
-(``forward_seconds``): a training step as three forwards per sample, a selection's forwards,
-a perplexity's windows (those read in a longer window's reading cost nothing, except for an
-encoding that follows the length) and the probes' prefills (less the filler a later haystack
-keeps).
+(``backbone.cost.forward_seconds``): a training step as three forwards per sample, a
+selection's forwards, a perplexity's windows (those read in a longer window's reading cost
+nothing, except for an encoding that follows the length) and the probes' prefills (less the
+filler a later haystack keeps).
 
 Holds: BASELINE, KINDS, ResolvedMethod, resolve_methods, Job, jobs, selection_key,
-chosen_rates, ppl_config, CostModel, forward_seconds, run_folder, eval_folder, slug.
+chosen_rates, ppl_config, CostModel, run_folder, eval_folder, slug.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.nn.functional as F
 
 from ropekit.backbone import Backbone
 from ropekit.encodings import Spec
@@ -257,43 +252,3 @@ class CostModel:
         )
 
 
-# The forward a comparison times before it starts, to estimate what it will take (plan), and
-# the length of the attention call timed beside it (long enough that its T^2 term dominates).
-TIMED_TOKENS, TIMED_ATTENTION = 1024, 4096
-
-
-def forward_seconds(backbone: Backbone) -> Callable[[int], float]:
-    """A rough cost model of one forward over T tokens on this machine: 2 FLOPs per weight per
-    token at the rate of one timed forward of ``TIMED_TOKENS`` tokens (at most L0), plus
-    causal attention's 2 x heads x head_dim x T^2 per layer at the rate of one timed causal
-    attention call of ``TIMED_ATTENTION`` tokens (attention runs slower per FLOP here)."""
-    shape = backbone.fingerprint()
-    weights = sum(p.numel() for p in backbone.backbone_parameters().values())
-    heads, dim = shape.get("n_heads", 1), shape.get("head_dim", 1)
-    attention = shape.get("n_layers", 0) * 2 * heads * dim  # x T^2
-
-    def timed(fn: Callable[[], Any]) -> float:
-        with torch.inference_mode():
-            start = time.perf_counter()
-            fn()
-            return max(time.perf_counter() - start, 1e-9)
-
-    g = torch.Generator().manual_seed(0)
-    dtype = next(iter(backbone.backbone_parameters().values())).dtype
-    q, k = (torch.randn(1, h, TIMED_ATTENTION, dim, generator=g).to(dtype) for h in (heads, 1))
-    attention_rate = (
-        2
-        * heads
-        * dim
-        * TIMED_ATTENTION**2
-        / timed(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True))
-    )
-    n = min(TIMED_TOKENS, backbone.training_length)
-    ids = torch.randint(0, backbone.vocab_size, (1, n), generator=g)
-    timed(lambda: backbone.forward_logits(ids[:, :16]))  # compiled kernels warm up untimed
-    whole = timed(lambda: backbone.forward_logits(ids))
-    rest = max(whole - attention * n**2 / attention_rate, whole / 10)  # the weights' share
-    weight_rate = 2.0 * weights * n / rest
-    return lambda tokens: (
-        2.0 * weights * tokens / weight_rate + attention * tokens**2 / attention_rate
-    )

@@ -62,6 +62,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ropekit.backbone import COMPUTE_DTYPES, Backbone, open_backbone
+from ropekit.backbone.cost import TIMED_ATTENTION, TIMED_TOKENS, forward_seconds
 from ropekit.data import heldout_stream, make_train_dataset
 from ropekit.data.streams import TokenStream
 from ropekit.evals import (
@@ -86,12 +87,9 @@ from .plan import (
     BASELINE,
     KINDS,
     RESULT_FILE,
-    TIMED_ATTENTION,
-    TIMED_TOKENS,
     CostModel,
     Job,
     chosen_rates,
-    forward_seconds,
     jobs,
     ppl_config,
     resolve_methods,

@@ -52,6 +52,11 @@ def expand_paths(source: PathSpec) -> list[Path]:
         return files
     if path.is_file():
         return [_check_suffix(path)]
+    if path.exists():  # a FIFO, socket or device: reading it could block forever
+        raise DataFileError(
+            f"{text!r} is not a regular file (a pipe, socket or device); allowed: a text file, "
+            "a glob or a folder of them"
+        )
     raise DataFileError(f"no such file or folder: {text!r}")
 
 
@@ -106,7 +111,11 @@ def _read_parquet(path: Path, text_field: str) -> list[Document]:
     import pyarrow as pa  # imported here: pyarrow is only needed for parquet files
     import pyarrow.parquet as pq
 
-    schema = pq.read_schema(path)
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowException, OSError) as e:  # not parquet, truncated, unreadable
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise DataFileError(f"{path}: not a readable parquet file ({reason})") from None
     if text_field not in schema.names:
         raise DataFileError(
             f"{path}: no column {text_field!r}; the file has {schema.names}; "
@@ -115,7 +124,11 @@ def _read_parquet(path: Path, text_field: str) -> list[Document]:
     kind = schema.field(text_field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise DataFileError(f"{path}: column {text_field!r} is {kind}, expected a string column")
-    column = pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
+    try:
+        column = pq.read_table(path, columns=[text_field]).column(text_field).to_pylist()
+    except (pa.ArrowException, OSError) as e:  # a footer that parses over damaged pages
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise DataFileError(f"{path}: not a readable parquet file ({reason})") from None
     return [Document(f"{path}:{row}", text) for row, text in enumerate(column) if text is not None]
 
 

@@ -130,8 +130,9 @@ class EncodingConfig:
         types_ = cls.field_types()
         unknown = sorted(set(options) - set(types_))
         if unknown:
+            allowed = ", ".join(types_) or "none (it takes no options)"
             raise ValueError(
-                f"unknown option {unknown[0]!r} for {cls.__name__}; allowed: {', '.join(types_)}"
+                f"unknown option {unknown[0]!r} for {cls.__name__}; allowed: {allowed}"
             )
         kwargs: dict[str, Any] = {}
         for name in cls.CONTEXT_FIELDS:

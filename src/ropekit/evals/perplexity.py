@@ -56,6 +56,7 @@ main process writes the files.
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import math
@@ -86,6 +87,7 @@ from ropekit.results import (
     to_json,
     write_result,
 )
+from ropekit.utils import atomic_write_bytes, atomic_write_text
 
 # Default number of windows of the longest length that the scored span holds.
 WINDOWS_AT_MAX = 4
@@ -368,19 +370,22 @@ class WindowStore:
 
     def __init__(self, folder: str | os.PathLike[str], key: str) -> None:
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.key = key
         marker = self.folder / self.KEY
-        if not marker.is_file() or marker.read_text().strip() != key:
+        # The key is written with the first window, so a run that saves none (a full disk,
+        # an error before the first window) leaves no folder behind.
+        self._keyed = marker.is_file() and marker.read_text().strip() == key
+        if self.folder.is_dir() and not self._keyed:
             for old in self.folder.glob("*.npz"):
                 old.unlink()
-            marker.write_text(key + "\n")
+            marker.unlink(missing_ok=True)
 
     def _path(self, length: int, end: int) -> Path:
         return self.folder / f"{length}-{end}.npz"
 
     def load(self, length: int, end: int) -> list[torch.Tensor] | None:
         path = self._path(length, end)
-        if not path.is_file():
+        if not self._keyed or not path.is_file():
             return None
         try:
             with np.load(path, allow_pickle=False) as data:
@@ -389,11 +394,19 @@ class WindowStore:
             return None  # a damaged file (the kill came mid-write elsewhere): score again
 
     def save(self, length: int, end: int, rows: list[torch.Tensor]) -> None:
-        path = self._path(length, end)
-        part = path.with_name(path.name + ".part")
-        with open(part, "wb") as f:
-            np.savez(f, **{f"r{i}": r.numpy() for i, r in enumerate(rows)})
-        os.replace(part, path)
+        """Write one batch's rows (atomically: a full disk is one line naming the file and
+        leaves no temporary file); the first save also writes the key."""
+        buffer = io.BytesIO()
+        np.savez(buffer, **{f"r{i}": r.numpy() for i, r in enumerate(rows)})
+        try:
+            atomic_write_bytes(self._path(length, end), buffer.getvalue())
+            if not self._keyed:  # after the window: a window without its key is never read
+                atomic_write_text(self.folder / self.KEY, self.key + "\n")
+                self._keyed = True
+        except BaseException:
+            if not self._keyed:  # nothing of this run is kept: no folder either
+                shutil.rmtree(self.folder, ignore_errors=True)
+            raise
 
 
 def _score_windows(
@@ -839,7 +852,12 @@ def run_perplexity(
     json_path, png = out / "ppl.json", out / "ppl.png"
     procs = processes if processes is not None else current_processes()
     if check_replaceable(json_path, "perplexity", provenance, overwrite=overwrite):
-        return PerplexityRun(read_record(json_path, PerplexityResult), json_path, png, True)
+        result = read_record(json_path, PerplexityResult)
+        if procs.is_main:  # the run that wrote the JSON failed (a full disk) or died after it
+            if not png.is_file():
+                plot_perplexity(result, png)
+            shutil.rmtree(out / WINDOWS, ignore_errors=True)  # spent: the result holds them
+        return PerplexityRun(result, json_path, png, True)
     # One process resumes window by window; several share the windows by rank, and a share
     # depends on how many there are, so they score afresh (and write no windows).
     store = WindowStore(out / WINDOWS, digest(provenance)) if procs.world == 1 else None

@@ -29,6 +29,9 @@ def method_spec(method: str, factor: float) -> Spec:
     return spec
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def compare_schedules(
     methods: list[str] | tuple[str, ...] = DEFAULT_METHODS,
     *,
@@ -52,6 +55,8 @@ def compare_schedules(
             f"factor={factor!r} is too large: the target length factor x original_length="
             f"{original_length} is not a finite number"
         )
+    if not methods:
+        raise ValueError("methods is empty; allowed: one or more methods or specs, e.g. ('rope',)")
     repeated = sorted({m for m in methods if list(methods).count(m) > 1})
     if repeated:
         raise ValueError(f"methods repeat {repeated}; name each method once")
@@ -67,6 +72,13 @@ def compare_schedules(
         inv_freq, attention_factor = schedule.schedule(dim, target if schedule.dynamic else None)
         trained, _ = schedules.rope(dim, base)
         unseen = schedules.unseen_rotations(inv_freq, trained, target, original_length)
+        longest = 2 * math.pi / float(inv_freq[-1]) if float(inv_freq[-1]) > 0 else math.inf
+        if not longest < _FLOAT32_MAX:  # models rotate in float32: such a pair never turns
+            raise ValueError(
+                f"{spec.name!r} with base={schedule.base:g} gives a wavelength of {longest:.3g} "
+                f"tokens, past float32's range; allowed: a base whose longest wavelength is "
+                f"below {_FLOAT32_MAX:.3g} tokens"
+            )
         rows.append(
             {
                 "method": method,

@@ -76,12 +76,13 @@ import torch
 from torch import nn
 
 from ropekit import __version__
-from ropekit.backbone import load_adapter, save_adapter
+from ropekit.backbone import is_decoder_dir, load_adapter, save_adapter
 from ropekit.encodings import PositionEncoding, schedules
 from ropekit.hf.archs import base_model, original_length, unwrap
 from ropekit.hf.models import load_model, load_tokenizer, resolve_model
 from ropekit.hf.patching import ENCODING_ATTR, encoding_of, patch
 from ropekit.hf.rope_config import ExportRefused, rope_parameters_for
+from ropekit.outdir import OutputError, writing
 
 from .engines import EXPORT_RECORD, FORMATS
 from .engines.llamacpp import llamacpp_recipe, recipe_notes, self_extend_reach
@@ -346,6 +347,12 @@ def export(
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length={max_length} is not allowed; give a positive length")
     out = Path(out_dir)
+    with writing(out):  # a file on the way (--out under a file) is one line naming it
+        if out.exists() and not out.is_dir():
+            raise OutputError(f"cannot write {out}: it is a file, not a folder", path=out)
+        blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise OutputError(f"cannot write {out}: {blocker} is a file, not a folder", path=out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; pass overwrite=True to replace it")
     model, tokenizer = _open(model_or_path, tokenizer, trust_remote_code)
@@ -355,15 +362,16 @@ def export(
         nearest=nearest,
     )  # fmt: skip
     base_model(model)  # fails early on models ropekit cannot patch
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    try:
-        _write(tmp, model, config, tokenizer, record, model_or_path)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with writing(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+        try:
+            _write(tmp, model, config, tokenizer, record, model_or_path)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -378,6 +386,14 @@ def _open(
                 "(model = model.merge_and_unload()), then export the merged model"
             )
         return model_or_path, tokenizer
+    path = Path(model_or_path)
+    if any(is_decoder_dir(folder) for folder in (path, path / "model")):
+        raise ExportRefused(
+            f"{path} is a ropekit decoder run: its architecture is ropekit's own, which no "
+            "serving engine knows, so decoder runs cannot be exported; allowed: --model a "
+            "Hugging Face folder or an installed model (e.g. smollm2-135m); evaluate a decoder "
+            "run with `ropekit eval` instead"
+        )
     model = load_model(model_or_path, trust_remote_code=trust_remote_code)
     if tokenizer is None and any(
         (resolve_model(model_or_path) / f).is_file()

@@ -248,6 +248,8 @@ def _written(root: Path, final: Path, save: Any, *args: Any) -> None:
     except (RuntimeError, SafetensorError) as e:
         free = shutil.disk_usage(root).free
         detail = (str(e).strip().splitlines() or [""])[0][:160]
+        if free < 2**20:  # torch says "unexpected pos 64 vs 0" for a full disk
+            detail = f"no space left on the device (torch: {detail})"
         raise OSError(
             f"could not write checkpoint {final.name} in {root} ({free / 2**20:.0f} MiB free "
             f"there): {detail}; the older checkpoints are intact, resume from them"

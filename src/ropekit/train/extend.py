@@ -156,6 +156,11 @@ class ExtendConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} is not allowed; it must be an integer >= 1")
+        if self.batch_size > self.samples:  # a step would read some sample twice, silently
+            raise ValueError(
+                f"batch_size={self.batch_size} is not allowed with samples={self.samples}: a "
+                f"step would hold a sample twice; allowed: batch_size <= samples ({self.samples})"
+            )
         for name in ("warmup_steps", "seed"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

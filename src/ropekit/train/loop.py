@@ -18,6 +18,7 @@ checkpoints). The steps and their numbers are the same either way, up to float r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -41,6 +42,7 @@ from ropekit.distributed import Processes, check_launched, end_group_at_exit
 from ropekit.outdir import (
     LOCK_FILE,
     OutDirLock,
+    OutputError,
     check_target,
     has_outputs,
     lock_out_dir,
@@ -50,6 +52,7 @@ from ropekit.results import check_provenance, run_metadata, write_result
 from ropekit.train.checkpoint import (
     CHECKPOINTS,
     CheckpointState,
+    latest_checkpoint,
     load_checkpoint,
     read_checkpoint_state,
     restore_rng,
@@ -65,6 +68,11 @@ from ropekit.utils import atomic_write_text, warn_if_emulated
 
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
+# Where `overwrite` keeps the run it replaces until the new run's first checkpoint: a new
+# config that fails at its first step (a learned table too short, a loss that is NaN) gives
+# the old run back instead of leaving neither.
+REPLACED = ".replaced"
+_RUN_FILES = (CHECKPOINTS, METRICS, SUMMARY)  # what a run writes into out_dir (and replaces)
 # Every field's default, in to_dict() form (resume fills fields older checkpoints lack).
 _DEFAULTS = TrainConfig(out_dir=Path(".")).to_dict()
 
@@ -157,6 +165,10 @@ def train(
             )
         finally:
             parallel.close()
+    except BaseException:
+        if accelerator.is_main_process:  # no checkpoint of this run yet: the old run is back
+            _restore_replaced(config.out_dir)
+        raise
     finally:
         lock.release()
 
@@ -223,12 +235,17 @@ def _train(
                     save_frozen=config.save_frozen, keep_last=config.keep_last,
                     sharded=parallel.sharded,
                 )  # fmt: skip
+                if main:  # this run can be resumed now: the one it replaces is gone for good
+                    shutil.rmtree(config.out_dir / REPLACED, ignore_errors=True)
     except BaseException:
         if metrics is not None and fresh and checkpoint is None:
             # Nothing of this run can be resumed (no checkpoint yet): leave the folder as it
-            # was found, so the corrected rerun needs neither --resume nor --overwrite.
+            # was found, so the corrected rerun needs neither --resume nor --overwrite (and
+            # `train` gives back the run an --overwrite set aside).
             metrics.close()
             (config.out_dir / METRICS).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a first checkpoint that failed (a full disk)
+                (config.out_dir / CHECKPOINTS).rmdir()  # left it empty: it is not a run either
         raise
     finally:
         bar.close()
@@ -398,6 +415,14 @@ def _check_setup(dataset: TrainDataset, config: TrainConfig, accelerator: Accele
         )
     if len(dataset) == 0:
         raise ValueError("the training dataset is empty")
+    if config.batch_size > len(dataset):
+        # Legitimate (epochs are drawn one after another, sampling.global_batch), but a step
+        # then reads some items twice: say so rather than let a tiny corpus pass unnoticed.
+        warnings.warn(
+            f"batch_size={config.batch_size} is larger than the {len(dataset)} training items: "
+            "every step repeats some of them; add data or lower the batch size",
+            stacklevel=3,
+        )
 
 
 def _claim_out_dir(config: TrainConfig, accelerator: Accelerator) -> tuple[OutDirLock, Path | None]:
@@ -413,6 +438,7 @@ def _claim_out_dir(config: TrainConfig, accelerator: Accelerator) -> tuple[OutDi
         nonlocal lock
         lock = lock_out_dir(out, main=True, command=f"train (steps={config.steps})")
         try:
+            _settle_replaced(out)
             occupied = has_outputs(out)
             if occupied and not (config.resume or config.overwrite):
                 raise FileExistsError(
@@ -421,12 +447,17 @@ def _claim_out_dir(config: TrainConfig, accelerator: Accelerator) -> tuple[OutDi
                     "checkpoints, metrics and summary"
                 )
             check_target(out / CHECKPOINTS, out)  # neither read nor removed through a link
+            if (out / CHECKPOINTS).exists() and not (out / CHECKPOINTS).is_dir():
+                raise OutputError(
+                    f"cannot write {out / CHECKPOINTS}: it is a file, not a folder; the run "
+                    "keeps its checkpoints there: move the file away or choose another --out",
+                    path=out / CHECKPOINTS,
+                )
             checkpoint = resume_checkpoint(out) if config.resume else None
             if occupied and config.overwrite:
-                # Only what a run writes: out_dir may also hold files the user put there.
-                shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
-                (out / METRICS).unlink(missing_ok=True)
-                (out / SUMMARY).unlink(missing_ok=True)
+                # Only what a run writes: out_dir may also hold files the user put there. Set
+                # aside, not deleted, until this run's first checkpoint (REPLACED).
+                _set_aside_run(out)
             return checkpoint
         except BaseException:
             lock.release()
@@ -434,6 +465,42 @@ def _claim_out_dir(config: TrainConfig, accelerator: Accelerator) -> tuple[OutDi
 
     checkpoint = Processes(accelerator.process_index, accelerator.num_processes).on_main(claim)
     return lock, checkpoint  # the lock claim() took on the main process
+
+
+def _set_aside_run(out: Path) -> None:
+    """Move the run in `out` into `out/REPLACED`, where `_restore_replaced` finds it."""
+    aside = out / REPLACED
+    with writing(aside):
+        aside.mkdir(exist_ok=True)
+        for name in _RUN_FILES:
+            if (out / name).exists():
+                os.replace(out / name, aside / name)
+
+
+def _restore_replaced(out: Path) -> None:
+    """Put back the run an --overwrite run set aside (it failed, or was killed, before its
+    first checkpoint), replacing what that run left; nothing to do without one."""
+    aside = out / REPLACED
+    if not aside.is_dir():
+        return
+    with writing(out):
+        for name in _RUN_FILES:
+            if (aside / name).exists():
+                if (out / name).is_dir():
+                    shutil.rmtree(out / name)
+                os.replace(aside / name, out / name)
+        shutil.rmtree(aside)
+
+
+def _settle_replaced(out: Path) -> None:
+    """A run set aside by an --overwrite run that was killed (so neither kept nor restored):
+    gone for good if that run reached a checkpoint, else given back."""
+    if not (out / REPLACED).is_dir():
+        return
+    if latest_checkpoint(out) is not None:
+        shutil.rmtree(out / REPLACED)
+    else:
+        _restore_replaced(out)
 
 
 def _check_resumable(

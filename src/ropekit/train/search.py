@@ -52,6 +52,7 @@ import dataclasses
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -352,6 +353,12 @@ def search(
         raise ValueError(
             f"target_length={config.target_length} is not allowed: the model was trained at "
             f"{trained_at}; a search needs a longer target"
+        )
+    if config.parents < 2:  # _evolve crosses two parents; with one it only mutates
+        warnings.warn(
+            f"parents={config.parents}: no crossover (it needs two parents), so this search "
+            "only mutates the best candidate; --parents 2 or more to cross candidates",
+            stacklevel=2,
         )
     fingerprint = backbone.fingerprint()
     if not isinstance(fingerprint.get("base"), int | float) or not fingerprint.get("head_dim"):
