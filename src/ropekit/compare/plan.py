@@ -250,5 +250,3 @@ class CostModel:
             seconds(n) + (c.probe_haystacks - 1) * (seconds(n) - seconds(self.kept.get(n, 0)))
             for n in c.retrieval_lengths(self.trained_at)
         )
-
-
