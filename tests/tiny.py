@@ -13,6 +13,9 @@ Holds:
     perturb         moves learnable encodings away from init (trained-looking parameters).
     bpe_tokenizer_folder  a byte-level BPE trained on the essays, saved as a folder.
     llama_folder    a saved tiny Llama with a trained byte-level BPE tokenizer, for the CLI.
+    family_model    a tiny random model of any family ropekit.hf supports, built by transformers'
+                    auto classes from its own config class (4 layers; local and global layers
+                    alternate with a window of 8 where the family has layer types).
 
 The ``tiny_llama`` fixture (tests/conftest.py) is ``tiny_model`` with ``arch="llama"``.
 """
@@ -162,3 +165,44 @@ def llama_folder(
     )  # fmt: skip
     model.save_pretrained(folder)
     return folder
+
+
+# What a family's tiny config sets beyond the common shape (the rest is its config's default).
+FAMILY_LAYER_TYPES: dict[str, list[str] | None] = {
+    "qwen3_5_text": None,  # its default: linear attention, and full attention in layer 4
+    "llama4_text": None,  # its default: chunked attention, NoPE in layer 4
+}
+
+
+def family_model(
+    model_type: str, *, seed: int = 0, attn_implementation: str | None = None, **overrides: Any
+) -> nn.Module:
+    """A float32 model of ``model_type`` in eval mode: sdpa where the family supports it,
+    else eager (Gemma 2, GPT-OSS), unless ``attn_implementation`` says."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    options: dict[str, Any] = {
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "max_position_embeddings": L0, "initializer_range": 0.08,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": None,
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+    probe = AutoConfig.for_model(model_type)
+    if getattr(probe, "layer_types", None) and model_type not in FAMILY_LAYER_TYPES:
+        options.update(
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            sliding_window=8,
+            use_sliding_window=True,  # Qwen2, Qwen3: the window applies only when this is set
+        )
+    options.update(overrides)
+    config = AutoConfig.for_model(model_type, **options)
+    for implementation in (attn_implementation,) if attn_implementation else ("sdpa", "eager"):
+        config._attn_implementation = implementation
+        torch.manual_seed(seed)
+        try:
+            return AutoModelForCausalLM.from_config(config).eval()
+        except ValueError:  # "does not support ... scaled_dot_product_attention yet"
+            if attn_implementation:
+                raise
+    raise AssertionError("unreachable")

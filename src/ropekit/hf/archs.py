@@ -10,8 +10,8 @@ a distance remap cannot reproduce. Adding a family is a row here and its parity 
 (tests/hf/test_families.py); nothing else in ropekit names a model type.
 
 Holds: Architecture, ARCHS (model_type -> Architecture), arch_for, unwrap, base_model,
-LayerInfo, layer_infos, ModelDims, model_dims, layer_dims, rope_parameters, original_length,
-rope_context, layer_types, rotating_types.
+LayerInfo, layer_infos, default_types, attention_modules, ModelDims, model_dims, layer_dims,
+rope_parameters, original_length, rope_context, layer_types, rotating_types.
 
 Everything here reads transformers 5.24 configs: RoPE settings live in ``config.rope_parameters``
 (``rope_theta``, ``rope_type``, ``original_max_position_embeddings``, ``partial_rotary_factor``),
@@ -45,7 +45,9 @@ class Architecture:
 
     model_type: str  # config.model_type
     package: str  # transformers.models.<package>.modeling_<package>
-    attention: str  # the attention class every rotating layer's ``self_attn`` is
+    attention: str  # the attention class of every rotating layer
+    attention_attr: str = "self_attn"  # where a decoder layer holds it (GPT-NeoX: attention)
+    stack: str | None = None  # the decoder stack's attribute when base_model is not it (Llama 4)
     pairing: str = "half"  # "half" (rotate_half) or "interleaved" (GLM, Cohere: x[0::2], x[1::2])
     rotation: str = "all"  # which layers rotate (ROTATION_RULES)
     # Layer types the family's own long-context recipe extends, when not every rotating one
@@ -54,9 +56,10 @@ class Architecture:
     # Attention extras a distance remap's banded kernel does not compute, as (what, the config
     # field that turns it on; None: always on). Remaps are refused where one is on.
     extras: tuple[tuple[str, str | None], ...] = ()
-    # Llama 4: an L2 norm of q and k follows the rotation (config.use_qk_norm on rope layers).
-    # The patched attention applies the module's ``qk_norm`` again after rotating, so a scale
-    # the rotation carries is removed as in the model (the norm of a rotated vector is its own).
+    # Llama 4: an L2 norm of q and k follows the rotation, in the attention modules that have
+    # this attribute (config.use_qk_norm on rope layers). The patched attention applies it again
+    # after rotating, so a scale the rotation carries is removed as in the model (the norm
+    # commutes with a rotation, so the first application, before it, changes nothing else).
     norm_after_rotation: str | None = None
     per_layer_dims: bool = False  # Gemma 4: head dim and kv heads per layer (per_layer_config)
     # Gemma 4's shared-KV layers read the keys of an earlier layer (config.num_kv_shared_layers).
@@ -123,18 +126,20 @@ ARCHS: dict[str, Architecture] = {
             "llama4_text",
             "llama4",
             "Llama4TextAttention",
+            pairing="interleaved",  # apply_rotary_emb: view_as_complex of adjacent channels
+            stack="model",  # Llama4ForCausalLM's base_model_prefix names the multimodal wrapper's
             rotation="rope_flags",
-            norm_after_rotation="use_qk_norm",
+            norm_after_rotation="qk_norm",
         ),
         _row("granite", "granite", "GraniteAttention"),
         _row("cohere", "cohere", "CohereAttention", pairing="interleaved"),
         _row("cohere2", "cohere2", "Cohere2Attention", pairing="interleaved", rotation="sliding"),
         _row("stablelm", "stablelm", "StableLmAttention"),
-        _row("gpt_neox", "gpt_neox", "GPTNeoXAttention"),
+        _row("gpt_neox", "gpt_neox", "GPTNeoXAttention", attention_attr="attention"),
         _row("exaone4", "exaone4", "Exaone4Attention", rotation="sliding"),
         _row("glm", "glm", "GlmAttention", pairing="interleaved"),
         _row("glm4", "glm4", "Glm4Attention", pairing="interleaved"),
-        _row("helium", "helium", "HeliumAttention"),
+        _row("helium", "helium", "HeliumAttention", pairing="interleaved"),
         _row("starcoder2", "starcoder2", "Starcoder2Attention"),
     )
 }
@@ -173,7 +178,9 @@ def base_model(model: nn.Module) -> nn.Module:
     of a PEFT wrapper around either: transformers' ``PreTrainedModel.base_model`` follows
     ``base_model_prefix`` ("model")."""
     model = unwrap(model)
-    base = getattr(model, "base_model", model)
+    arch = ARCHS.get(getattr(getattr(model, "config", None), "model_type", None))
+    stack = arch.stack if arch is not None else None
+    base = getattr(model, stack) if stack else getattr(model, "base_model", model)
     if not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
         raise ValueError(
             f"{type(model).__name__} has no decoder stack with .layers and .rotary_emb; "
@@ -226,6 +233,24 @@ def rotating_types(config: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(info.kind for info in layer_infos(config) if info.rotates))
 
 
+def default_types(config: Any) -> tuple[str, ...]:
+    """The rotating layer types a spec without ``layers=`` covers: the family's recipe (every
+    rotating type where it names none, or where this model has none of its types)."""
+    rotating = rotating_types(config)
+    recipe = arch_for(config).recipe
+    return tuple(k for k in rotating if recipe is None or k in recipe) or rotating
+
+
+def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """Each rotating layer's attention module, by layer index."""
+    arch, base = arch_for(unwrap(model).config), base_model(model)
+    return {
+        info.index: getattr(base.layers[info.index], arch.attention_attr, None)
+        for info in layer_infos(unwrap(model).config)
+        if info.rotates
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDims:
     """The shape an encoding is built for."""
@@ -259,7 +284,7 @@ def model_dims(config: Any, kind: str | None = None) -> ModelDims:
     """The shape of the layers of type ``kind`` (the first rotating type when None); refused
     where layers of one type differ in shape."""
     infos = [i for i in layer_infos(config) if i.attends]
-    kind = kind or next((i.kind for i in infos if i.rotates), infos[0].kind if infos else FULL)
+    kind = kind or (default_types(config) or (infos[0].kind if infos else FULL,))[0]
     shapes = {layer_dims(config, i.index) for i in infos if i.kind == kind}
     if len(shapes) > 1:
         raise ValueError(f"layers of type {kind!r} differ in shape: {sorted(map(str, shapes))}")
@@ -273,12 +298,12 @@ def _nested(params: dict[str, Any]) -> bool:
 
 def rope_parameters(config: Any, kind: str | None = None) -> dict[str, Any]:
     """The ``rope_parameters`` of layers of type ``kind`` (the config's nested dict for it, or
-    its flat dict, which every type shares)."""
+    its flat dict, which every type shares); None: the type a spec covers by default."""
     params = getattr(config, "rope_parameters", None) or {}
     if _nested(params):
         kinds = [k for k, v in params.items() if isinstance(v, dict)]
         if kind is None:
-            kind = rotating_types(config)[0] if rotating_types(config) else kinds[0]
+            kind = (default_types(config) or kinds)[0]
         if kind not in params:
             raise ValueError(
                 f"config.rope_parameters has no settings for layer type {kind!r}; it has "

@@ -54,6 +54,7 @@ from .archs import Architecture
 ROPEKIT = "ropekit"  # the name ropekit_attention is registered under
 _POSITIONS_ATTR = "_ropekit_key_positions"  # on a transformers cache layer: (B, S_stored)
 _ROTATED_ATTR = "_ropekit_rotated_keys"  # on a transformers cache layer: RotatedKeys
+CACHE_KWARGS = ("cache", "past_key_values", "layer_past")  # GPT-NeoX: layer_past
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,6 +67,12 @@ class PatchState:
 
     arch: Architecture
     key_positions: Tensor | None = None
+    positions: Tensor | None = None  # the position_ids the decoder stack was called with
+
+    def read_positions(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook of the decoder stack: the positions it was given, for families
+        whose layers do not hand ``position_ids`` to their attention (Llama 4)."""
+        self.positions = kwargs.get("position_ids")
 
     def shared_positions(self, positions: Tensor) -> Tensor:
         last = self.key_positions
@@ -178,7 +185,7 @@ def before_attention(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
     """Forward pre-hook of a rotating attention module: what its cache layer holds before
     this step's update (positions, rotated keys)."""
     patch: LayerPatch = module.config.layer
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
     patch.cache, patch.held, patch.memo = cache, None, None
     if cache is None or patch.source is not None:
         return
@@ -222,6 +229,21 @@ def _key_positions(patch: LayerPatch, positions: Tensor, n_keys: int) -> Tensor:
             "caches return unfilled slots whose positions are unknown)"
         )
     return patch.state.shared_positions(seen)
+
+
+def _query_positions(
+    patch: LayerPatch, kwargs: dict[str, Any], length: int, device: torch.device
+) -> Tensor:
+    """(B|1, T) positions of this step's queries: the ``position_ids`` the layer was handed,
+    else those the decoder stack was called with, else what transformers counts when it is
+    given none (past tokens + arange, ``LlamaModel.forward``)."""
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = patch.state.positions
+    if positions is None:
+        past = 0 if patch.held is None else patch.held.shape[-1]
+        positions = torch.arange(past, past + length, device=device)[None]
+    return positions
 
 
 def _remember(patch: LayerPatch) -> None:
@@ -297,12 +319,7 @@ def ropekit_attention(
     view: RoutedConfig = module.config
     patch = view.layer
     encoding, layer = patch.encoding, patch.index
-    positions = kwargs.get("position_ids")
-    if positions is None:
-        raise ValueError(
-            "a patched attention layer needs position_ids; the decoder model passes them to "
-            "every layer, so call the model rather than a layer on its own"
-        )
+    positions = _query_positions(patch, kwargs, query.shape[-2], query.device)
     key_positions = _key_positions(patch, positions, key.shape[-2])
     if encoding.remaps_distance:
         out = _banded(

@@ -38,7 +38,9 @@ from .archs import (
     FULL,
     SLIDING,
     arch_for,
+    attention_modules,
     base_model,
+    default_types,
     layer_infos,
     model_dims,
     rope_context,
@@ -73,9 +75,7 @@ def covered_types(config: Any, layers: str | None) -> tuple[str, ...]:
     if not rotating:
         raise ValueError(f"model_type={config.model_type!r}: no layer of this model rotates")
     if layers is None:
-        recipe = arch_for(config).recipe
-        chosen = tuple(k for k in rotating if recipe is None or k in recipe)
-        return chosen or rotating
+        return default_types(config)
     out: list[str] = []
     for word in layers.split("+"):
         named = ALIASES.get(word, (word,))
@@ -226,8 +226,9 @@ def patch(
     base = base_model(model)
     attention_cls = arch.attention_class()
     infos = [info for info in layer_infos(config) if info.rotates]
+    modules = attention_modules(model)
     for info in infos:
-        attn = getattr(base.layers[info.index], "self_attn", None)
+        attn = modules[info.index]
         if not isinstance(attn, attention_cls):
             raise ValueError(
                 f"layer {info.index} attention is {type(attn).__name__}; ropekit.hf patches "
@@ -242,7 +243,12 @@ def patch(
     kinds = covered_types(config, encoding.layers)
     _check_dims(encoding, config, kinds[0])
     _check_wirable(encoding)
+    renorm = {
+        i: arch.norm_after_rotation is not None and hasattr(m, arch.norm_after_rotation)
+        for i, m in modules.items()
+    }
     extras = arch.active_extras(config)
+    extras += ["a q/k norm after the rotation"] if any(renorm.values()) else []
     if encoding.remaps_distance and extras:
         raise ValueError(
             f"{encoding.spec!r} attends in bands, which do not compute {config.model_type}'s "
@@ -250,7 +256,7 @@ def patch(
         )
 
     unpatch(model)
-    weight = next(base.layers[infos[0].index].self_attn.parameters())
+    weight = next(modules[infos[0].index].parameters())
     encoding.to(device=weight.device)  # dtype stays: positions and frequencies are never bf16
     setattr(base, ENCODING_ATTR, encoding)
     _install_dtype_guard(encoding)
@@ -265,17 +271,14 @@ def patch(
     if own:
         setattr(base, OWN_ATTR, own)
     state = PatchState(arch=arch)
-    renorm = arch.norm_after_rotation is not None and bool(
-        getattr(config, arch.norm_after_rotation, False)
-    )
     patched = _Patched(encoding, [], [], [])
     for info in infos:
-        attn = base.layers[info.index].self_attn
+        attn = modules[info.index]
         layer = LayerPatch(
             index=info.index,
             encoding=encoding if info.kind in kinds else own[info.kind],
             state=state,
-            renorm=renorm,
+            renorm=renorm[info.index],
             source=_kv_source(config, info.index),
         )
         attn.config = RoutedConfig(config, layer)
@@ -286,6 +289,7 @@ def patch(
     object.__setattr__(
         base.rotary_emb, "forward", types.MethodType(neutral_tables, base.rotary_emb)
     )
+    patched.handles.append(base.register_forward_pre_hook(state.read_positions, with_kwargs=True))
     object.__setattr__(base, _STATE_ATTR, patched)
     return encoding
 
@@ -298,8 +302,9 @@ def unpatch(model: nn.Module) -> PositionEncoding | None:
     state: _Patched | None = getattr(base, _STATE_ATTR, None)
     if state is None:
         return None
-    for attn, handle in zip(state.attention, state.handles, strict=True):
+    for handle in state.handles:
         handle.remove()
+    for attn in state.attention:
         attn.config = attn.config._config
     base.rotary_emb.__dict__.pop("forward", None)
     for name in (ENCODING_ATTR, OWN_ATTR):

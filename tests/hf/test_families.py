@@ -1,0 +1,214 @@
+"""Every family of ropekit.hf.archs.ARCHS, on tiny random models transformers builds from its
+own config classes (tests/tiny.py ``family_model``; no download):
+
+(a) patched with the model's own RoPE, logits equal the unpatched model's, in eager and sdpa,
+    with left padding, and through the KV cache one token at a time and in chunks;
+(b) patched with each schedule transformers also implements, logits equal transformers' own
+    model configured with that ``rope_parameters``;
+(c) a distance remap (Leaky ReRoPE, DCA) equals an independent pairwise definition written
+    here (the remapped distance of every query-key pair, tests/encodings/test_remap.py), full
+    and cached; families whose attention has extras the bands do not compute refuse it.
+
+A wrong row of the registry (pairing, which layers rotate, the recipe) fails (a) or (b).
+Tolerances: float32 round-off of logits of magnitude ~1 (the patched and unpatched paths
+rotate with differently rounded tables).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from ropekit.hf import attention as hf_attention
+from ropekit.hf import patch, spec_from_config
+from ropekit.hf.archs import ARCHS, arch_for, default_types, rope_parameters
+from ropekit.hf.patching import build_for_model
+
+from ..encodings.test_remap import dca_distance, rerope_distance, rotate_pairs
+from ..tiny import L0, VOCAB, family_model
+
+FAMILIES = sorted(ARCHS)
+ATOL = 1e-4  # float32 round-off (Llama 4 normalises q, k a second time: 5e-5); a wrong row: O(1)
+CHUNKS = (12, 1, 1, 1, 1, 5, 3, 1, 1, 4, 2)  # 32 tokens: prefill, single steps, chunks
+
+
+def _ids(batch: int, length: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(2, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _implementations(family: str) -> list[str]:
+    default = family_model(family).config._attn_implementation
+    return ["eager", "sdpa"] if default == "sdpa" else [default]
+
+
+def _cached_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of every position read chunk by chunk (CHUNKS) through one DynamicCache."""
+    cache, out, start = DynamicCache(config=model.config), [], 0
+    with torch.no_grad():
+        for n in CHUNKS:
+            positions = torch.arange(start, start + n)[None]
+            step = model(ids[:, start : start + n], position_ids=positions, cache=cache)
+            out.append(step.logits)
+            start += n
+    return torch.cat(out, dim=1)
+
+
+def _padded(model: torch.nn.Module) -> torch.Tensor:
+    """A batch of two rows, the second left-padded by 6: logits (2, 24, V)."""
+    ids = _ids(2, 24)
+    mask = (torch.arange(24) >= torch.tensor([[0], [6]])).long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    return out * mask[..., None]  # pads' rows are arbitrary
+
+
+# ----------------------------------------------------------------------------- (a)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_with_its_own_rope_the_model_is_unchanged(family: str) -> None:
+    ids = _ids(1, sum(CHUNKS))
+    for implementation in _implementations(family):
+        model = family_model(family, attn_implementation=implementation)
+        with torch.no_grad():
+            full = model(ids, use_cache=False).logits
+        padded, cached = _padded(model), _cached_logits(model, ids)
+        patch(model, spec_from_config(model.config))
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids, use_cache=False).logits, full, atol=ATOL, rtol=0)
+        torch.testing.assert_close(_padded(model), padded, atol=ATOL, rtol=0)
+        torch.testing.assert_close(_cached_logits(model, ids), cached, atol=ATOL, rtol=0)
+
+
+def test_a_wrong_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The registry is what makes (a) pass: Cohere pairs its channels interleaved."""
+    import dataclasses
+
+    wrong = dataclasses.replace(ARCHS["cohere"], pairing="half")
+    monkeypatch.setitem(ARCHS, "cohere", wrong)
+    with pytest.raises(AssertionError):
+        test_patched_with_its_own_rope_the_model_is_unchanged("cohere")
+
+
+# ----------------------------------------------------------------------------- (b)
+def _schedules(family: str) -> dict[str, dict]:
+    """The rope_parameters of each schedule transformers implements, for this family's
+    covered layer type (LongRoPE's factors sized to its rotary pairs)."""
+    config = family_model(family).config
+    pairs = build_for_model(config, "rope").n_pairs
+    out = {
+        "linear": {"rope_type": "linear", "factor": 2.0},
+        "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+        "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        "llama3": {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+        "longrope": {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + i / pairs for i in range(pairs)],
+            "long_factor": [1.0 + 3 * i / pairs for i in range(pairs)],
+            "original_max_position_embeddings": 16,
+            "factor": 2.0,
+        },
+    }
+    if rope_parameters(config).get("rope_type") == "proportional":
+        out["proportional"] = {"rope_type": "proportional", "factor": 2.0}
+    return out
+
+
+CASES = [(family, name) for family in FAMILIES for name in _schedules(family)]
+
+
+@pytest.mark.parametrize(("family", "schedule"), CASES)
+def test_each_schedule_equals_transformers_own_model(family: str, schedule: str) -> None:
+    base = family_model(family).config
+    kind = default_types(base)[0]
+    own = rope_parameters(base, kind)
+    keep = {k: own[k] for k in ("rope_theta", "partial_rotary_factor") if k in own}
+    if schedule != "proportional" and own.get("rope_type") == "proportional":
+        keep.pop("partial_rotary_factor", None)  # p-RoPE's share is not a partial width
+    params = {**keep, **_schedules(family)[schedule]}
+    nested = isinstance(next(iter(base.rope_parameters.values())), dict)
+    rope = {**base.rope_parameters, kind: params} if nested else params
+    theirs = family_model(family, rope_parameters=rope, max_position_embeddings=2 * L0)
+    ours = family_model(family, max_position_embeddings=2 * L0)
+    ours.load_state_dict(theirs.state_dict())
+    ids = _ids(2, 48)  # past L0 (dynamic, longrope's switch) and every original length
+    with torch.no_grad():
+        expected = theirs(ids, use_cache=False).logits
+        patch(ours, spec_from_config(theirs.config, kind))
+        torch.testing.assert_close(ours(ids, use_cache=False).logits, expected, atol=ATOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------- (c)
+REMAPS = {
+    "rerope:window=6,leaky=4": rerope_distance(6, 4.0),
+    "dca:chunk_size=12,local_size=4,scale=none": dca_distance(12, 4),
+}
+
+
+def _pairwise(remap):
+    """A stand-in for ropekit.hf.attention._banded: softmax_j(scale <R(d'(i, j)) q_i, k_j>) v_j
+    with the model's mask, pair by pair (RoPE logits depend on the distance alone)."""
+
+    def attend(module, patch, q, k, v, positions, key_positions, mask, scaling, dropout):
+        encoding = patch.encoding
+        H, T, S = q.shape[1], q.shape[-2], k.shape[-2]
+        theta, factor = encoding.inv_freq(patch.index)
+        qp, kp = positions.expand(q.shape[0], -1), key_positions.expand(q.shape[0], -1)
+        d = torch.tensor(
+            [
+                [[remap(int(i), int(j)) for j in krow] for i in qrow]
+                for qrow, krow in zip(qp.tolist(), kp.tolist(), strict=True)
+            ],
+            dtype=torch.float64,
+        )  # (B, T, S)
+        phi = d[..., None] * theta[0]  # (B, T, S, F)
+        cos, sin = phi.cos()[:, None].float(), phi.sin()[:, None].float()
+        rotated = rotate_pairs(q[:, :, :, None, :], cos, sin, encoding.pairing)
+        keys = k.repeat_interleave(H // k.shape[1], dim=1)[:, :, None]  # (B, H, 1, S, D)
+        logits = (rotated * keys).sum(-1) * float(factor) ** 2 * scaling  # (B, H, T, S)
+        visible = (kp[:, None, :] <= qp[:, :, None])[:, None]  # causal by position
+        if mask is not None:
+            m = mask[..., -T:, -S:]
+            logits = logits + m if m.is_floating_point() else logits.masked_fill(~m, -torch.inf)
+        logits = logits.masked_fill(~visible, -torch.inf)
+        values = v.repeat_interleave(H // v.shape[1], dim=1)
+        return (logits.softmax(-1) @ values).transpose(1, 2)  # (B, T, H, D)
+
+    return attend
+
+
+def _remappable(family: str) -> bool:
+    config = family_model(family).config
+    arch = arch_for(config)
+    return not arch.active_extras(config) and arch.norm_after_rotation is None
+
+
+@pytest.mark.parametrize("spec", REMAPS)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if _remappable(f)])
+def test_remaps_equal_the_pairwise_definition_full_and_cached(
+    family: str, spec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = _ids(1, sum(CHUNKS))
+    model = family_model(family)
+    patch(model, spec)
+    with torch.no_grad():
+        banded = model(ids, use_cache=False).logits
+    cached = _cached_logits(model, ids)
+    monkeypatch.setattr(hf_attention, "_banded", _pairwise(REMAPS[spec]))
+    with torch.no_grad():
+        reference = model(ids, use_cache=False).logits
+    torch.testing.assert_close(banded, reference, atol=ATOL, rtol=0)
+    torch.testing.assert_close(cached, reference, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if not _remappable(f)])
+def test_families_whose_attention_the_bands_cannot_compute_refuse_remaps(family: str) -> None:
+    model = family_model(family)
+    with pytest.raises(ValueError, match="attends in bands, which do not compute"):
+        patch(model, "rerope:window=6,leaky=4")
