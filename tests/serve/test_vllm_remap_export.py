@@ -79,6 +79,11 @@ def test_inspect_and_served_by_name_the_plugin_for_a_remap(tmp_path: Path, tiny_
     lines = format_report(report)
     assert "vllm+ropekit computes it in attention (ropekit.serve.vllm_plugin)" in lines[1]
     assert any("vllm+ropekit serves rerope" in line for line in lines), lines
+    # Stock vLLM refuses the plugin's architecture (its registry), at every length checked.
+    for n, row in report["views"].items():
+        assert "RopekitLlamaForCausalLM is not supported" in row["vllm"]["error"], (n, row)
+    refused = [d for d in report["disagreements"] if d["engine"] == "vllm"]
+    assert refused and all("no stock engine computes" in d["fix"] for d in refused), refused
     served = served_by(as_backbone(model))
     assert {name for name, s in served.items() if s.exact} == {"vllm+ropekit"}
 
