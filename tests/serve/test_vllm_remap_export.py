@@ -51,6 +51,10 @@ def test_a_remap_exports_for_the_plugin_with_its_base_schedule(
         "command": record["serve_with"]["command"], "original_length": L0,
     }  # fmt: skip
     assert any("without the plugin" in note for note in record["notes"])
+    # A remap that follows the attended length is served with each prompt in one step.
+    whole = "--no-enable-chunked-prefill --no-enable-prefix-caching"
+    assert (whole in record["serve_with"]["command"]) == encoding.dynamic, record["serve_with"]
+    assert any(whole in note for note in record["notes"]) == encoding.dynamic, record["notes"]
     # The plugin rebuilds the very remap from the folder.
     loaded = load_adapter_encoding(out, model.config)
     assert loaded.remaps_distance and loaded.spec == encoding.spec

@@ -449,7 +449,7 @@ def served_config(
             if max_length is None:  # Self-Extend's reach, not the base schedule's factor x L0
                 target = self_extend_reach(recipe["group"], recipe["window"], l0)
         else:
-            notes = [*notes, *plugin_notes(recipe, encoding.spec)]
+            notes = [*notes, *plugin_notes(recipe, encoding.spec, encoding.dynamic)]
             if max_length is None:
                 target = _remap_target(encoding, l0)
         recipe = {**recipe, "original_length": l0}  # inspect's L0: the base params lack it

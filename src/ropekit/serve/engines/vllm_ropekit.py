@@ -53,27 +53,42 @@ def remap_reach(encoding: Any, original_length: int) -> int | None:
     return None
 
 
+# A remap whose parameters follow the attended length is served with each prompt in one step
+# (``vllm_plugin.check_scheduling`` refuses anything else).
+WHOLE_PROMPTS = (
+    "--no-enable-chunked-prefill --no-enable-prefix-caching --max-num-batched-tokens MAX_MODEL_LEN"
+)
+
+
 def plugin_recipe(encoding: Any) -> dict[str, Any]:
     """How vLLM serves a distance remap through the plugin: the record ``export --format
     vllm`` writes (``serve_with``)."""
+    flags = f" {WHOLE_PROMPTS}" if encoding.dynamic else ""
     return {
         "engine": "vllm+ropekit",
         "recipe": PLUGIN,
         "command": (
-            "vllm serve FOLDER --dtype float32 with ropekit installed in vLLM's environment "
-            "(pip install --no-deps ropekit: its vllm.general_plugins entry point registers "
-            "the model)"
+            f"vllm serve FOLDER --dtype float32{flags} with ropekit installed in vLLM's "
+            "environment (pip install --no-deps ropekit: its vllm.general_plugins entry point "
+            "registers the model)"
         ),
     }
 
 
-def plugin_notes(recipe: dict[str, Any], spec: str) -> list[str]:
+def plugin_notes(recipe: dict[str, Any], spec: str, follows_length: bool = False) -> list[str]:
     """What the export record and ``inspect`` say about a remap served by the plugin."""
+    exact = (
+        "each prompt in one step (its parameters follow the whole prompt's length, which a "
+        "chunk or another request's cached prefix does not see): the plugin refuses chunked "
+        f"prefill and prefix caching ({WHOLE_PROMPTS}); decoding stays exact"
+        if follows_length
+        else "chunked prefill, prefix caching and decoding stay exact"
+    )
     return [
         f"{spec} is computed by {recipe['recipe']} in vLLM (CPU backend): banded attention over "
         "vLLM's paged KV cache, which holds unrotated keys in the slots of rotated ones (no "
-        "extra cache memory; each band's keys are rotated at every step); chunked prefill, "
-        "prefix caching and decoding stay exact (make test-serving)",
+        "extra cache memory; each band's keys are rotated at every step); "
+        f"{exact} (make test-serving)",
         "without the plugin stock vLLM refuses the folder (unknown architecture) and "
         "transformers computes rope_parameters, the base schedule without the remap: far from "
         "the remap beyond L0",
