@@ -381,18 +381,17 @@ def serving_floors(root: Path) -> str:
 
 def vllm_remaps(root: Path) -> str:
     """The distance remaps on vLLM with ropekit's plugin: agreement with ropekit's patched
-    model (chunked prefill, then tokens decoded from the prefix cache) and speed against stock
-    vLLM serving YaRN x2 in the same session."""
+    model (chunked prefill, then tokens decoded from the prefix cache). No speed: the record's
+    ratios were against other runs' baselines and were removed (its "speed" says so)."""
     data = _json(root, "docs/serving/vllm_remaps.json")
     lengths = [str(n) for n in data["lengths"]]
     return markdown(
         ["remap (vLLM + ropekit's plugin)", *(f"max / mean @{n}" for n in lengths),
-         f"{data['decoded']} decoded @{lengths[-1]}", "prefill / decode speed vs stock YaRN x2"],
+         f"{data['decoded']} decoded @{lengths[-1]}"],
         (
             [f"`{row['spec']}`" + (" (earlier run)" if row.get("earlier_run") else ""),
              *(_serving_cell(row[n]) for n in lengths),
-             _serving_cell(row["decode"]),
-             f"{row['speed']['prefill_ratio']:.2f}x / {row['speed']['decode_ratio']:.2f}x"]
+             _serving_cell(row["decode"])]
             for row in data["rows"].values()
         ),
     )  # fmt: skip

@@ -79,7 +79,7 @@ E_TARGET = (
         ("docs/serving/serving.json",
          lambda d: d["results"]["yarn"]["vllm"]["9216"], "max", "serving"),
         ("docs/serving/vllm_remaps.json",
-         lambda d: d["rows"]["dca (chunkllama scale)"]["speed"], "decode_ratio", "vllm-remaps"),
+         lambda d: d["rows"]["dca (chunkllama scale)"]["9216"], "max", "vllm-remaps"),
         ("docs/mutation.json",
          lambda d: d["modules"]["ropekit.encodings.bands_fused"], "killed", "mutation"),
     ],

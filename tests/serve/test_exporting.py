@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from ropekit.backbone import load_adapter, save_adapter
 from ropekit.hf import ExportRefused, encoding_of, patch
 from ropekit.serve.exporting import EXPORT_RECORD, export
+from ropekit.serve.inspection import inspect_folder
 from tests.tiny import VOCAB, perturb, tiny_model
 
 ATOL = 1e-5
@@ -280,6 +281,17 @@ def test_every_export_folder_says_what_serves_it(tmp_path: Path, tiny_llama) -> 
     plugin = (export(model, None, tmp_path / "v", format="vllm") / "README.md").read_text()
     assert "vllm+ropekit" in plugin and "Without the plugin" in plugin
     assert "nearest shared schedule" in plugin and "largest move is" in plugin  # by how much
+    # What stock vLLM does with it (vLLM 0.32's registry: unknown architecture) and the way out.
+    assert "stock vLLM refuses this folder" in plugin and "without an error" not in plugin
+    assert "`--nearest`" in plugin
+    report = inspect_folder(tmp_path / "v")
+    stock = report["views"][report["target_length"]]["vllm"]
+    assert "not supported" in stock["error"] and stock["max_length"] is None, stock
+    fixes = [d["fix"] for d in report["disagreements"] if d["engine"] == "vllm"]
+    assert fixes and all("--nearest" in fix for fix in fixes), report["disagreements"]
+    patch(model, "self-extend:group=4,window=8")
+    remap = (export(model, None, tmp_path / "se", format="vllm") / "README.md").read_text()
+    assert "No stock engine computes the remap" in remap and "`--nearest`" not in remap
     patch(model, "yarn:factor=2")
     for fmt, engines in (("hf", "transformers, vllm"), ("gguf", "llama.cpp")):
         readme = (export(model, None, tmp_path / fmt, format=fmt) / "README.md").read_text()

@@ -127,3 +127,39 @@ def test_paged_attention_is_banded_attention_over_the_requests_keys(spec: str) -
             torch.testing.assert_close(out[s.start : s.stop], want, rtol=1e-10, atol=1e-10)
             if static:
                 torch.testing.assert_close(out[s.start : s.stop], full[r][a:b])
+
+
+@pytest.mark.parametrize("spec", [s for s in REMAPS if _encoding(s).dynamic])
+def test_a_length_following_remaps_chunk_is_not_its_single_forward(spec: str) -> None:
+    """Why the plugin refuses chunked prefill and prefix caching for DCA's and STRING's
+    length-following variants (``vllm_plugin.check_scheduling``): a prompt served in one step
+    is the single forward, but its first chunk attends at the chunk's length, not the
+    prompt's."""
+    encoding = _encoding(spec)
+    g = torch.Generator().manual_seed(2)
+    n, chunk = 150, 64
+    q = torch.randn(n, H, D, generator=g, dtype=torch.float64)
+    k = torch.randn(n, K, D, generator=g, dtype=torch.float64)
+    v = torch.randn(n, K, D, generator=g, dtype=torch.float64)
+    cache_k = torch.zeros(n // B + 1, K, B, D, dtype=torch.float64)
+    cache_v = torch.zeros_like(cache_k)
+    table = torch.arange(n // B + 1)[None]
+    write_paged(cache_k, cache_v, k, v, torch.arange(n))
+
+    def served(stop: int) -> torch.Tensor:
+        plan = steps(torch.tensor([0, stop]), torch.tensor([stop]), stop)
+        return paged_banded_attention(
+            q[:stop],
+            cache_k,
+            cache_v,
+            table,
+            plan,
+            encoding,
+            0,
+            D**-0.5,
+            torch.empty_like(q[:stop]),
+        )
+
+    whole = _reference(encoding, q, k, v, 0, n)
+    torch.testing.assert_close(served(n), whole, rtol=1e-10, atol=1e-10)
+    assert (served(chunk) - whole[:chunk]).abs().max() > 1e-3

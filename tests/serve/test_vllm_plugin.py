@@ -42,3 +42,31 @@ def test_vllm_plugin_rotary_on_flat_rows_is_ropekit_on_heads(tmp_path: Path, tin
     with pytest.raises(ExportRefused, match="sequence length"):
         patch(model, "dynamic-ntk:factor=2")
         export(model, None, tmp_path / "dyn", format="vllm")
+
+
+@pytest.mark.parametrize(
+    "spec", ["dca:chunk_size=24,local_size=4,scale=chunkllama", "string:window=4,shift_of=length"]
+)
+def test_length_following_remaps_refuse_chunked_prefill_and_prefix_caching(spec: str) -> None:
+    """DCA's and STRING's parameters follow the attended length: vLLM may serve them only with
+    each prompt in one step (no chunked prefill, no prefix caching); the other remaps with
+    both."""
+    from ropekit.encodings import build
+    from ropekit.serve.vllm_plugin import check_scheduling
+
+    def encoding(s: str):
+        return build(s, n_heads=4, n_kv_heads=2, head_dim=16, original_length=32)
+
+    dynamic = encoding(spec)
+    assert dynamic.dynamic
+    for chunked, cached, named in (
+        (True, False, "chunked prefill hands"),
+        (False, True, "prefix caching hands"),
+        (True, True, "chunked prefill and prefix caching"),
+    ):
+        with pytest.raises(ValueError, match=named) as info:
+            check_scheduling(dynamic, chunked_prefill=chunked, prefix_caching=cached)
+        assert "--no-enable-chunked-prefill --no-enable-prefix-caching" in str(info.value)
+    check_scheduling(dynamic, chunked_prefill=False, prefix_caching=False)
+    for static in ("rerope:window=8,leaky=4", "self-extend:group=4,window=8", "dca:scale=none"):
+        check_scheduling(encoding(static), chunked_prefill=True, prefix_caching=True)

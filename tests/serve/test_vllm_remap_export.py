@@ -51,6 +51,10 @@ def test_a_remap_exports_for_the_plugin_with_its_base_schedule(
         "command": record["serve_with"]["command"], "original_length": L0,
     }  # fmt: skip
     assert any("without the plugin" in note for note in record["notes"])
+    # A remap that follows the attended length is served with each prompt in one step.
+    whole = "--no-enable-chunked-prefill --no-enable-prefix-caching"
+    assert (whole in record["serve_with"]["command"]) == encoding.dynamic, record["serve_with"]
+    assert any(whole in note for note in record["notes"]) == encoding.dynamic, record["notes"]
     # The plugin rebuilds the very remap from the folder.
     loaded = load_adapter_encoding(out, model.config)
     assert loaded.remaps_distance and loaded.spec == encoding.spec
@@ -79,6 +83,11 @@ def test_inspect_and_served_by_name_the_plugin_for_a_remap(tmp_path: Path, tiny_
     lines = format_report(report)
     assert "vllm+ropekit computes it in attention (ropekit.serve.vllm_plugin)" in lines[1]
     assert any("vllm+ropekit serves rerope" in line for line in lines), lines
+    # Stock vLLM refuses the plugin's architecture (its registry), at every length checked.
+    for n, row in report["views"].items():
+        assert "RopekitLlamaForCausalLM is not supported" in row["vllm"]["error"], (n, row)
+    refused = [d for d in report["disagreements"] if d["engine"] == "vllm"]
+    assert refused and all("no stock engine computes" in d["fix"] for d in refused), refused
     served = served_by(as_backbone(model))
     assert {name for name, s in served.items() if s.exact} == {"vllm+ropekit"}
 

@@ -471,10 +471,11 @@ def served_config(
         what = (
             "rope_parameters hold its base schedule"
             if encoding.remaps_distance
-            else "rope_parameters (what engines without the plugin compute):"
+            else "rope_parameters (what transformers computes without the plugin; stock vLLM "
+            "refuses the architecture):"
         )
         notes = [
-            f"served by vLLM with ropekit's plugin within its noise floor ({ARCHITECTURE}, "
+            f"served by vLLM with ropekit's plugin within its tolerance ({ARCHITECTURE}, "
             f"adapter in ropekit_adapter/); {what}",
             *notes,
         ]
@@ -486,7 +487,7 @@ def served_config(
             if max_length is None:  # Self-Extend's reach, not the base schedule's factor x L0
                 target = self_extend_reach(recipe["group"], recipe["window"], l0)
         else:
-            notes = [*notes, *plugin_notes(recipe, encoding.spec)]
+            notes = [*notes, *plugin_notes(recipe, encoding.spec, encoding.dynamic)]
             if max_length is None:
                 target = _remap_target(encoding, l0)
         recipe = {**recipe, "original_length": l0}  # inspect's L0: the base params lack it
@@ -544,14 +545,31 @@ def folder_readme(record: dict[str, Any]) -> str:
         f"{engines}; engines accept {record['target_length']} tokens.",
     ]
     if record["format"] == "vllm":
+        from .vllm_plugin import ARCHITECTURE
+
+        remap = record.get("serve_with") is not None
+        computed = (
+            "the base schedule without the remap, far from it beyond L0"
+            if remap
+            else "the adapter's nearest shared schedule, an approximation (how far it moved is "
+            "below)"
+        )
+        stock = (
+            "No stock engine computes the remap."
+            if remap
+            else "For a stock engine, export again with `--nearest` (`--format hf` for "
+            "transformers and vLLM, `--format gguf` for llama.cpp)."
+        )
         lines += [
             "",
-            "Served exactly (per layer and kv head, within vLLM's noise floor) only by vLLM with "
-            "ropekit's plugin: install ropekit into vLLM's environment "
-            "(`pip install --no-deps ropekit`); `config.json` names its architecture. "
-            "**Without the plugin** transformers, stock vLLM and llama.cpp open this folder "
-            "without an error and compute `rope_parameters`: the adapter's nearest shared "
-            "schedule, an approximation (how far it moved is below).",
+            "Served exactly (per layer and kv head, within vLLM's tolerance: 5x its own float32 "
+            "noise floor) only by vLLM with ropekit's plugin: install ropekit into vLLM's "
+            f"environment (`pip install --no-deps ropekit`); `config.json` names its "
+            f"architecture, {ARCHITECTURE}. **Without the plugin** stock vLLM refuses this "
+            "folder: the architecture is unknown to it "
+            "(`vllm/model_executor/models/registry.py: _raise_for_unsupported`). transformers "
+            f"loads it as a Llama (its `model_type`) and computes `rope_parameters`: {computed}. "
+            f"{stock}",
         ]
     lines += ["", "Notes (also in ropekit_export.json; `ropekit inspect` on this folder):", ""]
     lines += [f"- {note}" for note in record["notes"]]

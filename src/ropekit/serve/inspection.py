@@ -352,10 +352,11 @@ def format_report(report: dict[str, Any]) -> list[str]:
             )
             lines += [f"{'':>9}{note}" for note in v["notes"]]
     recipe = report.get("serve_with")
-    if not report["disagreements"] and recipe is not None:
+    if recipe is not None:
+        agreed = "" if report["disagreements"] else "no disagreements on the base schedule; "
         lines.append(
-            f"no disagreements on the base schedule; {recipe['engine']} serves "
-            f"{report['spec']} through {recipe['recipe']}: {recipe['command']}"
+            f"{agreed}{recipe['engine']} serves {report['spec']} through {recipe['recipe']}: "
+            f"{recipe['command']}"
         )
     elif not report["disagreements"] and report["reference"] is not None:
         lines.append(f"no disagreements: every engine computes what {report['reference']} computes")
@@ -376,8 +377,9 @@ def _reference_line(report: dict[str, Any]) -> str:
         how = (
             "llama.cpp computes it driven by the recipe named below"
             if recipe["engine"] == "llama.cpp"
-            else f"{recipe['engine']} computes it in attention ({recipe['recipe']}); every "
-            "other engine computes the base schedule alone"
+            else f"{recipe['engine']} computes it in attention ({recipe['recipe']}); stock "
+            "vLLM refuses the folder's architecture and transformers computes the base schedule "
+            "alone"
         )
         return (
             f"reference: ropekit's {report['spec']} ({EXPORT_RECORD}): a distance remap whose "
@@ -393,6 +395,7 @@ def _reference_line(report: dict[str, Any]) -> str:
         return "reference: transformers (the meaning of rope_parameters)"
     return (
         f"reference: {report['reference']} (the folder names ropekit's vLLM plugin, which "
-        "serves its adapter per head); without the plugin every engine computes "
-        "rope_parameters, the adapter's nearest shared schedule (approximate)"
+        "serves its adapter per head); without the plugin stock vLLM refuses the folder's "
+        "architecture and transformers computes rope_parameters, the adapter's nearest shared "
+        "schedule (approximate)"
     )

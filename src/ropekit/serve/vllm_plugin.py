@@ -36,16 +36,20 @@ block table and computes ropekit's banded attention for its new queries
 in the cache, prompt blocks found in the prefix cache, and decoding steps alike. A request's
 positions come from the step's metadata (``query_start_loc``, ``seq_lens``: its new tokens
 are the last of its keys). Length-following remaps (DCA's logit scale, STRING's shift of the
-attended length) take L = the request's keys at that step, as ropekit's cached decoding does;
-as in any cached decoder, an earlier token's keys in layers > 0 carry the length of the step
-that computed them, and with prefix caching that can be another request's step (a block is
-reused by every request with the same prefix).
+attended length) take L = the request's keys at that step, as ropekit's cached decoding does.
+A single forward gives every prompt token L = the whole prompt; a step sees only the keys so
+far, so a chunk of a chunked prefill would attend at its own shorter L (and its outputs feed
+the later layers' keys), and a prefix block found in the cache would hold keys computed at the
+L of whichever request wrote it. The plugin therefore refuses to serve them with chunked
+prefill or prefix caching (``check_scheduling``): each prompt is then one step at its whole
+length, as in the patched model's single forward, and each decoded token one step at L + 1,
+as in ropekit's cached decoding.
 
 Needs vLLM and torch only (ropekit is installed into vLLM's environment with ``--no-deps``:
 vLLM pins another transformers than ropekit.hf supports, and nothing here imports it).
 
 Holds: register, RopekitLlamaForCausalLM, RopekitRotary, Unrotated, load_adapter_encoding,
-ARCHITECTURE, ADAPTER_DIR.
+check_scheduling, ARCHITECTURE, ADAPTER_DIR.
 """
 
 from __future__ import annotations
@@ -96,6 +100,25 @@ def load_adapter_encoding(folder: str | Path, config: Any) -> Any:
     state = safetensors.torch.load_file(adapter / _WEIGHTS)
     encoding.load_state_dict(state, strict=True)
     return encoding.eval().requires_grad_(False)
+
+
+def check_scheduling(encoding: Any, *, chunked_prefill: bool, prefix_caching: bool) -> None:
+    """ValueError, saying how to serve it, where ``encoding`` follows the attended length (a
+    dynamic remap: DCA's logit scale, STRING's shift) and vLLM would hand the plugin part of a
+    prompt: a chunk (chunked prefill) or blocks another request wrote (prefix caching); the
+    module docstring says why either computes other log-probs than a single forward."""
+    if not (encoding.remaps_distance and encoding.dynamic):
+        return
+    on = [name for name, flag in (("chunked prefill", chunked_prefill),
+                                  ("prefix caching", prefix_caching)) if flag]  # fmt: skip
+    if on:
+        raise ValueError(
+            f"{encoding.spec!r} follows the attended length: each prompt token must see the "
+            f"whole prompt's length, as in one forward, but {' and '.join(on)} hands the plugin "
+            "part of it; serve it with --no-enable-chunked-prefill --no-enable-prefix-caching "
+            "and --max-num-batched-tokens >= --max-model-len (LLM(enable_chunked_prefill=False, "
+            "enable_prefix_caching=False, max_num_batched_tokens=max_model_len))"
+        )
 
 
 class RopekitRotary(nn.Module):
@@ -230,6 +253,12 @@ def _model_class() -> type:
             positions = None
             if encoding.remaps_distance:
                 from ropekit.serve.paged_attention import StepPositions
+
+                check_scheduling(
+                    encoding,
+                    chunked_prefill=bool(vllm_config.scheduler_config.enable_chunked_prefill),
+                    prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+                )
 
                 positions = StepPositions()  # one step's position tensors, for every layer
             for index in range(self.model.start_layer, self.model.end_layer):

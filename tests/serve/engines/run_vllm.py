@@ -2,6 +2,7 @@
 
     python run_vllm.py MODEL_DIR IDS.npy:OUT.npy [IDS.npy:OUT.npy ...] [--max-model-len N]
                        [--decode N] [--compile] [--max-num-batched-tokens N] [--bench N]
+                       [--whole-prompts]
 
 For each prompt: feeds the token ids as they are (``TokensPrompt``), asks for
 ``prompt_logprobs=0`` (the log-probability of each prompt token only) and writes
@@ -18,7 +19,10 @@ SmolLM2 adds about a minute to each start here). ``--max-num-batched-tokens`` se
 token budget per step, so a prompt's chunks are known. ``--bench N`` (with ``--decode``) times,
 after the rest, each prompt's prefill (prefix cache emptied, one token generated, no
 log-probabilities) and N greedy tokens decoded from its cached prompt (the time of 1 + N
-generated tokens minus that of 1), reported as tokens per second. Start-up runs under the
+generated tokens minus that of 1), reported as tokens per second. ``--whole-prompts`` turns
+chunked prefill and prefix caching off (each prompt in one step; give
+``--max-num-batched-tokens`` >= the longest prompt): how the plugin serves a remap that
+follows the attended length, and decoding then re-reads the prompt. Start-up runs under the
 ``__main__`` guard: vLLM starts worker processes. Prints one ``RESULT {json}`` line; an engine
 that refuses the folder reports its error there.
 """
@@ -41,6 +45,7 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--max-num-batched-tokens", type=int, default=0)
     parser.add_argument("--bench", type=int, default=0)
+    parser.add_argument("--whole-prompts", action="store_true")
     args = parser.parse_args()
     if args.bench and not args.decode:
         parser.error("--bench decodes from the prefix cache: give --decode too")
@@ -54,7 +59,8 @@ def main() -> int:
             model=args.model,
             dtype="float32",
             max_model_len=args.max_model_len or None,
-            enable_prefix_caching=args.decode > 0,
+            enable_prefix_caching=args.decode > 0 and not args.whole_prompts,
+            **({"enable_chunked_prefill": False} if args.whole_prompts else {}),
             enforce_eager=not args.compile,
             seed=0,
             **(

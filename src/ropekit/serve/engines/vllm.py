@@ -46,9 +46,28 @@ class Vllm(Engine):
     }
 
     def rope(self, folder: ServedFolder, length: int) -> EngineRoPE | None:
-        """None for a GGUF file (ropekit exports HF folders for vLLM)."""
+        """None for a GGUF file (ropekit exports HF folders for vLLM); a refusal for a folder
+        written for ropekit's plugin (``--format vllm``), whose architecture stock vLLM does
+        not know."""
         if folder.gguf is not None:
             return None
+        from ropekit.serve.vllm_plugin import ARCHITECTURE
+
+        if ARCHITECTURE in (folder.config.get("architectures") or ()):
+            # vLLM 0.32 resolves config.json's architectures in its ModelRegistry and raises
+            # on a name it lacks (vllm/model_executor/models/registry.py:
+            # _raise_for_unsupported); only the plugin's entry point registers this one.
+            return EngineRoPE(
+                "vllm", "vllm/model_executor/models/registry.py: _raise_for_unsupported",
+                None, None, None,
+                f"architecture {ARCHITECTURE} is not supported (only ropekit's plugin "
+                "registers it)",
+            )  # fmt: skip
+        return self.config_rope(folder, length)
+
+    def config_rope(self, folder: ServedFolder, length: int) -> EngineRoPE:
+        """What vLLM computes from the folder's rope_parameters and length fields at
+        ``length`` tokens (served at the folder's target where vLLM accepts it)."""
         view = vllm_rope(
             folder.config, length, tokenizer_config=folder.tokenizer_config,
             max_model_len=folder.target,
@@ -58,6 +77,22 @@ class Vllm(Engine):
             shorter = vllm_rope(folder.config, length, tokenizer_config=folder.tokenizer_config)
             return dataclasses.replace(shorter, target_refused=view.error)
         return view
+
+    def refusal_fix(self, folder: ServedFolder) -> str:
+        from ropekit.serve.vllm_plugin import ARCHITECTURE
+
+        if ARCHITECTURE not in (folder.config.get("architectures") or ()):
+            return super().refusal_fix(folder)
+        if (folder.record or {}).get("serve_with") is not None:
+            return (
+                "install ropekit in vLLM's environment (pip install --no-deps ropekit): no "
+                "stock engine computes a distance remap"
+            )
+        return (
+            "install ropekit in vLLM's environment (pip install --no-deps ropekit), or export "
+            "with --nearest (default --format hf) for stock vLLM: the nearest shared schedule, "
+            "approximate"
+        )
 
     def length_fix(self, folder: ServedFolder) -> str:
         p, target = folder.rope_parameters, folder.target

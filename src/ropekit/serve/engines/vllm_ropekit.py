@@ -1,11 +1,13 @@
 """vLLM 0.32 with ropekit's plugin (``ropekit.serve.vllm_plugin``): a folder whose
 ``architectures`` name ``RopekitLlamaForCausalLM`` is served by vLLM's own Llama with each
 layer's rotary replaced by the adapter in ``ropekit_adapter/``, per (layer, kv head) and with
-AdaScale's per-head query temperature, within vLLM's noise floor (measured by
-``make test-serving``: docs/serving). Any other folder is stock vLLM's.
+AdaScale's per-head query temperature, within vLLM's tolerance (5x its float32 noise floor,
+measured by ``make test-serving``: docs/serving). Any other folder is stock vLLM's.
 
-Without the plugin, every engine reads the folder's ``rope_parameters``, which hold the
-nearest shared schedule (``ropekit.serve.nearest``): an approximation of the adapter.
+Without the plugin, stock vLLM refuses such a folder (``Vllm.rope``: the architecture is
+unknown to its registry); transformers loads it as a Llama and reads its ``rope_parameters``,
+which hold the nearest shared schedule (``ropekit.serve.nearest``): an approximation of the
+adapter.
 
 Distance remaps (ReRoPE, Leaky ReRoPE, Self-Extend, DCA, STRING) are served by the plugin's
 banded attention over vLLM's paged KV cache (unrotated keys, no extra cache memory): the
@@ -51,29 +53,45 @@ def remap_reach(encoding: Any, original_length: int) -> int | None:
     return None
 
 
+# A remap whose parameters follow the attended length is served with each prompt in one step
+# (``vllm_plugin.check_scheduling`` refuses anything else).
+WHOLE_PROMPTS = (
+    "--no-enable-chunked-prefill --no-enable-prefix-caching --max-num-batched-tokens MAX_MODEL_LEN"
+)
+
+
 def plugin_recipe(encoding: Any) -> dict[str, Any]:
     """How vLLM serves a distance remap through the plugin: the record ``export --format
     vllm`` writes (``serve_with``)."""
+    flags = f" {WHOLE_PROMPTS}" if encoding.dynamic else ""
     return {
         "engine": "vllm+ropekit",
         "recipe": PLUGIN,
         "command": (
-            "vllm serve FOLDER --dtype float32 with ropekit installed in vLLM's environment "
-            "(pip install --no-deps ropekit: its vllm.general_plugins entry point registers "
-            "the model)"
+            f"vllm serve FOLDER --dtype float32{flags} with ropekit installed in vLLM's "
+            "environment (pip install --no-deps ropekit: its vllm.general_plugins entry point "
+            "registers the model)"
         ),
     }
 
 
-def plugin_notes(recipe: dict[str, Any], spec: str) -> list[str]:
+def plugin_notes(recipe: dict[str, Any], spec: str, follows_length: bool = False) -> list[str]:
     """What the export record and ``inspect`` say about a remap served by the plugin."""
+    exact = (
+        "each prompt in one step (its parameters follow the whole prompt's length, which a "
+        "chunk or another request's cached prefix does not see): the plugin refuses chunked "
+        f"prefill and prefix caching ({WHOLE_PROMPTS}); decoding stays exact"
+        if follows_length
+        else "chunked prefill, prefix caching and decoding stay exact"
+    )
     return [
         f"{spec} is computed by {recipe['recipe']} in vLLM (CPU backend): banded attention over "
         "vLLM's paged KV cache, which holds unrotated keys in the slots of rotated ones (no "
-        "extra cache memory; each band's keys are rotated at every step); chunked prefill, "
-        "prefix caching and decoding stay exact (make test-serving)",
-        "without the plugin, transformers, stock vLLM and llama.cpp compute rope_parameters, "
-        "the base schedule without the remap: far from the remap beyond L0",
+        "extra cache memory; each band's keys are rotated at every step); "
+        f"{exact} (make test-serving)",
+        "without the plugin stock vLLM refuses the folder (unknown architecture) and "
+        "transformers computes rope_parameters, the base schedule without the remap: far from "
+        "the remap beyond L0",
     ]
 
 
@@ -98,8 +116,7 @@ class VllmRopekit(Engine):
         from ropekit.serve.nearest import head_frequencies
         from ropekit.serve.vllm_plugin import ADAPTER_DIR, load_adapter_encoding
 
-        stock = Vllm().rope(folder, length)  # vLLM's accepted length holds with the plugin
-        assert stock is not None
+        stock = Vllm().config_rope(folder, length)  # vLLM's length rules hold with the plugin
         recipe = (folder.record or {}).get("serve_with")
         if recipe is not None and recipe["engine"] == self.name:
             # A remap: the base schedule's frequencies, the bands in attention.
