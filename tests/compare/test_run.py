@@ -621,6 +621,10 @@ def test_plan_only_prints_the_plan_and_writes_nothing_even_beside_a_running_comp
     printed = capsys.readouterr().out
     assert printed.startswith("plan: 3 methods") and "verdict" not in printed
     assert "; left (a job in progress counted whole): none (rough" in printed
+    # the probes and the distances they measure, before any work (3 haystacks at 96 and 128)
+    asked = re.search(r"asking 6 probes per run, (\d+) of them at needle distances past "
+                      r"32 \(up to (\d+)\)", printed)  # fmt: skip
+    assert asked and 0 < int(asked[1]) <= 6 and 32 < int(asked[2]) < 128
     assert snapshot() == before
     fresh = tmp_path / "fresh"
     assert main([*argv[: argv.index("--out") + 1], str(fresh), "--plan-only"]) == 0

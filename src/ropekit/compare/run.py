@@ -191,6 +191,7 @@ class _Comparison:
         # Tokens a later haystack of each probe length keeps of the one before it (the whole
         # chunks of their shared filler): for the plan's estimate.
         self.kept: dict[int, int] = {}
+        self.distances: list[int] = []  # of every probe a run asks (the plan counts them)
         self.check_probes_fit(probe)
         probe.cast(COMPUTE_DTYPES[config.dtype])
         self.forward_seconds = forward_seconds(probe)  # for the plan's estimate
@@ -212,10 +213,10 @@ class _Comparison:
         check_probe_sizes(config, lm)
         task, fmt = probe_task(config.task), PromptFormat(self.tokenizer, chat=config.chat)
         for length in config.lengths:
-            first = build_haystack(task, fmt, config, length, 0)
+            hays = [build_haystack(task, fmt, config, length, h) for h in range(config.haystacks)]
             if config.haystacks > 1:
-                second = build_haystack(task, fmt, config, length, 1)
-                self.kept[length] = shared_chunks(first.prefix, second.prefix, lm.prefill_chunk)
+                self.kept[length] = shared_chunks(hays[0].prefix, hays[1].prefix, lm.prefill_chunk)
+            self.distances += [p.distance for hay in hays for p in hay.probes]
 
     def plan(self) -> str:
         """What the comparison will run, said before it starts (finished jobs are reused)."""
@@ -246,6 +247,13 @@ class _Comparison:
             f"(longest {max(max(v) for v in windows.values() if v):,}); {prefills} probe "
             f"prefills"
             + (f" of up to {max(lengths):,} tokens" if lengths else "")
+            + (
+                f" asking {len(self.distances)} probes per run, "
+                f"{sum(d > self.trained_at for d in self.distances)} of them at needle "
+                f"distances past {self.trained_at:,} (up to {max(self.distances):,})"
+                if self.distances
+                else ""
+            )
             + "; finished jobs in the folder are reused"
             + self.estimate()
             + self.running_elsewhere()
