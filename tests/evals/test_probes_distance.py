@@ -44,7 +44,7 @@ from ropekit.results import read_record, read_records
 
 from ..model.tiny import tiny_model as sharp_decoder
 from ..tiny import tiny_model as sharp_llama
-from .models import SuffixCopyLM
+from .models import NearestNumberLM, SuffixCopyLM
 
 GRAIN = 32
 OPTIONS = {"progress": False}
@@ -316,3 +316,18 @@ def test_the_figure_draws_one_line_per_method_and_marks_the_trained_length(tmp_p
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ["trained length 2,048", "reach at 0.8", "a", "b"]
     assert [line.get_xdata()[0] for line in ax.lines if line.get_label().startswith("trained")]
+
+
+# ----------------------------------------------------------------------------- the task
+def test_a_copier_that_reads_no_key_passes_the_noise_haystack_and_fails_the_essays(tmp_path):
+    """RULER's noise haystack holds one number, the needle's value: copying the number
+    nearest the question passes it at every distance. In Paul Graham's essays (the probes'
+    default, niah_single_2) numbers abound, and the same copier fails: the task asks for
+    the value bound to the key."""
+    accuracy = {}
+    for task in ("niah_single_1", "niah_single_2"):
+        config = ProbeConfig((4096,), needles=1, haystacks=12, task=task)
+        result = run_probes(NearestNumberLM(), config, tmp_path / task, **OPTIONS)
+        accuracy[task] = result.overall.accuracy
+    assert ProbeConfig((4096,)).task == "niah_single_2"
+    assert accuracy["niah_single_1"] == 1.0 and accuracy["niah_single_2"] <= 0.25
