@@ -536,7 +536,11 @@ def cmd_search(args: argparse.Namespace) -> int:
     backbone = _load(args)
     result = search(backbone, config, args.out, overwrite=args.overwrite, command=_command())
     seeds = ", ".join(f"{name} {nll:.4f}" for name, nll in result.baselines.items())
-    print(f"best mean NLL {result.nll:.4f} nats/token after {result.forwards} forwards ({seeds})")
+    scored = "of the answer tokens of needle documents" if config.objective == "needle-ppl" else ""
+    print(
+        f"best mean NLL{' ' * bool(scored)}{scored} {result.nll:.4f} nats/token after "
+        f"{result.forwards} forwards ({seeds})"
+    )
     print(f"rotary pairs past their trained angles at {config.target_length} tokens: "
           f"{_pair_list(list(result.unseen_pairs))}")  # fmt: skip
     print(f"wrote {args.out / 'adapter'} ({result.spec}) and {args.out / 'search.json'}")
