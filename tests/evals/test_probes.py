@@ -540,13 +540,16 @@ def test_trained_retriever_answers_probes_as_full_prompts(trained_retriever, tmp
     in that format: with two needles per haystack (a distractor it never saw in training)
     its cached answers are its full-prompt answers, right or wrong; with one needle per
     haystack it reads the 4-digit value (chance: 1e-4 per probe)."""
-    lm = as_language_model(trained_retriever, byte_tok)
     stop = newline_ids(byte_tok)
     fmt = PromptFormat(byte_tok)
-    two = ProbeConfig((128,), needles=2, haystacks=10, task="kv1_shakespeare", grain=8)
+    # 192 bytes: two needles at 128 leave no filler for two cut points behind them; the
+    # reference reads in the probes' chunks (float32: other chunks could flip a near-tie)
+    lm = as_language_model(trained_retriever, byte_tok, chunk_size=16)
+    two = ProbeConfig((192,), needles=2, haystacks=10, task="kv1_shakespeare", grain=16)
     for h in range(two.haystacks):
-        _same_answers(lm, build_haystack(probe_task(two.task), fmt, two, 128, h), stop)
-    one = ProbeConfig((128,), needles=1, haystacks=20, task="kv1_shakespeare", grain=8)
+        _same_answers(lm, build_haystack(probe_task(two.task), fmt, two, 192, h), stop)
+    lm = as_language_model(trained_retriever, byte_tok)
+    one = ProbeConfig((128,), needles=1, haystacks=20, task="kv1_shakespeare", grain=1)
     summary = run_probes(lm, one, tmp_path, **OPTIONS)
     assert summary.overall.n == 20
     assert summary.overall.accuracy >= 0.5, summary.overall
