@@ -36,13 +36,18 @@ def test_eval_probes(model_dir, tmp_path, capsys):
     assert summary["kind"] == "probes" and summary["task"]["name"] == "kv1_shakespeare"
     assert summary["config"]["needles"] == 3 and summary["config"]["seed"] == 4
     assert summary["overall"]["confidence"] == 0.9 and summary["probes_per_length"] == 6
-    for e in summary["by_length"]:
+    for e in summary["by_distance"]:
         line = (
-            f"length {e['length']:>7}: accuracy {e['accuracy']:.2f} [{e['low']:.2f}, "
-            f"{e['high']:.2f}] ({e['correct']}/6 probes, 2 prefills)"
+            f"distance ({e['low_distance']:>7,}, {e['high_distance']:>7,}]: accuracy "
+            f"{e['accuracy']:.2f} [{e['low']:.2f}, {e['high']:.2f}] ({e['correct']}/{e['n']} "
+            "probes)"
         )
         assert line in printed
-    assert str(out / "summary.json") in printed and str(out / "heatmap.png") in printed
+    assert sum(e["n"] for e in summary["by_distance"]) == 12
+    assert f"reach: {summary['reach']['distance']:,} tokens" in printed
+    assert summary["trained_length"] > 0  # the pretrained decoder's context
+    assert str(out / "summary.json") in printed
+    assert str(out / "accuracy_vs_distance.png") in printed
 
 
 def test_eval_probes_bad_needles_is_one_line(model_dir, tmp_path, capsys):

@@ -371,15 +371,16 @@ def add_eval_probes(kinds: argparse._SubParsersAction) -> None:
 
     q = kinds.add_parser(
         "probes",
-        help="retrieval accuracy over lengths and depths, many probes per long prefill "
-        "(Wilson intervals)",
-        description="Each haystack carries one key/value needle per depth; it is read once and "
-        "every key is asked from the same cached prefix.",
+        help="retrieval accuracy against needle distance and the reach, many probes per long "
+        "prefill (Wilson intervals)",
+        description="Each haystack carries key/value needles near its start; it is read once "
+        "and each key is asked from its own cut point of the cached prefill, so one prefill "
+        "measures several distances.",
     )
     _model_args(q)
     _dtype(q)
     fields = add_options(q, ProbeConfig, required=("lengths",))
-    _out(q, "folder for summary.json, figures and the resumable per-length stages")
+    _out(q, "folder for summary.json, the figure and the resumable per-length stages")
     _overwrite(q, "recompute stages made with other settings or another model")
     _yes(q)
     q.set_defaults(func=cmd_eval_probes, fields=fields)
@@ -399,11 +400,12 @@ def cmd_eval_probes(args: argparse.Namespace) -> int:
         spec=_spec_of(backbone),
         command=_command(),
         overwrite=args.overwrite,
+        trained_length=backbone.training_length,
     )
-    for e in result.by_length:
+    for e in result.by_distance:
         print(
-            f"length {e.length:>7}: accuracy {e.accuracy:.2f} "
-            f"[{e.low:.2f}, {e.high:.2f}] ({e.correct}/{e.n} probes, {e.haystacks} prefills)"
+            f"distance ({e.low_distance:>7,}, {e.high_distance:>7,}]: accuracy {e.accuracy:.2f} "
+            f"[{e.low:.2f}, {e.high:.2f}] ({e.correct}/{e.n} probes)"
             + (
                 f"; {e.substring.correct}/{e.n} by RULER's substring rule"
                 if e.substring is not None and e.substring.correct != e.correct
@@ -416,8 +418,14 @@ def cmd_eval_probes(args: argparse.Namespace) -> int:
                 else ""
             )
         )
+    if result.reach is not None:
+        print(
+            f"reach: {result.reach.distance:,} tokens (every distance bin up to it at accuracy "
+            f">= {result.reach.accuracy:g}; {result.overall.n} probes, "
+            f"{sum(e.haystacks for e in result.by_length)} prefills)"
+        )
     paths = result.paths
-    print(f"wrote {paths['summary']}, {paths['accuracy_vs_length']} and {paths['heatmap']}")
+    print(f"wrote {paths['summary']} and {paths['accuracy_vs_distance']}")
     return 0
 
 
@@ -567,7 +575,11 @@ def cmd_search(args: argparse.Namespace) -> int:
     _check_work(args, backbone, "search", {config.target_length: config.budget})
     result = search(backbone, config, args.out, overwrite=args.overwrite, command=_command())
     seeds = ", ".join(f"{name} {nll:.4f}" for name, nll in result.baselines.items())
-    print(f"best mean NLL {result.nll:.4f} nats/token after {result.forwards} forwards ({seeds})")
+    scored = "of the answer tokens of needle documents" if config.objective == "needle-ppl" else ""
+    print(
+        f"best mean NLL{' ' * bool(scored)}{scored} {result.nll:.4f} nats/token after "
+        f"{result.forwards} forwards ({seeds})"
+    )
     print(f"rotary pairs past their trained angles at {config.target_length} tokens: "
           f"{_pair_list(list(result.unseen_pairs))}")  # fmt: skip
     print(f"wrote {args.out / 'adapter'} ({result.spec}) and {args.out / 'search.json'}")

@@ -7,6 +7,8 @@ Holds:
                    earlier position whose preceding tokens match the longest suffix of the
                    context, and copies the token found there. `window` limits how far back it
                    may attend: a model whose attention does not reach the needle.
+    NearestNumberLM  a `LanguageModel` (the protocol, no network) that answers every question
+                   with the number nearest it in the prompt: a copier that reads no key.
     tiny_decoder   a randomly initialised 1-layer ropekit Decoder.
     tiny_llama     the shared tiny Llama (tests/tiny.py) over bytes, context 4096.
 
@@ -15,6 +17,7 @@ Shapes: B batch · T new tokens · S all tokens (cached + new) · V vocabulary.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,6 +109,44 @@ class SuffixCopyLM(nn.Module):
         # A query that sees no key (the very first token) predicts uniformly.
         probs = torch.where(allowed_t.any(-1)[None, :, None], probs, 1.0 / self.vocab_size)
         return Output(torch.log(probs + 1e-9), None, cache)
+
+
+class NearestNumberLM:
+    """Answers " <n>." with n the last number before the question ("\nWhat is") in its
+    prompt: what a model passes a haystack with by copying the one thing in it that looks
+    like an answer, without binding it to the key asked. Bytes; the protocol only."""
+
+    def __init__(self):
+        from ropekit.data import ByteTokenizer
+
+        self.tokenizer = ByteTokenizer()
+        self.eos_ids: frozenset[int] = frozenset()
+        self.kv_bytes_per_token = None
+
+    def _answer(self, ids, budget: int) -> list[int]:
+        text = self.tokenizer.decode(list(ids))
+        numbers = re.findall(r"\d+", text[: text.rfind("\nWhat is")])
+        return self.tokenizer.encode(f" {numbers[-1]}." if numbers else " none.")[:budget]
+
+    def greedy(self, prompts, max_new_tokens, stop=()):
+        return [self._answer(p, max_new_tokens) for p in prompts]
+
+    def greedy_after_prefixes(self, prompts, stop=()):
+        for p in prompts:
+            cuts, budgets = p.cut_points(), p.max_new_tokens
+            yield [
+                self._answer([*p.prefix[:c], *q], b)
+                for c, q, b in zip(cuts, p.questions, budgets, strict=True)
+            ]
+
+    def token_nll(self, input_ids):
+        raise NotImplementedError("NearestNumberLM only answers")
+
+    def describe(self):
+        return {"model": "nearest-number copier"}
+
+    def identity(self):
+        return {"model": "nearest-number copier"}
 
 
 def tiny_decoder(seed: int = 0, encoding: str = "rope"):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +45,7 @@ from ..tiny import tiny_model as sharp_llama
 from .models import SuffixCopyLM, tiny_llama
 
 OPTIONS = {"progress": False}
+GRAIN = 8  # cut points every 8 tokens: several behind the needles of a few hundred bytes
 
 
 class RunCounter:
@@ -66,7 +66,7 @@ class RunCounter:
 
 
 def _haystack(lm, length=384, needles=4, index=0, task="niah_single_2", chat=False, **options):
-    config = ProbeConfig((length,), needles=needles, task=task, chat=chat, **options)
+    config = ProbeConfig((length,), needles=needles, task=task, chat=chat, grain=GRAIN, **options)
     fmt = PromptFormat(lm.tokenizer, chat=chat)
     return build_haystack(probe_task(task), fmt, config, length, index)
 
@@ -84,8 +84,7 @@ def test_haystack_shares_one_prefix_and_fits_its_length(byte_tok):
     hay = _haystack(lm, length=512, needles=5)
     text = byte_tok.decode(list(hay.prefix))
     assert len({p.key for p in hay.probes}) == len({p.value for p in hay.probes}) == 5
-    assert sorted(p.depth for p in hay.probes) == [0.0, 0.25, 0.5, 0.75, 1.0]
-    longest = max(len(hay.prompt(p)) + p.max_new_tokens for p in hay.probes)
+    longest = max(len(hay.prefix) + len(p.question) + p.max_new_tokens for p in hay.probes)
     assert 512 - 8 < longest <= 512  # filled to the length, answer budget included
     for p in hay.probes:
         needle = f"The value of key {p.key} is {p.value}."
@@ -93,22 +92,9 @@ def test_haystack_shares_one_prefix_and_fits_its_length(byte_tok):
         assert byte_tok.decode(list(hay.prefix[p.needle_position :])).startswith(needle)
         question = byte_tok.decode(list(p.question))
         assert question == f"\nWhat is the value of key {p.key}? The value of key {p.key} is"
-        assert hay.prompt(p) == [*hay.prefix, *p.question]
+        assert hay.prompt(p) == [*hay.prefix[: p.cut], *p.question]
     by_depth = sorted(hay.probes, key=lambda p: p.depth)
-    measured = [p.needle_depth for p in by_depth]
-    assert measured == sorted(measured) and measured[0] == 0.0 and measured[-1] == 1.0
-    assert all(abs(p.needle_depth - p.depth) < 0.1 for p in hay.probes)
-
-
-def test_needles_are_the_same_at_every_length_and_differ_between_haystacks(byte_tok):
-    lm = as_language_model(SuffixCopyLM(), byte_tok)
-    short, long = _haystack(lm, length=384), _haystack(lm, length=768)
-    assert [(p.key, p.value, p.depth) for p in short.probes] == [
-        (p.key, p.value, p.depth) for p in long.probes
-    ]
-    assert len(long.prefix) > len(short.prefix)
-    other = _haystack(lm, length=384, index=1)
-    assert {p.key for p in other.probes}.isdisjoint({p.key for p in short.probes})
+    assert all(p.needle_depth < 0.1 for p in by_depth)  # near the start
 
 
 def test_a_haystack_of_distractor_needles(byte_tok):
@@ -135,11 +121,11 @@ def test_the_prefix_is_read_once_per_haystack(byte_tok):
     counter = RunCounter(lm)
     answer_probes(lm, hay, ())  # stop=(): every probe generates its whole budget
     questions = sum(len(p.question) + p.max_new_tokens - 1 for p in hay.probes)
-    assert counter.tokens == len(hay.prefix) + questions
-    assert counter.prefills == 1 + len(hay.probes)  # the prefix, then each question
+    longest = max(p.cut for p in hay.probes)  # nothing past the longest cut is read
+    assert counter.tokens == longest + questions
     counter.tokens = 0
     answer_separately(lm, hay, ())
-    assert counter.tokens == len(hay.probes) * len(hay.prefix) + questions
+    assert counter.tokens == sum(p.cut for p in hay.probes) + questions
 
 
 class QuestionLogits:
@@ -166,7 +152,10 @@ class QuestionLogits:
 
 
 def _haystacks(lm, count=3, length=300, task="niah_single_1"):
-    config = ProbeConfig((length,), needles=1, haystacks=count, task=task)
+    # one needle anywhere in the first half: the haystacks share their filler up to it
+    config = ProbeConfig(
+        (length,), needles=1, haystacks=count, task=task, grain=32, needles_within=0.5
+    )
     fmt = PromptFormat(lm.tokenizer)
     return [build_haystack(probe_task(task), fmt, config, length, h) for h in range(count)]
 
@@ -216,7 +205,7 @@ def test_haystacks_read_their_shared_filler_once_bit_for_bit(byte_tok, encoding,
         for a, b in itertools.pairwise(hays)
     ]
     kept = [c // chunk * chunk for c in common]
-    assert all(prefix // 3 < k < prefix for k in kept)
+    assert all(0 < k < prefix for k in kept)
     counter, logits = RunCounter(lm), QuestionLogits(lm, prefix)
     shared = list(answer_haystacks(lm, hays, ()))
     shared_logits, shared_tokens = logits.take(), counter.tokens
@@ -226,7 +215,8 @@ def test_haystacks_read_their_shared_filler_once_bit_for_bit(byte_tok, encoding,
     assert shared == alone
     assert len(shared_logits) == len(alone_logits) > len(hays)
     assert all(torch.equal(a, b) for a, b in zip(shared_logits, alone_logits, strict=True))
-    assert shared_tokens == counter.tokens - sum(kept)  # the shared chunks were read once
+    # the shared chunks were read once (and nothing past a haystack's one cut)
+    assert shared_tokens == counter.tokens - sum(kept)
 
 
 @pytest.mark.parametrize(
@@ -269,7 +259,7 @@ def test_hugging_face_dynamic_schedule_answers_from_the_cropped_cache(byte_tok):
     # fresh cache, with the prefix and the question in separate forwards.
     model = sharp_llama("llama", vocab_size=256).double()  # original length 32
     patch(model, "dynamic-ntk:factor=2")
-    lm = as_language_model(model, byte_tok, chunk_size=1000)
+    lm = as_language_model(model, byte_tok, chunk_size=GRAIN)  # chunks end at every cut
     hay = _haystack(lm, length=300, needles=3)
     answers = answer_probes(lm, hay, ())
     expected = []
@@ -293,7 +283,7 @@ def test_chat_prompts_share_the_prefix_and_match_full_prompts(bpe_tok):
 
 
 # ----------------------------------------------------------------------------- the run
-CONFIG = ProbeConfig((384, 768), needles=4, haystacks=3, seed=1)
+CONFIG = ProbeConfig((384, 768), needles=4, haystacks=3, seed=1, grain=GRAIN)
 
 
 def test_run_writes_records_and_wilson_summaries_and_tells_retrievers_apart(tmp_path, byte_tok):
@@ -310,16 +300,13 @@ def test_run_writes_records_and_wilson_summaries_and_tells_retrievers_apart(tmp_
         assert entry.n == 12 and entry.haystacks == 3
         assert entry.other_needle == entry.nearest_needle == 0  # no wrong answer
         assert (entry.low, entry.high) == wilson_interval(entry.correct, 12)
-    assert [d.depth for d in copy.by_depth] == pytest.approx([0, 1 / 3, 2 / 3, 1])
-    assert all(d.n == 6 for d in copy.by_depth)
-    assert len(copy.cells) == 8 and all(c.n == 3 for c in copy.cells)
-    cell = short.cells[0]
-    assert (cell.low, cell.high) == wilson_interval(0, 3) and cell.high > 0.5
+    assert sum(e.n for e in copy.by_distance) == 24 and copy.reach.distance > 0
+    assert short.reach.distance == 0 and all(e.correct == 0 for e in short.by_distance)
 
     out = tmp_path / "copy"
     saved = json.loads((out / "summary.json").read_text())
     assert saved["kind"] == "probes" and saved["overall"] == encode(copy.overall)
-    assert (out / "accuracy_vs_length.png").is_file() and (out / "heatmap.png").is_file()
+    assert (out / "accuracy_vs_distance.png").is_file()
     for entry in copy.by_length:
         stage = out / str(entry.length)
         records = read_records(stage / "probes.jsonl")
@@ -327,6 +314,7 @@ def test_run_writes_records_and_wilson_summaries_and_tells_retrievers_apart(tmp_
         assert {r["stage"] for r in records} == {entry.stage}
         assert all(r["correct"] and r["contains"] for r in records)
         assert all(r["prompt_tokens"] < entry.length for r in records)
+        assert all(r["distance"] == r["cut"] - r["needle_position"] > 0 for r in records)
         stage_summary = json.loads((stage / "summary.json").read_text())
         assert stage_summary["kind"] == "probe-stage" and stage_summary["complete"]
         assert stage_summary["provenance"]["probes"]["length"] == entry.length
@@ -350,7 +338,7 @@ def test_wrong_answers_naming_another_needle_are_counted_per_haystack_and_length
     ]
     assert distractor_answers(records[:4]) == {"other_needle": 2, "nearest_needle": 1}
     assert distractor_answers(records) == {"other_needle": 3, "nearest_needle": 1}
-    summary = summarize_records([{**r, "depth": 0.0, "needle_depth": 0.0} for r in records])
+    summary = summarize_records([{**r, "distance": 1} for r in records], [0, 1000], 0.5)
     assert [(e["other_needle"], e["nearest_needle"]) for e in summary["by_length"]] == [
         (2, 1),
         (1, 0),
@@ -372,12 +360,15 @@ def test_each_length_has_its_accuracy_by_the_substring_rule_beside_exact_match()
         rec(100, 2, "2222", "2223"),  # wrong by both
         rec(200, 0, "3333", "the value is 3333"),  # right by the substring rule only
     ]
-    by_length = summarize_records(records)["by_length"]
+    records = [{**r, "distance": 1} for r in records]
+    by_length = summarize_records(records, [0, 1000], 0.5)["by_length"]
     assert [(e["correct"], e["substring"]["correct"]) for e in by_length] == [(1, 2), (0, 1)]
     assert (by_length[0]["substring"]["low"], by_length[0]["substring"]["high"]) == (
         wilson_interval(2, 3)
     )
-    unknown = summarize_records([{k: v for k, v in r.items() if k != "contains"} for r in records])
+    unknown = summarize_records(
+        [{k: v for k, v in r.items() if k != "contains"} for r in records], [0, 1000], 0.5
+    )
     assert all(e["substring"] is None for e in unknown["by_length"])
 
 
@@ -402,7 +393,7 @@ def test_a_summary_from_before_the_substring_rule_reads_as_unknown_and_a_rerun_c
     again = run_probes(lm, CONFIG, tmp_path, **OPTIONS)
     assert counter.tokens == 0
     assert again.by_length == first.by_length
-    assert json.loads(path.read_text())["format_version"] == 4
+    assert json.loads(path.read_text())["format_version"] == VERSION
 
 
 def test_a_finished_run_makes_no_model_call_and_a_partial_one_prefills_only_what_is_missing(
@@ -421,7 +412,11 @@ def test_a_finished_run_makes_no_model_call_and_a_partial_one_prefills_only_what
     kept = [r for r in records if r["haystack"] != 2]
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
     resumed = run_probes(lm, CONFIG, tmp_path, **OPTIONS)
-    assert counter.prefills == 1 + CONFIG.needles  # one haystack's prefix and its questions
+    hay = build_haystack(probe_task(CONFIG.task), PromptFormat(byte_tok), CONFIG, 768, 2)
+    questions = sum(len(p.question) + p.max_new_tokens - 1 for p in hay.probes)
+    # one haystack's prefix up to its longest cut, and its questions (the copy model's
+    # answers run their whole budget: it never emits a newline token before it)
+    assert counter.tokens <= max(p.cut for p in hay.probes) + questions
 
     def answers(rows):  # all but the wall time
         return [{k: v for k, v in r.items() if k != "haystack_seconds"} for r in rows]
@@ -433,7 +428,7 @@ def test_a_finished_run_makes_no_model_call_and_a_partial_one_prefills_only_what
 
 def test_other_settings_in_the_same_folder_are_refused_unless_overwritten(tmp_path, byte_tok):
     lm = as_language_model(SuffixCopyLM(), byte_tok)
-    config = ProbeConfig((300,), needles=2, haystacks=1)
+    config = ProbeConfig((300,), needles=2, haystacks=1, grain=GRAIN)
     run_probes(lm, config, tmp_path, **OPTIONS)
     other = dataclasses.replace(config, seed=5)
     with pytest.raises(ProvenanceMismatch, match=r"probes\.seed is 0 there, 5 now"):
@@ -448,7 +443,10 @@ def test_other_settings_in_the_same_folder_are_refused_unless_overwritten(tmp_pa
 
 def test_hugging_face_model_end_to_end(tmp_path, byte_tok):
     summary = run_probes(
-        tiny_llama(), ProbeConfig((300,), needles=2, haystacks=1), tmp_path, tokenizer=byte_tok
+        tiny_llama(),
+        ProbeConfig((300,), needles=2, haystacks=1, grain=GRAIN),
+        tmp_path,
+        tokenizer=byte_tok,
     )
     assert summary.overall.n == 2 and summary.model["backbone"] == "hf"
 
@@ -481,6 +479,10 @@ def test_exact_match(prediction, value, expected):
         ({"haystacks": 1.5}, "haystacks=1.5 is not allowed"),
         ({"max_new_tokens": 0}, "max_new_tokens=0 is not allowed"),
         ({"confidence": 1.0}, "confidence=1.0 is not allowed; allowed: 0 < confidence < 1"),
+        ({"grain": 0}, "grain=0 is not allowed; allowed: None or an integer >= 1"),
+        ({"bins": 0}, "bins=0 is not allowed; allowed: an integer >= 1"),
+        ({"needles_within": 1.0}, "needles_within=1.0 is not allowed; allowed: 0 <= value < 1"),
+        ({"reach_accuracy": 0}, "reach_accuracy=0 is not allowed; allowed: 0 < value <= 1"),
         ({"task": "cwe"}, "task='cwe' is not allowed for probes: it is a common_words task"),
         ({"task": "niah_multivalue"}, "asking 1 key.s. with 4 value.s."),
         ({"task": "nope"}, "task='nope' is not allowed; allowed: "),
@@ -523,7 +525,7 @@ def test_probes_speak_only_the_language_model_protocol(tmp_path, byte_tok):
         def identity(self):
             return inner.identity()
 
-    config = ProbeConfig((256,), needles=2, haystacks=1)
+    config = ProbeConfig((256,), needles=2, haystacks=1, grain=GRAIN)
     plain = run_probes(Delegating(), config, tmp_path / "plain")
     ours = run_probes(inner, config, tmp_path / "ours")
     assert plain.by_length == ours.by_length
@@ -538,13 +540,16 @@ def test_trained_retriever_answers_probes_as_full_prompts(trained_retriever, tmp
     in that format: with two needles per haystack (a distractor it never saw in training)
     its cached answers are its full-prompt answers, right or wrong; with one needle per
     haystack it reads the 4-digit value (chance: 1e-4 per probe)."""
-    lm = as_language_model(trained_retriever, byte_tok)
     stop = newline_ids(byte_tok)
     fmt = PromptFormat(byte_tok)
-    two = ProbeConfig((128,), needles=2, haystacks=10, task="kv1_shakespeare")
+    # 192 bytes: two needles at 128 leave no filler for two cut points behind them; the
+    # reference reads in the probes' chunks (float32: other chunks could flip a near-tie)
+    lm = as_language_model(trained_retriever, byte_tok, chunk_size=16)
+    two = ProbeConfig((192,), needles=2, haystacks=10, task="kv1_shakespeare", grain=16)
     for h in range(two.haystacks):
-        _same_answers(lm, build_haystack(probe_task(two.task), fmt, two, 128, h), stop)
-    one = ProbeConfig((128,), needles=1, haystacks=20, task="kv1_shakespeare")
+        _same_answers(lm, build_haystack(probe_task(two.task), fmt, two, 192, h), stop)
+    lm = as_language_model(trained_retriever, byte_tok)
+    one = ProbeConfig((128,), needles=1, haystacks=20, task="kv1_shakespeare", grain=1)
     summary = run_probes(lm, one, tmp_path, **OPTIONS)
     assert summary.overall.n == 20
     assert summary.overall.accuracy >= 0.5, summary.overall
@@ -577,7 +582,10 @@ def test_sizes_that_cannot_run_are_refused_at_once_and_leave_the_folder(
 
 def test_a_length_refused_leaves_the_other_lengths_folders_as_they_were(tmp_path, byte_tok):
     with pytest.raises(TaskDoesNotFit):
-        run_probes(SuffixCopyLM(), ProbeConfig((150, 512), needles=3), tmp_path, tokenizer=byte_tok)
+        run_probes(
+            SuffixCopyLM(), ProbeConfig((150, 512), needles=3, grain=GRAIN), tmp_path,
+            tokenizer=byte_tok,
+        )  # fmt: skip
     assert list(tmp_path.iterdir()) == []
 
 
@@ -586,7 +594,7 @@ def test_the_summary_is_a_typed_record_and_an_untyped_one_is_migrated(tmp_path, 
     untyped writer (format_version 2, as a running comparison's probes are) reads the same,
     its distractor counts None where they were not counted yet; a renamed field is refused,
     and the folder is then not reused."""
-    config = ProbeConfig((300,), needles=2, haystacks=1)
+    config = ProbeConfig((300,), needles=2, haystacks=1, grain=GRAIN)
     summary = run_probes(SuffixCopyLM(), config, tmp_path, tokenizer=byte_tok, **OPTIONS)
     path = tmp_path / "summary.json"
     assert read_record(path, ProbesResult) == summary and summary.task.name == config.task
@@ -597,38 +605,12 @@ def test_the_summary_is_a_typed_record_and_an_untyped_one_is_migrated(tmp_path, 
     path.write_text(json.dumps({**data, "format_version": 2}))
     old = read_record(path, ProbesResult)
     assert old.by_length[0].other_needle is None
-    assert dataclasses.replace(old, by_length=summary.by_length) == summary
+    assert old.by_distance == () and old.reach is None  # from before distances
+    fields = ("by_length", "by_distance", "reach", "trained_length")
+    assert dataclasses.replace(old, **{f: getattr(summary, f) for f in fields}) == summary
     data["by_length"][0]["prefills"] = data["by_length"][0].pop("haystacks")
     path.write_text(json.dumps(data))
     with pytest.raises(ResultError, match=r"probes\.by_length\[0\]\.prefills is not a field"):
         read_record(path, ProbesResult)
     with pytest.raises(ResultError, match=r"by_length\[0\]\.prefills is not a field"):
         run_probes(SuffixCopyLM(), config, tmp_path, tokenizer=byte_tok, **OPTIONS)
-
-
-def test_the_accuracy_figure_draws_the_substring_rule_only_where_it_differs(tmp_path, monkeypatch):
-    """YaRN x4 in experiment E: 3/5 exact and 4/5 by the substring rule at 32k: two series,
-    each with its Wilson interval; where the rules agree everywhere, one."""
-    from ropekit.evals import probes
-    from ropekit.evals.intervals import accuracy_entry
-
-    drawn = []
-    monkeypatch.setattr(probes, "save", lambda fig, path: drawn.append(fig) or Path(path))
-
-    def entry(length, correct, substring):
-        return probes.LengthAccuracy(
-            **accuracy_entry(correct, 5), other_needle=0, nearest_needle=0, length=length,
-            substring=probes.Accuracy(**accuracy_entry(substring, 5)), haystacks=5,
-            mean_prefix_tokens=float(length), stage="s",
-        )  # fmt: skip
-
-    differs = [entry(16384, 4, 4), entry(32768, 3, 4)]
-    probes.plot_accuracy(differs, tmp_path / "a.png")
-    probes.plot_accuracy([entry(16384, 4, 4)], tmp_path / "b.png")
-    series = [fig.axes[0].containers for fig in drawn]
-    assert [len(s) for s in series] == [2, 1]
-    by_rule = series[0][1].lines[0].get_ydata()
-    assert list(by_rule) == [0.8, 0.8] and list(series[0][0].lines[0].get_ydata()) == [0.8, 0.6]
-    assert [t.get_text() for t in drawn[0].axes[0].get_legend().get_texts()] == [
-        "exact match", "RULER's substring rule",
-    ]  # fmt: skip

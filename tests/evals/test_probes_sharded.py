@@ -14,6 +14,7 @@ import ropekit.evals.probes as probes_module
 from ropekit.data import heldout_stream
 from ropekit.evals import PerplexityConfig, as_language_model, evaluate_perplexity
 from ropekit.evals.probes import ProbeConfig, run_probes
+from ropekit.results import read_records
 
 from ..processes import run_ranks
 from .models import SuffixCopyLM, tiny_decoder
@@ -36,7 +37,9 @@ def _answers(summary):
 
 @pytest.mark.parametrize("world", [2, 4])  # 4 ranks for 3 haystacks: one answers none
 def test_probes_shared_by_processes_equal_one_process(tmp_path, byte_tok, monkeypatch, world):
-    one = run_probes(SuffixCopyLM(), CONFIG, tmp_path / "one", tokenizer=byte_tok, progress=False)
+    single = as_language_model(SuffixCopyLM(), byte_tok)
+    read_by_one = RunCounter(single)
+    one = run_probes(single, CONFIG, tmp_path / "one", progress=False)
     writers: dict[str, list[str]] = {}
 
     def recording(write, where):
@@ -47,7 +50,11 @@ def test_probes_shared_by_processes_equal_one_process(tmp_path, byte_tok, monkey
 
         return wrapper
 
-    for name, where in (("write_result", 0), ("write_records", 0), ("plot_heatmap", 1)):
+    for name, where in (
+        ("write_result", 0),
+        ("write_records", 0),
+        ("plot_accuracy_vs_distance", 1),
+    ):
         monkeypatch.setattr(probes_module, name, recording(getattr(probes_module, name), where))
     lms = [as_language_model(SuffixCopyLM(), byte_tok) for _ in range(world)]
     counters = [RunCounter(lm) for lm in lms]
@@ -61,10 +68,17 @@ def test_probes_shared_by_processes_equal_one_process(tmp_path, byte_tok, monkey
         assert _answers(summary) == _answers(one)
     assert set(writers) == {"rank-0"}
     # The ranks take the haystacks in turns (haystack h of each length: rank h % world), each
-    # prefilled once, with its questions after it.
-    per_haystack = 1 + CONFIG.needles
-    expected = [2 * sum(h % world == r for h in range(3)) * per_haystack for r in range(world)]
-    assert [c.prefills for c in counters] == expected
+    # read once, by one rank: together they read what one process reads, and a rank without
+    # a haystack reads nothing.
+    # (one process also keeps the preamble's chunks from one haystack to the next)
+    shortest = min(
+        max(r["cut"] for r in records if r["haystack"] == h)
+        for n in CONFIG.lengths
+        if (records := read_records(tmp_path / "one" / str(n) / "probes.jsonl"))
+        for h in range(CONFIG.haystacks)
+    )
+    assert read_by_one.tokens <= sum(c.tokens for c in counters) < read_by_one.tokens + shortest
+    assert [c.tokens > 0 for c in counters] == [r < 3 for r in range(world)]
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -1,5 +1,6 @@
 """The report's probes section: accuracies with their Wilson intervals read from the summaries
-`ropekit.evals.probes` writes, per length and per depth, with the figures beside them."""
+`ropekit.evals.probes` writes, per length and per needle distance, with the reach and the
+figures beside them."""
 
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ def test_probes_section_reads_every_interval_from_the_summaries(tmp_path):
             f"{e['accuracy']:.2f} [{e['low']:.2f}, {e['high']:.2f}]" for e in summary["by_length"]
         )
         assert f"| {name} | `copy-{name}` | niah_single_2 | 4 | 2 | {cells} |" in md
-        depths = " | ".join(
-            f"{e['accuracy']:.2f} [{e['low']:.2f}, {e['high']:.2f}]" for e in summary["by_depth"]
+        reach = f"{summary['reach']['distance']:,} (>= 0.8)"
+        bins = " | ".join(
+            f"{e['accuracy']:.2f} [{e['low']:.2f}, {e['high']:.2f}]" for e in summary["by_distance"]
         )
-        assert f"| {name} | `copy-{name}` | {depths} |" in md
-        assert f"({name}/heatmap.png)" in md and f"({name}/accuracy_vs_length.png)" in md
+        assert f"| {name} | `copy-{name}` | {reach} | {bins} |" in md
+        assert f"({name}/accuracy_vs_distance.png)" in md
     assert "| reads | `copy-reads` | niah_single_2 | 4 | 2 | 1.00 [0.51, 1.00] |" in md
     assert "0.00 [0.00, 0.49]" in md  # the blind model: 0 of 4, Wilson's upper end
 

@@ -676,3 +676,48 @@ def test_one_parent_is_said_not_silent(base_dir, tmp_path):
     config = SearchConfig(TARGET, samples=1, budget=3, population=3, parents=1, chunk=64)
     with pytest.warns(UserWarning, match=r"parents=1: no crossover"):
         search(Decoder.load(base_dir).eval(), config, tmp_path / "s", progress=False)
+
+
+def test_needle_ppl_scores_the_answer_tokens_of_needle_documents_each_its_own_passkey(
+    base_dir, tmp_path
+):
+    """LongRoPE2's needle-driven perplexity: each scoring sample becomes a needle document
+    (its own passkey woven into its text, asked at its end), and a candidate's fitness is the
+    mean NLL of the answer's tokens only, not of the text around them."""
+    backbone = as_backbone(Decoder.load(base_dir).eval())
+    context = {"factor": TARGET / CONTEXT, "original_length": CONTEXT}
+    plain = _Scorer(backbone, SearchConfig(TARGET, samples=3, budget=24, chunk=64), tmp_path / "p",
+                    "s", context)  # fmt: skip
+    config = SearchConfig(TARGET, samples=3, budget=24, chunk=64, objective="needle-ppl")
+    scorer = _Scorer(backbone, config, tmp_path / "c.jsonl", "s", context)
+    tok = backbone.require_tokenizer()
+    keys = []
+    for ids, answer, text_ids in zip(scorer.samples, scorer.scored, plain.samples, strict=True):
+        text = tok.decode(ids[0].tolist())
+        key = re.search(r"The pass key is (\d+)\. Remember it\.", text)[1]
+        assert text.endswith(f"What is the pass key? The pass key is {key}.\n")
+        # the labels scored are the answer's: the tokens of the key after the question
+        assert tok.decode(ids[0, 1:][answer].tolist()).strip() == key
+        assert ids.shape == text_ids.shape  # the document keeps the sample's length
+        keys.append(key)
+    assert len(set(keys)) == 3  # independent probes: every document its own passkey
+    factors = initial_factors(16, 10000.0, TARGET / CONTEXT, CONTEXT)["yarn"]
+    fitness = scorer(factors, "yarn")
+    by_hand = [float(backbone.token_nll(ids, 64)[0][answer].double().mean())
+               for ids, answer in zip(scorer.samples, scorer.scored, strict=True)]  # fmt: skip
+    assert fitness == pytest.approx(np.mean(by_hand), rel=1e-12)
+    assert fitness != pytest.approx(plain(factors, "yarn"), rel=1e-3)  # not every token's
+
+
+def test_the_objective_is_recorded_and_an_older_search_reads_as_perplexity(base_dir, tmp_path):
+    config = SearchConfig(TARGET, samples=1, budget=3, objective="needle-ppl")
+    result = search(Decoder.load(base_dir), config, tmp_path, progress=False, log=lambda _: None)
+    path = tmp_path / "search.json"
+    record = read_record(path, SearchRecord)
+    assert record.config.objective == "needle-ppl" and record.nll == result.nll
+    data = json.loads(path.read_text())
+    del data["config"]["objective"]  # as a search written before the objective was chosen
+    path.write_text(json.dumps(data))
+    assert read_record(path, SearchRecord).config.objective == "ppl"
+    with pytest.raises(ValueError, match="objective='nll' is not allowed; allowed: ppl, needle"):
+        SearchConfig(TARGET, objective="nll")

@@ -58,10 +58,15 @@ class CompareConfig:
     # score all its documents, not only its validation split (KJV's split holds no book of
     # 32k tokens; all of it holds several)
     whole_untrained_corpora: bool = False
-    # retrieval probe lengths (tokens); None: L0 and N; empty ('' on the command line): none
+    # retrieval probe haystack lengths (tokens); None: N, whose cut points ask distances up
+    # to N; empty ('' on the command line): none
     probe_lengths: tuple[int, ...] | None = None
-    probe_needles: int = 5  # K: needles per haystack, each asked once from the cached prefix
-    probe_haystacks: int = 4  # H: haystacks per length and run; K x H probes per length and run
+    # K: needles near the start of each haystack, each asked once from its own cut point of
+    # the cached prefill; 12 x 5 haystacks at N = 4 L0 ask about 45 probes past L0 per run
+    # for 5 prefills of N (experiment E's 5 probes per length read 5 of N/2 and 5 of N: 64-79
+    # minutes a method, a whole 32k haystack 542-871 s)
+    probe_needles: int = 12
+    probe_haystacks: int = 5  # H: haystacks per length and run; K x H probes per length and run
     probe_task: str = "niah_single_2"  # the probes' format: a niah task asking one key's value
     # trained methods: probe the runs of their first k seeds only (None: every seed); one
     # probe is one long prefill, the costliest job of a long comparison
@@ -153,7 +158,7 @@ class CompareConfig:
     def retrieval_lengths(self, trained_at: int) -> tuple[int, ...]:
         """The probe lengths; () when probes are off (an empty ``probe_lengths``)."""
         if self.probe_lengths is None:
-            return tuple(sorted({trained_at, self.target_length}))
+            return (self.target_length,)
         return tuple(sorted(set(self.probe_lengths)))
 
     def heldout_split(self, domain: str) -> str:

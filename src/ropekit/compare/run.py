@@ -124,8 +124,9 @@ class Comparison:
         self.tokenizer = probe.require_tokenizer()
         self.streams: dict[str, TokenStream] = {}  # held-out tokens, made once per domain
         self.skipped: list[Skipped] = []  # the lengths left out, with the reason
-        # probe length -> filler a later haystack keeps; probes that do not fit stop it here
-        self.kept = _probes_fit(self.config, probe, self.trained_at)
+        # probe length -> filler a later haystack keeps, and the needle distance of every probe
+        # a run asks (the plan counts them); probes that do not fit stop it here
+        self.kept, self.distances = _probes_fit(self.config, probe, self.trained_at)
         probe.cast(COMPUTE_DTYPES[config.dtype])
         self.forward_seconds = forward_seconds(probe)  # for the plan's estimate
         # an unknown, empty or unreadable domain stops it here
@@ -353,23 +354,26 @@ RUNNERS: dict[str, Callable[[Comparison, Job], Any]] = {
 }
 
 
-def _probes_fit(config: CompareConfig, probe: Backbone, trained_at: int) -> dict[int, int]:
-    """Check the probe sizes and build the first haystacks of each probe length now: K
-    needles that do not fit a length stop the comparison here (TaskDoesNotFit, a ValueError),
-    not after every method trained. Returns, per length, the tokens a later haystack keeps of
-    the one before it (the whole chunks of their shared filler), for the plan's estimate."""
+def _probes_fit(
+    config: CompareConfig, probe: Backbone, trained_at: int
+) -> tuple[dict[int, int], list[int]]:
+    """Check the probe sizes and build every haystack now: K needles that do not fit a length
+    stop the comparison here (TaskDoesNotFit, a ValueError), not after every method trained.
+    Returns, per length, the tokens a later haystack keeps of the one before it (the whole
+    chunks of their shared filler), for the plan's estimate, and the needle distance of every
+    probe a run asks, for its plan line."""
     if not config.retrieval_lengths(trained_at):
-        return {}
+        return {}, []
     probes, lm = config.probe_config(trained_at), as_language_model(probe)
     check_probe_sizes(probes, lm)
     task, fmt = probe_task(probes.task), PromptFormat(probe.require_tokenizer(), chat=probes.chat)
-    kept = {}
+    kept, distances = {}, []
     for length in probes.lengths:
-        first = build_haystack(task, fmt, probes, length, 0)
+        hays = [build_haystack(task, fmt, probes, length, h) for h in range(probes.haystacks)]
         if probes.haystacks > 1:
-            second = build_haystack(task, fmt, probes, length, 1)
-            kept[length] = shared_chunks(first.prefix, second.prefix, lm.prefill_chunk)
-    return kept
+            kept[length] = shared_chunks(hays[0].prefix, hays[1].prefix, lm.prefill_chunk)
+        distances += [p.distance for hay in hays for p in hay.probes]
+    return kept, distances
 
 
 def _plan_line(run: Comparison) -> str:
@@ -400,6 +404,13 @@ def _plan_line(run: Comparison) -> str:
         f"(longest {max(max(v) for v in windows.values() if v):,}); {prefills} probe "
         f"prefills"
         + (f" of up to {max(lengths):,} tokens" if lengths else "")
+        + (
+            f" asking {len(run.distances)} probes per run, "
+            f"{sum(d > run.trained_at for d in run.distances)} of them at needle "
+            f"distances past {run.trained_at:,} (up to {max(run.distances):,})"
+            if run.distances
+            else ""
+        )
         + "; finished jobs in the folder are reused"
         + _estimate(run)
         + (f"; running now in other processes: {', '.join(elsewhere)}" if elsewhere else "")

@@ -12,8 +12,8 @@ Modules:
 - `runner`: `run_needle`, `run_passkey`, `run_ruler`, `run_tasks`: staged, resumable; each
   returns a `TasksResult` (summary.json's record).
 - `probes`: `ProbeConfig`, `run_probes` (`ropekit eval probes`; returns a `ProbesResult`):
-  many retrieval probes per long prefill, the KV cache cropped back to the haystack for each
-  question.
+  retrieval accuracy against needle distance and the reach, many probes per long prefill:
+  needles near the start, each asked from its own cut point of the cached prefill.
 - `intervals`: `wilson_interval`, `accuracy_entry` (Wilson score intervals of accuracies),
   `difference_interval` (Newcombe's interval for the difference of two).
 - `plots`: pictures (files go through `ropekit.results`).

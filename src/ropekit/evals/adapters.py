@@ -5,8 +5,9 @@ Holds:
   `greedy_after_prefixes` (many questions after each cached prefix, the chunks a prefix
   shares with the one before read once), `kv_bytes_per_token`, `tokenizer`, `eos_ids`,
   `describe`, `identity`.
-- `PrefixQuestions`: one prefix and the questions asked after it; `shared_chunks`: how much
-  of a cached prefix another prefix can keep.
+- `PrefixQuestions`: one prefix and the questions asked after it (each after the whole
+  prefix or its own cut of it); `shared_chunks`: how much of a cached prefix another prefix
+  can keep; `chunk_dividing`: prefill chunks with a boundary at every cut.
 - `BackboneLM`: the one implementation, over a `Backbone` (ropekit Decoders and Hugging Face
   causal LMs alike): chunked scoring (and `prefix_nll`, the prefixes of one input scored in
   one reading, which `evaluate_perplexity` uses when a model has it) and batched greedy
@@ -29,6 +30,7 @@ with the schedule of the whole window; set `chunk_size` >= the window for a sing
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 from collections.abc import Collection, Iterable, Iterator, Sequence
@@ -47,12 +49,40 @@ LOGITS_BUDGET_BYTES = 256 * 2**20
 
 @dataclass(frozen=True)
 class PrefixQuestions:
-    """Questions asked after one prefix: each prompt is ``prefix + questions[i]``, answered
-    with at most ``max_new_tokens[i]`` new ids."""
+    """Questions asked after one prefix: each prompt is ``prefix[:cuts[i]] + questions[i]``
+    (``prefix + questions[i]`` without cuts), answered with at most ``max_new_tokens[i]`` new
+    ids."""
 
     prefix: Sequence[int]
     questions: Sequence[Sequence[int]]
     max_new_tokens: Sequence[int]
+    # where each question is asked: the tokens of the prefix it follows (None: all of them)
+    cuts: Sequence[int] | None = None
+
+    def cut_points(self) -> list[int]:
+        """Each question's cut (the whole prefix without cuts); ValueError for a cut outside
+        1..len(prefix) or one cut per question missing."""
+        P = len(self.prefix)
+        if self.cuts is None:
+            return [P] * len(self.questions)
+        cuts = list(self.cuts)
+        if len(cuts) != len(self.questions) or any(not 1 <= c <= P for c in cuts):
+            raise ValueError(
+                f"cuts={cuts!r} is not allowed; allowed: one cut per question "
+                f"({len(self.questions)}), each in 1..{P} (the prefix's tokens)"
+            )
+        return cuts
+
+
+def chunk_dividing(chunk: int, cuts: Iterable[int]) -> int:
+    """The longest chunk of at most ``chunk`` tokens that divides every cut: a prefill in such
+    chunks has a chunk boundary at each cut, so the cache cropped to a cut holds exactly the
+    chunks a fresh prefill of the cut prefix reads (and each ran at the length it runs at
+    there, which is what a length-following encoding reads)."""
+    common = math.gcd(*cuts)
+    if common == 0:  # no cut: any chunk
+        return chunk
+    return next(d for d in range(min(chunk, common), 0, -1) if common % d == 0)
 
 
 def shared_chunks(held: Sequence[int], prefix: Sequence[int], chunk: int) -> int:
@@ -211,9 +241,17 @@ class BackboneLM:
         self, prompts: Iterable[PrefixQuestions], stop: Collection[int] = ()
     ) -> Iterator[list[list[int]]]:
         """One prefill per prefix, then each of its questions after the same cached prefix
-        (the cache cropped back to it after each answer); see
+        cropped to the question's cut (and back to it after each answer); see
         `LanguageModel.greedy_after_prefixes`. Chunks are those of ``greedy`` for a batch of
-        one, counted from each prefix's start.
+        one, counted from each prefix's start, shortened to divide every cut short of the
+        whole prefix (`chunk_dividing`).
+
+        Cuts: the prefix is read up to its longest cut, then the questions are asked from the
+        longest cut to the shortest, the cache cropped back each time. Attention is causal and
+        every cut is a chunk boundary, so the cache cropped to a cut is the one a fresh
+        prefill of the cut prefix leaves, bit for bit, for every encoding (a dynamic
+        schedule's chunks ran at the lengths they run at there): one prefill answers
+        questions at many distances from a needle near its start.
 
         The whole chunks a prefix shares token for token with the one before it are not read
         again (`shared_chunks`): the cache is cropped back to them and the rest is read in the
@@ -223,24 +261,29 @@ class BackboneLM:
         bit (tested). Haystacks of one length share their filler up to the first needle: at
         one needle in the middle, half of each prefix after the first."""
         backbone, device, stops = self.backbone, self.device, frozenset(stop)
-        chunk = self.prefill_chunk
         cache: Any = None
         held: tuple[int, ...] = ()  # the prefix the cache holds (after cropping the answers)
+        held_chunk = 0  # the chunks it was read in
         for prompt in prompts:
-            prefix = tuple(prompt.prefix)
-            P, kept = len(prefix), shared_chunks(held, prefix, chunk)
+            prefix, cuts = tuple(prompt.prefix), prompt.cut_points()
+            P = len(prefix)
+            chunk = chunk_dividing(self.prefill_chunk, [c for c in cuts if c < P])
+            kept = shared_chunks(held, prefix, chunk) if chunk == held_chunk else 0
             if kept == 0:  # the first prefix, or one that shares no whole chunk
                 cache = backbone.new_cache()
             else:
                 backbone.crop_cache(cache, kept)
-            ids = torch.tensor([prefix], dtype=torch.long, device=device)  # (1, P)
-            for start in range(kept, P, chunk):
+            read = max(cuts, default=P)  # nothing past the longest cut is ever asked after
+            ids = torch.tensor([prefix[:read]], dtype=torch.long, device=device)  # (1, read)
+            for start in range(kept, read, chunk):
                 backbone.run(ids[:, start : start + chunk], cache, None, None, last_only=True)
-            held = prefix
-            answers = []
-            for question, budget in zip(prompt.questions, prompt.max_new_tokens, strict=True):
-                answers.append(self._answer_after(cache, question, budget, chunk, stops))
-                backbone.crop_cache(cache, P)  # the next question sees exactly the prefix again
+            answers: list[list[int]] = [[] for _ in cuts]
+            for i in sorted(range(len(cuts)), key=lambda i: -cuts[i]):  # longest cut first
+                backbone.crop_cache(cache, cuts[i])
+                budget = prompt.max_new_tokens[i]
+                answers[i] = self._answer_after(cache, prompt.questions[i], budget, chunk, stops)
+            backbone.crop_cache(cache, min(cuts, default=read))
+            held, held_chunk = prefix[: min(cuts, default=read)], chunk
             yield answers
 
     def _answer_after(

@@ -1,91 +1,99 @@
-"""Many retrieval probes per long forward: K needles in one haystack, each asked from the same
-cached prefix.
+"""Retrieval accuracy as a function of needle distance: K needles near the start of one
+haystack, each asked from its own cut point of one cached prefill.
 
 Holds:
-- `ProbeConfig`: lengths, needles per haystack (K), haystacks per length, task, seed, budget.
-- `Probe`, `ProbeHaystack`: one haystack of a length with its K needles and their questions,
-  as token ids (`build_haystack`).
-- `answer_probes(lm, haystack, stop)`: prefill the haystack once, answer every question from
-  that cached prefix (the KV cache cropped back after each); `answer_haystacks` does so for
-  several haystacks in turn, reading the chunks a haystack shares with the one before it
-  once; `answer_separately` is the reference, one full prompt (haystack + question) per
-  probe.
+- `ProbeConfig`: lengths, needles per haystack (K), haystacks per length, where the needles
+  sit, the grain of the cut points, the distance bins, the reach's accuracy, task, seed.
+- `Probe`, `ProbeHaystack`: one haystack of a length with its K needles, each with its cut
+  point and question, as token ids (`build_haystack`).
+- `answer_probes(lm, haystack, stop)`: prefill the haystack once (up to its longest cut),
+  answer every question from the cache cropped to its cut; `answer_haystacks` does so for
+  several haystacks in turn; `answer_separately` is the reference, one prompt (the cut
+  haystack + question) per probe read from scratch.
 - `exact_match(prediction, value)`: the score of one probe.
+- `summarize_records`, `reach`: accuracy per distance bin with Wilson intervals over
+  independent probes, and the farthest distance up to which every bin holds.
+- `plot_accuracy_vs_distance`: accuracy against distance, one line per method, the trained
+  length marked.
 - `run_probes(model, config, out_dir, ...)`: the staged, resumable evaluation
-  (`ropekit eval probes`), per-probe JSONL, a summary with Wilson intervals, figures; the
-  summary is a `ProbesResult` (the ``probes`` kind at `VERSION`: its `TaskRecord`, the
-  `Accuracy` overall, `LengthAccuracy`, `DepthAccuracy` and `CellAccuracy` entries).
+  (`ropekit eval probes`), per-probe JSONL, a summary, the figure; the summary is a
+  `ProbesResult` (the ``probes`` kind at `VERSION`: `Accuracy` overall, `LengthAccuracy`
+  per haystack length, `DistanceAccuracy` per distance bin, the `Reach`).
 
-Why: a needle-in-a-haystack sample costs one long prefill, so a length x depth grid with
-enough probes to be an accuracy (>= 20 per length) costs 20 long prefills per length. Here a
-haystack of L tokens carries K needles "The value of key <key> is <value>." at K depths
-(evenly spaced over [0, 1], depth 0 = start), the prefix (preamble + haystack) is read once
-into the KV cache, and each question "What is the value of key <key>? The value of key <key>
-is" runs after it, is answered greedily, and is then cropped off the cache
-(`Backbone.crop_cache`), so the next question sees exactly the prefix again. The other K - 1
-needles are distractors of the asked one (RULER's multikey setting). H haystacks per length
-give H x K probes for H prefills; the needles of haystack h are the same at every length (only
-the filler around them grows), as in the task runner. The haystacks of a length differ only
-from their first needle on, so each reads again only from there: the whole chunks it shares
-with the haystack before it stay in the cache (`answer_haystacks`; bit for bit a fresh
-prefill's). With one needle in the middle each later haystack keeps about half its tokens,
-its cheaper half (its attention reaches half as far): 5 haystacks of 8k on SmolLM2-135M took
-0.85 of the time of each prefilled alone (benchmarks/probes.py).
+Why distances: a needle at depth d of an L-token haystack asked from its end measures a
+distance of (1 - d) L, not L; experiment E's "32k" probes (one needle at depth 0.5) asked
+about needles 16k back. Here a probe's distance is measured, per probe: tokens from the
+needle's first token to the question's first (`Probe.distance`), and every table is by it.
+
+Why cut points: a probe's cost is its prefill. With attention causal, the KV cache of the
+first c tokens of a haystack is what the haystack cut at c leaves, so questions asked from
+several cut points of one prefill measure several distances for the price of one forward.
+The K needles sit at seeded depths in [0, ``needles_within``] and each is asked once, from
+its own cut point: the cut points are multiples of the grain behind every needle, one drawn
+in each of K equal strata (so the distances spread over the haystack), dealt to the needles
+in a seeded order. The prefill reads up to the longest cut in chunks that divide every cut
+(`adapters.chunk_dividing`), and the questions are asked from the longest cut to the
+shortest, the cache cropped (`Backbone.crop_cache`) to each; a chunk's keys and values
+depend only on the chunks before it, and each ran at the length it runs at in a fresh read,
+so the cropped cache is, bit for bit, the fresh prefill of the cut haystack in those chunks,
+for every encoding (dynamic schedules and distance remaps included; tested per family, and
+against one forward without a cache, exact where a cache is: ``ropekit.model.cache``).
+
+Independent probes: every probe has its own needle, key and value (drawn from seed, task,
+length and haystack), so no value is asked at two distances or two lengths, and a bin's
+Wilson interval counts each probe once. The other K - 1 needles of a haystack are its
+distractors (RULER's multikey setting): a model that copies the needle nearest the question
+instead of binding keys to values (SmolLM2-135M: experiment D) fails them at every distance,
+and the wrong answers that name another needle's value are counted (`distractor_answers`).
+For such a model only K = 1 (one probe per prefill) measures distance: with one visible
+needle per question, the distances one prefill of N tokens can measure sum to at most N.
 
 The format is a registered niah-style task (`evals/tasks.py`): its haystack (noise, essay,
 corpus:<data> or needles), key and value types, digits and preamble; its number of keys is
 replaced by K, and it must ask one value of one key (`n_values = n_queries = 1`).
 `kv1_shakespeare` is the retrieval training mixture's kv record (3-letter keys, 4-digit
-values), so a model trained on that mixture is probed in distribution.
-
-Equal to one prompt per probe: every probe's prompt is the prefix's ids followed by its
-question's ids (tokenized apart, so all probes share the prefix token for token), and the
-reference decodes exactly that prompt from scratch. Attention is causal, so the question's
-logits are those of the full prompt: for static encodings the answers are the same up to
-float noise (tested). Dynamic schedules (dynamic NTK, LongRoPE) past the original length read
-the haystack at the length it was prefilled with, as any cached decoding does (see
-`ropekit.model.cache`); the reference's chunked prefill does too, only at other chunk
-boundaries.
+values), so a model trained on that mixture is probed in distribution. A question follows
+the haystack cut mid-text, on a new line, as RULER's template puts it after the haystack.
 
 Score: exact match of the first word of the answer line (trailing punctuation and quotes
 stripped, case ignored) with the value: "4819302." is right, "48193021" and "the value is
-4819302" are not. RULER's substring rule is recorded beside it (`contains`) and each length
-has its accuracy by that rule too (`substring`: "4819302.0000" is right by it). Accuracies come
-with Wilson score intervals (`evals/intervals.py`). Beside each length's accuracy, the wrong
-answers that name another needle's value, and how many of those the needle nearest the
-question (`distractor_answers`): a model that copies the latest needle has not read the
-haystack worse at that length, it cannot bind keys to values at all, and then only one
-needle per haystack (H prefills for H probes) measures its reach.
+4819302" are not. RULER's substring rule is recorded beside it (`contains`) and each bin has
+its accuracy by that rule too (`substring`: "4819302.0000" is right by it). Accuracies come
+with Wilson score intervals (`evals/intervals.py`). The reach is the upper edge of the last
+bin of the run of bins, from the shortest distance on, at or above ``reach_accuracy``.
 
 Output layout:
 
     out_dir/
-      summary.json              kind "probes": accuracy per length, per depth, per cell,
-                                overall, each with its Wilson interval
-      accuracy_vs_length.png    accuracy with its interval
-      heatmap.png               accuracy over length x depth
+      summary.json              kind "probes": accuracy per distance bin, per haystack
+                                length and overall, each with its Wilson interval; the reach
+      accuracy_vs_distance.png  accuracy with its interval, the trained length marked
       <length>/summary.json     kind "probe-stage": the stage's provenance and score
-      <length>/probes.jsonl     one record per answered probe (its needle, prompt sizes,
-                                answer, score, the stage digest), rewritten after each haystack
+      <length>/probes.jsonl     one record per answered probe (its needle, cut, distance,
+                                prompt sizes, answer, score, the stage digest), rewritten
+                                after each haystack
 
 Resuming and provenance, as in `evals/runner.py`: a stage's provenance is what its probes
-depend on (generator versions, task, K, H, length, seed, tokenizer, prompt format, answer
-budget) and the model (`Backbone.identity`); its `summary.json` records it from the start and
-every record carries its digest. A rerun regenerates the haystacks (deterministic, checked
-against the records) and prefills only those with unanswered probes: a finished run makes no
-model call. A stage of other settings or another model is refused, naming the field, unless
-`overwrite`. Several processes (`accelerate launch`, `torchrun`) take the haystacks in turns
-and the main process writes the files.
+depend on (generator versions, task, K, H, where the needles sit, the grain, length, seed,
+tokenizer, prompt format, answer budget) and the model (`Backbone.identity`); its
+`summary.json` records it from the start and every record carries its digest. A rerun
+regenerates the haystacks (deterministic, checked against the records) and prefills only
+those with unanswered probes: a finished run makes no model call. A stage of other settings
+or another model is refused, naming the field, unless `overwrite`. Several processes
+(`accelerate launch`, `torchrun`) take the haystacks in turns and the main process writes
+the files. Summaries from before distances (version 4: needles at evenly spaced depths, all
+asked from the end) still read, without distance bins or reach.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import math
 import os
 import time
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -105,7 +113,6 @@ from ropekit.evals.adapters import (
 )
 from ropekit.evals.haystack import Haystack, load_haystack
 from ropekit.evals.intervals import CONFIDENCE, accuracy_entry
-from ropekit.evals.plots import plot_heatmap
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.scoring import clean_prediction, match_all
 from ropekit.evals.stages import Stage
@@ -128,7 +135,7 @@ from ropekit.evals.tasks import (
     get_task,
     stable_hash,
 )
-from ropekit.figures import figure, length_axis, save
+from ropekit.figures import figure, save
 from ropekit.results import (
     ProvenanceMismatch,
     check_replaceable,
@@ -142,8 +149,10 @@ from ropekit.results import (
 
 # Bump when the haystacks or questions built for the same settings change: stored probes of
 # another version are then refused instead of mixed with new ones.
-PROBES_VERSION = 1
+PROBES_VERSION = 2  # 2: needles near the start, each asked from its own cut point
 _TRAILING = ".,;:!?\"')]"
+# The default grain of cut points: a 64th of the longest length, so K needles fit K cuts.
+GRAIN_SHARE = 64
 _LEADING = "\"'(["
 
 
@@ -151,13 +160,23 @@ _LEADING = "\"'(["
 class ProbeConfig:
     """Settings of a many-probes retrieval evaluation. Lengths count the model's tokens."""
 
-    lengths: tuple[int, ...]  # prompt lengths (tokens, longest question and answer included)
-    needles: int = 5  # K: keys with values per haystack, at K evenly spaced depths; each asked once
+    lengths: tuple[int, ...]  # haystack lengths (tokens, longest question and answer included)
+    # K: needles per haystack, each with its own key and value, each asked once from its own
+    # cut point of the one prefill; the other K - 1 are its distractors
+    needles: int = 5
     haystacks: int = 4  # H: haystacks per length; H x K probes per length for H long prefills
+    # the needles sit at seeded depths in [0, needles_within] of the haystack, so the cut
+    # points behind them measure distances up to nearly the whole length
+    needles_within: float = 0.05
+    # cut points are multiples of it (tokens), so the prefill's chunks end at each; None: the
+    # largest power of two at most the longest length / GRAIN_SHARE (512 at 32k)
+    grain: int | None = None
+    bins: int = 8  # distance bins: equal widths over (0, longest length]
+    reach_accuracy: float = 0.8  # reach: the farthest bin up to which every bin scores this
     # the format: a registered niah-style task (haystack text, key and value types, digits,
     # preamble); kv1_shakespeare is the retrieval training mixture's kv record
     task: str = "niah_single_2"
-    seed: int = 0  # draws keys, values and which needle sits at which depth
+    seed: int = 0  # draws keys, values, needle depths and cut points
     max_new_tokens: int | None = None  # answer budget (tokens); None: each value's length + slack
     chat: bool = False  # wrap prompts in the tokenizer's chat template (instruction models)
     confidence: float = CONFIDENCE  # level of the Wilson score intervals
@@ -171,10 +190,16 @@ class ProbeConfig:
                 f"lengths={self.lengths!r} is not allowed; allowed: one or more integers >= 1"
             )
         object.__setattr__(self, "lengths", tuple(sorted(set(lengths))))
-        for name in ("needles", "haystacks"):
+        for name in ("needles", "haystacks", "bins"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is not allowed; allowed: an integer >= 1")
+        if self.grain is not None and (
+            isinstance(self.grain, bool) or not isinstance(self.grain, int) or self.grain < 1
+        ):
+            raise ValueError(
+                f"grain={self.grain!r} is not allowed; allowed: None or an integer >= 1"
+            )
         if self.max_new_tokens is not None and (
             isinstance(self.max_new_tokens, bool)
             or not isinstance(self.max_new_tokens, int)
@@ -184,6 +209,15 @@ class ProbeConfig:
                 f"max_new_tokens={self.max_new_tokens!r} is not allowed; allowed: None or an "
                 "integer >= 1"
             )
+        for name, low_open in (("needles_within", False), ("reach_accuracy", True)):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not ((0.0 < value <= 1.0) if low_open else (0.0 <= value < 1.0))
+            ):
+                allowed = "0 < value <= 1" if low_open else "0 <= value < 1"
+                raise ValueError(f"{name}={value!r} is not allowed; allowed: {allowed}")
         if isinstance(self.confidence, bool) or not 0.0 < self.confidence < 1.0:
             raise ValueError(
                 f"confidence={self.confidence!r} is not allowed; allowed: 0 < confidence < 1"
@@ -191,10 +225,17 @@ class ProbeConfig:
         probe_task(self.task)  # an unknown or unsuitable task fails here, not at the first stage
 
     @property
-    def depths(self) -> tuple[float, ...]:
-        """The K needle depths: k / (K - 1), or the middle for one needle."""
-        k = self.needles
-        return tuple(i / (k - 1) for i in range(k)) if k > 1 else (0.5,)
+    def cut_grain(self) -> int:
+        """The grain cut points are multiples of (``grain``, or its default)."""
+        if self.grain is not None:
+            return self.grain
+        return 1 << max(0, (max(self.lengths) // GRAIN_SHARE).bit_length() - 1)
+
+    @property
+    def bin_edges(self) -> tuple[int, ...]:
+        """The distance bins' edges (tokens): bin i holds distances in (edge i, edge i + 1]."""
+        longest = max(self.lengths)
+        return tuple(round(i * longest / self.bins) for i in range(self.bins + 1))
 
 
 def probe_task(task: str | TaskSpec) -> TaskSpec:
@@ -232,31 +273,38 @@ def _niah_args(spec: TaskSpec) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- haystacks
 @dataclass(frozen=True)
 class Probe:
-    """One needle of a haystack and the question that asks for it."""
+    """One needle of a haystack and the question that asks for it from its cut point."""
 
     needle: int  # index of the needle in its haystack (the order keys were drawn)
-    depth: float  # requested depth (0 = start of the haystack, 1 = end)
+    depth: float  # requested depth (0 = start of the haystack, 1 = end), drawn near the start
     key: str
     value: str
     needle_position: int  # token index where the needle starts in the prefix
     needle_depth: float  # measured: share of the haystack's tokens before the needle
-    question: tuple[int, ...]  # ids after the prefix: question and answer prefix
+    cut: int  # the prefix tokens the question follows (a multiple of the grain, or all)
+    question: tuple[int, ...]  # ids after the cut prefix: question and answer prefix
     max_new_tokens: int
+
+    @property
+    def distance(self) -> int:
+        """Tokens from the needle's first token to the question's first: what it measures."""
+        return self.cut - self.needle_position
 
 
 @dataclass(frozen=True)
 class ProbeHaystack:
-    """A haystack of one length with its needles: every probe's prompt is prefix + question."""
+    """A haystack of one length with its needles: every probe's prompt is the prefix cut at
+    the probe's cut point, then its question."""
 
     length: int
-    index: int  # h: draws the needles (the same at every length)
+    index: int  # h: draws the needles (with the length: no value is asked at two lengths)
     prefix: tuple[int, ...]  # preamble and haystack with the needles, BOS or chat header first
     probes: tuple[Probe, ...]
     units: int  # haystack units used
 
     def prompt(self, probe: Probe) -> list[int]:
         """The full prompt of one probe, as the one-prompt-per-probe reference reads it."""
-        return [*self.prefix, *probe.question]
+        return [*self.prefix[: probe.cut], *probe.question]
 
 
 def _budget(fmt: PromptFormat, value: str, max_new_tokens: int | None) -> int:
@@ -270,19 +318,22 @@ def _budget(fmt: PromptFormat, value: str, max_new_tokens: int | None) -> int:
 def build_haystack(
     spec: TaskSpec, fmt: PromptFormat, config: ProbeConfig, length: int, index: int
 ) -> ProbeHaystack:
-    """Haystack ``index`` of ``length`` tokens with ``config.needles`` needles: the most
-    haystack units with which the prefix, the longest question and its answer budget fit.
-    Randomness comes from (seed, task, index) only. TaskDoesNotFit when even an empty
-    haystack with the needles is too long."""
+    """Haystack ``index`` of ``length`` tokens with ``config.needles`` needles near its start,
+    each asked from its own cut point: the most haystack units with which the prefix, the
+    longest question and its answer budget fit. Randomness comes from (seed, task, length,
+    index) only, so every probe of a run has its own key and value. TaskDoesNotFit when even
+    an empty haystack with the needles is too long, or the prefix has fewer cut points behind
+    the needles than there are needles."""
     args = _niah_args(spec)
     key_type, value_type = args["key_type"], args["value_type"]
     digits = args["value_digits"]
     K = config.needles
-    rng = np.random.default_rng([config.seed, stable_hash(spec.name), stable_hash("probes"), index])
+    rng = np.random.default_rng(
+        [config.seed, stable_hash(spec.name), stable_hash("probes"), length, index]
+    )
     keys = _key_source(key_type, _seed(rng)).take(K)
     values = _value_source(value_type, digits, _seed(rng), exclude=keys).take(K)
-    # Which needle sits at which depth: a seeded permutation, so depth and draw order differ.
-    depths = [config.depths[int(i)] for i in rng.permutation(K)]
+    depths = [float(d) for d in rng.uniform(0.0, config.needles_within, K)]
     texts = _ProbeTexts(
         fmt=fmt,
         preamble=args["preamble"],
@@ -306,6 +357,7 @@ def build_haystack(
     context_start, context_end = positions[0], positions[1]
     starts, ends = positions[2 : 2 + K], positions[2 + K :]
     needle_depths = _needle_depths(context_start, context_end, starts, ends)
+    cuts = _cut_points(rng, max(ends), len(prefix), K, config.cut_grain, spec.name, length)
     probes = [
         Probe(
             needle=k,
@@ -314,12 +366,43 @@ def build_haystack(
             value=values[k],
             needle_position=starts[k],
             needle_depth=needle_depths[k],
+            cut=cuts[k],
             question=tuple(fmt.tokenizer.encode(tails[k])),
             max_new_tokens=budgets[k],
         )
         for k in range(K)
     ]
     return ProbeHaystack(length, index, tuple(prefix), tuple(probes), n)
+
+
+def _cut_points(
+    rng: np.random.Generator,
+    needles_end: int,
+    prefix: int,
+    K: int,
+    grain: int,
+    task: str,
+    length: int,
+) -> list[int]:
+    """K distinct cut points, multiples of ``grain`` from the end of the last needle to the end
+    of the prefix (and the end itself if they are too few): one drawn in each of K equal
+    strata of them (so the distances spread over the whole haystack, not by chance), dealt
+    to the needles in a seeded order."""
+    first = max(grain, -(-needles_end // grain) * grain)  # every needle lies before every cut
+    grid = np.arange(first, prefix + 1, grain)
+    if len(grid) < K and prefix >= needles_end:
+        # A haystack too short for its needles and the grain (a few filler tokens, if any,
+        # after them) asks from the end of its prefix too: the prefill ends there whatever
+        # the grain, so the question follows exactly the prefix, as a one-cut probe does.
+        grid = np.union1d(grid, [prefix])
+    if len(grid) < K:
+        raise TaskDoesNotFit(
+            f"{K} needles of task {task!r} need {K} cut points (multiples of grain={grain}) "
+            f"behind them; length={length} holds {len(grid)}; allowed: fewer needles, a "
+            "smaller grain or a longer length"
+        )
+    picked = [int(rng.choice(stratum)) for stratum in np.array_split(grid, K)]
+    return [picked[int(i)] for i in rng.permutation(K)]
 
 
 @dataclass(frozen=True)
@@ -459,14 +542,16 @@ def answer_haystacks(
     lm: LanguageModel, haystacks: Iterable[ProbeHaystack], stop: Collection[int] = ()
 ) -> Iterator[list[list[int]]]:
     """Greedy answers (token ids, ending before the first stop id) to every probe of each
-    haystack in turn, yielded haystack by haystack: one prefill of its prefix, then each
-    question after the same cached prefix; the chunks a prefix shares with the haystack
-    before it (the filler up to the first needle) are read once
+    haystack in turn, yielded haystack by haystack: one prefill of its prefix (up to its
+    longest cut), then each question after the cached prefix cropped to its cut
     (``LanguageModel.greedy_after_prefixes``)."""
     return lm.greedy_after_prefixes(
         (
             PrefixQuestions(
-                hay.prefix, [p.question for p in hay.probes], [p.max_new_tokens for p in hay.probes]
+                hay.prefix,
+                [p.question for p in hay.probes],
+                [p.max_new_tokens for p in hay.probes],
+                [p.cut for p in hay.probes],
             )
             for hay in haystacks
         ),
@@ -484,8 +569,8 @@ def answer_probes(
 def answer_separately(
     lm: LanguageModel, haystack: ProbeHaystack, stop: Collection[int] = ()
 ) -> list[list[int]]:
-    """The reference: each probe's full prompt (prefix + question) decoded on its own, one
-    prefill per probe (``LanguageModel.greedy``)."""
+    """The reference: each probe's full prompt (the prefix cut at its cut point, then its
+    question) decoded on its own, one prefill per probe (``LanguageModel.greedy``)."""
     return [lm.greedy([haystack.prompt(p)], p.max_new_tokens, stop)[0] for p in haystack.probes]
 
 
@@ -495,7 +580,8 @@ class _Stage(Stage):
     kind: ClassVar[str] = "probe-stage"
     records_file: ClassVar[str] = "probes.jsonl"
     settings: ClassVar[str] = (
-        "task, needles, haystacks, seed, tokenizer, prompt format, answer budget"
+        "task, needles, haystacks, needles_within, grain, seed, tokenizer, prompt format, "
+        "answer budget"
     )
     haystacks: list[ProbeHaystack] | None = None
     records: dict[tuple[int, int], dict[str, Any]] | None = None
@@ -510,6 +596,8 @@ def _provenance(
         "task": spec.to_json(),
         "needles": config.needles,
         "haystacks": config.haystacks,
+        "needles_within": config.needles_within,
+        "grain": config.cut_grain,
         "length": length,
         "seed": config.seed,
         "tokenizer": fmt.tokenizer.name,
@@ -528,10 +616,11 @@ def _prepare(stage: _Stage, haystacks: list[ProbeHaystack], overwrite: bool) -> 
     for r in read_records(stage.directory / "probes.jsonl"):
         key = (r["haystack"], r["needle"])
         hay, probe = by_id.get(key, (None, None))
-        if hay is None or (r["key"], r["value"], r["prefix_tokens"]) != (
+        if hay is None or (r["key"], r["value"], r["prefix_tokens"], r["cut"]) != (
             probe.key,
             probe.value,
             len(hay.prefix),
+            probe.cut,
         ):
             raise ProvenanceMismatch(
                 f"{stage.directory / 'probes.jsonl'}: probe {key} does not match the haystack "
@@ -567,8 +656,10 @@ def _answer(
             "value": probe.value,
             "needle_position": probe.needle_position,
             "needle_depth": probe.needle_depth,
+            "cut": probe.cut,
+            "distance": probe.distance,
             "prefix_tokens": len(haystack.prefix),
-            "prompt_tokens": len(haystack.prefix) + len(probe.question),
+            "prompt_tokens": probe.cut + len(probe.question),
             "pred": pred,
             "generated": text,
             "n_generated": len(ids),
@@ -630,68 +721,92 @@ def _substring(records: Sequence[dict[str, Any]], confidence: float) -> dict[str
 
 
 def distractor_answers(records: Sequence[dict[str, Any]]) -> dict[str, int]:
-    """How many wrong answers name the value of another needle of the same haystack
-    (``other_needle``), and how many of those the needle nearest the question
-    (``nearest_needle``, the largest needle position). A model that copies the latest needle
-    whatever the key fails the binding of key to value, not the length: a small base model
-    does so inside its own window (SmolLM2-135M: experiment D's README), which makes K > 1
-    needles per haystack a test it cannot pass at any length."""
+    """How many wrong answers name the value of another needle of the same haystack that the
+    question could see (before its cut) (``other_needle``), and how many of those the needle
+    nearest the question (``nearest_needle``, the largest needle position before the cut). A
+    model that copies the latest needle whatever the key fails the binding of key to value,
+    not the distance: a small base model does so inside its own window (SmolLM2-135M:
+    experiment D's README), which makes K > 1 needles per haystack a test it cannot pass at
+    any distance."""
     haystacks: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
     for r in records:
         haystacks.setdefault((r.get("length"), r["haystack"]), []).append(r)
     other = nearest = 0
     for group in haystacks.values():
-        last = max(group, key=lambda r: r["needle_position"])
         for r in group:
             if r["correct"]:
                 continue
-            named = [o for o in group if o is not r and exact_match(r["pred"], o["value"])]
+            cut = r.get("cut", math.inf)  # a record from before the cut points: the whole prefix
+            seen = [o for o in group if o["needle_position"] < cut]
+            last = max(seen, key=lambda o: o["needle_position"])
+            named = [o for o in seen if o is not r and exact_match(r["pred"], o["value"])]
             other += bool(named)
             nearest += any(o is last for o in named)
     return {"other_needle": other, "nearest_needle": nearest}
 
 
+def _needle_entry(records: Sequence[dict[str, Any]], confidence: float) -> dict[str, Any]:
+    """An accuracy with the wrong answers naming another needle and the substring rule's."""
+    return {
+        **_accuracy(records, confidence),
+        **distractor_answers(records),
+        "substring": _substring(records, confidence),
+    }
+
+
 def summarize_records(
-    records: Sequence[dict[str, Any]], confidence: float = CONFIDENCE
+    records: Sequence[dict[str, Any]],
+    edges: Sequence[int],
+    reach_accuracy: float,
+    confidence: float = CONFIDENCE,
 ) -> dict[str, Any]:
-    """Accuracy (with its Wilson interval) per length, per depth (all lengths pooled), per
-    (length, depth) cell and overall, from per-probe records carrying "length", "depth",
-    "correct" and "needle_depth"; per length also by RULER's substring rule, from "contains"."""
+    """From per-probe records carrying "length", "distance", "correct" (and "contains" for
+    RULER's substring rule): the accuracy overall, per haystack length and per distance bin
+    (``edges``: bin i holds distances in (edges[i], edges[i + 1]]; empty bins left out),
+    each with its Wilson interval over its probes, every probe counted once in each (a
+    probe has its own needle, key and value); and the reach (`reach`)."""
     if not records:
         raise ValueError("records=[] is not allowed; allowed: at least one answered probe")
-    lengths = sorted({r["length"] for r in records})
-    depths = sorted({r["depth"] for r in records})
-
-    def group(**where: Any) -> list[dict[str, Any]]:
-        return [r for r in records if all(r[k] == v for k, v in where.items())]
-
+    edges = list(edges)
+    outside = [r["distance"] for r in records if not edges[0] < r["distance"] <= edges[-1]]
+    if outside:
+        raise ValueError(
+            f"distance {outside[0]} is outside the bins ({edges[0]}, {edges[-1]}]; allowed: "
+            "bins that cover every probe's distance"
+        )
+    by_distance = []
+    for low, high in itertools.pairwise(edges):
+        inside = [r for r in records if low < r["distance"] <= high]
+        if inside:
+            mean = float(np.mean([r["distance"] for r in inside]))
+            entry = {"low_distance": low, "high_distance": high, "mean_distance": mean}
+            by_distance.append({**_needle_entry(inside, confidence), **entry})
     return {
         "overall": _accuracy(records, confidence),
         "by_length": [
-            {
-                "length": n,
-                **_accuracy(at, confidence),
-                **distractor_answers(at),
-                "substring": _substring(at, confidence),
-            }
-            for n in lengths
-            if (at := group(length=n))
+            {"length": n, **_needle_entry(at, confidence)}
+            for n in sorted({r["length"] for r in records})
+            if (at := [r for r in records if r["length"] == n])
         ],
-        "by_depth": [
-            {
-                "depth": d,
-                **_accuracy(group(depth=d), confidence),
-                "needle_depth": float(np.mean([r["needle_depth"] for r in group(depth=d)])),
-            }
-            for d in depths
-        ],
-        "cells": [
-            {"length": n, "depth": d, **_accuracy(cell, confidence)}
-            for n in lengths
-            for d in depths
-            if (cell := group(length=n, depth=d))
-        ],
+        "by_distance": by_distance,
+        "reach": reach(by_distance, edges, reach_accuracy),
     }
+
+
+def reach(
+    by_distance: Sequence[dict[str, Any]], edges: Sequence[int], accuracy: float
+) -> dict[str, Any]:
+    """The farthest distance up to which retrieval holds: the upper edge of the last bin of
+    the run of bins, from the shortest on, whose accuracy is at least ``accuracy``; a bin
+    without probes or one below ends the run (0: the shortest bin is below). The point
+    accuracies decide, so a reach is as noisy as its bins (their intervals beside it)."""
+    scored = {(e["low_distance"], e["high_distance"]): e["accuracy"] for e in by_distance}
+    farthest = 0
+    for low, high in itertools.pairwise(edges):
+        if scored.get((low, high), -1.0) < accuracy:
+            break
+        farthest = high
+    return {"distance": farthest, "accuracy": accuracy}
 
 
 # ----------------------------------------------------------------------------- the record
@@ -731,31 +846,33 @@ class LengthAccuracy(NeedleAccuracy):
     @classmethod
     def from_entry(cls, entry: dict[str, Any]) -> LengthAccuracy:
         """A `summarize_records` by_length entry, completed by `_complete_stages`."""
-        substring = entry["substring"] and Accuracy(**entry["substring"])
-        return cls(**{**entry, "substring": substring})
+        return _typed(cls, entry)
 
 
 @dataclass(frozen=True)
-class DepthAccuracy(Accuracy):
-    """One needle depth, all lengths pooled."""
+class DistanceAccuracy(NeedleAccuracy):
+    """One distance bin: the probes whose question starts in (low, high] tokens after its
+    needle's first token, each counted once."""
 
-    depth: float
-    needle_depth: float  # mean of where the needles actually sit (0 = start)
+    low_distance: int
+    high_distance: int
+    mean_distance: float  # of its probes
 
 
 @dataclass(frozen=True)
-class CellAccuracy(Accuracy):
-    """One (length, depth) cell."""
+class Reach:
+    """The farthest distance (tokens) up to which every distance bin scores at least
+    ``accuracy`` (`reach`); 0 when the shortest bin does not."""
 
-    length: int
-    depth: float
+    distance: int
+    accuracy: float
 
 
-VERSION = 4  # 4: the substring rule's accuracy per length; 3: typed; 2: the untyped layout
+VERSION = 5  # 5: by distance; 4: the substring rule per length; 3: typed; 2: untyped
 SCORING = (
     "exact match of the answer's first word with the value (trailing punctuation stripped, "
-    "case ignored); per length also RULER's substring rule (the value anywhere in the "
-    "answer, case ignored)"
+    "case ignored); also RULER's substring rule (the value anywhere in the answer, case "
+    "ignored)"
 )
 
 
@@ -771,7 +888,23 @@ def _from_v3(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "by_length": [{**e, "substring": None} for e in data["by_length"]]}
 
 
-@register("probes", VERSION, {2: _from_v2, 3: _from_v3})
+def _from_v4(data: dict[str, Any]) -> dict[str, Any]:
+    """Before distances: K needles at evenly spaced depths, all asked from the end of their
+    haystack, so a length's probes measured distances of about (1 - depth) x length (one
+    needle: half the length). Their distances were not recorded per probe: no distance bins
+    and no reach (None); the depth entries are dropped (the file keeps them), and the config
+    reads with today's defaults for the settings it did not have."""
+    config = {**_CONFIG_DEFAULTS, **data["config"]}
+    kept = {k: v for k, v in data.items() if k not in ("depths", "by_depth", "cells")}
+    paths = {k: v for k, v in data["paths"].items() if k != "heatmap"}
+    return {**kept, "config": config, "paths": paths, "by_distance": [], "reach": None,
+            "trained_length": None}  # fmt: skip
+
+
+_CONFIG_DEFAULTS = {"needles_within": 0.05, "grain": None, "bins": 8, "reach_accuracy": 0.8}
+
+
+@register("probes", VERSION, {2: _from_v2, 3: _from_v3, 4: _from_v4})
 @dataclass(frozen=True)
 class ProbesResult:
     """summary.json of ``run_probes`` (also what it returns)."""
@@ -784,16 +917,16 @@ class ProbesResult:
     format: str  # the prompt format (PromptFormat.name)
     task: TaskRecord
     config: ProbeConfig
-    depths: tuple[float, ...]
     probes_per_length: int  # K x H
     prefills_per_length: int  # H
     scoring: str  # the rule, in words
+    trained_length: int | None  # the model's training length (the figure marks it)
     overall: Accuracy
-    by_length: tuple[LengthAccuracy, ...]
-    by_depth: tuple[DepthAccuracy, ...]
-    cells: tuple[CellAccuracy, ...]
+    by_length: tuple[LengthAccuracy, ...]  # per haystack length: its probes at all distances
+    by_distance: tuple[DistanceAccuracy, ...]  # () in a summary from before distances
+    reach: Reach | None  # None in a summary from before distances
     model: dict[str, Any]  # LanguageModel.describe()
-    paths: dict[str, str]  # summary, accuracy_vs_length, heatmap
+    paths: dict[str, str]  # summary, accuracy_vs_distance
 
     def at(self, length: int) -> LengthAccuracy:
         """The entry of ``length``; KeyError naming the lengths probed when it is not one."""
@@ -803,34 +936,40 @@ class ProbesResult:
         raise KeyError(f"length {length} is not probed here: {[e.length for e in self.by_length]}")
 
 
-def plot_accuracy(by_length: Sequence[LengthAccuracy], path: str | Path, title: str = "") -> Path:
-    """Accuracy vs length with its (asymmetric) Wilson interval as error bars; RULER's
-    substring rule beside exact match where the two differ at some length."""
-    fig, axes = figure(6.8, 4.2)
+def plot_accuracy_vs_distance(
+    runs: Mapping[str, Sequence[DistanceAccuracy]],
+    path: str | Path,
+    trained_length: int | None = None,
+    reach_accuracy: float | None = None,
+    title: str = "",
+) -> Path:
+    """Accuracy against needle distance, one line per run (method), at each bin's mean
+    distance with its (asymmetric) Wilson interval as error bars; the trained length a
+    vertical line (distances past it are extrapolation), the reach's accuracy a dashed one."""
+    fig, axes = figure(7.2, 4.4)
     ax = axes[0, 0]
-    xs = [e.length for e in by_length]
-    series: list[tuple[str, list[tuple[int, Accuracy]], str, str]] = [
-        ("exact match", [(e.length, e) for e in by_length], "o", "-")
-    ]
-    if any(e.substring is not None and e.substring.correct != e.correct for e in by_length):
-        by_rule = [(e.length, e.substring) for e in by_length if e.substring is not None]
-        series.append(("RULER's substring rule", by_rule, "s", "--"))
-    for label, points, marker, style in series:
-        ys = [a.accuracy for _, a in points]
-        below = [a.accuracy - a.low for _, a in points]
-        above = [a.high - a.accuracy for _, a in points]
-        ax.errorbar([n for n, _ in points], ys, yerr=[below, above], marker=marker, ms=4,
-                    capsize=3, lw=1.5, ls=style, label=label)  # fmt: skip
-    if len(series) > 1:
-        ax.legend(fontsize=8)
-    length_axis(ax, xs, rotate=True)
-    level = f"{100 * by_length[0].confidence:g}%" if by_length else ""
+    for i, (label, entries) in enumerate(runs.items()):
+        xs = [e.mean_distance for e in entries]
+        ys = [e.accuracy for e in entries]
+        below = [e.accuracy - e.low for e in entries]
+        above = [e.high - e.accuracy for e in entries]
+        shift = 1.0 + 0.01 * (i - (len(runs) - 1) / 2)  # methods side by side, not on top
+        ax.errorbar([x * shift for x in xs], ys, yerr=[below, above], marker="o", ms=4,
+                    capsize=3, lw=1.4, label=label)  # fmt: skip
+    if trained_length is not None:
+        label = f"trained length {trained_length:,}"
+        ax.axvline(trained_length, color="gray", lw=1.2, label=label)
+    if reach_accuracy is not None:
+        label = f"reach at {reach_accuracy:g}"
+        ax.axhline(reach_accuracy, color="gray", ls="--", lw=1, label=label)
+    level = next((f"{100 * e.confidence:g}%" for es in runs.values() for e in es), "")
     ax.set(
-        xlabel="context length (tokens)",
+        xlabel="needle distance (tokens from the needle to the question)",
         ylabel=f"accuracy ({level} Wilson interval)",
         ylim=(-0.03, 1.03),
         title=title,
     )
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     return save(fig, path)
 
@@ -846,11 +985,13 @@ def run_probes(
     progress: bool = True,
     overwrite: bool = False,
     processes: Processes | None = None,
+    trained_length: int | None = None,
 ) -> ProbesResult:
     """Probe `model` at every length of `config` into `out_dir` (module docstring); return
     the summary (also `out_dir/summary.json`, kind "probes"). `model` is a Backbone, a
     Decoder, a Hugging Face causal LM or a `BackboneLM` (with `tokenizer` when it has none);
-    `spec` names its encoding in the result. Under several processes all return the summary
+    `spec` names its encoding in the result; `trained_length`, the model's training length,
+    is marked in the figure and recorded. Under several processes all return the summary
     and the main process writes the files."""
     lm = as_language_model(model, tokenizer)
     task = probe_task(config.task)
@@ -877,12 +1018,11 @@ def run_probes(
             _run_stage(stage, lm, stop, bar, procs)
 
     records = [{**r, "length": s.length} for s in stages for r in (s.records or {}).values()]
-    summary = summarize_records(records, config.confidence)
+    summary = summarize_records(records, config.bin_edges, config.reach_accuracy, config.confidence)
     _complete_stages(stages, summary["by_length"], procs, command, spec, config.seed)
     paths = {
         "summary": str(out / "summary.json"),
-        "accuracy_vs_length": str(out / "accuracy_vs_length.png"),
-        "heatmap": str(out / "heatmap.png"),
+        "accuracy_vs_distance": str(out / "accuracy_vs_distance.png"),
     }
     result = ProbesResult(
         meta=run_metadata(command, spec=spec, seed=config.seed),
@@ -893,25 +1033,32 @@ def run_probes(
         format=fmt.name,
         task=TaskRecord(**task.to_json()),
         config=config,
-        depths=tuple(config.depths),
         probes_per_length=config.needles * config.haystacks,
         prefills_per_length=config.haystacks,
         scoring=SCORING,
+        trained_length=trained_length,
         overall=Accuracy(**summary["overall"]),
         by_length=tuple(LengthAccuracy.from_entry(e) for e in summary["by_length"]),
-        by_depth=tuple(DepthAccuracy(**e) for e in summary["by_depth"]),
-        cells=tuple(CellAccuracy(**e) for e in summary["cells"]),
+        by_distance=tuple(_typed(DistanceAccuracy, e) for e in summary["by_distance"]),
+        reach=Reach(**summary["reach"]),
         model=lm.describe(),
         paths=paths,
     )
     if procs.is_main:
         title = " ".join(filter(None, [task.name, spec]))
-        plot_accuracy(result.by_length, paths["accuracy_vs_length"], title=title)
-        cells = [{**c, "score": c["accuracy"]} for c in summary["cells"]]
-        plot_heatmap(cells, paths["heatmap"], title=title)
+        plot_accuracy_vs_distance(
+            {spec or "model": result.by_distance}, paths["accuracy_vs_distance"],
+            trained_length, config.reach_accuracy, title,
+        )  # fmt: skip
         write_result(out / "summary.json", "probes", result)
     procs.barrier()
     return result
+
+
+def _typed(cls: type[NeedleAccuracy], entry: dict[str, Any]) -> Any:
+    """A `summarize_records` entry as ``cls``, its substring rule's accuracy typed too."""
+    substring = entry["substring"] and Accuracy(**entry["substring"])
+    return cls(**{**entry, "substring": substring})
 
 
 def _prepare_stages(

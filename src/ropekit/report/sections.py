@@ -322,8 +322,8 @@ def _interval(entry: Accuracy) -> str:
 
 
 def probes_section(results: Sequence[Result], root: Path) -> list[Block]:
-    """Accuracy per length and per needle depth, each with its Wilson interval, from the
-    ``probes`` summaries (``ropekit.evals.probes``)."""
+    """Accuracy per needle distance bin and the reach, per haystack length, each with its
+    Wilson interval, from the ``probes`` summaries (``ropekit.evals.probes``)."""
     records: list[ProbesResult] = [r.data for r in results]
     by_length = length_table(
         [r.label for r in results],
@@ -333,21 +333,25 @@ def probes_section(results: Sequence[Result], root: Path) -> list[Block]:
         ],
         [{e.length: _interval(e) for e in d.by_length} for d in records],
         ["run", "encoding", "task", "probes/length", "prefills/length"],
-        caption="Accuracy by context length (exact match of the recalled value) with its "
-        f"{100 * records[0].config.confidence:g}% Wilson score interval; each "
-        "haystack holds one needle per depth, all asked from one prefill.",
+        caption="Accuracy by haystack length (exact match of the recalled value) with its "
+        f"{100 * records[0].config.confidence:g}% Wilson score interval, over the probes at "
+        "every distance a haystack of that length asks (a haystack's needles sit near its "
+        "start, each asked from its own cut point of one prefill).",
     )
-    depths = sorted({e.depth for d in records for e in d.by_depth})
+    bins = sorted({(e.low_distance, e.high_distance) for d in records for e in d.by_distance})
     rows = []
     for r, d in zip(results, records, strict=True):
-        cells = {e.depth: _interval(e) for e in d.by_depth}
-        rows.append([r.label, f"`{d.spec}`", *(cells.get(depth, "-") for depth in depths)])
-    by_depth = Table(
-        ["run", "encoding", *(f"depth {d:.2f}" for d in depths)],
+        cells = {(e.low_distance, e.high_distance): _interval(e) for e in d.by_distance}
+        reach = "-" if d.reach is None else f"{d.reach.distance:,} (>= {d.reach.accuracy:g})"
+        rows.append([r.label, f"`{d.spec}`", reach, *(cells.get(b, "-") for b in bins)])
+    by_distance = Table(
+        ["run", "encoding", "reach", *(f"distance ({low:,}, {high:,}]" for low, high in bins)],
         rows,
-        "Accuracy by needle depth (0 = start of the haystack), all lengths pooled.",
+        "Accuracy by needle distance (tokens from the needle to the question), each probe "
+        "counted once; reach: the farthest distance up to which every bin scores the stated "
+        "accuracy ('-': a summary from before distances were measured).",
     )
-    return [by_length, by_depth, *_figures(results, root, _no_extra)]
+    return [by_length, by_distance, *_figures(results, root, _no_extra)]
 
 
 def analysis_section(results: Sequence[Result], root: Path) -> list[Block]:

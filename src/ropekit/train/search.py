@@ -8,7 +8,8 @@ part of LongRoPE is public; here it is, on any model ropekit can give an encodin
 1. The initial population holds the rules users already have, as per-pair factors against
    plain RoPE: PI (lambda_f = s), NTK-aware (b -> b s^(d/(d-2))) and YaRN (NTK-by-parts), the
    paper's seeds, plus mutations of them up to ``population``.
-2. Every candidate is scored by the mean NLL (nats per token) of the same ``samples`` samples
+2. Every candidate is scored by the mean NLL (nats per token; of the answer tokens only under
+   ``needle-ppl``, below) of the same ``samples`` samples
    of ``target_length`` tokens from the *training* split of ``data`` (never the held-out text
    results are measured on), each written as the spec step 4 writes. The samples are longer
    than the original window and a ``longrope`` encoding follows the length, so each is read
@@ -29,12 +30,17 @@ part of LongRoPE is public; here it is, on any model ropekit can give an encodin
    45.46, experiment D); ``mixed:method=longrope,...`` keeps the original RoPE whole inside
    the window, but no engine's config expresses it.
 
-The score is perplexity, which can keep factors that do not retrieve: on SmolLM2 at 32k
-(experiment E) the search kept NTK-aware's factors, which answered 0 of 5 passkeys at 32k and
-5 of 5 at 16k. Those factors turn 11 slow pairs past every angle they saw in training at 32k
-and none at 16k (``schedules.unseen_rotations``); the search names such pairs in a warning and
-in its result (``unseen_pairs``). Check a result with ``ropekit eval probes`` or ``ropekit
-compare``.
+The default score is perplexity, which can keep factors that do not retrieve: on SmolLM2 at
+32k (experiment E) the search kept NTK-aware's factors, which answered 0 of 5 passkeys at 32k
+(needles about 16k back) and 5 of 5 at 16k (8k back). ``objective="needle-ppl"`` scores
+LongRoPE2's needle-driven perplexity instead (Shang et al. 2025, arXiv:2502.20082, sec. 3.2):
+each scoring sample becomes a needle document, its own passkey woven into the text at a
+uniform depth and asked at its end (``data.retrieval``, as the retrieval mixture trains
+them), and the fitness is the mean NLL of the answer's tokens only, so a candidate that
+cannot reach the needle scores high whatever its text perplexity. NTK-aware's factors turn 11
+slow pairs past every angle they saw in training at 32k and none at 16k
+(``schedules.unseen_rotations``); the search names such pairs in a warning and in its result
+(``unseen_pairs``). Check a result with ``ropekit eval probes`` or ``ropekit compare``.
 
 Resumable: every scored candidate is a record of ``candidates.jsonl`` carrying the digest of
 the search's provenance (model, data, config); a rerun scores only what is missing and a
@@ -63,6 +69,7 @@ from tqdm.auto import tqdm
 
 from ropekit.backbone import Backbone, as_backbone, write_adapter
 from ropekit.data import make_train_dataset
+from ropekit.data.retrieval import RetrievalConfig, draw_records, weave
 from ropekit.encodings import PositionEncoding, schedules
 from ropekit.results import (
     check_replaceable,
@@ -79,6 +86,7 @@ from ropekit.results import (
 SEARCH_JSON = "search.json"
 CANDIDATES = "candidates.jsonl"
 MAX_FACTOR_TIMES_S = 4.0  # factors are capped at this multiple of s
+OBJECTIVES = ("ppl", "needle-ppl")
 # Tokens a search may score in all (budget x target_length): past it the run would take
 # months (SmolLM2-135M on one CPU core here scores 8,192 tokens in about a minute).
 MAX_SEARCH_TOKENS = 10**9
@@ -101,10 +109,18 @@ class SearchConfig:
     data: str | tuple[str, ...] = "shakespeare"  # text the candidates are scored on (train split)
     seed: int = 0  # picks the samples, the mutations and the crossovers
     chunk: int = 2048  # tokens per forward while scoring (memory only; the numbers are exact)
+    # the fitness: "ppl", the mean NLL of every token of the samples; "needle-ppl", LongRoPE2's
+    # needle-driven perplexity: the mean NLL of the answer tokens only, each sample a needle
+    # document (its own passkey woven into it, asked at its end)
+    objective: str = "ppl"
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, str):
             object.__setattr__(self, "data", tuple(self.data))
+        if self.objective not in OBJECTIVES:
+            raise ValueError(
+                f"objective={self.objective!r} is not allowed; allowed: {', '.join(OBJECTIVES)}"
+            )
         for name in ("target_length", "samples", "budget", "population", "parents", "chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -136,12 +152,18 @@ class SearchConfig:
             raise ValueError(f"seed={self.seed!r} is not allowed; it must be an integer >= 0")
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON values (the provenance of a search). The objective is left out
+        at its default, perplexity, which every search made before it could be chosen scored:
+        their folders stay resumable."""
         out = dataclasses.asdict(self)
         out["data"] = list(self.data) if isinstance(self.data, tuple) else self.data
+        if out["objective"] == "ppl":
+            del out["objective"]
         return out
 
 
-VERSION = 3  # 3: typed (2: the untyped layout, the same fields)
+VERSION = 3  # 3: typed (2: the untyped layout, the same fields; the objective added since
+# reads as its default, perplexity, which every search before it scored)
 
 
 @register("search", VERSION, {2: lambda data: data})
@@ -152,7 +174,7 @@ class SearchRecord:
     meta: dict[str, Any]  # run_metadata
     provenance: dict[str, Any]  # model and config: what a rerun must match to reuse it
     spec: str  # the searched longrope spec (what the adapter holds)
-    nll: float  # its fitness: mean NLL (nats/token) on the scoring samples
+    nll: float  # its fitness: mean NLL (nats/token) on the scoring samples (config.objective)
     origin: str  # where the best candidate came from ("yarn", "generation 3 crossover", ...)
     baselines: dict[str, float]  # the seeds' fitness: pi, ntk, yarn
     forwards: int  # forwards spent (this run and earlier ones together)
@@ -215,7 +237,9 @@ def _spec(factors: np.ndarray, factor: float, original_length: int) -> str:
 
 
 class _Scorer:
-    """Mean NLL of the scoring samples for a candidate; records every scored candidate."""
+    """A candidate's fitness: the mean over the scoring samples of their mean NLL, of every
+    token ("ppl") or of the answer tokens of a needle document ("needle-ppl"); records every
+    scored candidate."""
 
     def __init__(
         self, backbone: Backbone, config: SearchConfig, path: Path, stage: str, context: dict
@@ -230,7 +254,11 @@ class _Scorer:
                 f"{len(packed)} samples of {config.target_length} tokens"
             )
         first = [packed.sample(k)[0] for k in range(config.samples)]  # (T+1,) tokens each
-        self.samples = [torch.as_tensor(tokens)[None] for tokens in first]
+        self.samples = [torch.as_tensor(tokens)[None] for tokens in first]  # (1, T+1) each
+        # (T,) the label positions each sample's fitness averages: all, or its answer's
+        self.scored = [torch.ones(ids.shape[1] - 1, dtype=torch.bool) for ids in self.samples]
+        if config.objective == "needle-ppl":
+            self.samples, self.scored = _needle_documents(first, backbone, config.seed)
         self.backbone, self.config, self.path, self.stage = backbone, config, path, stage
         self.context = context
         self.records = [r for r in read_records(path) if r.get("stage") == stage]
@@ -251,8 +279,8 @@ class _Scorer:
         spec = _spec(factors, c["factor"], c["original_length"])
         self.backbone.set_encoding(spec)
         total = sum(
-            float(self.backbone.token_nll(ids, self.config.chunk).double().mean())
-            for ids in self.samples
+            float(self.backbone.token_nll(ids, self.config.chunk)[0][scored].double().mean())
+            for ids, scored in zip(self.samples, self.scored, strict=True)
         )
         nll = total / len(self.samples)
         key = [round(float(v), 6) for v in factors]
@@ -260,6 +288,29 @@ class _Scorer:
         write_records(self.path, self.records)
         self.forwards += self.config.samples
         return nll
+
+
+def _needle_documents(
+    samples: list[np.ndarray], backbone: Backbone, seed: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """LongRoPE2's needle documents (Shang et al. 2025, sec. 3.2, "needle-driven
+    perplexity"): each training sample (T+1,) with its own passkey woven in at a uniform
+    depth and asked at its end ("What is the pass key? The pass key is 48213."), as
+    ``data.retrieval`` builds them for training; returns the documents (1, T+1) and, per
+    document, the label positions (T,) of its answer's tokens. Every document draws its own
+    passkey (seed, document index), so the scores are over independent probes."""
+    tokenizer = backbone.require_tokenizer()
+    config = RetrievalConfig(ratio=1.0, kinds=("passkey",))
+    documents, answers = [], []
+    for k, tokens in enumerate(samples):
+        rng = np.random.default_rng([seed, k, 0x6E656564])  # "need"
+        woven, _, where = weave(np.asarray(tokens), draw_records(rng, config), tokenizer, rng)
+        answer = torch.zeros(len(woven) - 1, dtype=torch.bool)
+        for start, stop in where.answer_spans:
+            answer[start:stop] = True
+        documents.append(torch.as_tensor(woven)[None])
+        answers.append(answer)
+    return documents, answers
 
 
 def _evolve(scorer: _Scorer, config: SearchConfig, seeds: dict, cap: float, bar: tqdm) -> dict:

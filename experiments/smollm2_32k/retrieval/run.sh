@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Experiment E's retrieval redone with probes that measure needle distance (issue 56), for the
+# methods E's verdict compares, at seed 0, one after the other, on one core. Resumable: rerun
+# it to continue (each `eval probes` folder keeps its answers; a finished one makes no model
+# call). From the repo root:
+#   nohup experiments/smollm2_32k/retrieval/run.sh > e-retrieval.log 2>&1 &
+# It runs the committed source (HEAD's src/, copied to a temporary folder), so src/ can be
+# edited while it runs, and reads each method's extension run in final/methods/ (the adapter
+# E scored; the trained methods at the rate E chose, 0.02).
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+export OMP_NUM_THREADS=1
+E=experiments/smollm2_32k
+OUT=$E/retrieval
+flock "${TMPDIR:-/tmp}/ropekit-setup.lock" make -s setup
+.venv/bin/ropekit models install smollm2-135m
+SRC=$(mktemp -d "${TMPDIR:-/tmp}/ropekit-e-retrieval.XXXXXX")
+git archive HEAD src | tar -x -C "$SRC"
+export PYTHONPATH="$SRC/src"
+echo "running ropekit from $SRC (HEAD $(git rev-parse --short HEAD))"
+# The probes: compare's defaults (12 needles near the start of each of 5 haystacks of 32k, each
+# needle asked once from its own cut point), RULER's essay haystack (niah_single_2), 8 distance
+# bins of 4k. Fixed before any answer was seen: no probes are added after looking.
+PROBES=(--lengths 32768 --needles 12 --haystacks 5 --task niah_single_2 --bins 8 --seed 0)
+# label and extension run, in the verdict's order: the floor first, then the pairs it asks about
+METHODS=(
+  "rope $E/final/methods/rope/s0"
+  "leaky-rerope $E/final/methods/leaky-rerope/s0"
+  "self-extend $E/final/methods/self-extend/s0"
+  "dca $E/final/methods/dca/s0"
+  "yarn-x4 $E/final/methods/yarn-x4/s0"
+  "adarope $E/final/methods/adarope/lr-0.02/s0"
+  "adarope-global $E/final/methods/adarope-global/lr-0.02/s0"
+)
+for entry in "${METHODS[@]}"; do
+  read -r label run <<<"$entry"
+  echo "$(date -u +%FT%TZ) $label"
+  .venv/bin/ropekit eval probes --model smollm2-135m --adapter "$run" "${PROBES[@]}" \
+    --out "$OUT/$label"
+done
+echo "$(date -u +%FT%TZ) done"
