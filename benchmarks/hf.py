@@ -1,6 +1,10 @@
-"""A patched Hugging Face model's forward vs the unpatched model: a tiny random Llama built in
-code (2 layers, hidden 256, 4 heads of 64, one 1024-token sequence, no grad), patched with its
-own RoPE spec (``spec_from_config``), so both compute the same logits.
+"""A patched Hugging Face model's forward and peak memory vs the unpatched model, for three
+families of different shapes: a Llama (every layer rotates), Gemma 3 (local layers on one
+base, global layers on another, a sliding window of 1024) and GPT-OSS (attention sinks, eager
+attention, local and global layers). Each is a random model built from transformers' own
+config class (4 layers, hidden 256, 4 query heads of 64 over 2 key/value heads), read as one
+4096-token sequence without grad and without a cache, patched with its own RoPE spec
+(``spec_from_config``), so both compute the same logits.
 """
 
 from __future__ import annotations
@@ -8,43 +12,86 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ropekit.hf import patch, spec_from_config
 
-from .common import Result, compare
+from .common import Result, compare, mib, peak_memory
+
+SHAPE = {
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+}
+FAMILIES = {
+    "llama": {},
+    "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"] * 2},
+    "gpt_oss": {
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+}
 
 
-def run(device: str = "cpu", length: int = 1024) -> list[Result]:
-    config = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    plain = LlamaForCausalLM(config).to(device).eval()
-    patched = copy.deepcopy(plain)
-    spec = spec_from_config(config)
-    patch(patched, spec)
-    ids = torch.randint(0, config.vocab_size, (1, length), device=device)
+def _model(family: str, device: str) -> torch.nn.Module:
+    config = AutoConfig.for_model(family, **SHAPE, **FAMILIES[family])
+    for implementation in ("sdpa", "eager"):  # GPT-OSS has eager attention only
+        config._attn_implementation = implementation
+        torch.manual_seed(0)
+        try:
+            return AutoModelForCausalLM.from_config(config).to(device).eval()
+        except ValueError:
+            continue
+    raise ValueError(f"{family}: no attention implementation builds")
 
-    def forward(model):
-        def run():
-            with torch.no_grad():
-                return model(ids).logits
 
-        return run
+def run(device: str = "cpu", length: int = 4096) -> list[Result]:
+    out = []
+    for family in FAMILIES:
+        plain = _model(family, device)
+        patched = copy.deepcopy(plain)
+        spec = spec_from_config(plain.config)
+        patch(patched, spec)
+        ids = torch.randint(0, SHAPE["vocab_size"], (1, length), device=device)
 
-    with torch.no_grad():
-        diff = (forward(patched)() - forward(plain)()).abs().max().item()
-    t = compare({"patched": forward(patched), "plain": forward(plain)}, repeats=15)
-    note = (
-        f"LlamaForCausalLM 2 x 256, 1 x {length}, sdpa, patched with {spec!r}: "
-        f"{t['patched'] * 1e3:.1f} ms vs {t['plain'] * 1e3:.1f} ms; max |logit diff| {diff:.1e}"
-    )
-    return [Result("patched HF forward vs unpatched", t["patched"] / t["plain"], 1.05, note)]
+        def forward(model, ids=ids):
+            def run():
+                with torch.no_grad():
+                    return model(ids, use_cache=False).logits
+
+            return run
+
+        with torch.no_grad():
+            diff = (forward(patched)() - forward(plain)()).abs().max().item()
+        t = compare({"patched": forward(patched), "plain": forward(plain)}, repeats=5)
+        live = {name: [*m.parameters(), *m.buffers()] for name, m in (("p", patched), ("u", plain))}
+        memory = {
+            "patched": peak_memory(forward(patched), device, live["p"]),
+            "plain": peak_memory(forward(plain), device, live["u"]),
+        }
+        where = (
+            f"{type(plain).__name__} 4 x 256, 1 x {length}, "
+            f"{plain.config._attn_implementation}, patched with {spec}"
+        )
+        out += [
+            Result(
+                f"patched HF forward vs unpatched, {family}",
+                t["patched"] / t["plain"],
+                1.05,
+                f"{where}: {t['patched'] * 1e3:.0f} ms vs {t['plain'] * 1e3:.0f} ms; "
+                f"max |logit diff| {diff:.1e}",
+            ),
+            Result(
+                f"patched HF peak memory vs unpatched, {family}",
+                memory["patched"] / memory["plain"],
+                1.05,
+                f"{where}: {mib(memory['patched'])} vs {mib(memory['plain'])}",
+            ),
+        ]
+    return out

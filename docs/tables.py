@@ -452,12 +452,35 @@ def mutation(root: Path) -> str:
 
 
 # --------------------------------------------------------------------------- architectures
+ROTATION_WORDS = {
+    "all": "every layer",
+    "rope_flags": "layers flagged in `no_rope_layers` (the others NoPE)",
+    "sliding": "sliding-window layers (global layers NoPE)",
+}
+
+
 def architectures(root: Path) -> str:
-    """The Hugging Face model types ropekit patches (``ropekit.hf.archs.ARCHS``, the registry
-    in the code, not a file: ``root`` has no say)."""
+    """The Hugging Face model types ropekit patches, a row per registry row
+    (``ropekit.hf.archs.ARCHS``, the registry in the code, not a file: ``root`` has no say)."""
     from ropekit.hf.archs import ARCHS
 
-    return markdown(["model_type"], ([f"`{name}`"] for name in sorted(ARCHS)))
+    def remaps(arch) -> str:
+        why = [f"{what} (`{field}`)" if field else what for what, field in arch.extras]
+        why += ["q/k norm after the rotation"] if arch.norm_after_rotation else []
+        return "yes" if not why else "refused where on: " + ", ".join(why)
+
+    rows = (
+        [
+            f"`{a.model_type}`",
+            ROTATION_WORDS[a.rotation],
+            a.pairing,
+            "every rotating type" if a.recipe is None else ", ".join(f"`{k}`" for k in a.recipe),
+            remaps(a),
+        ]
+        for a in (ARCHS[name] for name in sorted(ARCHS))
+    )
+    header = ["model_type", "rotates", "pairing", "a spec covers by default", "distance remaps"]
+    return markdown(header, rows)
 
 
 COMPARISONS = {

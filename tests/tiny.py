@@ -174,12 +174,10 @@ FAMILY_LAYER_TYPES: dict[str, list[str] | None] = {
 }
 
 
-def family_model(
-    model_type: str, *, seed: int = 0, attn_implementation: str | None = None, **overrides: Any
-) -> nn.Module:
-    """A float32 model of ``model_type`` in eval mode: sdpa where the family supports it,
-    else eager (Gemma 2, GPT-OSS), unless ``attn_implementation`` says."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def family_config(model_type: str, **overrides: Any):
+    """The tiny config of ``model_type`` (``family_model``'s); transformers' own class refuses
+    settings the family does not take (Phi-3's rope type must be longrope)."""
+    from transformers import AutoConfig
 
     options: dict[str, Any] = {
         "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
@@ -196,7 +194,17 @@ def family_model(
             use_sliding_window=True,  # Qwen2, Qwen3: the window applies only when this is set
         )
     options.update(overrides)
-    config = AutoConfig.for_model(model_type, **options)
+    return AutoConfig.for_model(model_type, **options)
+
+
+def family_model(
+    model_type: str, *, seed: int = 0, attn_implementation: str | None = None, **overrides: Any
+) -> nn.Module:
+    """A float32 model of ``model_type`` in eval mode: sdpa where the family supports it,
+    else eager (Gemma 2, GPT-OSS), unless ``attn_implementation`` says."""
+    from transformers import AutoModelForCausalLM
+
+    config = family_config(model_type, **overrides)
     for implementation in (attn_implementation,) if attn_implementation else ("sdpa", "eager"):
         config._attn_implementation = implementation
         torch.manual_seed(seed)

@@ -26,7 +26,7 @@ from ropekit.hf.archs import ARCHS, arch_for, default_types, rope_parameters
 from ropekit.hf.patching import build_for_model
 
 from ..encodings.test_remap import dca_distance, rerope_distance, rotate_pairs
-from ..tiny import L0, VOCAB, family_model
+from ..tiny import L0, VOCAB, family_config, family_model
 
 FAMILIES = sorted(ARCHS)
 ATOL = 1e-4  # float32 round-off (Llama 4 normalises q, k a second time: 5e-5); a wrong row: O(1)
@@ -92,11 +92,16 @@ def test_a_wrong_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ----------------------------------------------------------------------------- (b)
 def _schedules(family: str) -> dict[str, dict]:
-    """The rope_parameters of each schedule transformers implements, for this family's
-    covered layer type (LongRoPE's factors sized to its rotary pairs)."""
-    config = family_model(family).config
-    pairs = build_for_model(config, "rope").n_pairs
-    out = {
+    """The rope_parameters (the whole dict the config takes) of each schedule transformers
+    implements and this family's config accepts, for the layer types a spec covers by default
+    (LongRoPE's factors sized to their rotary pairs). Over p-RoPE (Gemma 4's global layers),
+    transformers' one scaled form is "proportional" with a factor; ropekit's schedules there
+    keep the model's proportion, so only that one is compared."""
+    base = family_config(family)
+    kinds = default_types(base)
+    own = rope_parameters(base, kinds[0])
+    pairs = build_for_model(base, "rope").n_pairs
+    candidates = {
         "linear": {"rope_type": "linear", "factor": 2.0},
         "dynamic": {"rope_type": "dynamic", "factor": 2.0},
         "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
@@ -115,8 +120,20 @@ def _schedules(family: str) -> dict[str, dict]:
             "factor": 2.0,
         },
     }
-    if rope_parameters(config).get("rope_type") == "proportional":
-        out["proportional"] = {"rope_type": "proportional", "factor": 2.0}
+    if own.get("rope_type") == "proportional":
+        candidates = {"proportional": {"rope_type": "proportional", "factor": 2.0}}
+    keep = {k: own[k] for k in ("rope_theta", "partial_rotary_factor") if k in own}
+    nested = isinstance(next(iter(base.rope_parameters.values())), dict)
+    out = {}
+    for name, params in candidates.items():
+        # every type the spec covers by default (OLMo 3: both, one base; Gemma 3/4: the global)
+        rope = {**keep, **params}
+        rope = {**base.rope_parameters, **dict.fromkeys(kinds, rope)} if nested else rope
+        try:
+            family_config(family, rope_parameters=rope)
+        except Exception:  # the family's config class refuses it (Phi-3: longrope only)
+            continue
+        out[name] = rope
     return out
 
 
@@ -125,15 +142,8 @@ CASES = [(family, name) for family in FAMILIES for name in _schedules(family)]
 
 @pytest.mark.parametrize(("family", "schedule"), CASES)
 def test_each_schedule_equals_transformers_own_model(family: str, schedule: str) -> None:
-    base = family_model(family).config
-    kind = default_types(base)[0]
-    own = rope_parameters(base, kind)
-    keep = {k: own[k] for k in ("rope_theta", "partial_rotary_factor") if k in own}
-    if schedule != "proportional" and own.get("rope_type") == "proportional":
-        keep.pop("partial_rotary_factor", None)  # p-RoPE's share is not a partial width
-    params = {**keep, **_schedules(family)[schedule]}
-    nested = isinstance(next(iter(base.rope_parameters.values())), dict)
-    rope = {**base.rope_parameters, kind: params} if nested else params
+    kind = default_types(family_config(family))[0]
+    rope = _schedules(family)[schedule]
     theirs = family_model(family, rope_parameters=rope, max_position_embeddings=2 * L0)
     ours = family_model(family, max_position_embeddings=2 * L0)
     ours.load_state_dict(theirs.state_dict())
@@ -184,7 +194,7 @@ def _pairwise(remap):
 
 
 def _remappable(family: str) -> bool:
-    config = family_model(family).config
+    config = family_config(family)
     arch = arch_for(config)
     return not arch.active_extras(config) and arch.norm_after_rotation is None
 
