@@ -222,3 +222,61 @@ def test_families_whose_attention_the_bands_cannot_compute_refuse_remaps(family:
     model = family_model(family)
     with pytest.raises(ValueError, match="attends in bands, which do not compute"):
         patch(model, "rerope:window=6,leaky=4")
+
+
+# ----------------------------------------------------------------------------- layer types
+def test_a_spec_changes_the_layer_types_it_names_and_the_others_keep_their_rope() -> None:
+    """OLMo 3 (local and global layers on one base): yarn on the local layers only equals
+    transformers' model with yarn in those layers' rope_parameters; the spec says so."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    base = family_config("olmo3")
+    rope = {**base.rope_parameters}
+    rope["sliding_attention"] = {**rope["sliding_attention"], **yarn}
+    theirs = family_model("olmo3", rope_parameters=rope, max_position_embeddings=2 * L0)
+    ours = family_model("olmo3", max_position_embeddings=2 * L0)
+    ours.load_state_dict(theirs.state_dict())
+    encoding = patch(ours, "yarn:factor=4,original_length=16,layers=local")
+    assert encoding.layers == "sliding_attention"
+    assert encoding.spec.endswith(",layers=sliding_attention")
+    ids = _ids(2, 48)
+    with torch.no_grad():
+        expected = theirs(ids, use_cache=False).logits
+        torch.testing.assert_close(ours(ids, use_cache=False).logits, expected, atol=ATOL, rtol=0)
+    assert patch(ours, encoding.spec).spec == encoding.spec  # the spec rebuilds it
+    # the family's default (every rotating type for OLMo 3) is not written out
+    assert patch(ours, "yarn:factor=4,original_length=16,layers=all").layers is None
+
+
+def test_gemma3s_default_extends_the_global_layers_only() -> None:
+    model = family_model("gemma3_text")
+    encoding = patch(model, "yarn:factor=4")
+    assert encoding.layers is None and encoding.base == 1e6  # the global layers' base
+    assert patch(model, "yarn:factor=4,layers=global").layers is None
+    assert "layers" not in encoding.spec
+
+
+@pytest.mark.parametrize(
+    ("family", "spec", "message"),
+    [
+        (
+            "gemma3_text",
+            "yarn:factor=4,layers=all",
+            "layer types 'sliding_attention' and 'full_attention' of this gemma3_text model "
+            "rotate differently",
+        ),
+        ("llama", "yarn:factor=4,layers=global+chunked", "no rotating layers of type 'chunked'"),
+        ("cohere2", "rope:layers=full_attention", "no rotating layers of type 'full_attention'"),
+        ("llama", "yarn:factor=4,layers=Global!", "layers='Global!' is not allowed"),
+    ],
+)
+def test_layer_types_a_model_does_not_have_are_refused_in_one_line(family, spec, message):
+    with pytest.raises(ValueError, match=message) as info:
+        patch(family_model(family), spec)
+    assert "\n" not in str(info.value)
+
+
+def test_the_reference_decoder_has_one_layer_type() -> None:
+    from ropekit.model import Decoder, DecoderConfig
+
+    with pytest.raises(ValueError, match="ropekit's decoder has one layer type"):
+        Decoder(DecoderConfig(encoding="yarn:factor=2,original_length=8,layers=global"))

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from ropekit.data.tokenizers import ByteTokenizer, Tokenizer
 from ropekit.encodings import PositionEncoding, Spec, build
 from ropekit.model import Decoder, DecoderConfig, KVCache
+from ropekit.model.decoder import one_layer_type
 
 from .base import Backbone
 
@@ -63,14 +64,16 @@ class DecoderBackbone(Backbone):
         base = self.decoder.encoding.base
         if base is not None:
             context["base"] = base
-        return build(
-            spec,
-            n_heads=c.n_heads,
-            n_kv_heads=c.n_kv_heads,
-            head_dim=c.head_dim,
-            n_layers=c.n_layers,
-            d_model=c.d_model,
-            **context,
+        return one_layer_type(
+            build(
+                spec,
+                n_heads=c.n_heads,
+                n_kv_heads=c.n_kv_heads,
+                head_dim=c.head_dim,
+                n_layers=c.n_layers,
+                d_model=c.d_model,
+                **context,
+            )
         )
 
     def set_encoding(self, spec: Spec | str | PositionEncoding) -> PositionEncoding:

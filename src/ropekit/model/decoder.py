@@ -399,6 +399,17 @@ def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     )  # (B*T, V) against (B*T,)
 
 
+def one_layer_type(encoding: PositionEncoding) -> PositionEncoding:
+    """Refuse a spec's ``layers=`` naming types: every layer of this decoder is one type."""
+    if encoding.layers not in (None, "all", "rope"):
+        raise ValueError(
+            f"layers={encoding.layers!r}: ropekit's decoder has one layer type, so a spec "
+            "covers every layer (layers=all); layer types are those of Hugging Face models "
+            "with several (Gemma 3's local and global layers)"
+        )
+    return encoding
+
+
 class Decoder(nn.Module):
     """Decoder-only language model with a pluggable position encoding (module docstring)."""
 
@@ -406,14 +417,16 @@ class Decoder(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.encoding = build(
-            config.encoding,
-            n_heads=config.n_heads,
-            n_kv_heads=config.n_kv_heads,
-            head_dim=config.head_dim,
-            n_layers=config.n_layers,
-            d_model=config.d_model,
-            **config.encoding_context(),
+        self.encoding = one_layer_type(
+            build(
+                config.encoding,
+                n_heads=config.n_heads,
+                n_kv_heads=config.n_kv_heads,
+                head_dim=config.head_dim,
+                n_layers=config.n_layers,
+                d_model=config.d_model,
+                **config.encoding_context(),
+            )
         )
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
