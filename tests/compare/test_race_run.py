@@ -28,14 +28,21 @@ def _argv(base, out, *more):
 
 
 @pytest.fixture(scope="module")
-def raced(tmp_path_factory):
-    """One base model, the comparison raced (the default) and the same one with --race off."""
+def base(tmp_path_factory):
+    """A tiny byte-level model trained at 32 tokens."""
+    root = tmp_path_factory.mktemp("race")
+    pretrain = ["pretrain", "--context", "32", "--steps", "30", *TINY]
+    assert main([*pretrain, "--out", str(root / "base")]) == 0
+    return root
+
+
+@pytest.fixture(scope="module")
+def raced(base):
+    """The comparison raced (the default) and the same one with --race off."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("race")
+    root = base
     try:
-        pretrain = ["pretrain", "--context", "32", "--steps", "30", *TINY]
-        assert main([*pretrain, "--out", str(root / "base")]) == 0
         assert main(_argv(root / "base", root / "on")) == 0
         assert main(_argv(root / "base", root / "off", "--race", "off")) == 0
     finally:
@@ -49,6 +56,15 @@ def _flat(nested) -> list[float]:
 
 def _record(folder) -> CompareResult:
     return read_record(folder / "compare.json", CompareResult)
+
+
+def test_the_plan_of_a_race_says_so_and_counts_the_most_it_can_run(base, tmp_path, capsys):
+    """Before any round is decided the plan costs every method at every round, with its
+    probes (3 methods x 2 haystacks at one length), and says it is an upper bound."""
+    assert main([*_argv(base / "base", tmp_path / "out"), "--plan-only"]) == 0
+    line = capsys.readouterr().out
+    assert "6 probe prefills" in line and "3 scored models" in line
+    assert "raced in 3 rounds (at most the above" in line
 
 
 def test_a_collapsed_method_stops_after_round_one_and_is_never_probed(raced):

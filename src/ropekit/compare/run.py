@@ -403,7 +403,7 @@ def _probes_fit(config: CompareConfig, probe: Backbone, trained_at: int) -> dict
 
 def _plan_line(run: Comparison) -> str:
     """What the comparison will run, said before it starts (finished jobs are reused)."""
-    c, planned = run.config, list(run.jobs())
+    c, planned = run.config, list(run.jobs(planned=True))
     trained = [m for m in run.methods if m.trained]
     runs = sum(j.kind == "training" and j.method.trained for j in planned)
     scored = len({(j.method.label, j.seed) for j in planned if j.kind == "perplexity"})
