@@ -595,6 +595,7 @@ def _lengths_or_none(text: str) -> tuple[int, ...]:
 def add_compare(p: argparse.ArgumentParser) -> None:
     from ropekit.backbone import COMPUTE_DTYPES
     from ropekit.compare import CompareConfig
+    from ropekit.compare.config import RACE
 
     p.add_argument(
         "--config",
@@ -607,7 +608,7 @@ def add_compare(p: argparse.ArgumentParser) -> None:
         p,
         CompareConfig,
         parsers={"methods": _specs, "probe_lengths": _lengths_or_none},
-        choices={"dtype": tuple(COMPUTE_DTYPES)},
+        choices={"dtype": tuple(COMPUTE_DTYPES), "race": RACE},
         help={"methods": "encoding specs, comma-separated (a spec's own options keep their "
               "commas: 'rope,yarn:factor=4,beta_fast=16,adarope:init=yarn')"},
         unset=True,

@@ -15,6 +15,7 @@ import torch
 
 from ropekit.cli import main
 from ropekit.compare import CompareConfig
+from ropekit.compare import run as compare_run
 from ropekit.compare.record import (
     CompareResult,
 )
@@ -46,7 +47,9 @@ def compared(tmp_path_factory):
         "--names", "yarn,adarope", "--seeds", "0,1", "--samples", "2", "--lrs", "0.01,0.03",
         "--selection-samples", "1", "--eval-data", "shakespeare,kjv", "--lengths", "16,32,128",
         "--spans", "2", "--probe-lengths", "96,128", "--probe-needles", "1",
-        "--probe-haystacks", "3", "--probe-task", "kv1_shakespeare", "--out", str(root / "out"),
+        "--probe-haystacks", "3", "--probe-task", "kv1_shakespeare",
+        "--race", "off",  # the exhaustive design (racing: test_race_run.py)
+        "--out", str(root / "out"),
     ]  # fmt: skip
     try:
         assert main(argv) == 0
@@ -246,7 +249,7 @@ def test_a_length_no_single_document_holds_is_left_out_and_said(compared, tmp_pa
     argv = [
         "compare", "--model", str(root / "base"), "--target-length", "64", "--methods",
         "yarn:factor=2", "--eval-data", f"shakespeare,{short}", "--lengths", "16,32,64",
-        "--probe-lengths", "", "--out", str(out),
+        "--probe-lengths", "", "--out", str(out), "--race", "off",  # racing needs N per domain
     ]  # fmt: skip
     assert main(argv) == 0
     data = json.loads((out / "compare.json").read_text())
@@ -356,9 +359,10 @@ def _copied(compared, tmp_path: Path) -> tuple[Path, CompareConfig]:
     root, _ = compared
     out = tmp_path / "out"
     shutil.copytree(root / "out", out)
-    (tmp_path / "config.json").write_text(
-        json.dumps(json.loads((out / "compare.json").read_text())["config"])
-    )
+    recorded = json.loads((out / "compare.json").read_text())["config"]
+    # a field left out is at the value comparisons ran at before it (race off), not the default
+    written = CompareConfig.from_dict(recorded)
+    (tmp_path / "config.json").write_text(json.dumps({**recorded, "race": written.race}))
     return out, from_file(tmp_path / "config.json")
 
 
@@ -445,7 +449,7 @@ def test_the_plan_scales_what_is_left_by_the_pace_of_the_finished_jobs(compared,
 
     run = comparison()
     jobs = run.job_costs()
-    paces = run.paces(jobs)
+    paces = compare_run.paces(run.ledger, jobs)
     assert {kind: r for kind, (r, _) in paces.items()} == pace
     assert paces["perplexity"][1] == 7  # 8 scored, one not finished
     left, paced = run.estimated_seconds(left=True), run.estimated_seconds(left=True, paced=True)
@@ -503,7 +507,7 @@ def test_a_job_computed_elsewhere_records_its_own_time_or_none(compared, tmp_pat
     assert run.ledger.run(job, lambda: "loaded", eval_folder, "ppl.json") == "loaded"
     assert job not in run.ledger.records and job in run.ledger.jobs
     assert job not in {r["job"] for r in read_records(out / "times.jsonl")}
-    paces = run.paces(run.job_costs())
+    paces = compare_run.paces(run.ledger, run.job_costs())
     assert paces["perplexity"][1] == sum(j.kind == "perplexity" for j in run.job_costs()) - 1
     # begun here (a kill -9 after ppl.json was written): its attempt is its time
     run.ledger.set(job, {"job": job, "started": None, "earlier": 50.0})

@@ -188,3 +188,30 @@ def test_the_default_mode_keeps_its_provenance(tmp_path):
     run = run_perplexity(tiny_decoder(), PerplexityConfig((32,), 64), tmp_path, progress=False)
     assert "single_documents" not in run.result.provenance["config"]
     assert run.result.spans is None and isinstance(run.result.start, int)
+
+
+@pytest.mark.parametrize("single", [True, False])
+def test_a_part_scores_exactly_the_windows_the_whole_scores_there(byte_tok, single):
+    """A comparison that races reads its windows in parts (rounds): part i is span i of the
+    whole (single documents) or its i-th lcm(lengths) targets (joined text), row for row."""
+    stream = heldout_stream("shakespeare", byte_tok)
+    lm = as_language_model(tiny_decoder(), byte_tok)
+    whole_config = PerplexityConfig((32, 64), n_tokens=3 * 64, seed=2, single_documents=single)
+    whole = evaluate_perplexity(lm, stream, whole_config, False)
+    for i in range(3):
+        config = PerplexityConfig((32, 64), n_tokens=3 * 64, seed=2, single_documents=single,
+                                  part=i)  # fmt: skip
+        part = evaluate_perplexity(lm, stream, config, False)
+        if single:
+            assert part.spans == whole.spans[i : i + 1]
+        else:
+            assert part.start == whole.start + i * 64
+        for mine, theirs in zip(part.results, whole.results, strict=True):
+            per = len(theirs.last_quarter_nll_windows) // 3
+            assert mine.tokens == 64 and mine.windows == per
+            assert (
+                mine.last_quarter_nll_windows
+                == theirs.last_quarter_nll_windows[i * per : (i + 1) * per]
+            )
+    with pytest.raises(ValueError, match=r"part=3 is not allowed; allowed: None, or 0\.\.2"):
+        PerplexityConfig((32, 64), n_tokens=3 * 64, part=3)

@@ -34,6 +34,7 @@ from .record import (
     LrSearch,
     Method,
     ProbeSettings,
+    Race,
     Retrieval,
     SeedAccuracy,
     Skipped,
@@ -73,6 +74,7 @@ class Finished:
     searches: dict[str, LrSearch] = dataclasses.field(default_factory=dict)
     probes: dict[str, dict[int, ProbesResult]] = dataclasses.field(default_factory=dict)
     served: dict[str, dict[str, EngineAnswer]] = dataclasses.field(default_factory=dict)
+    race: Race | None = None  # a raced comparison's rounds so far (None: not raced)
 
 
 class _Written(NamedTuple):
@@ -111,22 +113,26 @@ def write(setting: Setting, finished: Finished, ledger: Ledger, stage: str) -> C
             single_documents=c.single_documents, skipped=s.skipped,
             held_out=written.held_out, methods=s.methods, baseline=s.baseline,
             table=written.table, summary=_summary(written.table), lr_search=written.lr_search,
-            verdict=_verdict(s, written), retrieval=written.retrieval, probes=settings,
-            served=written.served, times=tuple(times), config=c.to_dict(),
+            verdict=_verdict(s, written, finished.race), retrieval=written.retrieval,
+            probes=settings, served=written.served, times=tuple(times), config=c.to_dict(),
+            race=finished.race,
         )  # fmt: skip
         write_result(s.out / COMPARE_JSON, "compare", record)
         write_report(record, s.out)
     return record
 
 
-def _verdict(s: Setting, written: _Written) -> Any:
+def _verdict(s: Setting, written: _Written, race: Race | None) -> Any:
     """The rule's verdict on what is written (None until the baseline is scored), with the
-    retrieval and the engines' choices beside it, never part of it."""
+    retrieval and the engines' choices beside it, never part of it; a method out of the race
+    is not a candidate (its windows stop at its last round)."""
     c, table = s.config, written.table
     if s.baseline not in table:
         return None
+    out = race.stops if race is not None else {}
     verdict = recommend(
-        table, [m.label for m in s.methods if m.label in table], s.baseline, s.trained_at,
+        table, [m.label for m in s.methods if m.label in table and m.label not in out],
+        s.baseline, s.trained_at,
         c.target_length, c.margin, min_difference=c.min_difference,
         trained=[m.label for m in s.methods if m.trained],
     )  # fmt: skip

@@ -8,7 +8,7 @@ the *training* domain; every other method (fixed schedules, attention-level rema
 factors) is applied as it is. Every method is then scored on the same held-out windows of
 several domains.
 
-Holds: CompareConfig, from_file, spec_label.
+Holds: CompareConfig, from_file, spec_label, RACE.
 """
 
 from __future__ import annotations
@@ -76,6 +76,11 @@ class CompareConfig:
     min_difference: float = 0.005
     seed: int = 0  # picks the evaluation spans and the retrieval haystacks and needles
     dtype: str = "float32"  # the compute dtype every method is scored in (training: float32)
+    # on: score the windows in rounds (span r of every domain in round r) and stop spending
+    # perplexity and probes on a method once it is resolvably out of the verdict's reach
+    # (collapsed, over the margin at L0, or behind the leader: ropekit.compare.race); off:
+    # score every window of every method (a comparison that needs every contrast)
+    race: str = "on"
 
     def __post_init__(self) -> None:
         # parsed once, here: an unknown name or a malformed spec stops here, model unread
@@ -142,6 +147,8 @@ class CompareConfig:
             )
         if self.pose_window is not None and not self.pose:
             raise ValueError("pose_window applies only with pose=True (--pose)")
+        if self.race not in RACE:
+            raise ValueError(f"race={self.race!r} is not allowed; allowed: {', '.join(RACE)}")
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(
                 f"dtype={self.dtype!r} is not allowed; allowed: {', '.join(COMPUTE_DTYPES)}"
@@ -199,10 +206,16 @@ class CompareConfig:
             haystacks=self.probe_haystacks, task=self.probe_task, seed=self.seed,
         )  # fmt: skip
 
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> CompareConfig:
+        """The config ``to_dict`` wrote: a field it left out is at the value the comparisons
+        made before it existed ran at (``_ADDED``), which need not be today's default."""
+        return cls(**{**_ADDED, **fields})
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON values, for files and provenance. A field added after
-        comparisons were run is left out at its default (``_ADDED``), which is what those
-        comparisons did: their folders stay resumable and their results keep matching."""
+        comparisons were run is left out at the value they ran at (``_ADDED``; ``from_dict``
+        reads it so): their folders stay resumable and their results keep matching."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         fields["methods"] = tuple(map(str, self.methods))
         return {
@@ -213,12 +226,18 @@ class CompareConfig:
 
 
 # Fields added after committed comparisons were made, with the default those comparisons ran at.
-_ADDED: dict[str, Any] = {"dtype": "float32", "probe_seeds": None, "whole_untrained_corpora": False}
+# (Racing came after them: they scored every window, race off.)
+_ADDED: dict[str, Any] = {
+    "dtype": "float32", "probe_seeds": None, "whole_untrained_corpora": False, "race": "off",
+}  # fmt: skip
+RACE = ("on", "off")
 
 
 def from_file(path: str | Path, **overrides: Any) -> CompareConfig:
     """A CompareConfig from a JSON file holding its fields (``methods`` may also be a mapping
-    of label -> spec); ``overrides`` win. Unknown fields are refused, naming them."""
+    of label -> spec); ``overrides`` win. Unknown fields are refused, naming them. A field it
+    leaves out is at its default (a file without ``race`` races; a compare.json's config is
+    read with ``CompareConfig.from_dict``, its left-out fields at the values it ran at)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

@@ -9,6 +9,8 @@ one list of names:
 - ``selection`` ``select <label> lr <lr>``: a trained method's candidate rate scored on unseen
   training-split samples at the first seed (only where there are several rates);
 - ``perplexity`` ``eval eval/<label>/s<seed>/<domain>``: one run on one held-out domain;
+  raced (``CompareConfig.race``), ``eval eval/<label>/s<seed>/<domain>/round-<r>``: its span r,
+  planned only for the methods still in the race after round r - 1 (`rounds.Rounds`);
 - ``probes``    ``probes eval/<label>/s<seed>/probes``: one run's retrieval probes.
 
 A trained method's later seeds run at the rate its selections choose; until they have chosen,
@@ -27,7 +29,7 @@ chosen_rates, ppl_config, CostModel, run_folder, eval_folder, slug.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from ropekit.backbone import Backbone
@@ -106,6 +108,7 @@ class Job:
     folder: Path | None  # where its result is written (None: a selection)
     domain: str | None = None  # perplexity: the held-out domain
     after: tuple[str, ...] = ()  # the jobs whose results it needs
+    round: int | None = None  # a raced perplexity: its round (span round - 1 of the domain)
 
     @property
     def result(self) -> Path | None:
@@ -124,13 +127,17 @@ def jobs(
     domains: Mapping[str, tuple[int, ...]],
     chosen: Mapping[str, float],
     probed: bool,
+    entrants: Callable[[int], Collection[str] | None] | None = None,
+    rounds: int = 0,
 ) -> Iterator[Job]:
     """Every job of the comparison, cheapest stage first (the module docstring): the methods
     that train nothing, attached and scored; the trained ones, their rate chosen, each seed
     trained and scored; then every run's probes (where ``probed``). ``domains``: the lengths
     each held-out domain is scored at (none: not scored there); ``chosen``: each trained
     method's chosen rate, read as the jobs are generated, so a runner that fills it in as
-    selections finish gets the later seeds at that rate."""
+    selections finish gets the later seeds at that rate. A raced comparison (``entrants``:
+    the methods in round r, None while undecided) scores in ``rounds`` rounds after every
+    run (`_raced`), and probes only the methods that finished the race."""
     out = Path(out)
 
     def training(m: ResolvedMethod, seed: int, lr: float, after: tuple[str, ...] = ()) -> Job:
@@ -138,7 +145,7 @@ def jobs(
         return Job("training", _named("training", out, folder), m, seed, lr, folder, after=after)
 
     def scored(m: ResolvedMethod, run: Job) -> Iterator[Job]:
-        for domain, lengths in domains.items():
+        for domain, lengths in domains.items() if entrants is None else ():
             if lengths:
                 folder = eval_folder(out, m.label, run.seed, domain)
                 name = _named("perplexity", out, folder)
@@ -170,13 +177,46 @@ def jobs(
                 yield run
             runs[m.label].append(run)
             yield from scored(m, run)
-    if probed:
-        for m in methods:
+    left: Collection[str] | None = [m.label for m in methods]
+    if entrants is not None:
+        left = yield from _raced(out, methods, runs, domains, entrants, rounds)
+    if probed and left is not None:
+        for m in (m for m in methods if m.label in left):
             for run in runs[m.label][: len(config.probed_seeds(m.trained))]:
                 folder = eval_folder(out, m.label, run.seed, "probes")
                 name = _named("probes", out, folder)
                 after = (run.name, *run.after)
                 yield Job("probes", name, m, run.seed, run.lr, folder, after=after)
+
+
+def _raced(
+    out: Path,
+    methods: Sequence[ResolvedMethod],
+    runs: Mapping[str, Sequence[Job]],
+    domains: Mapping[str, tuple[int, ...]],
+    entrants: Callable[[int], Collection[str] | None],
+    rounds: int,
+) -> Generator[Job, None, Collection[str] | None]:
+    """The perplexity jobs of a raced comparison, round by round: span r of every domain at
+    every run of each method in round r, each after every job of the round before (the
+    race decides on all of them); returns the methods that finished the race (None: a round
+    is not decided yet, and nothing after it is planned)."""
+    before: tuple[str, ...] = ()
+    for r in range(1, rounds + 1):
+        scored = entrants(r)
+        if scored is None:
+            return None
+        names = []
+        for m in (m for m in methods if m.label in scored):
+            for run in runs[m.label]:
+                for domain in (d for d, lengths in domains.items() if lengths):
+                    folder = eval_folder(out, m.label, run.seed, domain) / f"round-{r}"
+                    name, after = _named("perplexity", out, folder), (run.name, *run.after)
+                    names.append(name)
+                    yield Job("perplexity", name, m, run.seed, run.lr, folder, domain,
+                              (*after, *before), r)  # fmt: skip
+        before = tuple(names)
+    return entrants(rounds + 1)
 
 
 def selection_key(config: CompareConfig, method: ResolvedMethod, lr: float) -> str:
@@ -210,12 +250,15 @@ def chosen_rates(
     return out
 
 
-def ppl_config(config: CompareConfig, lengths: tuple[int, ...]) -> PerplexityConfig:
+def ppl_config(
+    config: CompareConfig, lengths: tuple[int, ...], round: int | None = None
+) -> PerplexityConfig:
     """The perplexity every model is scored with on a domain held at ``lengths``: the same
-    spans x N targets at every length, the same windows for every method."""
+    spans x N targets at every length, the same windows for every method; a raced
+    ``round``, span round - 1 of them."""
     return PerplexityConfig(
         lengths, n_tokens=config.spans * config.target_length, seed=config.seed,
-        single_documents=config.single_documents,
+        single_documents=config.single_documents, part=None if round is None else round - 1,
     )  # fmt: skip
 
 
@@ -244,7 +287,8 @@ class CostModel:
             return c.selection_samples * seconds(c.target_length)
         if job.kind == "perplexity":
             assert job.domain is not None
-            read = windows_read(ppl_config(c, self.domains[job.domain]), not job.method.dynamic)
+            ppl = ppl_config(c, self.domains[job.domain], job.round)
+            read = windows_read(ppl, not job.method.dynamic)
             return sum(k * seconds(n) for n, k in read.items())
         return sum(  # probes: each length's first prefill, then what a later one adds
             seconds(n) + (c.probe_haystacks - 1) * (seconds(n) - seconds(self.kept.get(n, 0)))

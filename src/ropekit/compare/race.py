@@ -41,6 +41,7 @@ import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 
+from .record import Stop
 from .verdict import COLLAPSE_NATS, paired_difference, score_at
 
 Table = Mapping[str, Mapping[str, Mapping[int, object]]]
@@ -67,15 +68,6 @@ class RaceRule:
         return statistics.NormalDist().inv_cdf(1 - self.alpha / self.rounds)
 
 
-@dataclasses.dataclass(frozen=True)
-class Stop:
-    """Where a method left the race."""
-
-    round: int  # the last round it was scored in
-    score: float  # its score then (last-quarter NLL at N over its windows)
-    reason: str  # collapsed, over the margin, behind <leader>
-
-
 def race(
     methods: Sequence[str],
     baseline: str,
@@ -83,13 +75,15 @@ def race(
     rule: RaceRule,
     table_after: Callable[[int], Table],
     l0_after: Callable[[int], Mapping[str, Sequence[float]]],
+    looks: int | None = None,
 ) -> dict[str, Stop]:
-    """label -> `Stop` for each method that leaves the race; the others finish it.
+    """label -> `Stop` for each method that leaves the race in its first ``looks`` rounds
+    (None: all ``rule.rounds``); the others go on.
     ``table_after(r)``: the comparison's table (``CompareResult.table``) with the windows of
     rounds 1..r only; ``l0_after(r)``: label -> its whole-window NLL at L0 per domain and
     span of rounds 1..r (seeds averaged), in one order for every method."""
     stops: dict[str, Stop] = {}
-    for r in range(1, rule.rounds + 1):
+    for r in range(1, (rule.rounds if looks is None else looks) + 1):
         table, l0 = table_after(r), l0_after(r)
         active = [m for m in methods if m not in stops]
         scores = {m: score_at(table, m, length) for m in active}
@@ -116,8 +110,10 @@ def race(
 def _cost(mine: Sequence[float], base: Sequence[float], z: float) -> tuple[float, float]:
     """The cost at L0 on the paired values so far (exp of the mean NLL difference against the
     baseline, less one: the relative perplexity change) and its lower bound at ``z`` (-1, no
-    bound, while a single pair gives no error)."""
+    bound, while a single pair gives no error; 0 and -1 with no pair)."""
     diffs = [a - b for a, b in zip(mine, base, strict=True)]
+    if not diffs:  # not scored at L0 (lengths without it): no cost known, none over the margin
+        return 0.0, -1.0
     mean = sum(diffs) / len(diffs)
     if len(diffs) < 2:
         return math.expm1(mean), -1.0

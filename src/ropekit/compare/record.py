@@ -9,11 +9,11 @@ JSON boundary. Registered as the ``compare`` kind at ``VERSION``; ``_from_v2`` m
 untyped layout (format_version 2), whose older files omit fields later writers added,
 ``_from_v3`` a verdict whose error did not yet have the seeds' spread, ``_from_v4`` retrieval
 before the substring rule, and ``_from_v5`` methods recorded as the user wrote them (now the
-canonical spec, the user's text kept as ``given``).
+canonical spec, the user's text kept as ``given``); a file before 7 was not raced.
 
 Holds: VERSION, Method, Skipped, Stretch, TableEntry, Stat, SummaryEntry,
 LrSearch, SeedAccuracy, Retrieval, ProbeSettings, EngineAnswer, JobTime, Difference,
-BeyondMargin, EngineChoice, Verdict, CompareResult.
+BeyondMargin, EngineChoice, Verdict, Stop, Race, CompareResult.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from ropekit.train.extend import method_spec
 
 from .config import CompareConfig, spec_label
 
-# 6: methods by their canonical spec, the user's text as `given`; 5: retrieval by RULER's
-# substring rule beside exact match; 4: the verdict's error has the seeds' spread; 3: typed,
-# every field written, none left out; 2: the untyped layout
-VERSION = 6
+# 7: the race (None: every window scored); 6: methods by their canonical spec, the user's
+# text as `given`; 5: retrieval by RULER's substring rule beside exact match; 4: the
+# verdict's error has the seeds' spread; 3: typed, every field written, none left out; 2: the
+# untyped layout
+VERSION = 7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,11 +209,32 @@ class Verdict:
     serving: dict[str, EngineChoice] | None = None  # engine -> choice (verdict.per_engine)
 
 
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Where a method left the race (``compare.race``)."""
+
+    round: int  # the last round it was scored in
+    score: float  # its score then (last-quarter NLL at N over its windows so far)
+    reason: str  # collapsed, over the margin at L0, behind <leader>
+
+
+@dataclasses.dataclass(frozen=True)
+class Race:
+    """A comparison scored in rounds: the rounds planned and done, the level of each look,
+    and each method that left the race."""
+
+    rounds: int  # K: planned (spans per domain)
+    decided: int  # rounds scored and decided so far
+    alpha: float  # one-sided, per method over all its looks
+    z: float  # the bound at each look (alpha / K)
+    stops: dict[str, Stop]  # label -> where it stopped
+
+
 @register(
     "compare",
     VERSION,
     {2: lambda d: _from_v2(d), 3: lambda d: _from_v3(d), 4: lambda d: _from_v4(d),
-     5: lambda d: _from_v5(d)},
+     5: lambda d: _from_v5(d), 6: lambda d: _from_v6(d)},
 )  # fmt: skip
 @dataclasses.dataclass(frozen=True)
 class CompareResult:
@@ -239,10 +261,11 @@ class CompareResult:
     served: dict[str, dict[str, EngineAnswer]] | None  # label -> engine; None: never asked
     times: tuple[JobTime, ...]
     config: dict[str, Any]  # CompareConfig.to_dict()
+    race: Race | None  # None: every window of every method scored (race off)
 
     @property
     def compare_config(self) -> CompareConfig:
-        return CompareConfig(**self.config)
+        return CompareConfig.from_dict(self.config)
 
     def entry(self, label: str, domain: str, length: int) -> TableEntry | None:
         """The table's cell; None where the method or the domain was not scored there."""
@@ -321,3 +344,8 @@ def _from_v5(data: dict[str, Any]) -> dict[str, Any]:
         if config["methods"] != given and config.get("names") is None:
             config["names"] = [spec_label(Spec.parse(m)) for m in given]  # as they were
     return data
+
+
+def _from_v6(data: dict[str, Any]) -> dict[str, Any]:
+    """Before racing: every window of every method was scored (no race)."""
+    return {**data, "race": None}

@@ -362,7 +362,7 @@ def report_blocks(data: CompareResult, out: Path) -> list[Block]:
     ]
     if verdict and verdict.retrieval:
         blocks.append(Text(verdict.retrieval))
-    blocks += _serving_table(verdict)
+    blocks += _serving_table(verdict) + _race_table(data)
     if verdict:  # the rule's bullets, one paragraph each (plain text: no Markdown emphasis)
         blocks.append(Text("How it is decided:"))
         for item in re.split(r"(?:^|\n)- ", verdict.rule):
@@ -379,6 +379,29 @@ def report_blocks(data: CompareResult, out: Path) -> list[Block]:
         ]  # fmt: skip
         blocks.append(Table(["method", "selection NLL by lr", "chosen lr"], rows))
     return blocks + _time_table(data)
+
+
+def _race_table(data: CompareResult) -> list[Block]:
+    """Where each method left the race (its windows stop there; not a candidate of the
+    verdict), or that it finished it."""
+    race = data.race
+    if race is None:
+        return []
+    rows = [
+        [label, str(s.round), f"{s.score:.4f}", s.reason] for label, s in race.stops.items()
+    ] + [
+        [m.label, "-", "", "finished the race" if race.decided == race.rounds else "racing"]
+        for m in data.methods
+        if m.label not in race.stops
+    ]
+    caption = (
+        f"Racing: {race.decided} of {race.rounds} rounds decided (round r: span r of every "
+        f"domain); each look one-sided at alpha {race.alpha:g} / {race.rounds} (z = "
+        f"{race.z:.3f}); the score is the last-quarter NLL at N over the windows so far. The "
+        "rule: ropekit.compare.race."
+    )
+    header = ["method", "stopped after round", "score so far (nats)", "why"]
+    return [Heading("Race", 2), Table(header, rows, caption)]
 
 
 def _time_table(data: CompareResult) -> list[Block]:

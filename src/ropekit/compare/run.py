@@ -47,7 +47,7 @@ The plan (``plan_compare``, every run's first line) costs each job (`plan.CostMo
 a resumed folder also at the pace its finished jobs kept: their recorded wall time over the
 same estimate, the median per kind of job, since one forward's rate moves with the load.
 
-Holds: run_compare, plan_compare, Comparison, RUNNERS, JobCost.
+Holds: run_compare, plan_compare, Comparison, RUNNERS, JobCost, paces.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ from .plan import (
     RESULT_FILE,
     CostModel,
     Job,
+    ResolvedMethod,
     chosen_rates,
     jobs,
     ppl_config,
@@ -96,6 +97,7 @@ from .plan import (
     selection_key,
 )
 from .record import CompareResult, LrSearch, Method, Skipped
+from .rounds import Rounds
 
 
 class JobCost(NamedTuple):
@@ -132,7 +134,12 @@ class Comparison:
         # an unknown, empty or unreadable domain stops it here
         self.domains = {d: self.domain_lengths(d) for d in config.eval_data}
         self.ledger = Ledger(self.out)
-        self.finished = Finished()
+        self.rounds = (
+            Rounds.of(self.config, self.methods, self.domains, self.trained_at)
+            if self.config.race == "on"
+            else None
+        )
+        self.finished = Finished(race=self.rounds and self.rounds.record())
         self.nll: dict[str, float] = {}  # selection job -> its score
         self.chosen = chosen_rates(self.config, self.methods, self._recorded_nll)
         self.done: set[str] = set()  # the jobs this process ran or loaded
@@ -141,11 +148,17 @@ class Comparison:
         self.runs: dict[str, Job] = {}  # training jobs seen, by name
 
     # ------------------------------------------------------------------ the plan
-    def jobs(self) -> Iterator[Job]:
+    def jobs(self, planned: bool = False) -> Iterator[Job]:
         """The plan's jobs (`plan.jobs`), generated as they are read: a trained method's later
-        seeds at the rate ``chosen`` holds when they are reached."""
+        seeds at the rate ``chosen`` holds when they are reached, a raced round's for the
+        methods the race holds when it is reached (``planned``: every round not decided yet
+        for every method not stopped, the most it can run)."""
         probed = bool(self.config.retrieval_lengths(self.trained_at))
-        return jobs(self.config, self.out, self.methods, self.domains, self.chosen, probed)
+        args = self.config, self.out, self.methods, self.domains, self.chosen, probed
+        if self.rounds is None:
+            return jobs(*args)
+        race = self.rounds
+        return jobs(*args, race.planned if planned else race.entrants, race.rule.rounds)
 
     def _recorded_nll(self, job: str) -> float | None:
         record = self.ledger.records.get(job)
@@ -160,34 +173,23 @@ class Comparison:
         selection: its record in times.jsonl)."""
         cost = self.cost_model()
         return [
-            JobCost(job.kind, job.name, cost(job), self.is_finished(job)) for job in self.jobs()
+            JobCost(job.kind, job.name, cost(job), self.is_finished(job))
+            for job in self.jobs(planned=True)
         ]
 
     def is_finished(self, job: Job) -> bool:
         """Its result is in the folder (a selection's: its record in times.jsonl)."""
         return job.name in self.ledger.records if job.result is None else job.result.is_file()
 
-    def paces(self, costs: list[JobCost]) -> dict[str, tuple[float, int]]:
-        """kind -> (median over the finished jobs of that kind that times.jsonl holds of
-        their recorded wall seconds over their estimate, how many). The estimate rests on one
-        timed forward and so moves with the machine's load at that moment; the median, so
-        that a few records that are off (a job that waited out a pause) move it little."""
-        ratios: dict[str, list[float]] = {}
-        for job in costs:
-            record = self.ledger.records.get(job.job)
-            if job.finished and record is not None and job.seconds > 0:
-                ratios.setdefault(job.kind, []).append(record["seconds"] / job.seconds)
-        return {kind: (statistics.median(r), len(r)) for kind, r in ratios.items()}
-
     def estimated_seconds(self, left: bool = False, paced: bool = False) -> dict[str, float]:
         """Seconds per kind of job: of every job, or with ``left`` of those whose result is
         not in the folder yet; with ``paced`` each kind scaled by its pace (`paces`)."""
         costs = self.job_costs()
-        paces = self.paces(costs) if paced else {}
+        kept = paces(self.ledger, costs) if paced else {}
         out = dict.fromkeys(KINDS, 0.0)
         for job in costs:
             if not (left and job.finished):
-                out[job.kind] += job.seconds * paces.get(job.kind, (1.0, 0))[0]
+                out[job.kind] += job.seconds * kept.get(job.kind, (1.0, 0))[0]
         return out
 
     # ------------------------------------------------------------------ what it reads
@@ -262,7 +264,7 @@ class Comparison:
         if job.method.label not in self.finished.served:  # the first run scored says it
             served = engine_answers(backbone, self.config.target_length)
             self.finished.served[job.method.label] = served
-        config = ppl_config(self.config, self.domains[job.domain])
+        config = ppl_config(self.config, self.domains[job.domain], job.round)
         return run_perplexity(
             backbone, config, job.folder, data=job.domain, stream=self.streams[job.domain],
             spec=str(job.method.spec), command=self.command, progress=self.progress,
@@ -318,6 +320,14 @@ class Comparison:
             if record.get("key") != key:
                 self.ledger.set(job.name, {**record, "key": key, "nll": value})
             self.chosen.update(chosen_rates(self.config, self.methods, self.nll.get))
+        elif job.kind == "perplexity" and self.rounds is not None:
+            assert job.round is not None and job.domain is not None
+            if self.rounds.add(label, job.round, job.seed, job.domain, value):
+                for m in (m for m in self.methods if m.label in self.rounds.results):
+                    finished.scores[m.label] = self.rounds.scores(m.label)
+                    self._searched(m)
+                finished.race = self.rounds.record()
+                self.write(f"round {self.rounds.decided}")
         elif job.kind == "perplexity":
             assert job.domain is not None
             self.scored.setdefault(label, {}).setdefault(job.seed, {})[job.domain] = value
@@ -326,16 +336,20 @@ class Comparison:
             by_seed = self.scored[label]
             if all(len(by_seed.get(s, {})) == len(domains) for s in seeds):
                 finished.scores[label] = {s: by_seed[s] for s in seeds}
-                if job.method.trained:
-                    lrs = self.config.lrs
-                    names = {lr: f"select {label} lr {lr:g}" for lr in lrs} if len(lrs) > 1 else {}
-                    nll = {lr: self.nll[name] for lr, name in names.items()}
-                    finished.searches[label] = LrSearch(lrs, nll, self.chosen[label])
+                self._searched(job.method)
                 self.write(f"{label} scored")
         else:
             finished.probes.setdefault(label, {})[job.seed] = value
             if len(finished.probes[label]) == len(self.config.probed_seeds(job.method.trained)):
                 self.write(f"{label} probed")
+
+    def _searched(self, m: ResolvedMethod) -> None:
+        """A trained method's rate search enters the result with its scores."""
+        if m.trained:
+            lrs = self.config.lrs
+            names = {lr: f"select {m.label} lr {lr:g}" for lr in lrs} if len(lrs) > 1 else {}
+            nll = {lr: self.nll[name] for lr, name in names.items()}
+            self.finished.searches[m.label] = LrSearch(lrs, nll, self.chosen[m.label])
 
     def write(self, stage: str) -> CompareResult:
         methods = tuple(Method(m.label, str(m.spec), m.trained, m.given) for m in self.methods)
@@ -352,6 +366,19 @@ RUNNERS: dict[str, Callable[[Comparison, Job], Any]] = {
     "perplexity": Comparison.score,
     "probes": Comparison.probe,
 }
+
+
+def paces(ledger: Ledger, costs: list[JobCost]) -> dict[str, tuple[float, int]]:
+    """kind -> (median over the finished jobs of that kind that times.jsonl holds of
+    their recorded wall seconds over their estimate, how many). The estimate rests on one
+    timed forward and so moves with the machine's load at that moment; the median, so
+    that a few records that are off (a job that waited out a pause) move it little."""
+    ratios: dict[str, list[float]] = {}
+    for job in costs:
+        record = ledger.records.get(job.job)
+        if job.finished and record is not None and job.seconds > 0:
+            ratios.setdefault(job.kind, []).append(record["seconds"] / job.seconds)
+    return {kind: (statistics.median(r), len(r)) for kind, r in ratios.items()}
 
 
 def _probes_fit(
@@ -378,7 +405,7 @@ def _probes_fit(
 
 def _plan_line(run: Comparison) -> str:
     """What the comparison will run, said before it starts (finished jobs are reused)."""
-    c, planned = run.config, list(run.jobs())
+    c, planned = run.config, list(run.jobs(planned=True))
     trained = [m for m in run.methods if m.trained]
     runs = sum(j.kind == "training" and j.method.trained for j in planned)
     scored = len({(j.method.label, j.seed) for j in planned if j.kind == "perplexity"})
@@ -412,6 +439,12 @@ def _plan_line(run: Comparison) -> str:
             else ""
         )
         + "; finished jobs in the folder are reused"
+        + (
+            f"; raced in {run.rounds.rule.rounds} rounds (at most the above: a method out of "
+            "reach stops receiving perplexity and probes; --race off scores every window)"
+            if run.rounds is not None
+            else ""
+        )
         + _estimate(run)
         + (f"; running now in other processes: {', '.join(elsewhere)}" if elsewhere else "")
         + warning
@@ -421,15 +454,15 @@ def _plan_line(run: Comparison) -> str:
 def _estimate(run: Comparison) -> str:
     """The plan's compute estimate in words: for every job, and for the jobs not finished
     yet when the folder holds finished ones (a resumed comparison), then at the pace the
-    folder's finished jobs kept (`Comparison.paces`)."""
-    paces = run.paces(run.job_costs())
+    folder's finished jobs kept (`paces`)."""
+    measured_paces = paces(run.ledger, run.job_costs())
 
     def hours(left: bool, paced: bool = False) -> str:
         parts = run.estimated_seconds(left, paced).items()
         return ", ".join(f"{what} {_duration(t)}" for what, t in parts if t)
 
     every, left = hours(False), hours(True)
-    measured = ", ".join(f"{kind} x{r:.2f} of {n}" for kind, (r, n) in paces.items())
+    measured = ", ".join(f"{kind} x{r:.2f} of {n}" for kind, (r, n) in measured_paces.items())
     return (
         f"; estimated compute for every job: {every}"
         + (f"; left (a job in progress counted whole): {left or 'none'}" if left != every else "")
@@ -439,7 +472,7 @@ def _estimate(run: Comparison) -> str:
             f"; left at the pace of this folder's finished jobs: {hours(True, True)} "
             f"(their recorded wall time over the estimate, median per kind: {measured}; "
             "a kind with none finished as estimated)"
-            if paces and left not in ("", every)
+            if measured_paces and left not in ("", every)
             else ""
         )
     )
@@ -457,7 +490,7 @@ def _folder_config(out: Path, config: CompareConfig, log: Callable[[str], None])
     current = config.to_dict()
     try:
         recorded = read_record(out / COMPARE_JSON, CompareResult).provenance["config"]
-        earlier = CompareConfig(**recorded)
+        earlier = CompareConfig.from_dict(recorded)
     except (OSError, ResultError, KeyError, TypeError, ValueError):
         return current  # no comparison there, or not one this can grow: the check says which
     grown = ("methods", "names", "eval_data")

@@ -115,6 +115,10 @@ class PerplexityConfig:
     # Score spans of lcm(lengths) tokens each inside one held-out document, from several
     # documents (none crosses into another); off: one span of the documents joined end to end.
     single_documents: bool = False
+    # Score only part i (from 0) of the n_tokens / lcm(lengths) parts of lcm(lengths) targets
+    # (with single documents: span i), exactly the windows a whole reading scores there: a
+    # comparison that races scores its windows in rounds (ropekit.compare.race). None: all.
+    part: int | None = None
 
     def __post_init__(self) -> None:
         lengths = tuple(self.lengths)
@@ -136,6 +140,14 @@ class PerplexityConfig:
             raise ValueError(
                 f"stride={self.stride!r} is not allowed; allowed: None or 1..{min(self.lengths)} "
                 "(the shortest length)"
+            )
+        parts = self.n_tokens // lcm
+        if self.part is not None and not (
+            isinstance(self.part, int) and 0 <= self.part < parts and self.stride is None
+        ):
+            raise ValueError(
+                f"part={self.part!r} is not allowed; allowed: None, or 0..{parts - 1} (the "
+                "parts of lcm(lengths) targets) without a stride"
             )
         for name in ("batch_tokens", "position_bins"):
             if getattr(self, name) < 1:
@@ -479,13 +491,15 @@ def windows_read(config: PerplexityConfig, shared: bool = True) -> dict[int, int
     for a plan's cost estimate: every window, less, with ``shared`` (a model that has
     ``prefix_nll``, an encoding that does not follow the length), those read in a longer
     window's reading (`_prefix_groups`), of which only a last partial chunk is read apart."""
-    span = math.lcm(*config.lengths) if config.single_documents else config.n_tokens
+    parted = config.single_documents or config.part is not None
+    span = math.lcm(*config.lengths) if parted else config.n_tokens
     plan = {length: _windows(0, span, length, config.stride) for length in config.lengths}
     read = {length: len(windows) for length, windows in plan.items()}
     for group in _prefix_groups(plan, config) if shared else []:
         for length, _ in group[:-1]:
             read[length] -= 1
-    return {length: n * (config.n_tokens // span) for length, n in read.items()}
+    count = 1 if config.part is not None else config.n_tokens // span
+    return {length: n * count for length, n in read.items()}
 
 
 def _score_prefixes(
@@ -744,6 +758,8 @@ def _document_targets(
         )
         for d, first in drawn
     )
+    if config.part is not None:  # one span of those drawn: the same as in the whole
+        drawn, spans = drawn[config.part : config.part + 1], spans[config.part : config.part + 1]
     return _Targets(span, [first for _, first in drawn], None, spans)
 
 
@@ -761,6 +777,9 @@ def _joined_targets(
             f"{len(stream) - need + span}, or more held-out data"
         )
     start = context + int(rng.integers(0, len(stream) - need + 1))
+    if config.part is not None:  # one part of the stretch: the same targets as in the whole
+        lcm = math.lcm(*config.lengths)
+        return _Targets(lcm, [start + config.part * lcm], start + config.part * lcm, None)
     return _Targets(span, [start], start, None)
 
 
@@ -835,9 +854,11 @@ def run_perplexity(
             f"{lm.tokenizer.name!r}; allowed: heldout_stream(data, the model's tokenizer)"
         )
     settings = asdict(config)
+    # Left out at their defaults, so results made before the fields existed are still reused.
     if not config.single_documents:
-        # Left out at its default, so results made before the field existed are still reused.
         del settings["single_documents"]
+    if config.part is None:
+        del settings["part"]
     provenance = {
         "model": lm.identity(),
         "data": {"spec": data, "tokens": stream.digest(), "n_tokens": len(stream)},
