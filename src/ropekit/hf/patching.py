@@ -196,6 +196,19 @@ def _kv_source(config: Any, layer: int) -> int | None:
     return max(j for j in range(layer) if modes[j] == "store" and kinds[j] == kinds[layer])
 
 
+def _own_ropes(config: Any, kinds: list[str], device: torch.device) -> nn.ModuleDict:
+    """The model's own RoPE for each rotating layer type a patch leaves (the tables are
+    neutral for the whole model, so ropekit rotates those layers too)."""
+    return nn.ModuleDict(
+        {
+            kind: build_for_model(
+                config, spec_from_config(config, kind).with_options(layers=kind)
+            ).to(device=device)
+            for kind in dict.fromkeys(kinds)
+        }
+    )
+
+
 def _state(model: nn.Module) -> _Patched | None:
     return getattr(base_model(model), _STATE_ATTR, None)
 
@@ -260,14 +273,7 @@ def patch(
     encoding.to(device=weight.device)  # dtype stays: positions and frequencies are never bf16
     setattr(base, ENCODING_ATTR, encoding)
     _install_dtype_guard(encoding)
-    own = nn.ModuleDict(
-        {
-            kind: build_for_model(
-                config, spec_from_config(config, kind).with_options(layers=kind)
-            ).to(device=weight.device)
-            for kind in dict.fromkeys(i.kind for i in infos if i.kind not in kinds)
-        }
-    )
+    own = _own_ropes(config, [i.kind for i in infos if i.kind not in kinds], weight.device)
     if own:
         setattr(base, OWN_ATTR, own)
     state = PatchState(arch=arch)
