@@ -281,7 +281,9 @@ def test_learned_rotations_refuse_shapes_and_layers_they_cannot_rotate(spec):
     for change, message in cases:  # built directly: the registry checks n_heads first
         with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
             type(enc)(enc.config, **{**SHAPE, "d_model": 64, **change})
-    with pytest.raises(ValueError, match=r": fraction=0.1 rotates fewer than 2 channels$"):
+    with pytest.raises(
+        ValueError, match=r": fraction=0.1 of head_dim=16 rotates 1 channels; at least 2"
+    ):
         build(f"{spec}{',' if ':' in spec else ':'}fraction=0.1", **SHAPE)  # int(1.6) channels
     two = build(f"{spec}{',' if ':' in spec else ':'}fraction=0.125", **SHAPE)  # 2 channels
     assert two.inv_freq(0)[0].shape[-1] == 1

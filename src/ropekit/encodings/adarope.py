@@ -53,6 +53,7 @@ from .rope import (
     NTKConfig,
     RopeConfig,
     YarnConfig,
+    set_rotary_layout,
 )
 from .rotary import angles, rotate, rotate_angles, tables
 
@@ -172,19 +173,11 @@ class _LearnedRotary(PositionEncoding):
     pairing: str
 
     def _setup_dims(self, schedule: RopeConfig) -> None:
-        if self.head_dim % 2:
-            raise ValueError(
-                f"head_dim={self.head_dim} is not allowed; rotary encodings need it even"
-            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
             )
-        self.rotary_dim = schedule.rotary_dim(self.head_dim)
-        if self.rotary_dim < 2:
-            raise ValueError(f"fraction={schedule.fraction} rotates fewer than 2 channels")
-        self.n_pairs = schedules.n_pairs(self.rotary_dim)
-        self.pairing = schedule.pairing
+        set_rotary_layout(self, schedule)
 
     def inv_freq(self, layer: int = 0, length: int | None = None) -> tuple[Tensor, Tensor | float]:
         """theta (K|1, F) float64 for one layer and the cos/sin attention factor (learned

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from . import schedules
 from .base import Extension, PositionEncoding, check_positive, resolve_positions
-from .rope import RopeConfig
+from .rope import RopeConfig, set_rotary_layout
 from .rotary import rotate_angles
 
 
@@ -52,6 +52,11 @@ class HarpeConfig(RopeConfig):
         if self.factor is None:
             raise ValueError("factor is required for HarpeConfig; e.g. factor=4")
         check_positive("factor", self.factor, minimum=1.0, strict=False)
+        if self.proportion < 1:
+            raise ValueError(
+                f"proportion={self.proportion!r} is not allowed for harpe, whose per-head bases "
+                "span every pair; use a schedule with proportion=... instead"
+            )
 
     @property
     def base_schedule(self) -> RopeConfig:
@@ -72,15 +77,7 @@ class Harpe(PositionEncoding):
 
     def __init__(self, config: HarpeConfig, **dims: int) -> None:
         super().__init__(config, **dims)
-        if self.head_dim % 2:
-            raise ValueError(
-                f"head_dim={self.head_dim} is not allowed; rotary encodings need it even"
-            )
-        self.rotary_dim = config.rotary_dim(self.head_dim)
-        if self.rotary_dim < 2:
-            raise ValueError(f"fraction={config.fraction} rotates fewer than 2 channels")
-        self.n_pairs = schedules.n_pairs(self.rotary_dim)
-        self.pairing = config.pairing
+        set_rotary_layout(self, config)
         bases = harpe_bases(self.rotary_dim, config.base, config.factor, self.n_kv_heads)
         self.bases = tuple(bases)
         self._theta = torch.stack([schedules.rope(self.rotary_dim, b)[0] for b in bases])  # (K, F)

@@ -299,6 +299,23 @@ class LongRopeConfig(RopeConfig):
         )
 
 
+def set_rotary_layout(encoding: PositionEncoding, schedule: RopeConfig) -> None:
+    """The rotary layout every rotary encoding declares (``PositionEncoding``): rotated
+    channels, pairs and pairing, refusing an odd head dim or fewer than 2 rotated channels."""
+    if encoding.head_dim % 2:
+        raise ValueError(
+            f"head_dim={encoding.head_dim} is not allowed; rotary encodings need it even"
+        )
+    encoding.rotary_dim = schedule.rotary_dim(encoding.head_dim)
+    if encoding.rotary_dim < 2:
+        raise ValueError(
+            f"fraction={schedule.fraction} of head_dim={encoding.head_dim} rotates "
+            f"{encoding.rotary_dim} channels; at least 2 are needed"
+        )
+    encoding.n_pairs = schedules.n_pairs(encoding.rotary_dim)
+    encoding.pairing = schedule.pairing
+
+
 # Tables kept per encoding: the queries' and keys' of one forward, and the few of each band of
 # a distance remap (up to 4 distinct positions in DCA), so every layer of a forward reuses them.
 TABLES_KEPT = 8
@@ -311,18 +328,7 @@ class RotaryEncoding(PositionEncoding):
 
     def __init__(self, config: RopeConfig, **dims: int) -> None:
         super().__init__(config, **dims)
-        if self.head_dim % 2:
-            raise ValueError(
-                f"head_dim={self.head_dim} is not allowed; rotary encodings need it even"
-            )
-        self.rotary_dim = config.rotary_dim(self.head_dim)
-        if self.rotary_dim < 2:
-            raise ValueError(
-                f"fraction={config.fraction} of head_dim={self.head_dim} rotates {self.rotary_dim} "
-                "channels; at least 2 are needed"
-            )
-        self.n_pairs = schedules.n_pairs(self.rotary_dim)
-        self.pairing = config.pairing
+        set_rotary_layout(self, config)
         self.dynamic = config.dynamic
         # Validate the schedule now (e.g. LongRoPE factor counts) rather than at first forward;
         # a fixed schedule is computed this once.
