@@ -378,8 +378,11 @@ def test_sigterm_and_ctrl_c_stop_a_long_c_call_within_seconds(tmp_path, signum):
     out = tmp_path / "run"
     script = textwrap.dedent(
         f"""
-        import torch, torch.nn.functional as F
+        import signal, torch, torch.nn.functional as F
         from ropekit.outdir import exit_on_sigterm, lock_out_dir, stop_within, temporary
+        # Ctrl-C as a terminal delivers it: a shell starts background jobs (CI's, pytest's
+        # workers) with SIGINT ignored, and a process that ignores SIGINT is not stopped by it.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         torch.set_num_threads(1)
         q = torch.randn(1, 1, 65536, 64)
         with exit_on_sigterm(), stop_within(1.0), lock_out_dir({str(out)!r}):

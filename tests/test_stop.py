@@ -44,7 +44,15 @@ def _probes(base: Path, out: Path) -> tuple[subprocess.Popen, list[str]]:
     argv = [sys.executable, "-m", "ropekit.cli", "eval", "probes", "--model", str(base),
             "--lengths", str(LENGTH), "--haystacks", "1", "--yes", "--out", str(out)]  # fmt: skip
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    run = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Ctrl-C as a terminal delivers it: a shell starts background jobs (CI's) with SIGINT
+    # ignored, and a process that inherits that is not meant to stop on it.
+    run = subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     err: list[str] = []
 
     def read() -> None:

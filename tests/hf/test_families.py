@@ -29,6 +29,24 @@ from ..encodings.test_remap import dca_distance, rerope_distance, rotate_pairs
 from ..tiny import L0, VOCAB, family_config, family_model
 
 FAMILIES = sorted(ARCHS)
+# The families whose schedule and remap cases run in `make test`, one of each kind of row
+# (plain, per-type RoPE and a recipe, per-layer dims and p-RoPE, partial, interleaved, NoPE
+# layers, LongRoPE only); every family's cases run in `make test-slow`. (a) runs for all.
+EVERY_KIND = {
+    "llama", "gemma3_text", "gemma4_text", "olmo3", "phi3", "stablelm", "glm4", "cohere2",
+    "llama4_text", "qwen2",
+}  # fmt: skip
+
+
+def _cases(pairs):
+    """Parameters for (family, ...) cases: those of EVERY_KIND in the default suite, the
+    others marked slow."""
+    return [
+        pytest.param(*pair, marks=() if pair[0] in EVERY_KIND else pytest.mark.slow)
+        for pair in pairs
+    ]
+
+
 ATOL = 1e-4  # float32 round-off (Llama 4 normalises q, k a second time: 5e-5); a wrong row: O(1)
 CHUNKS = (12, 1, 1, 1, 1, 5, 3, 1, 1, 4, 2)  # 32 tokens: prefill, single steps, chunks
 
@@ -137,7 +155,7 @@ def _schedules(family: str) -> dict[str, dict]:
     return out
 
 
-CASES = [(family, name) for family in FAMILIES for name in _schedules(family)]
+CASES = _cases((family, name) for family in FAMILIES for name in _schedules(family))
 
 
 @pytest.mark.parametrize(("family", "schedule"), CASES)
@@ -199,8 +217,10 @@ def _remappable(family: str) -> bool:
     return not arch.active_extras(config) and arch.norm_after_rotation is None
 
 
-@pytest.mark.parametrize("spec", REMAPS)
-@pytest.mark.parametrize("family", [f for f in FAMILIES if _remappable(f)])
+@pytest.mark.parametrize(
+    ("family", "spec"),
+    _cases((family, spec) for family in FAMILIES if _remappable(family) for spec in REMAPS),
+)
 def test_remaps_equal_the_pairwise_definition_full_and_cached(
     family: str, spec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
