@@ -3,7 +3,7 @@ positional parameters, score it, analyse its heads) and which kind of model it i
 
 - ``base``: ``Backbone``, the one interface (encoding, identity, training, scoring).
 - ``decoder``, ``hf``: its two implementations, ropekit's reference decoder and Hugging Face
-  causal LMs (Llama, Mistral, Qwen2, Qwen3; PEFT-wrapped or not).
+  causal LMs (every family of ``ropekit.hf.archs.ARCHS``; PEFT-wrapped or not).
 - ``adapters``: positional adapters and LoRA weights, checked by sha256, for any kind.
 - ``kinds``: ``as_backbone`` (an in-memory model): the only place that tells the kinds apart.
 - ``load``: ``open_backbone`` (a folder or an installed model name).

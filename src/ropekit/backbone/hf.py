@@ -1,5 +1,5 @@
-"""Hugging Face causal LMs behind the Backbone seam (Llama, Mistral, Qwen2, Qwen3; PEFT-wrapped
-or not).
+"""Hugging Face causal LMs behind the Backbone seam (the families of ``hf.archs.ARCHS``;
+PEFT-wrapped or not).
 
 Shape legend: B batch · T tokens · C tokens in one chunk · S keys so far · V vocabulary.
 

