@@ -267,6 +267,368 @@ def verdicts(root: Path) -> str:
     )  # fmt: skip
 
 
+# ------------------------------------------------------------------- experiment READMEs
+# The tables of experiments/*/README.md, from the result files beside them; each renders what
+# the experiment's own results.md renders from the same file (its run.py), so the README and
+# results.md agree by construction.
+def _stat(stat: dict | None, digits: int = 3, percent: bool = False) -> str:
+    """experiments.common.fmt: ``mean ± std`` (the mean alone for one run; ``-`` when none)."""
+    if stat is None:
+        return "-"
+    scale, unit, d = (100, "%", 0) if percent else (1, "", digits)
+    text = f"{scale * stat['mean']:.{d}f}{unit}"
+    return text + (f" ± {scale * stat['std']:.{d}f}" if stat["n"] > 1 else "")
+
+
+def _lengths(data: dict, key: str = "eval_lengths") -> list[str]:
+    return [str(n) for n in data["config"][key]]
+
+
+def _bpb_table(path: str, entries: str, params: Sequence[tuple[str, Callable[[dict], str]]]):
+    """One row per entry of ``data[entries]``: its parameter columns, then bits per byte at
+    every evaluated length (mean ± std over seeds)."""
+
+    def render(root: Path) -> str:
+        data = _json(root, path)
+        lengths = _lengths(data)
+        return markdown(
+            ["method", *(name for name, _ in params), *(f"bpb @{n}" for n in lengths)],
+            (
+                [
+                    f"`{name}`",
+                    *(cell(m) for _, cell in params),
+                    *(_stat(m["bpb"][n]) for n in lengths),
+                ]
+                for name, m in data[entries].items()
+            ),
+        )
+
+    return render
+
+
+def _paired_table(path: str, key: str, unit: str, digits: int = 3):
+    """Paired differences by seed (a minus b; mean ± std over seeds) at every length."""
+
+    def render(root: Path) -> str:
+        data = _json(root, path)
+        lengths = _lengths(data)
+        return markdown(
+            [f"difference ({unit}, paired by seed; negative: the first better)",
+             *(f"@{n}" for n in lengths)],
+            ([name, *(_stat(d[n], digits) for n in lengths)] for name, d in data[key].items()),
+        )  # fmt: skip
+
+    return render
+
+
+def _task_table(path: str, entries: str, task: str):
+    """Retrieval accuracy of ``task`` per length (mean ± std over seeds, in percent)."""
+
+    def render(root: Path) -> str:
+        data = _json(root, path)
+        lengths = _lengths(data, "task_lengths")
+        return markdown(
+            ["method", *(f"{task} @{n}" for n in lengths)],
+            (
+                [f"`{name}`", *(_stat(m["tasks"][task].get(n), percent=True) for n in lengths)]
+                for name, m in data[entries].items()
+            ),
+        )
+
+    return render
+
+
+def _trained_params(m: dict) -> str:
+    return f"{m['trainable']:,}"
+
+
+def _lr(m: dict) -> str:
+    return f"{m['lr']:g}" if "lr" in m else "-"
+
+
+def pretrain_encodings(root: Path) -> str:
+    """Experiment A: parameters, final training loss, bits per byte at every length and each
+    retrieval task at the training length (mean ± std over seeds)."""
+    data = _json(root, "experiments/pretrain_encodings/results.json")
+    lengths, tasks = _lengths(data), data["config"]["tasks"]
+    task_lengths = _lengths(data, "task_lengths")
+    return markdown(
+        ["encoding", "parameters", "final train loss", *(f"bpb @{n}" for n in lengths),
+         *(f"{t} @{n}" for t in tasks for n in task_lengths)],
+        (
+            [f"`{name}`", f"{m['parameters']:,}", _stat(m["final_loss"]),
+             *(_stat(m["bpb"][n]) for n in lengths),
+             *(_stat(m["tasks"][t][n], percent=True) for t in tasks for n in task_lengths)]
+            for name, m in data["encodings"].items()
+        ),
+    )  # fmt: skip
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min"
+
+
+def smollm2_16k_all(root: Path) -> str:
+    """Experiment D: every method's perplexity (whole window and last quarter) per length, its
+    cost against the unmodified model at the shortest length, training and evaluation time
+    (experiments/smollm2_16k/run.py's table)."""
+    data = _json(root, "experiments/smollm2_16k/results.json")
+    lengths, methods = _lengths(data), data["methods"]
+    first, base = lengths[0], methods["rope"]["perplexity"]
+    rows = []
+    for name, m in methods.items():
+        ppl, took = m["perplexity"], m["extend_s"]
+        rows.append(
+            [f"`{name}`", f"{m['trainable']:,}",
+             "0" if not m["trained"] else _minutes(took["mean"]),
+             str(ppl[lengths[0]]["perplexity"]["n"]) if m["trained"] else "-",
+             *(_stat(ppl[n]["perplexity"], 2) for n in lengths),
+             *(_stat(ppl[n]["last_quarter_perplexity"], 2) for n in lengths),
+             f"{ppl[first]['perplexity']['mean'] / base[first]['perplexity']['mean'] - 1:+.1%}",
+             _minutes(m["eval_s"])]
+        )  # fmt: skip
+    return markdown(
+        ["method", "trained params", "train time", "seeds", *(f"ppl @{n}" for n in lengths),
+         *(f"last-quarter ppl @{n}" for n in lengths), f"vs rope @{lengths[0]}", "eval time"],
+        rows,
+    )  # fmt: skip
+
+
+def smollm2_16k_tasks(root: Path) -> str:
+    """Experiment D's retrieval: one sample per cell (hit or miss), trained methods at seed 0."""
+    data = _json(root, "experiments/smollm2_16k/results.json")
+    tasks, lengths = data["config"]["tasks"], _lengths(data, "task_lengths")
+    return markdown(
+        ["method", *(f"{t} @{n}" for n in lengths for t in tasks)],
+        (
+            [f"`{name}`",
+             *(f"{m['tasks'][n][t]['score']:.0%}" if n in m["tasks"] else "-"
+               for n in lengths for t in tasks)]
+            for name, m in data["methods"].items()
+        ),
+    )  # fmt: skip
+
+
+def _probe(p: dict | None) -> str:
+    return f"{p['correct']}/{p['n']} [{p['low']:.2f}, {p['high']:.2f}]" if p else "-"
+
+
+def remaps(path: str) -> Callable[[Path], str]:
+    """The training-free remap rows (experiments/smollm2_16k/remaps.py's table): perplexity,
+    retrieval with Wilson intervals, each stage's wall time and the peak memory of the
+    measured stages; then what was not run."""
+
+    def render(root: Path) -> str:
+        data = _json(root, path)
+        cfg = data["config"]
+        lengths = list(next(iter(data["methods"].values()))["perplexity"])
+        tasks = [*cfg["tasks"], *cfg["probe_tasks"]]
+        probes = [str(n) for n in cfg["probe_lengths"]]
+        rows = []
+        for job in data["methods"].values():
+            ppl, stages = job["perplexity"], job["stages"]
+            retrieval = [
+                s["wall_s"] for name, s in stages.items() if name not in ("attach", "perplexity")
+            ]
+            rows.append(
+                [f"`{job['label']}`", *(f"{ppl[n]['perplexity']:.2f}" for n in lengths),
+                 f"{ppl[lengths[-1]]['last_quarter_perplexity']:.2f}",
+                 *(_probe(job["probes"].get(t, {}).get(n)) for t in tasks for n in probes),
+                 _minutes(stages["perplexity"]["wall_s"]),
+                 _minutes(sum(retrieval)) if retrieval else "-",
+                 f"{max(s['peak_gib'] for n, s in stages.items() if n != 'attach'):.2f} GiB"]
+            )  # fmt: skip
+        text = markdown(
+            ["method", *(f"ppl @{n}" for n in lengths), f"last quarter @{lengths[-1]}",
+             *(f"{t} @{n}" for t in tasks for n in probes), "ppl time", "retrieval time",
+             "peak memory"],
+            rows,
+        )  # fmt: skip
+        # remaps.py's check that the rows compare: a method experiment D scored too, rerun here
+        d = _json(root, "experiments/smollm2_16k/results.json")["methods"]
+        again = {
+            j["label"]: [j["perplexity"][n]["perplexity"] for n in lengths]
+            for j in data["methods"].values()
+            if j["label"] in d and not d[j["label"]]["trained"]
+        }
+        if again:
+            text += "\nReproduction: the same methods rerun here against experiment D's "
+            text += "committed perplexities (same windows).\n\n" + markdown(
+                ["method", *(f"here @{n}" for n in lengths), *(f"D @{n}" for n in lengths)],
+                (
+                    [f"`{label}`", *(f"{v:.2f}" for v in here),
+                     *(f"{d[label]['perplexity'][n]['perplexity']['mean']:.2f}" for n in lengths)]
+                    for label, here in again.items()
+                ),
+            )  # fmt: skip
+        if data["not_run"]:
+            text += f"\nNot run: {', '.join(f'`{m}`' for m in data['not_run'])}.\n"
+        return text
+
+    return render
+
+
+def remaps_kernel(root: Path) -> str:
+    """The remaps' perplexity stage on the eager reference kernel (remaps/results.json) and on
+    the fused kernel (remaps/kernel/results.json), and the fused run against the unmodified
+    model's where both ran in the same invocation (the ``--only`` of the file's command; a
+    method merged from an earlier invocation ran beside other work: no ratio)."""
+    eager = _json(root, "experiments/smollm2_16k/remaps/results.json")["methods"]
+    kernel = _json(root, "experiments/smollm2_16k/remaps/kernel/results.json")
+    command = kernel["meta"]["command"].split()
+    together = command[command.index("--only") + 1].split(",") if "--only" in command else []
+    fused = kernel["methods"]
+    rope = fused["rope"]["stages"]["perplexity"]["wall_s"]
+    return markdown(
+        ["method", "eager kernel", "fused kernel", "fused / unmodified model, same invocation"],
+        (
+            [f"`{name}`", _minutes(eager[name]["stages"]["perplexity"]["wall_s"]),
+             _minutes(f["stages"]["perplexity"]["wall_s"]),
+             f"{f['stages']['perplexity']['wall_s'] / rope:.2f}" if name in together else "-"]
+            for name, f in fused.items() if name in eager
+        ),
+    )  # fmt: skip
+
+
+def compare_by_length(path: str) -> Callable[[Path], str]:
+    """A comparison on one domain: whole-window perplexity at every length, last-quarter
+    perplexity at the target (mean ± std over a trained method's seeds) and the cost at the
+    trained length (the verdict's)."""
+
+    def render(root: Path) -> str:
+        data = _json(root, path)
+        (domain,) = data["domains"]
+        lengths, target = [str(n) for n in data["lengths"]], str(data["target_length"])
+        costs = data["verdict"]["costs"]
+
+        def cell(stat: dict) -> str:
+            return _stat(stat, 2)
+
+        return markdown(
+            ["method", "seeds", *(f"ppl @{n}" for n in lengths),
+             f"last-quarter ppl @{target}", f"cost @{data['trained_at']} vs rope"],
+            (
+                [f"`{m['label']}`", str(s[lengths[0]]["ppl"]["n"]) if m["trained"] else "-",
+                 *(cell(s[n]["ppl"]) for n in lengths), cell(s[target]["last_quarter_ppl"]),
+                 "-" if m["label"] == data["baseline"] else f"{costs[m['label']]:+.1%}"]
+                for m in data["methods"]
+                for s in [data["summary"][m["label"]][domain]]
+            ),
+        )  # fmt: skip
+
+    return render
+
+
+def _contrasts_module():
+    """experiments/smollm2_32k/contrasts.py, the script the README names as these tables' source."""
+    from experiments.smollm2_32k import contrasts
+
+    return contrasts
+
+
+def _forget_files() -> None:
+    """contrasts.py reads each ppl.json once per process; a pass of the generator reads them
+    afresh (a file may have changed since the last pass in the same process: the tests)."""
+    _contrasts_module()._ppl.cache_clear()
+
+
+EXTEND_8X = "experiments/extend_8x/results.json"
+TWO_STAGE = "experiments/two_stage/results.json"
+E_FINAL = "experiments/smollm2_32k/final"
+
+
+def e_baseline(root: Path) -> str:
+    """Experiment E's unmodified model: whole-window perplexity per domain and length."""
+    data = _json(root, f"{E_FINAL}/compare.json")
+    lengths = [str(n) for n in data["lengths"]]
+    summary = data["summary"][data["baseline"]]
+    return markdown(
+        ["domain (held-out documents)", *(f"ppl @{n}" for n in lengths)],
+        (
+            [f"{d} ({', '.join(w['document'].split('/', 1)[1] for w in data['held_out'][d])})",
+             *(f"{summary[d][n]['ppl']['mean']:.2f}" for n in lengths)]
+            for d in data["domains"]
+        ),
+    )  # fmt: skip
+
+
+def e_every_run(root: Path) -> str:
+    """Experiment E, every run per seed and domain: last-quarter perplexity at the target and
+    whole-window perplexity at L0 (experiments/smollm2_32k/contrasts.py's table)."""
+    c, final = _contrasts_module(), root / E_FINAL
+    length = _json(root, f"{E_FINAL}/compare.json")["target_length"]
+    heads = [f"{d} LQ @{length}" for d in c.DOMAINS] + [f"{d} @{c.L0}" for d in c.DOMAINS]
+    return markdown(
+        ["method", "seed", *heads],
+        (
+            [method, seed, *(f"{cells[d][0]:.2f}" if d in cells else "-" for d in c.DOMAINS),
+             *(f"{cells[d][1]:.2f}" if d in cells else "-" for d in c.DOMAINS)]
+            for method, seed, cells in c.per_seed(final, length)
+        ),
+    )  # fmt: skip
+
+
+def e_standing(root: Path) -> str:
+    """Experiment E, each method best first: the verdict's score and its cost at L0."""
+    c, final = _contrasts_module(), root / E_FINAL
+    length = _json(root, f"{E_FINAL}/compare.json")["target_length"]
+    return markdown(
+        ["method", "seeds", f"NLL @{length}", "exp", f"cost @{c.L0}"],
+        (
+            [method, n, f"{score:.4f}", f"{math.exp(score):.2f}",
+             "-" if cost is None else f"{cost:+.1%}"]
+            for method, n, score, cost in c.standing(final, c.scored_seeds(final), length)
+        ),
+    )  # fmt: skip
+
+
+def e_contrasts(root: Path) -> str:
+    """Experiment E's paired differences at the target (contrasts.py's table)."""
+    c, final = _contrasts_module(), root / E_FINAL
+    length = _json(root, f"{E_FINAL}/compare.json")["target_length"]
+    seeds = c.scored_seeds(final)
+    rows = []
+    for a, b, d in c.contrasts(final, length):
+        each = c.paired_seeds(c.pair_table(final, seeds, a, b), a, b, length)
+        call = ("yes" if c.resolved(d) else "no") + (
+            " (one seed)" if c.one_seed(final, a, b, d) else ""
+        )
+        rows.append(
+            [a, b, d.n, d.seeds, f"{d.mean:+.4f}", "-" if d.se is None else f"{d.se:.4f}",
+             "-" if d.se_seeds is None else f"{d.se_seeds:.4f}", f"{math.exp(d.mean):.3f}",
+             call, ", ".join(f"{x:+.4f}" for x in each)]
+        )  # fmt: skip
+    return markdown(
+        ["a", "b", "windows", "seeds", "a - b", "s.e.", "of it, seeds", "perplexity ratio",
+         f"resolved (\\|a - b\\| > 2 s.e., >= {c.MIN_DIFFERENCE})", "a - b per seed"],
+        rows,
+    )  # fmt: skip
+
+
+def e_retrieval(root: Path) -> str:
+    """Experiment E's passkey per method and length (seed 0): correct of probes by exact match,
+    Wilson 95% interval, RULER's substring rule in brackets where it differs."""
+    c = _contrasts_module()
+    probed = c.retrieval(root / E_FINAL)
+    lengths = sorted({e.length for entries in probed.values() for e in entries})
+
+    def cell(e) -> str:
+        if e is None:
+            return "-"
+        text = f"{e.correct}/{e.n} [{e.low:.2f}, {e.high:.2f}]"
+        if e.substring is not None and e.substring.correct != e.correct:
+            text += f" ({e.substring.correct}/{e.n} by substring)"
+        return text
+
+    return markdown(
+        ["method", *(f"@{n}" for n in lengths)],
+        (
+            [method, *(cell({e.length: e for e in entries}.get(n)) for n in lengths)]
+            for method, entries in probed.items()
+        ),
+    )
+
+
 # ---------------------------------------------------------------------------- benchmarks
 def _met(ratio: float, target: float | None) -> str:
     if target is None:
@@ -508,11 +870,47 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "serving-floors": serving_floors,
     "vllm-remaps": vllm_remaps,
     "mutation": mutation,
-}
+    "extend-8x-all": _bpb_table(
+        EXTEND_8X, "methods",
+        [("trained params", _trained_params), ("lr", _lr)],
+    ),
+    "extend-8x-paired-all": _paired_table(
+        EXTEND_8X, "paired_bpb_differences", "bpb"
+    ),
+    "extend-8x-kv1": _task_table(EXTEND_8X, "methods", "kv1_shakespeare"),
+    "two-stage": _bpb_table(
+        TWO_STAGE, "recipes",
+        [("stage 1 params", lambda m: f"{m['stage1_trainable']:,}"),
+         ("stage 2 params", lambda m: f"{m['stage2_trainable']:,}")],
+    ),
+    "two-stage-paired": _paired_table(
+        TWO_STAGE, "paired_bpb_differences", "bpb"
+    ),
+    "two-stage-kv1": _task_table(TWO_STAGE, "recipes", "kv1_shakespeare"),
+    "pretrain-encodings": pretrain_encodings,
+    "16k-all": smollm2_16k_all,
+    "16k-tasks": smollm2_16k_tasks,
+    "16k-paired": _paired_table(
+        "experiments/smollm2_16k/results.json", "paired_perplexity_differences", "perplexity", 2
+    ),
+    "16k-remaps": remaps("experiments/smollm2_16k/remaps/results.json"),
+    "16k-remaps-kernel": remaps_kernel,
+    "16k-ood-by-length": compare_by_length(COMPARISONS["D, out of domain"]),
+    "32k-baseline": e_baseline,
+    "32k-every-run": e_every_run,
+    "32k-standing": e_standing,
+    "32k-contrasts": e_contrasts,
+    "32k-retrieval": e_retrieval,
+}  # fmt: skip
 
 
 def documents(root: Path) -> list[Path]:
-    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    """README.md, the documentation pages and the experiments' READMEs."""
+    return [
+        root / "README.md",
+        *sorted((root / "docs").rglob("*.md")),
+        *sorted((root / "experiments").glob("**/README.md")),
+    ]
 
 
 def render(text: str, root: Path, where: str = "") -> str:
@@ -529,6 +927,7 @@ def render(text: str, root: Path, where: str = "") -> str:
 
 def stale(root: Path = ROOT) -> list[str]:
     """The documents whose tables differ from what the files give, with the tables named."""
+    _forget_files()
     out = []
     for path in documents(root):
         text = path.read_text(encoding="utf-8")
@@ -550,6 +949,7 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
         for line in differ:
             print(f"out of date: {line} (regenerate: python -m docs.tables)")
         return 1 if differ else 0
+    _forget_files()
     written = []
     for path in documents(root):
         text = path.read_text(encoding="utf-8")
