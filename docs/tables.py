@@ -23,6 +23,8 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from ropekit.utils import atomic_write_text
+
 ROOT = Path(__file__).resolve().parents[1]
 MARKED = re.compile(
     r"(?P<open><!-- table: (?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)"
@@ -37,8 +39,37 @@ def markdown(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+class SourceError(Exception):
+    """A file a table reads is missing or not what the table expects, or a document names an
+    unknown table: one line naming the file and what was expected."""
+
+
+class _Record(dict):
+    """A JSON object that names its file and the field when a table reads a field it lacks."""
+
+    def __init__(self, path: str, pairs: list[tuple[str, object]]) -> None:
+        super().__init__(pairs)
+        self.path = path
+
+    def __missing__(self, key: str):
+        raise SourceError(f"{self.path}: no field {key!r}")
+
+
 def _json(root: Path, path: str) -> dict:
-    return json.loads((root / path).read_text(encoding="utf-8"))
+    """The committed JSON file ``path`` (relative to ``root``) as an object."""
+    try:
+        text = (root / path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SourceError(f"{path}: missing (a committed result file)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SourceError(f"{path}: unreadable ({e})") from None
+    try:
+        data = json.loads(text, object_pairs_hook=lambda pairs: _Record(path, pairs))
+    except json.JSONDecodeError as e:
+        raise SourceError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(data, dict):
+        raise SourceError(f"{path}: expected a JSON object, found a {type(data).__name__}")
+    return data
 
 
 def _mean_std(stat: dict, digits: int = 3) -> str:
@@ -914,24 +945,42 @@ def documents(root: Path) -> list[Path]:
 
 
 def render(text: str, root: Path, where: str = "") -> str:
-    """``text`` with every marked table written from the files under ``root``."""
+    """``text`` with every marked table written from the files under ``root``; SourceError
+    when a table cannot be: a document names an unknown table, or a file is missing or lacks
+    what its table reads."""
 
     def fill(match: re.Match) -> str:
         name = match["name"]
         if name not in TABLES:
-            raise ValueError(f"{where}: unknown table {name!r}; known: {', '.join(TABLES)}")
-        return match["open"] + TABLES[name](root) + match["close"]
+            raise SourceError(f"{where}: unknown table {name!r}; known: {', '.join(TABLES)}")
+        try:
+            return match["open"] + TABLES[name](root) + match["close"]
+        except SourceError as e:
+            raise SourceError(f"{e} (table {name} in {where})") from None
+        except OSError as e:  # a folder a table lists (contrasts.py's eval/)
+            raise SourceError(f"{e.filename}: {e.strerror} (table {name} in {where})") from None
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            # a field of the wrong type or shape, or ropekit.results' one line naming the file
+            raise SourceError(f"table {name} in {where}: {type(e).__name__}: {e}") from None
 
     return MARKED.sub(fill, text)
 
 
-def stale(root: Path = ROOT) -> list[str]:
-    """The documents whose tables differ from what the files give, with the tables named."""
+def rendered(root: Path) -> dict[Path, tuple[str, str]]:
+    """Each document: (its text, its text with every table written); all rendered before
+    anything is written, so a file that fails leaves every document as it was."""
     _forget_files()
-    out = []
+    out = {}
     for path in documents(root):
         text = path.read_text(encoding="utf-8")
-        new = render(text, root, str(path))
+        out[path] = (text, render(text, root, str(path.relative_to(root))))
+    return out
+
+
+def stale(root: Path = ROOT) -> list[str]:
+    """The documents whose tables differ from what the files give, with the tables named."""
+    out = []
+    for path, (text, new) in rendered(root).items():
         if new != text:
             old = {m["name"]: m["body"] for m in MARKED.finditer(text)}
             names = [m["name"] for m in MARKED.finditer(new) if old.get(m["name"]) != m["body"]]
@@ -944,18 +993,20 @@ def main(argv: list[str] | None = None, root: Path = ROOT) -> int:
     if argv not in ([], ["--check"]):
         print("usage: python -m docs.tables [--check]", file=sys.stderr)
         return 2
-    if argv == ["--check"]:
-        differ = stale(root)
-        for line in differ:
-            print(f"out of date: {line} (regenerate: python -m docs.tables)")
-        return 1 if differ else 0
-    _forget_files()
+    try:
+        if argv == ["--check"]:
+            differ = stale(root)
+            for line in differ:
+                print(f"out of date: {line} (regenerate: python -m docs.tables)")
+            return 1 if differ else 0
+        documents = rendered(root)
+    except SourceError as e:
+        print(f"docs.tables: {e}", file=sys.stderr)
+        return 2
     written = []
-    for path in documents(root):
-        text = path.read_text(encoding="utf-8")
-        new = render(text, root, str(path))
+    for path, (text, new) in documents.items():
         if new != text:
-            path.write_text(new, encoding="utf-8")
+            atomic_write_text(path, new)
             written.append(str(path.relative_to(root)))
     print(f"tables written to {', '.join(written)}" if written else "every table is up to date")
     return 0

@@ -139,7 +139,9 @@ def test_check_names_the_stale_document_and_writes_nothing(tmp_path, capsys):
 
 
 def test_an_unknown_table_is_refused_naming_the_known_ones():
-    with pytest.raises(ValueError, match=r"x.md: unknown table 'nope'; known: architectures"):
+    with pytest.raises(
+        tables.SourceError, match=r"x.md: unknown table 'nope'; known: architectures"
+    ):
         tables.render("<!-- table: nope -->\n<!-- /table: nope -->", ROOT, "x.md")
 
 
@@ -199,3 +201,53 @@ def test_a_comparisons_untrained_rows_are_its_summary():
         for i, domain in enumerate(data["domains"]):
             mean = data["summary"][method["label"]][domain][target]["last_quarter_ppl"]["mean"]
             assert rows[method["label"]][2 + i] == f"{mean:.2f}"
+
+
+# ------------------------------------------------------------ a result file missing or malformed
+def _documents(root: Path) -> dict[Path, bytes]:
+    return {path: path.read_bytes() for path in tables.documents(root)}
+
+
+def _drop_recipes(path: Path) -> None:
+    data = json.loads(path.read_text())
+    del data["recipes"]
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("spoil", "said"),
+    [
+        (lambda path: path.unlink(), "experiments/two_stage/results.json: missing"),
+        (lambda path: path.write_text('{"config": {'),
+         "experiments/two_stage/results.json: not JSON (Expecting property name"),
+        (lambda path: path.write_text("[1, 2]"),
+         "experiments/two_stage/results.json: expected a JSON object, found a list"),
+        (_drop_recipes, "experiments/two_stage/results.json: no field 'recipes' (table two-stage"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("argv", [[], ["--check"]])
+def test_a_missing_or_malformed_file_is_one_line_exit_2_and_nothing_written(
+    tmp_path, capsys, spoil, said, argv
+):
+    """Write all or nothing: a table of README.md (rendered before the experiments' READMEs)
+    is stale too, and stays as it was."""
+    root = _copy(tmp_path)
+    _edit(root / "benchmarks/results.json", _first_row, "ratio")
+    spoil(root / "experiments/two_stage/results.json")
+    before = _documents(root)
+    assert tables.main(argv, root=root) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("docs.tables: "), err
+    assert said in err
+    assert _documents(root) == before
+
+
+def test_a_document_naming_an_unknown_table_is_one_line_exit_2(tmp_path, capsys):
+    root = _copy(tmp_path)
+    page = root / "docs/performance.md"
+    page.write_text(page.read_text() + "\n<!-- table: nope -->\n<!-- /table: nope -->\n")
+    before = _documents(root)
+    assert tables.main([], root=root) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "docs/performance.md: unknown table 'nope'" in err, err
+    assert _documents(root) == before
