@@ -98,6 +98,8 @@ def report(status: dict[str, str], explained: dict[str, str], seconds: str | Non
         "tests/mutation_equivalent.txt gives (listed below); 'unexplained': the rest, still "
         "to kill.\n\n"
         f"{TABLE_OPEN}{TABLE_CLOSE}\n\n"
+        "Modules in the scope the record has no count for:\n\n"
+        "<!-- table: mutation-not-run -->\n<!-- /table: mutation-not-run -->\n\n"
         "## Mutants not killed, still to kill (read one with `mutmut show NAME__mutmut_N`)\n\n"
         + ("\n".join(left) or "None.")
         + "\n\n## Equivalent mutants\n\n"

@@ -32,6 +32,7 @@ def _copy(root: Path) -> Path:
         ROOT / "docs", root / "docs", ignore=shutil.ignore_patterns("*.py", "__pycache__")
     )
     shutil.copy(ROOT / "README.md", root / "README.md")
+    shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
     shutil.copytree(
         ROOT / "experiments", root / "experiments",
         ignore=lambda d, names: [
@@ -251,3 +252,17 @@ def test_a_document_naming_an_unknown_table_is_one_line_exit_2(tmp_path, capsys)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "docs/performance.md: unknown table 'nope'" in err, err
     assert _documents(root) == before
+
+
+def test_a_module_of_the_mutation_scope_without_a_count_is_listed(tmp_path):
+    """The modules [tool.mutmut] mutates that the record lacks; one dropped from the record
+    joins them."""
+    root = _copy(tmp_path)
+    listed = {r[0] for r in _rows(tables.mutation_not_run(root))}
+    assert "`ropekit.encodings.rope`" not in listed
+    record = json.loads((root / "docs/mutation.json").read_text())
+    del record["modules"]["ropekit.encodings.rope"]
+    (root / "docs/mutation.json").write_text(json.dumps(record))
+    assert {r[0] for r in _rows(tables.mutation_not_run(root))} == listed | {
+        "`ropekit.encodings.rope`"
+    }
