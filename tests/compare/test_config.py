@@ -59,3 +59,26 @@ def test_a_corpus_no_method_trains_on_can_be_scored_whole():
                                   whole_untrained_corpora=True)  # fmt: skip
     assert trains_on_kjv.heldout_split("kjv") == "validation"
     assert "whole_untrained_corpora" not in CompareConfig("m", 64, ("rope",)).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("field", "says"),
+    [
+        ('"race": "maybe"', "race='maybe' is not allowed; allowed: on, off"),
+        ('"spans": 0', "spans=0 is not allowed; it must be an integer >= 1"),
+        ('"margin": -0.5', "margin=-0.5 is not allowed; it must lie in [0, 1)"),
+    ],
+)
+def test_racing_nonsense_in_a_config_file_is_one_line_and_nothing_written(
+    tmp_path, capsys, field, says
+):
+    """The racing rule's fields given in --config as on the command line (test_race_run.py):
+    refused before the model is read."""
+    from ropekit.cli import main
+
+    config, out = tmp_path / "c.json", tmp_path / "out"
+    config.write_text(f'{{"model": "m", "target_length": 64, "methods": ["rope"], {field}}}')
+    assert main(["compare", "--config", str(config), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err
+    assert not out.exists()
