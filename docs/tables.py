@@ -1,4 +1,5 @@
-"""Every table of measured numbers in README.md and docs/, written from the committed files.
+"""Every table of measured numbers in README.md, docs/ and the experiments' READMEs, written
+from the committed files.
 
 A generated table sits between two markers in a Markdown file::
 
@@ -12,6 +13,8 @@ docs/mutation.json, ``ropekit.hf.archs.ARCHS``): nothing in a table is typed by 
 ``python -m docs.tables`` rewrites every marked region; ``python -m docs.tables --check``
 writes nothing and exits 1 naming each table that differs from what the files give (make test
 runs the same check, tests/test_docs_tables.py). ``make docs`` runs it before building the site.
+A file a table reads that is missing or malformed (or a document naming an unknown table) is
+one line naming the file and what was expected, exit 2, and no document is written.
 """
 
 from __future__ import annotations
