@@ -7,7 +7,9 @@ own config classes (tests/tiny.py ``family_model``; no download):
     model configured with that ``rope_parameters``;
 (c) a distance remap (Leaky ReRoPE, DCA) equals an independent pairwise definition written
     here (the remapped distance of every query-key pair, tests/encodings/test_remap.py), full
-    and cached; families whose attention has extras the bands do not compute refuse it.
+    and cached; families whose attention has extras the bands do not compute refuse it;
+(d) exported (``ropekit.serve.export``), the folder loads in plain transformers with the
+    rope_parameters of (b) and the patched model's logits.
 
 A wrong row of the registry (pairing, which layers rotate, the recipe) fails (a) or (b).
 Tolerances: float32 round-off of logits of magnitude ~1 (the patched and unpatched paths
@@ -22,7 +24,7 @@ from transformers import DynamicCache
 
 from ropekit.hf import attention as hf_attention
 from ropekit.hf import patch, spec_from_config
-from ropekit.hf.archs import ARCHS, arch_for, default_types, rope_parameters
+from ropekit.hf.archs import ARCHS, arch_for, default_types, rope_parameters, rotating_types
 from ropekit.hf.patching import build_for_model
 
 from ..encodings.test_remap import dca_distance, rerope_distance, rotate_pairs
@@ -170,6 +172,80 @@ def test_each_schedule_equals_transformers_own_model(family: str, schedule: str)
         expected = theirs(ids, use_cache=False).logits
         patch(ours, spec_from_config(theirs.config, kind))
         torch.testing.assert_close(ours(ids, use_cache=False).logits, expected, atol=ATOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------- (d) export
+def _export_cases():
+    """(family, schedule): every family's first schedule in the default suite (the others
+    slow, with every family outside EVERY_KIND)."""
+    for family in FAMILIES:
+        for i, name in enumerate(_schedules(family)):
+            fast = family in EVERY_KIND and i == 0
+            yield pytest.param(family, name, marks=() if fast else pytest.mark.slow)
+
+
+@pytest.mark.parametrize(("family", "schedule"), list(_export_cases()))
+def test_an_export_loads_in_plain_transformers_with_the_same_logits(
+    family: str, schedule: str, tmp_path
+) -> None:
+    """The exported folder's rope_parameters (nested by layer type where the config nests
+    them, the types a spec leaves keeping their own) are what transformers' own model of that
+    schedule holds, and plain transformers serves the patched model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from ropekit.serve import export
+
+    kind = default_types(family_config(family))[0]
+    theirs = family_model(family, rope_parameters=_schedules(family)[schedule])
+    ours = family_model(family)
+    ours.load_state_dict(theirs.state_dict())
+    patch(ours, spec_from_config(theirs.config, kind))
+    served = AutoModelForCausalLM.from_pretrained(export(ours, None, tmp_path / "out")).eval()
+    for layer_type in rotating_types(theirs.config):  # the same schedule, defaults spelled out
+        assert spec_from_config(served.config, layer_type) == spec_from_config(
+            theirs.config, layer_type
+        )
+    ids = _ids(2, 48)
+    with torch.no_grad():
+        expected = ours(ids, use_cache=False).logits
+        torch.testing.assert_close(served(ids, use_cache=False).logits, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("family", "spec", "message"),
+    [
+        # one flat rope_parameters for sliding and full layers: transformers rotates all alike
+        ("qwen2", "yarn:factor=4,layers=global", "one rope_parameters for all its layers"),
+        # transformers computes p-RoPE only as rope type proportional
+        ("gemma4_text", "yarn:factor=4", "p-RoPE only as rope_type proportional"),
+        # Phi3Config takes default and longrope only
+        ("phi3", "linear:factor=2", "Phi3Config refuses the exported rope_parameters"),
+    ],
+)
+def test_what_a_familys_config_cannot_hold_is_refused_before_writing(
+    family: str, spec: str, message: str, tmp_path
+) -> None:
+    from ropekit.hf import ExportRefused
+    from ropekit.serve import export
+
+    model = family_model(family)
+    patch(model, spec)
+    with pytest.raises(ExportRefused, match=message) as info:
+        export(model, None, tmp_path / "out")
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_gguf_of_a_family_the_writer_cannot_write_names_llama_cpps_converter(tmp_path):
+    from ropekit.hf import ExportRefused
+    from ropekit.serve import export
+
+    model = family_model("gemma3_text")
+    patch(model, "linear:factor=2")
+    with pytest.raises(ExportRefused, match=r"convert_hf_to_gguf\.py") as info:
+        export(model, None, tmp_path / "out", format="gguf")
+    assert "\n" not in str(info.value) and "gemma3_text" in str(info.value)
+    assert not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------- (c)

@@ -168,7 +168,7 @@ def test_tuned_yarn_exports_exactly(tmp_path: Path) -> None:
     ("spec", "why"),
     [
         ("rope:pairing=interleaved", "rotate_half"),
-        ("rope:fraction=0.5", "whole head"),
+        ("rope:fraction=0.5", r"rotates 16 \(partial_rotary_factor=1\)"),
         ("nope", "only rotary encodings export"),
         ("mixed:method=yarn,factor=2", "no rope_type does both"),  # was an AttributeError
         ("rerope", "remaps query-key distances"),

@@ -236,3 +236,64 @@ def test_inspect_says_llamacpp_serves_a_self_extend_export_through_the_recipe(
     assert "llama.cpp serves self-extend:" in text
     assert "README.md" in {p.name for p in out.iterdir()}
     assert "llamacpp_self_extend" in (out / "README.md").read_text()
+
+
+# ----------------------------------------------------------------------------- families
+def _family_folder(family: str, spec: str, tmp_path: Path) -> Path:
+    from tests.tiny import family_model
+
+    model = family_model(family)
+    patch(model, spec)
+    return export(model, None, tmp_path / family)
+
+
+def test_per_layer_type_rope_is_inspected_type_by_type(tmp_path: Path) -> None:
+    """Gemma 3: yarn on the global layers, the local layers keep their base; vLLM's model file
+    reads each type's dict (gemma3.py), so it agrees type by type; llama.cpp's GGUF of this
+    family is its own converter's, named, not guessed."""
+    report = inspect_folder(_family_folder("gemma3_text", "yarn:factor=4", tmp_path))
+    sections = report["layer_types"]
+    assert sections["full_attention"]["rope_parameters"]["rope_type"] == "yarn"
+    assert sections["sliding_attention"]["rope_parameters"] == {
+        "rope_type": "default", "rope_theta": 10000.0
+    }  # fmt: skip
+    for kind, section in sections.items():
+        n = section["target_length"]
+        theirs = section["views"][n]["transformers"]["inv_freq"]
+        assert section["views"][n]["vllm"]["inv_freq"] == theirs, kind
+    assert sections["sliding_attention"]["views"][n]["transformers"]["inv_freq"][
+        1
+    ] == pytest.approx(10000.0 ** (-2 / 16))
+    engines = {(d["engine"], d["layer_type"]) for d in report["disagreements"]}
+    assert engines == {("llama.cpp", "full_attention"), ("llama.cpp", "sliding_attention")}
+    assert all("convert_hf_to_gguf.py" in d["fix"] for d in report["disagreements"])
+
+
+def test_vllm_serving_p_rope_without_its_factor_is_found(tmp_path: Path) -> None:
+    """Gemma 4's global layers: vLLM's Gemma4RotaryEmbedding reads no factor, so a scaled
+    p-RoPE is served unscaled there; its accepted length takes the factor (every type's
+    rope_parameters, iter_rope_parameters), the local layers' included."""
+    report = inspect_folder(_family_folder("gemma4_text", "proportional:factor=2", tmp_path))
+    full, local = (
+        report["layer_types"]["full_attention"],
+        report["layer_types"]["sliding_attention"],
+    )
+    found = [d for d in report["disagreements"] if d["engine"] == "vllm"]
+    assert {d["layer_type"] for d in found} == {"full_attention"}
+    assert all("frequencies differ" in d["what"] for d in found)
+    view = full["views"][full["target_length"]]
+    assert view["vllm"]["inv_freq"][0] == 2 * view["transformers"]["inv_freq"][0]
+    assert view["vllm"]["inv_freq"][-1] == view["transformers"]["inv_freq"][-1] == 0.0  # zeroed
+    assert local["views"][local["target_length"]]["vllm"]["max_length"] == 2 * L0
+
+
+@pytest.mark.parametrize(
+    ("family", "source"),
+    [("smollm3", "_TRANSFORMERS_SUPPORTED_MODELS"), ("helium", "registry has no model")],
+)
+def test_how_stock_vllm_serves_a_family_is_said(family: str, source: str, tmp_path) -> None:
+    report = inspect_folder(_family_folder(family, "linear:factor=2", tmp_path))
+    view = report["views"][report["target_length"]]["vllm"]
+    assert source in (view["error"] or view["source"])
+    vllm = [d for d in report["disagreements"] if d["engine"] == "vllm"]
+    assert bool(vllm) == (family == "helium")

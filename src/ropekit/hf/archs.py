@@ -10,7 +10,8 @@ a distance remap cannot reproduce. Adding a family is a row here and its parity 
 (tests/hf/test_families.py); nothing else in ropekit names a model type.
 
 Holds: Architecture, ARCHS (model_type -> Architecture), arch_for, unwrap, base_model,
-LayerInfo, layer_infos, default_types, attention_modules, ModelDims, model_dims, layer_dims,
+LayerInfo, layer_infos, default_types, covered_types (what a spec's ``layers=`` names),
+attention_modules, ModelDims, model_dims, layer_dims,
 rope_parameters, original_length, rope_context, layer_types, rotating_types.
 
 Everything here reads transformers 5.24 configs: RoPE settings live in ``config.rope_parameters``
@@ -37,6 +38,14 @@ SLIDING = "sliding_attention"
 #   "sliding"    only sliding-window layers rotate, full layers are NoPE (Cohere 2; EXAONE 4
 #                when it has sliding layers)
 ROTATION_RULES = ("all", "rope_flags", "sliding")
+# How stock vLLM 0.32 serves a family:
+#   "native"       its own model file, RoPE from get_rope with the config's rope_parameters
+#                  (per layer type where they nest: gemma3.py and gemma4.py read
+#                  config.rope_parameters[layer_type])
+#   "transformers" its Transformers backend (_TRANSFORMERS_SUPPORTED_MODELS): transformers' own
+#                  modeling code, so transformers' RoPE
+#   "none"         no entry in its registry for the family's architecture
+VLLM_SERVES = ("native", "transformers", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +73,15 @@ class Architecture:
     per_layer_dims: bool = False  # Gemma 4: head dim and kv heads per layer (per_layer_config)
     # Gemma 4's shared-KV layers read the keys of an earlier layer (config.num_kv_shared_layers).
     shares_kv: bool = False
+    # How stock vLLM 0.32 serves the family (VLLM_SERVES; its model registry,
+    # vllm/model_executor/models/registry.py, read from the installed wheel).
+    vllm: str = "native"
 
     def __post_init__(self) -> None:
         if self.rotation not in ROTATION_RULES:
             raise ValueError(f"{self.model_type}: rotation={self.rotation!r}; use {ROTATION_RULES}")
+        if self.vllm not in VLLM_SERVES:
+            raise ValueError(f"{self.model_type}: vllm={self.vllm!r}; use {VLLM_SERVES}")
 
     @property
     def modeling(self) -> str:
@@ -98,7 +112,7 @@ ARCHS: dict[str, Architecture] = {
     for a in (
         _row("llama", "llama", "LlamaAttention"),
         _row("mistral", "mistral", "MistralAttention"),
-        _row("ministral", "ministral", "MinistralAttention"),
+        _row("ministral", "ministral", "MinistralAttention", vllm="none"),
         _row("mixtral", "mixtral", "MixtralAttention"),
         _row("qwen2", "qwen2", "Qwen2Attention"),
         _row("qwen3", "qwen3", "Qwen3Attention"),
@@ -116,11 +130,11 @@ ARCHS: dict[str, Architecture] = {
             shares_kv=True,
         ),
         _row("phi3", "phi3", "Phi3Attention"),
-        _row("phi", "phi", "PhiAttention"),
-        _row("olmo", "olmo", "OlmoAttention"),
-        _row("olmo2", "olmo2", "Olmo2Attention"),
-        _row("olmo3", "olmo3", "Olmo3Attention"),
-        _row("smollm3", "smollm3", "SmolLM3Attention", rotation="rope_flags"),
+        _row("phi", "phi", "PhiAttention", vllm="transformers"),
+        _row("olmo", "olmo", "OlmoAttention", vllm="transformers"),
+        _row("olmo2", "olmo2", "Olmo2Attention", vllm="transformers"),
+        _row("olmo3", "olmo3", "Olmo3Attention", vllm="transformers"),
+        _row("smollm3", "smollm3", "SmolLM3Attention", rotation="rope_flags", vllm="transformers"),
         _row("gpt_oss", "gpt_oss", "GptOssAttention", extras=(("attention sinks", None),)),
         _row(
             "llama4_text",
@@ -135,12 +149,18 @@ ARCHS: dict[str, Architecture] = {
         _row("cohere", "cohere", "CohereAttention", pairing="interleaved"),
         _row("cohere2", "cohere2", "Cohere2Attention", pairing="interleaved", rotation="sliding"),
         _row("stablelm", "stablelm", "StableLmAttention"),
-        _row("gpt_neox", "gpt_neox", "GPTNeoXAttention", attention_attr="attention"),
+        _row(
+            "gpt_neox",
+            "gpt_neox",
+            "GPTNeoXAttention",
+            attention_attr="attention",
+            vllm="transformers",
+        ),
         _row("exaone4", "exaone4", "Exaone4Attention", rotation="sliding"),
-        _row("glm", "glm", "GlmAttention", pairing="interleaved"),
+        _row("glm", "glm", "GlmAttention", pairing="interleaved", vllm="transformers"),
         _row("glm4", "glm4", "Glm4Attention", pairing="interleaved"),
-        _row("helium", "helium", "HeliumAttention", pairing="interleaved"),
-        _row("starcoder2", "starcoder2", "Starcoder2Attention"),
+        _row("helium", "helium", "HeliumAttention", pairing="interleaved", vllm="none"),
+        _row("starcoder2", "starcoder2", "Starcoder2Attention", vllm="transformers"),
     )
 }
 
@@ -241,6 +261,33 @@ def default_types(config: Any) -> tuple[str, ...]:
     return tuple(k for k in rotating if recipe is None or k in recipe) or rotating
 
 
+# ``layers=`` words that name groups of types rather than one type.
+ALIASES = {"all": None, "rope": None, "global": (FULL,), "local": (SLIDING,)}
+
+
+def covered_types(config: Any, layers: str | None) -> tuple[str, ...]:
+    """The layer types a spec's ``layers=`` covers in this model (None: the family's recipe);
+    ValueError naming what the model has."""
+    rotating = rotating_types(config)
+    if not rotating:
+        raise ValueError(f"model_type={config.model_type!r}: no layer of this model rotates")
+    if layers is None:
+        return default_types(config)
+    out: list[str] = []
+    for word in layers.split("+"):
+        named = ALIASES.get(word, (word,))
+        for kind in rotating if named is None else named:
+            if kind not in rotating:
+                raise ValueError(
+                    f"layers={layers!r}: this {config.model_type} model has no rotating layers "
+                    f"of type {kind!r}; its rotating types are {', '.join(rotating)} (or all, "
+                    "rope, global, local)"
+                )
+            if kind not in out:
+                out.append(kind)
+    return tuple(k for k in rotating if k in out)
+
+
 def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
     """Each rotating layer's attention module, by layer index."""
     arch, base = arch_for(unwrap(model).config), base_model(model)
@@ -292,7 +339,8 @@ def model_dims(config: Any, kind: str | None = None) -> ModelDims:
 
 
 # ----------------------------------------------------------------------------- RoPE settings
-def _nested(params: dict[str, Any]) -> bool:
+def nested_by_type(params: dict[str, Any]) -> bool:
+    """Whether ``rope_parameters`` hold one dict per layer type (Gemma 3/4, OLMo 3)."""
     return any(isinstance(v, dict) for v in params.values())
 
 
@@ -300,7 +348,7 @@ def rope_parameters(config: Any, kind: str | None = None) -> dict[str, Any]:
     """The ``rope_parameters`` of layers of type ``kind`` (the config's nested dict for it, or
     its flat dict, which every type shares); None: the type a spec covers by default."""
     params = getattr(config, "rope_parameters", None) or {}
-    if _nested(params):
+    if nested_by_type(params):
         kinds = [k for k, v in params.items() if isinstance(v, dict)]
         if kind is None:
             kind = (default_types(config) or kinds)[0]

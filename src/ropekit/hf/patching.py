@@ -35,16 +35,13 @@ from torch.utils.hooks import RemovableHandle
 from ropekit.encodings import PositionEncoding, Spec, build
 
 from .archs import (
-    FULL,
-    SLIDING,
     arch_for,
     attention_modules,
     base_model,
-    default_types,
+    covered_types,
     layer_infos,
     model_dims,
     rope_context,
-    rotating_types,
     unwrap,
 )
 from .attention import LayerPatch, PatchState, RoutedConfig, before_attention, neutral_tables
@@ -54,8 +51,6 @@ ENCODING_ATTR = "ropekit_encoding"  # submodule name on the decoder stack: base.
 OWN_ATTR = "ropekit_own_rope"  # the model's own RoPE for the layer types a patch leaves
 _STATE_ATTR = "_ropekit_patch"  # plain attribute on the decoder stack (not a submodule)
 _DTYPES_ATTR = "_ropekit_dtypes"  # on the encoding: the dtypes the guard restores
-# ``layers=`` words that name groups of types rather than one type.
-ALIASES = {"all": None, "rope": None, "global": (FULL,), "local": (SLIDING,)}
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,29 +61,6 @@ class _Patched:
     layers: list[LayerPatch]
     attention: list[nn.Module]
     handles: list[RemovableHandle]
-
-
-def covered_types(config: Any, layers: str | None) -> tuple[str, ...]:
-    """The layer types a spec's ``layers=`` covers in this model (None: the family's recipe);
-    ValueError naming what the model has."""
-    rotating = rotating_types(config)
-    if not rotating:
-        raise ValueError(f"model_type={config.model_type!r}: no layer of this model rotates")
-    if layers is None:
-        return default_types(config)
-    out: list[str] = []
-    for word in layers.split("+"):
-        named = ALIASES.get(word, (word,))
-        for kind in rotating if named is None else named:
-            if kind not in rotating:
-                raise ValueError(
-                    f"layers={layers!r}: this {config.model_type} model has no rotating layers "
-                    f"of type {kind!r}; its rotating types are {', '.join(rotating)} (or all, "
-                    "rope, global, local)"
-                )
-            if kind not in out:
-                out.append(kind)
-    return tuple(k for k in rotating if k in out)
 
 
 def _canonical_layers(config: Any, kinds: tuple[str, ...]) -> str | None:

@@ -10,7 +10,8 @@ keyed by the type's name:
   fields) that make plain transformers compute what a *static* ropekit encoding computes;
   learned schedules go through ``ropekit.serve.exporting.export_rope_parameters``.
 
-Holds: spec_from_config, rope_parameters_for, format_spec, ExportRefused.
+Holds: spec_from_config, rope_parameters_for, model_rope_parameters, check_exportable_shape,
+set_rotated_share, format_spec, ExportRefused.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from ropekit.encodings import PositionEncoding, RotaryEncoding, Spec, schedules
 
-from .archs import rope_parameters
+from .archs import covered_types, nested_by_type, rope_context, rope_parameters, rotating_types
 
 
 class ExportRefused(ValueError):
@@ -113,38 +114,112 @@ def spec_from_config(config: Any, layer_type: str | None = None) -> Spec:
     )
 
 
-def _check_exportable_shape(encoding: PositionEncoding, config: Any) -> None:
+def _pairing_words(pairing: str) -> str:
+    return "with rotate_half" if pairing == "half" else "as interleaved pairs"
+
+
+def check_exportable_shape(
+    encoding: PositionEncoding, config: Any, kind: str | None = None
+) -> None:
+    """ExportRefused unless ``encoding`` rotates the channels the model's own attention
+    rotates in layers of type ``kind`` (None: the first the encoding covers): the family's
+    pairing, the config's rotated width
+    (``partial_rotary_factor``: partial RoPE's share of channels, or p-RoPE's share of pairs).
+    transformers' attention applies its own pairing and width to whatever cos and sin the
+    rope_parameters give, so an export can change the frequencies and nothing else."""
     if encoding.rotary_dim == 0:
         raise ExportRefused(f"{encoding.spec!r} does not rotate; no rope_parameters express it")
-    pairing = encoding.pairing
-    if pairing != "half":
+    own = rope_context(config, kind or covered_types(config, encoding.layers)[0])
+    where = f"{config.model_type} attention in transformers"
+    if encoding.pairing != own["pairing"]:
         raise ExportRefused(
-            f"{encoding.spec!r} pairs channels {pairing}; {config.model_type} attention in "
-            "transformers rotates with rotate_half (pairing=half), so its weights would need "
-            "permuting q/k rows to serve this"
+            f"{encoding.spec!r} pairs channels {encoding.pairing}; {where} rotates "
+            f"{_pairing_words(own['pairing'])} (pairing={own['pairing']}), so its weights would "
+            "need permuting q/k rows to serve this"
         )
-    rotary_dim = encoding.rotary_dim
-    if rotary_dim != encoding.head_dim:
+    own_dim = int(encoding.head_dim * own["fraction"])
+    if encoding.rotary_dim != own_dim:
         raise ExportRefused(
-            f"{encoding.spec!r} rotates {rotary_dim} of {encoding.head_dim} channels; "
-            f"{config.model_type} attention in transformers rotates the whole head "
-            "(apply_rotary_pos_emb multiplies q by cos of head_dim channels)"
+            f"{encoding.spec!r} rotates {encoding.rotary_dim} of {encoding.head_dim} channels; "
+            f"{where} rotates {own_dim} (partial_rotary_factor={own['fraction']:g})"
         )
+    proportion = float(getattr(encoding.config, "proportion", 1.0))
+    if proportion != own["proportion"]:
+        raise ExportRefused(
+            f"{encoding.spec!r} keeps {proportion:g} of its pairs rotating (p-RoPE); {where} "
+            f"keeps {own['proportion']:g} in these layers (rope_parameters have one share)"
+        )
+
+
+def set_rotated_share(
+    encoding: PositionEncoding, config: Any, params: dict[str, Any], kind: str | None = None
+) -> None:
+    """Write the rotated share of layers of type ``kind`` (None: the first the encoding
+    covers) into ``params`` as transformers reads it: partial RoPE's
+    ``partial_rotary_factor`` for every rope type; p-RoPE's only in rope_type proportional
+    (any other type reads the key as partial RoPE's width, which computes something else)."""
+    kind = kind or covered_types(config, encoding.layers)[0]
+    own = rope_context(config, kind)
+    if own["proportion"] != 1.0:
+        if params["rope_type"] != "proportional":
+            raise ExportRefused(
+                f"{encoding.spec!r} applies {encoding.config.name} to p-RoPE's "
+                f"{own['proportion']:g} of pairs; transformers computes p-RoPE only as rope_type "
+                "proportional (its other types read partial_rotary_factor as partial RoPE's "
+                "width): export proportional or rope in these layers, or serve with ropekit.hf"
+            )
+        params["partial_rotary_factor"] = own["proportion"]
+    elif own["fraction"] != 1.0 or "partial_rotary_factor" in rope_parameters(config, kind):
+        params["partial_rotary_factor"] = own["fraction"]  # Phi-3 reads the key unconditionally
+
+
+def model_rope_parameters(
+    config: Any, layers: str | None, params: dict[str, Any]
+) -> dict[str, Any]:
+    """The whole model's ``rope_parameters`` when the layer types ``layers`` covers (a spec's
+    ``layers=``; None: the family's recipe) rotate by ``params``: the config's nested dict with
+    those types replaced and the others kept (Gemma 3's local layers keep their base), or
+    ``params`` where the config's is flat and they cover every rotating layer. ExportRefused
+    where a flat config would need two schedules."""
+    own = getattr(config, "rope_parameters", None) or {}
+    covered = covered_types(config, layers)
+    if nested_by_type(own):
+        return {k: dict(params) if k in covered else v for k, v in own.items()}
+    rest = [k for k in rotating_types(config) if k not in covered]
+    if rest:
+        raise ExportRefused(
+            f"this {config.model_type} config holds one rope_parameters for all its layers, so an "
+            f"export cannot rotate {'+'.join(covered)} layers one way and {'+'.join(rest)} "
+            "another: export with layers=all, or serve with ropekit.hf"
+        )
+    return dict(params)
 
 
 def rope_parameters_for(
-    encoding: RotaryEncoding, config: Any
+    encoding: RotaryEncoding, config: Any, kind: str | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(rope_parameters, other config fields) that make transformers compute this static or
-    length-following schedule exactly.
+    length-following schedule exactly in layers of type ``kind`` (None: the first the encoding
+    covers; the whole model's
+    rope_parameters: ``model_rope_parameters``).
 
-    Rules: rope -> default; linear -> linear; ntk -> default with the NTK base as rope_theta
-    (NTK is plain RoPE at base s^(d/(d-2)) b, schedules.ntk); dynamic-ntk -> dynamic, with
-    max_position_embeddings set to the original length, because
-    ``_compute_dynamic_ntk_parameters`` measures the stretch against it; yarn, llama3 and
-    longrope map key for key.
+    Rules: rope -> default (proportional where the layers keep a p-RoPE share); linear ->
+    linear; ntk -> default with the NTK base as rope_theta (NTK is plain RoPE at base
+    s^(d/(d-2)) b, schedules.ntk); dynamic-ntk -> dynamic, with max_position_embeddings set to
+    the original length, because ``_compute_dynamic_ntk_parameters`` measures the stretch
+    against it; proportional -> proportional; yarn, llama3 and longrope map key for key. The
+    rotated share is the model's own (``check_exportable_shape``).
     """
-    _check_exportable_shape(encoding, config)
+    check_exportable_shape(encoding, config, kind)
+    params, extra = _rope_type(encoding)
+    if params["rope_type"] == "default" and getattr(encoding.config, "proportion", 1.0) != 1.0:
+        params = {**params, "rope_type": "proportional"}
+    set_rotated_share(encoding, config, params, kind)
+    return params, extra
+
+
+def _rope_type(encoding: RotaryEncoding) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(rope_parameters, other config fields) of the rope type that computes the schedule."""
     c = encoding.config
     name = c.name
     if name == "mixed":
@@ -159,6 +234,8 @@ def rope_parameters_for(
         params: dict[str, Any] = {"rope_type": "default", "rope_theta": base}
     elif name == "linear":
         params = {"rope_type": "linear", "rope_theta": base, "factor": float(c.factor)}
+    elif name == "proportional":
+        params = {"rope_type": "proportional", "rope_theta": base, "factor": float(c.factor)}
     elif name == "ntk":
         ntk_base = schedules.ntk_base(encoding.rotary_dim, base, c.factor)
         params = {"rope_type": "default", "rope_theta": float(ntk_base)}

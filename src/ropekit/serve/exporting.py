@@ -78,15 +78,22 @@ from torch import nn
 from ropekit import __version__
 from ropekit.backbone import is_decoder_dir, load_adapter, save_adapter
 from ropekit.encodings import PositionEncoding, schedules
-from ropekit.hf.archs import base_model, original_length, unwrap
+from ropekit.hf.archs import base_model, covered_types, original_length, unwrap
 from ropekit.hf.models import load_model, load_tokenizer, resolve_model
 from ropekit.hf.patching import ENCODING_ATTR, encoding_of, patch
-from ropekit.hf.rope_config import ExportRefused, rope_parameters_for
+from ropekit.hf.rope_config import (
+    ExportRefused,
+    check_exportable_shape,
+    model_rope_parameters,
+    rope_parameters_for,
+    set_rotated_share,
+)
 from ropekit.outdir import OutputError, writing
 
 from .engines import EXPORT_RECORD, FORMATS
 from .engines.llamacpp import llamacpp_recipe, recipe_notes, self_extend_reach
 from .engines.vllm_ropekit import plugin_notes, plugin_recipe, remap_reach
+from .gguf_file import check_writable
 from .nearest import head_frequencies, nearest_shared
 
 # Learned frequencies count as shared when every row equals the first to this relative
@@ -180,13 +187,13 @@ def _temperature(encoding: PositionEncoding, temperature_at: int | None) -> tupl
 
 
 def _learned_rope_parameters(
-    encoding: PositionEncoding, config: Any, temperature_at: int | None, nearest: bool = False
+    encoding: PositionEncoding,
+    config: Any,
+    temperature_at: int | None,
+    nearest: bool = False,
+    kind: str | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
-    if encoding.pairing != "half" or encoding.rotary_dim != encoding.head_dim:
-        raise ExportRefused(
-            f"{encoding.spec!r}: {config.model_type} attention in transformers rotates the whole "
-            "head with rotate_half; this encoding pairs or rotates channels otherwise"
-        )
+    check_exportable_shape(encoding, config, kind)
     base = float(encoding.base)
     notes: list[str] = []
     temperature = 1.0
@@ -214,6 +221,7 @@ def _learned_rope_parameters(
         "factor": float(encoding.factor or 1.0),
         "attention_factor": factor * math.sqrt(temperature),
     }
+    set_rotated_share(encoding, config, params, kind)
     return params, notes
 
 
@@ -223,10 +231,13 @@ def export_rope_parameters(
     *,
     temperature_at: int | None = None,
     nearest: bool = False,
+    kind: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """(rope_parameters, other config fields, notes) expressing ``encoding`` for plain
-    transformers; ExportRefused (a ValueError) says why when none can. ``nearest``: a per-head
-    AdaRoPE exports as its closest shared schedule (an approximation, in the notes)."""
+    transformers in layers of type ``kind`` (None: the first it covers; the whole model's are
+    ``model_rope_parameters``); ExportRefused (a ValueError) says why when none can.
+    ``nearest``: a per-head AdaRoPE exports as its closest shared schedule (an approximation,
+    in the notes)."""
     if encoding.remaps_distance:
         raise ExportRefused(
             f"{encoding.spec!r} remaps query-key distances in attention; no serving engine's "
@@ -239,7 +250,7 @@ def export_rope_parameters(
                 "rope type does (rope_parameters scale cos and sin alike everywhere): serve it "
                 "with ropekit.hf"
             )
-        params, extra = rope_parameters_for(encoding, config)
+        params, extra = rope_parameters_for(encoding, config, kind)
         return params, extra, []
     if encoding.learned_frequencies:
         if encoding.dynamic:
@@ -247,7 +258,7 @@ def export_rope_parameters(
                 f"{encoding.spec!r} follows the sequence length and learned its frequencies; "
                 "no rope type expresses both"
             )
-        params, notes = _learned_rope_parameters(encoding, config, temperature_at, nearest)
+        params, notes = _learned_rope_parameters(encoding, config, temperature_at, nearest, kind)
         return params, {}, notes
     raise ExportRefused(
         f"{encoding.spec!r}: only rotary encodings export to rope_parameters; "
@@ -450,6 +461,8 @@ def served_config(
             "position only (vLLM gives the rotary no sequence lengths)"
         )
     _refuse_remaps_with_own_queries(encoding)
+    if format == "gguf":
+        check_writable(model_config)
     recipe = None
     rope_encoding = encoding
     if encoding.remaps_distance:
@@ -460,9 +473,11 @@ def served_config(
         # there, saying why.
         recipe = plugin_recipe(encoding) if format == "vllm" else llamacpp_recipe(encoding, format)
         rope_encoding = encoding.inner
+    # The layers the encoding covers (a remap's inner schedule covers the remap's layers).
+    kind = covered_types(model_config, encoding.layers)[0]
     params, extra, notes = export_rope_parameters(
         rope_encoding, model_config, temperature_at=temperature_at,
-        nearest=nearest or format == "vllm",
+        nearest=nearest or format == "vllm", kind=kind,
     )  # fmt: skip
     if format == "vllm":
         from .vllm_plugin import ARCHITECTURE
@@ -496,10 +511,12 @@ def served_config(
     extra = {**extra, **fields}
     if "short_mscale" in engine_keys:
         notes = [*notes, _MSCALE_WARNING]
+    params = model_rope_parameters(model_config, encoding.layers, params)
     config = copy.deepcopy(model_config)
     config.rope_parameters = params
     for key, value in extra.items():
         setattr(config, key, value)
+    _check_read_back(config)
     record = {
         "spec": encoding.spec, "format": format, "target_length": target,
         "rope_parameters": params, "config_changes": extra, "notes": notes,
@@ -508,6 +525,29 @@ def served_config(
     if recipe is not None:
         record["serve_with"] = recipe
     return config, record
+
+
+def _check_read_back(config: Any) -> None:
+    """ExportRefused unless the family's config class reads the exported rope_parameters back
+    as written: some validate (Phi-3 takes default and longrope only) or rewrite them (Phi-3
+    reads yarn as longrope), which would serve another schedule than the one exported."""
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+
+    written = copy.deepcopy(config.rope_parameters)
+    try:
+        read = type(config).from_dict(config.to_dict()).rope_parameters
+    except (KeyError, ValueError, TypeError, StrictDataclassClassValidationError) as e:
+        cause = e.__cause__ or e  # the validator's own error, under huggingface_hub's
+        reason = str(cause.args[0] if isinstance(cause, KeyError) else cause).strip()
+        raise ExportRefused(
+            f"transformers' {type(config).__name__} refuses the exported rope_parameters "
+            f"({reason}); export a rope type this family takes, or serve with ropekit.hf"
+        ) from None
+    if read != written:
+        raise ExportRefused(
+            f"transformers' {type(config).__name__} reads the exported rope_parameters {written} "
+            f"as {read}, another schedule; export a rope type this family takes as written"
+        )
 
 
 def _remap_target(encoding: PositionEncoding, l0: int) -> int:

@@ -347,6 +347,22 @@ def _bpe_tokenizer(writer: Any, tokenizer: Any, config: Any) -> None:
             getattr(writer, f"add_{name}_token_id")(value)
 
 
+def writable(model_type: str | None) -> bool:
+    """Whether ropekit's writer writes this family (llama.cpp's llama graph)."""
+    return model_type in _SUPPORTED
+
+
+def check_writable(config: Any) -> None:
+    """ExportRefused for a family ropekit's writer cannot write, naming llama.cpp's converter."""
+    if not writable(config.model_type):
+        raise ExportRefused(
+            f"model_type={config.model_type!r}: ropekit's GGUF writer handles "
+            f"{', '.join(_SUPPORTED)} (llama.cpp's llama graph: no q/k norms, no attention "
+            "biases); export --format hf and convert that folder with llama.cpp's own "
+            "convert_hf_to_gguf.py, which knows this family's graph"
+        )
+
+
 def write_gguf(
     model: nn.Module,
     config: Any,
@@ -359,11 +375,7 @@ def write_gguf(
     and length fields already set) to ``path``; returns notes for the export record."""
     import gguf
 
-    if config.model_type not in _SUPPORTED:
-        raise ExportRefused(
-            f"model_type={config.model_type!r}: the GGUF writer handles {', '.join(_SUPPORTED)} "
-            "(llama.cpp's llama graph: no q/k norms, no attention biases)"
-        )
+    check_writable(config)
     params = dict(config.rope_parameters)
     rope = gguf_rope(params, config, int(config.max_position_embeddings))
     head_dim = int(

@@ -8,8 +8,14 @@ from the config). A disagreement is a per-pair frequency off by more than 1e-6 r
 attention factor off by more than 1e-6, a longest accepted length below the target, or a
 refusal. The rules are ``ropekit.serve.engines`` (each cites the engine file and function).
 
-Holds: inspect_folder, read_folder, lengths_checked, engine_views, reference_view,
-rope_disagreements, check_rope_config, format_report, Disagreement.
+Where ``rope_parameters`` nest by layer type (Gemma 3/4, OLMo 3), each type is inspected as
+its own flat config (every engine applies a type's dict to that type's layers), and a family
+stock vLLM serves through its Transformers backend, or not at all, is said so
+(``ropekit.hf.archs.VLLM_SERVES``); llama.cpp is checked only through ropekit's GGUF writer's
+families (another family's GGUF comes from llama.cpp's own converter).
+
+Holds: inspect_folder, read_folder, layer_type_folders, lengths_checked, engine_views,
+reference_view, rope_disagreements, check_rope_config, format_report, Disagreement.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ropekit.hf.archs import nested_by_type
 
 from .engines import ENGINES, EXPORT_RECORD, Engine, EngineRoPE, ServedFolder
 from .gguf_file import GGUF_NAME, read_gguf
@@ -79,7 +87,8 @@ def _compare(
             )
             out.append(Disagreement(engine.name, length, what, engine.per_head_fix(folder)))
         return out
-    rel = (view.inv_freq - ref.inv_freq).abs() / ref.inv_freq
+    # relative to the reference; p-RoPE's zeroed pairs must stay zero (0/0 is agreement)
+    rel = (view.inv_freq - ref.inv_freq).abs() / ref.inv_freq.abs().clamp_min(1e-300)
     if float(rel.max()) > RTOL:
         pair = int(rel.argmax())
         what = f"frequencies differ by up to {float(rel.max()):.3g} relative (pair {pair})"
@@ -186,7 +195,9 @@ def read_folder(path: str | os.PathLike[str]) -> ServedFolder:
     config.setdefault(
         "rope_parameters", {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
     )
-    check_rope_config(config, config_file)
+    for kind, params in _per_type(config["rope_parameters"]).items():
+        where = config_file if kind is None else f"{config_file} (rope_parameters[{kind!r}])"
+        check_rope_config({**config, "rope_parameters": params}, where)
     tokenizer_file = folder / "tokenizer_config.json"
     record_file = folder / EXPORT_RECORD
     return ServedFolder(
@@ -289,29 +300,75 @@ def rope_disagreements(
     return out
 
 
-def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Every engine's RoPE for the export at ``path`` and their disagreements with the
-    reference: the adapter's per-head schedule where the folder is for ropekit's plugin,
-    else transformers (the meaning of rope_parameters)."""
-    folder = read_folder(path)
+def _per_type(params: dict[str, Any]) -> dict[str | None, dict[str, Any]]:
+    """rope_parameters by the layer type they rotate (None: one dict for every layer)."""
+    if not nested_by_type(params):
+        return {None: params}
+    return {kind: p for kind, p in params.items() if isinstance(p, dict)}
+
+
+def layer_type_folders(folder: ServedFolder) -> dict[str | None, ServedFolder]:
+    """The folder as the layers of each type read it: one flat view per type where
+    rope_parameters nest by layer type (Gemma 3/4, OLMo 3: every engine applies a type's dict
+    to that type's layers), else ``{None: folder}``."""
+    if folder.gguf is not None:
+        return {None: folder}
+    out = {}
+    for kind, params in _per_type(folder.rope_parameters).items():
+        if kind is None:
+            return {None: folder}
+        by_type = [p for p in folder.rope_parameters.values() if isinstance(p, dict)]
+        config = {**folder.config, "rope_parameters": dict(params), "ropekit_rope_by_type": by_type}
+        out[kind] = dataclasses.replace(folder, config=config, target=_target(config, folder.path))
+    return out
+
+
+def _section(folder: ServedFolder) -> dict[str, Any]:
+    """What inspect says of one flat rope config: each engine's view at the lengths checked
+    and their disagreements with the reference."""
     lengths = lengths_checked(folder)
     views = engine_views(folder, lengths)
     ref = reference_view(views[folder.target])
     return {
-        "folder": str(folder.path),
         "rope_parameters": folder.rope_parameters,
         "original_length": _original_length(folder),
         "target_length": folder.target,
         "lengths": lengths,
         "reference": None if ref is None else ref.engine,
+        "views": {n: {name: _view_json(v) for name, v in row.items()} for n, row in views.items()},
+        "disagreements": [
+            dataclasses.asdict(d) for d in rope_disagreements(folder, lengths, views)
+        ],
+    }
+
+
+def inspect_folder(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every engine's RoPE for the export at ``path`` and their disagreements with the
+    reference: the adapter's per-head schedule where the folder is for ropekit's plugin,
+    else transformers (the meaning of rope_parameters). Where rope_parameters nest by layer
+    type, ``layer_types`` holds one such section per type and ``disagreements`` all of them,
+    each naming its type."""
+    folder = read_folder(path)
+    report = {
+        "folder": str(folder.path),
         "format": "gguf" if folder.gguf is not None else "hf",
         "files": [str(f) for f in folder.files],
         "notes": list((folder.record or {}).get("notes", [])),
         "serve_with": (folder.record or {}).get("serve_with"),
         "spec": (folder.record or {}).get("spec"),
-        "views": {n: {name: _view_json(v) for name, v in row.items()} for n, row in views.items()},
+    }
+    by_type = layer_type_folders(folder)
+    if None in by_type:
+        return {**report, **_section(folder)}
+    sections = {kind: _section(f) for kind, f in by_type.items()}
+    return {
+        **report,
+        "rope_parameters": folder.rope_parameters,
+        "layer_types": sections,
         "disagreements": [
-            dataclasses.asdict(d) for d in rope_disagreements(folder, lengths, views)
+            {**d, "layer_type": kind}
+            for kind, sec in sections.items()
+            for d in sec["disagreements"]
         ],
     }
 
@@ -328,10 +385,22 @@ def _view_json(v: EngineRoPE) -> dict[str, Any]:
 
 
 def format_report(report: dict[str, Any]) -> list[str]:
-    """The lines ``ropekit inspect`` prints."""
+    """The lines ``ropekit inspect`` prints: one table per layer type where they differ."""
+    if "layer_types" not in report:
+        return _section_lines(report, report["folder"])
+    lines = [
+        f"{report['folder']}: rope_parameters per layer type "
+        f"({', '.join(report['layer_types'])}); each type's layers rotate by its own"
+    ]
+    for kind, section in report["layer_types"].items():
+        lines += _section_lines({**report, **section}, f"[{kind}]")
+    return lines
+
+
+def _section_lines(report: dict[str, Any], title: str) -> list[str]:
     p = report["rope_parameters"]
     lines = [
-        f"{report['folder']}: rope_type={p.get('rope_type', 'default')} "
+        f"{title}: rope_type={p.get('rope_type', 'default')} "
         f"L0={report['original_length']} target={report['target_length']}",
         _reference_line(report),
         *(f"  export record: {note}" for note in report["notes"]),

@@ -63,6 +63,13 @@ class LlamaCpp(Engine):
         return view
 
     def refusal_fix(self, folder: ServedFolder) -> str:
+        from ..gguf_file import writable
+
+        if folder.gguf is None and not writable(folder.config.get("model_type")):
+            return (
+                "convert the HF export with llama.cpp's convert_hf_to_gguf.py; the rope keys it "
+                "writes for this family are not checked here"
+            )
         if folder.rope_type == "longrope":
             # One rope_freqs tensor for every length (llama-model.cpp: get_rope_factors).
             return (
@@ -114,10 +121,11 @@ def llamacpp_from_config(config: Any, length: int, target: int) -> EngineRoPE:
     """llama.cpp's RoPE for an HF config, through ropekit's GGUF conversion (or its refusal)."""
     from ropekit.hf.rope_config import ExportRefused
 
-    from ..gguf_file import gguf_rope
+    from ..gguf_file import check_writable, gguf_rope
 
     params = dict(config.rope_parameters)
     try:
+        check_writable(config)  # llama.cpp's own converter decides the rest: not checked here
         rope = gguf_rope(params, config, target)
     except ExportRefused as e:
         return EngineRoPE(

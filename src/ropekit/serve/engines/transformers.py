@@ -63,6 +63,15 @@ def transformers_rope(config: dict[str, Any], length: int) -> EngineRoPE:
     max_pos = int(config["max_position_embeddings"])
     if kind == "default":
         theta, af = schedules.rope(dim, base)
+    elif kind == "proportional":
+        # p-RoPE: the exponent keeps the whole head; partial_rotary_factor is the share of
+        # pairs that keep their frequency (_compute_proportional_rope_parameters).
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        share = float(p.get("partial_rotary_factor") or 1.0)
+        theta, af = schedules.rope(head_dim, base)
+        theta = schedules.proportional(
+            theta / float(p.get("factor") or 1.0), int(share * head_dim // 2)
+        )
     elif kind == "linear":
         theta, af = schedules.linear(dim, base, float(p["factor"]))
     elif kind == "dynamic":

@@ -10,6 +10,8 @@ class of each type; ``vllm/config/model.py: _get_and_verify_max_len``).
   b (s M / M_t - (s - 1))^(d/(d-2)) for every length, M = max_position_embeddings,
   M_t = rope_parameters.max_trained_positions (default M, which gives plain RoPE), and a
   cos/sin cache of M rows while M x s tokens are accepted.
+- proportional (``gemma4_rope.py: Gemma4RotaryEmbedding``, Gemma 4's p-RoPE): transformers'
+  frequencies, but ``factor`` is never read: a scaled p-RoPE is served unscaled.
 - longrope (``Phi3LongRoPEScaledRotaryEmbedding``): long factors at every length once
   max_model_len > original, short ones otherwise; cos/sin scaled by
   ``long_mscale``/``short_mscale``, default sqrt(1 + ln(M/L0)/ln L0): it never reads
@@ -63,7 +65,7 @@ class Vllm(Engine):
                 f"architecture {ARCHITECTURE} is not supported (only ropekit's plugin "
                 "registers it)",
             )  # fmt: skip
-        return self.config_rope(folder, length)
+        return _as_family_is_served(folder, self.config_rope(folder, length), length)
 
     def config_rope(self, folder: ServedFolder, length: int) -> EngineRoPE:
         """What vLLM computes from the folder's rope_parameters and length fields at
@@ -79,6 +81,11 @@ class Vllm(Engine):
         return view
 
     def refusal_fix(self, folder: ServedFolder) -> str:
+        from ropekit.hf.archs import ARCHS
+
+        arch = ARCHS.get(folder.config.get("model_type"))
+        if arch is not None and arch.vllm == "none":
+            return "serve it with transformers (or ropekit.hf), or a vLLM whose registry has it"
         from ropekit.serve.vllm_plugin import ARCHITECTURE
 
         if ARCHITECTURE not in (folder.config.get("architectures") or ()):
@@ -124,6 +131,11 @@ class Vllm(Engine):
                 "max_model_len, transformers switches by sequence length), or serve with "
                 "--max-model-len <= original_max_position_embeddings for short prompts"
             )
+        if folder.rope_type == "proportional":
+            return (
+                "none in the config: vLLM's p-RoPE reads no factor; keep factor 1 in these "
+                "layers (extend them with ropekit.hf), or serve with transformers"
+            )
         return super().frequencies_fix(folder)
 
     def attention_fix(self, folder: ServedFolder, value: float) -> str:
@@ -132,22 +144,55 @@ class Vllm(Engine):
         return super().attention_fix(folder, value)
 
 
+def _as_family_is_served(folder: ServedFolder, view: EngineRoPE, length: int) -> EngineRoPE:
+    """``view`` (get_rope's rule) as stock vLLM serves the folder's family
+    (``ropekit.hf.archs.VLLM_SERVES``): its own model file (the rule), its Transformers backend
+    (transformers' RoPE, vLLM's accepted length), or a refusal where its registry has none."""
+    from ropekit.hf.archs import ARCHS
+
+    arch = ARCHS.get(folder.config.get("model_type"))
+    if arch is None or arch.vllm == "native":
+        return view
+    registry = "vllm/model_executor/models/registry.py"
+    if arch.vllm == "none":
+        return EngineRoPE(
+            "vllm", registry, None, None, None,
+            f"vLLM 0.32's registry has no model for {arch.model_type} "
+            f"({', '.join(folder.config.get('architectures') or ()) or 'its architecture'})",
+        )  # fmt: skip
+    if view.error is not None:  # a length vLLM refuses, whichever model code runs
+        return view
+    theirs = transformers_rope(folder.config, length)
+    return dataclasses.replace(
+        view,
+        source=f"{registry}: _TRANSFORMERS_SUPPORTED_MODELS (transformers' modeling code)",
+        inv_freq=theirs.inv_freq,
+        attention_factor=theirs.attention_factor,
+        error=theirs.error,
+    )
+
+
 def vllm_max_length(
     config: dict[str, Any], tokenizer_config: dict[str, Any] | None = None
 ) -> tuple[int, str]:
     """vLLM 0.32's derived longest length and the field it came from
-    (``_get_and_verify_max_len``)."""
-    _, p = rotary_dims(config)
+    (``_get_and_verify_max_len`` with ``iter_rope_parameters``: every layer type's
+    rope_parameters, which ``inspection.layer_type_folders`` keeps as ``ropekit_rope_by_type``
+    in each type's flat config)."""
     derived, key = float(config["max_position_embeddings"]), "max_position_embeddings"
     limit = (tokenizer_config or {}).get("model_max_length")
     if isinstance(limit, (int, float)) and limit < derived:
         derived, key = float(limit), "tokenizer model_max_length"
-    kind = p.get("rope_type", "default")
-    if kind not in _VLLM_UNSCALED:
-        factor = p.get("factor")
-        derived *= float(factor) if factor is not None else 1.0
-        if factor is not None and float(factor) != 1.0:
-            key += f" x factor {float(factor):g}"
+    # One factor for the whole model, from every layer type's rope_parameters (the last
+    # type's that is not yarn-like wins; Gemma 3's length is taken as already scaled).
+    factor = 1.0
+    if "gemma3" not in str(config.get("model_type", "")):
+        for p in config.get("ropekit_rope_by_type") or [config.get("rope_parameters") or {}]:
+            if p.get("rope_type", "default") not in _VLLM_UNSCALED:
+                factor = float(p.get("factor") or factor)
+    derived *= factor
+    if factor != 1.0:
+        key += f" x factor {factor:g}"
     return int(derived), key
 
 
@@ -180,6 +225,8 @@ def vllm_rope(
         return _vllm_dynamic(*args)
     if kind == "longrope":
         return _vllm_longrope(*args)
+    if kind == "proportional":
+        return _vllm_proportional(*args)
     return EngineRoPE(
         "vllm",
         _ROTARY + "__init__.py: get_rope",
@@ -223,6 +270,21 @@ def _vllm_static(
     return EngineRoPE(
         "vllm", source, view.inv_freq, view.attention_factor, limit, notes=tuple(notes)
     )
+
+
+def _vllm_proportional(
+    config: dict, p: dict, length: int, limit: int, notes: list, served: int, dim: int
+) -> EngineRoPE:
+    """p-RoPE (gemma4_rope.py: Gemma4RotaryEmbedding): transformers' frequencies over the
+    whole head with the pairs past ``dim`` / 2 zeroed, but ``factor`` is never read (get_rope
+    passes it no scaling), so a scaled p-RoPE is served unscaled."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    theta, _ = schedules.rope(head_dim, float(p["rope_theta"]))
+    theta = schedules.proportional(theta, dim // 2)
+    if float(p.get("factor") or 1.0) != 1.0:
+        notes.append(f"ignores factor={float(p['factor']):g} (Gemma4RotaryEmbedding has none)")
+    source = _ROTARY + "gemma4_rope.py: Gemma4RotaryEmbedding"
+    return EngineRoPE("vllm", source, theta, 1.0, limit, notes=tuple(notes))
 
 
 def _vllm_dynamic(
