@@ -873,10 +873,19 @@ ROTATION_WORDS = {
 }
 
 
+# How stock vLLM serves a family (ropekit.hf.archs.VLLM_SERVES), for the table.
+VLLM_WORDS = {
+    "native": "its model file",
+    "transformers": "its Transformers backend",
+    "none": "not in its registry",
+}
+
+
 def architectures(root: Path) -> str:
     """The Hugging Face model types ropekit patches, a row per registry row
     (``ropekit.hf.archs.ARCHS``, the registry in the code, not a file: ``root`` has no say)."""
     from ropekit.hf.archs import ARCHS
+    from ropekit.serve.gguf_file import writable
 
     def remaps(arch) -> str:
         why = [f"{what} (`{field}`)" if field else what for what, field in arch.extras]
@@ -890,10 +899,15 @@ def architectures(root: Path) -> str:
             a.pairing,
             "every rotating type" if a.recipe is None else ", ".join(f"`{k}`" for k in a.recipe),
             remaps(a),
+            VLLM_WORDS[a.vllm],
+            "ropekit's writer" if writable(a.model_type) else "llama.cpp's converter",
         ]
         for a in (ARCHS[name] for name in sorted(ARCHS))
     )
-    header = ["model_type", "rotates", "pairing", "a spec covers by default", "distance remaps"]
+    header = [
+        "model_type", "rotates", "pairing", "a spec covers by default", "distance remaps",
+        "stock vLLM 0.32", "GGUF",
+    ]  # fmt: skip
     return markdown(header, rows)
 
 
