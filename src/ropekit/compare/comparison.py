@@ -113,7 +113,7 @@ class Comparison:
         if self.rounds is None:
             return jobs(*args)
         race = self.rounds
-        return jobs(*args, race.planned if planned else race.entrants, race.rule.rounds)
+        return jobs(*args, race.planned if planned else race.entrants, race.cells)
 
     def _recorded_nll(self, job: str) -> float | None:
         record = self.ledger.records.get(job)
@@ -219,7 +219,7 @@ class Comparison:
         if job.method.label not in self.finished.served:  # the first run scored says it
             served = engine_answers(backbone, self.config.target_length)
             self.finished.served[job.method.label] = served
-        config = ppl_config(self.config, self.domains[job.domain], job.round)
+        config = ppl_config(self.config, self.domains[job.domain], job.part)
         return run_perplexity(
             backbone, config, job.folder, data=job.domain, stream=self.streams[job.domain],
             spec=str(job.method.spec), command=self.command, progress=self.progress,
