@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.ropekit-installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup demo test test-slow test-serving serving-setup lint format bench mutation cuda-check docs clean
+.PHONY: setup demo test test-slow test-ray test-serving serving-setup lint format bench mutation cuda-check docs clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,12 @@ docs: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
+
+# `ropekit compare --executor ray` on a local 2-CPU Ray cluster (not part of `make test`: it
+# needs the ray extra, which it installs, and starts a cluster).
+test-ray: $(STAMP)
+	$(BIN)/python -m pip install -q 'ray>=2.60'
+	$(BIN)/python -m pytest -m ray tests/compare/test_ray.py
 
 # Mutation testing (not part of `make test`): mutmut mutates the modules named in
 # pyproject.toml's [tool.mutmut] and runs, per mutant, the selected tests that reach it; the

@@ -89,6 +89,21 @@ def test_imports_only_point_down(path):
         assert FLOOR[there] < FLOOR[here], f"{_module(path)} imports {target}: {here} -> {there}"
 
 
+def test_no_module_names_a_module_above_it():
+    """A module named as a string (``importlib.import_module(table[kind])``) is an edge the
+    import test cannot read: no file holds the name of a module of a room above its own or beside
+    it. results.py once held the owners of its record kinds so, two floors down (issue 55)."""
+    known = {_module(p) for p in FILES}
+    for path in FILES:
+        here = _room(_module(path))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in known:
+                there = _room(node.value)
+                assert there == here or FLOOR[there] < FLOOR[here], (
+                    f"{_module(path)}:{node.lineno} names {node.value!r}: {here} -> {there}"
+                )
+
+
 def test_encodings_import_nothing_else_of_ropekit():
     for path in (SRC / "encodings").rglob("*.py"):
         outside = {t for t in _imports(path) if _room(t) != "encodings"}

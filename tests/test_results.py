@@ -11,7 +11,6 @@ import importlib.metadata
 import json
 import locale
 import math
-import sys
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +19,13 @@ import pytest
 import torch
 
 from ropekit import results
+from ropekit.analysis.record import AnalysisResult
+from ropekit.compare.record import CompareResult
+from ropekit.evals.perplexity import PerplexityResult
+from ropekit.evals.probes import ProbesResult
+from ropekit.evals.runner import TasksResult
+from ropekit.report import sections
+from ropekit.report.demo_record import DemoResult
 from ropekit.results import (
     ResultError,
     check_provenance,
@@ -33,6 +39,8 @@ from ropekit.results import (
     run_metadata,
     write_result,
 )
+from ropekit.train.extend import ExtendRecord
+from ropekit.train.search import SearchRecord
 
 from .records import assert_refused
 
@@ -52,11 +60,22 @@ class _Toy:
     note: str | None = None
 
 
+# Every record class, imported by name (results.py imports none: issue 55).
+OWNERS = {
+    "analysis": AnalysisResult,
+    "compare": CompareResult,
+    "demo": DemoResult,
+    "extend": ExtendRecord,
+    "perplexity": PerplexityResult,
+    "probes": ProbesResult,
+    "search": SearchRecord,
+    "tasks": TasksResult,
+}
+
+
 def _private_registry(monkeypatch) -> None:
-    """A copy of the registry for one test. Every owner is imported first: an owner imported
-    while the copy is in place would register into the copy alone, and be lost after."""
-    for kind in results._OWNERS:
-        results.schema_of(kind)
+    """A copy of the registry for one test (every owner is imported above: one imported while
+    the copy is in place would register into the copy alone, and be lost after)."""
     monkeypatch.setattr(results, "_SCHEMAS", dict(results._SCHEMAS))
 
 
@@ -317,28 +336,32 @@ def test_register_checks_the_kind_the_migrations_and_the_class(monkeypatch):
     assert results.record_kind(_Inner) == "demo"
 
 
-def test_schema_of_imports_the_owner_of_a_kind_first(monkeypatch, tmp_path):
-    (tmp_path / "_owner_of_demo.py").write_text(
-        "import dataclasses\nfrom ropekit.results import register\n\n"
-        "@register('demo', 2)\n@dataclasses.dataclass(frozen=True)\nclass Owned:\n    a: int\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "_owner_of_demo", raising=False)  # a run before this one
+def test_a_typed_file_read_before_its_record_class_is_registered_is_refused(monkeypatch, tmp_path):
+    """results.py imports no owner: a file of a typed version whose class is not registered
+    is refused in one line naming the way to read it, never read as a dict of another layout."""
+    path = tmp_path / "demo.json"
+    write_result(path, "demo", {"status": "running"}, meta={})
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "format_version": 3}))
     _private_registry(monkeypatch)
     monkeypatch.setattr(results, "_SCHEMAS", {})
-    monkeypatch.setattr(results, "_OWNERS", {"demo": "_owner_of_demo"})
-    assert results.schema_of("demo").cls.__name__ == "Owned"
-    assert results.schema_of("schedules") is None  # untyped: no owner, no schema
+    assert results.schema_of("demo") is None
+    with pytest.raises(ResultError, match=r"demo.json is a typed 'demo' result \(format_versi"):
+        read_result(path)
     with pytest.raises(ValueError, match=r"^_Inner is not a registered result record$"):
         results.record_kind(_Inner)
 
 
 def test_every_owner_registers_its_kind():
-    for kind, module in results._OWNERS.items():
+    for kind, cls in OWNERS.items():
         schema = results.schema_of(kind)
-        assert schema is not None and schema.kind == kind and schema.cls.__module__ == module
+        assert schema is not None and schema.kind == kind and schema.cls is cls
         assert schema.version > results.FORMAT_VERSION
         assert set(range(results.FORMAT_VERSION, schema.version)) <= set(schema.migrations)
+    assert set(results._SCHEMAS) == set(OWNERS)  # every typed kind is listed here
+    # the report reads every typed kind it shows as its class, never as a dict
+    assert set(sections.RECORDS) == set(OWNERS) & set(sections.KINDS)
+    assert all(sections.RECORDS[kind] is OWNERS[kind] for kind in sections.RECORDS)
 
 
 def test_migrations_run_in_order_and_stop_at_the_current_version(monkeypatch, tmp_path):

@@ -596,6 +596,7 @@ def add_compare(p: argparse.ArgumentParser) -> None:
     from ropekit.backbone import COMPUTE_DTYPES
     from ropekit.compare import CompareConfig
     from ropekit.compare.config import RACE
+    from ropekit.compare.remote import EXECUTORS, RayOptions
 
     p.add_argument(
         "--config",
@@ -629,11 +630,27 @@ def add_compare(p: argparse.ArgumentParser) -> None:
         "other holds, takes over one whose process died, and waits for the rest at the end; "
         "without it, a folder in use by another run is refused",
     )
+    p.add_argument(
+        "--executor",
+        choices=EXECUTORS,
+        default="local",
+        help="where the jobs run: in this process (local), or as Ray tasks (ray: needs "
+        "pip install 'ropekit[ray]') on the cluster RAY_ADDRESS names, or on a local one started "
+        "for the run; --out must then be on storage every node of the cluster reads and writes",
+    )
+    p.add_argument(
+        "--job-cpus",
+        type=integer,
+        default=RayOptions.job_cpus,
+        help="with --executor ray: the CPUs each job declares to Ray (its torch threads); a "
+        "job asks for one GPU instead where the cluster has GPUs",
+    )
     p.set_defaults(func=cmd_compare, fields=fields)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from ropekit.compare import CompareConfig, from_file, plan_compare, run_compare
+    from ropekit.compare.remote import RayOptions
 
     given = {name: getattr(args, name) for name in args.fields}
     given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in given.items()}
@@ -651,7 +668,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     # --join is how a process takes part, not what the comparison is: every process records
     # the same command, so a result file is the same whichever process wrote it last
     command = " ".join(word for word in _command().split(" ") if word != "--join")
-    result = run_compare(config, args.out, command=command, progress=True)
+    ray = RayOptions(job_cpus=args.job_cpus)
+    result = run_compare(
+        config, args.out, command=command, progress=True, executor=args.executor, ray=ray
+    )
     verdict = result.verdict
     print(verdict.sentence if verdict else "no verdict: the unmodified model is not scored")
     if verdict and verdict.retrieval:

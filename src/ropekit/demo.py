@@ -10,12 +10,9 @@ The base model is ``ropekit.train.recipe``'s two-stage retrieval recipe (``BaseR
 trained once and cached; the experiments use the same recipe.
 
 Holds:
-- `DemoConfig`: every setting (the base recipe in `base`), with the presets `PRESETS`
-  (`full`, `quick`, and `tiny` for the test suite).
-- `DemoResult`: demo.json as a typed record (registered as the ``demo`` kind at `VERSION`;
-  ``_from_v2`` migrates the untyped layout): the config, and once the run is done its
-  `Outcome` (the `BaseModel` with its `BaseStage`s, one `MethodRow` with `MethodFiles` per
-  method, figures, notes, timings).
+- `PRESETS` of `DemoConfig` (`full`, `quick`, and `tiny` for the test suite).
+- `DemoConfig` and `DemoResult` (demo.json) live in ``ropekit.report.demo_record``, below this
+  module, because the report reads them; they are imported here under the same names.
 - `run_demo(out_dir, config)`: the pipeline; returns a `DemoRun` (the record, where it is and
   the report's paths).
 - `summary_table`: the terminal table; `check_data`, `claim_out_dir`.
@@ -45,8 +42,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ropekit.encodings import Spec
-from ropekit.results import register
+from ropekit.report.demo_record import (
+    VERSION as VERSION,  # re-exported: the demo.json version its callers check
+)
+from ropekit.report.demo_record import (
+    BaseModel,
+    BaseStage,
+    DemoConfig,
+    DemoResult,
+    MethodFiles,
+    MethodRow,
+    Outcome,
+)
 from ropekit.train.recipe import BaseRecipe
 
 if TYPE_CHECKING:  # imported where used: the demo's commands load what they need
@@ -57,77 +64,8 @@ if TYPE_CHECKING:  # imported where used: the demo's commands load what they nee
 
 METHODS: tuple[str, ...] = ("rope", "linear", "ntk", "yarn", "tuned-yarn", "adarope")
 DEMO_JSON = "demo.json"
-VERSION = 3  # of demo.json. 3: typed, a finished run's numbers under outcome (2: untyped)
 # What an earlier `make demo` (the schedule comparison) left in runs/demo: safe to replace.
 _OLD_DEMO_FILES = {"schedules.json", "schedules.png"}
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoConfig:
-    """Settings of one demo run. Lengths are in bytes (the byte tokenizer's tokens)."""
-
-    # The base model, its data and seed (these, and only these, key the model cache).
-    base: BaseRecipe = dataclasses.field(default_factory=BaseRecipe)
-    factor: int = 8  # extend to factor * L
-    extend_samples: int = 100  # samples of factor * L (the paper's protocol: 100)
-    extend_lr: float = 1e-2  # positional parameters' learning rate
-    length_multiples: tuple[int, ...] = (1, 2, 4, 8)  # evaluation lengths, in units of L
-    eval_windows: int = 16  # held-out windows of the longest length scored at every length
-    # kv1_shakespeare is the mixture's kv record with one fact (ropekit.evals.tasks).
-    tasks: tuple[str, ...] = ("passkey_shakespeare", "kv1_shakespeare")
-    task_samples: int = 20  # samples per task and length, needle depths spread over 0..1
-    analysis_windows: int = 4  # held-out windows for the head analysis
-    influence_windows: int = 2  # of those, used for head influence (one pass per head)
-    preset: str = "custom"  # which preset the settings came from (for the report)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "length_multiples", tuple(self.length_multiples))
-        object.__setattr__(self, "tasks", tuple(self.tasks))
-        for name in (
-            "factor", "extend_samples", "eval_windows", "task_samples", "analysis_windows",
-            "influence_windows",
-        ):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}={value!r} is not allowed; it must be an integer >= 1")
-        if self.factor < 2:
-            raise ValueError(f"factor={self.factor} is not allowed; extension needs >= 2")
-        if not self.length_multiples or any(m < 1 for m in self.length_multiples):
-            raise ValueError(
-                f"length_multiples={self.length_multiples!r} is not allowed; give integers >= 1"
-            )
-        if self.influence_windows > self.analysis_windows:
-            raise ValueError(
-                f"influence_windows={self.influence_windows} must be <= "
-                f"analysis_windows={self.analysis_windows}"
-            )
-
-    @property
-    def context(self) -> int:
-        return self.base.context
-
-    @property
-    def data(self) -> str:
-        return self.base.data
-
-    @property
-    def seed(self) -> int:
-        return self.base.seed
-
-    @property
-    def target_length(self) -> int:
-        return self.factor * self.context
-
-    @property
-    def lengths(self) -> list[int]:
-        return sorted({m * self.context for m in self.length_multiples} | {self.context})
-
-    def method_spec(self, method: str) -> Spec:
-        """The extension spec of a method; the model supplies original_length and base."""
-        if method == "rope":
-            return Spec("rope")
-        spec = Spec("adarope", (("init", "yarn"),)) if method == "adarope" else Spec(method)
-        return spec.with_options(factor=self.factor)
 
 
 PRESETS: dict[str, DemoConfig] = {
@@ -170,111 +108,6 @@ PRESETS: dict[str, DemoConfig] = {
         preset="tiny",
     ),
 }
-
-
-# ----------------------------------------------------------------------------- demo.json
-@dataclasses.dataclass(frozen=True)
-class BaseStage:
-    """One training stage of the base model (``ropekit.train.recipe``)."""
-
-    name: str  # "recall" or "mixture"
-    context: int  # bytes per sample
-    steps: int
-    batch_size: int
-    retrieval_ratio: float  # share of samples carrying a retrieval record
-
-
-@dataclasses.dataclass(frozen=True)
-class BaseModel:
-    """The base model the methods extend: where it is cached and how it was trained (from
-    its pretrain.json)."""
-
-    key: str  # its cache key (``BaseRecipe.key``)
-    path: str  # its folder in the cache
-    reused: bool  # found in the cache: this run trained nothing
-    encoding: str
-    parameters: int
-    steps: int
-    stages: tuple[BaseStage, ...]
-    final_loss: float  # nats per byte
-    elapsed_s: float
-    tokens_per_s: float
-    settings: dict[str, Any]  # ``BaseRecipe.settings()``: what keys the cache
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodFiles:
-    """A method's result files, relative to the demo folder."""
-
-    ppl: str
-    tasks: str
-    extend: str | None  # None: `rope` is not extended
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodRow:
-    """One method's numbers, copied from the files its stages wrote (``files``)."""
-
-    name: str  # one of METHODS
-    spec: str  # the encoding evaluated
-    trainable: int  # parameters the extension trained
-    extend_s: float | None  # None: not extended
-    final_loss: float | None  # of the extension; None: nothing trained
-    bpb: dict[int, float]  # length -> bits per byte on held-out text
-    tasks: dict[str, dict[int, float]]  # task -> length -> accuracy (lengths it fits only)
-    files: MethodFiles
-
-    def score(self, task: str, length: int) -> float | None:
-        """Accuracy on ``task`` at ``length``; None where the task does not fit in ``length``
-        bytes (its scores skip that length). Every method ran every task: an unknown one is a
-        KeyError, not a blank."""
-        return self.tasks[task].get(length)  # a typed map: a missing length is the answer
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """What a finished demo measured (the rest of demo.json is the config)."""
-
-    base: BaseModel
-    methods: tuple[MethodRow, ...]  # in METHODS order
-    analysis: str  # the AdaRoPE analysis.json, relative to the demo folder
-    figures: dict[str, str]  # file -> caption
-    notes: tuple[str, ...]  # plain-language readings (``_notes``)
-    timings: dict[str, float]  # stage -> wall seconds
-
-
-def _from_v2(data: dict[str, Any]) -> dict[str, Any]:
-    """The untyped layout: a finished run's numbers at the top level beside copies of the
-    config's context, target length, lengths, data, sample counts and tasks (dropped: the
-    config holds them); a running one had only its status and config."""
-    data = dict(data)
-    copies = ("context", "target_length", "lengths", "data", "extend_samples", "task_samples")
-    outcome = ("base", "methods", "analysis", "figures", "notes", "timings")
-    if data["status"] != "done":
-        return {**data, "outcome": None}
-    for key in (*copies, "tasks"):
-        del data[key]
-    data["outcome"] = {key: data.pop(key) for key in outcome}
-    return data
-
-
-@register("demo", VERSION, {2: _from_v2})
-@dataclasses.dataclass(frozen=True)
-class DemoResult:
-    """demo.json. Written when the run starts (``outcome`` None: the folder is a demo's from
-    then on) and again when it is done."""
-
-    meta: dict[str, Any]  # run_metadata
-    provenance: dict[str, Any]  # {}: the base model's cache key is in outcome.base
-    status: str  # "running" or "done"
-    config: DemoConfig
-    outcome: Outcome | None  # None until the run is done
-
-    def finished(self) -> Outcome:
-        """The outcome; ValueError naming the status when the run has not finished."""
-        if self.outcome is None:
-            raise ValueError(f"the demo has not finished (status {self.status!r})")
-        return self.outcome
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,9 @@ result is reused only when its recorded provenance equals the current one; other
 
 Typed records: a kind whose writer owns a frozen dataclass registers it here (``register``,
 with the kind's schema version and a migration from every older version that files were
-written in). ``read_record`` returns that class; readers read attributes, never nested dicts.
+written in) when its module is imported; results.py imports none of them (they sit above it),
+so a reader imports the record class it reads, and the record class sits at or below its lowest
+reader. ``read_record`` returns that class; readers read attributes, never nested dicts.
 The (de)serialization is generic, driven by the dataclass's type hints (``encode``,
 ``decode``): JSON object keys are strings, so a ``dict[int, ...]`` (lengths) or
 ``dict[float, ...]`` (learning rates) field has its keys converted here, at the boundary, and
@@ -46,7 +48,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import importlib
 import importlib.metadata
 import json
 import math
@@ -101,21 +102,11 @@ class Schema:
     migrations: Mapping[int, Migration]
 
 
+# kind -> its schema, filled by ``register`` when the record's module is imported. results.py
+# imports no owner: whoever reads a typed kind imports its record class by name (a plain import
+# the layer test sees), and a file of a typed version read before any owner registered it is
+# refused (``_migrated``), never read as a dict of another layout.
 _SCHEMAS: dict[str, Schema] = {}
-# kind -> the module that owns (defines and registers) its record class. A reader that
-# dispatches on a file's kind, or checks a folder before the writer's module is imported,
-# imports the owner by name here: the registry is complete whatever was imported first, and
-# results.py itself imports nothing above it.
-_OWNERS: dict[str, str] = {
-    "analysis": "ropekit.analysis.record",
-    "compare": "ropekit.compare.record",
-    "demo": "ropekit.demo",
-    "extend": "ropekit.train.extend",
-    "perplexity": "ropekit.evals.perplexity",
-    "probes": "ropekit.evals.probes",
-    "search": "ropekit.train.search",
-    "tasks": "ropekit.evals.runner",
-}
 
 
 def register(
@@ -142,9 +133,8 @@ def register(
 
 
 def schema_of(kind: str) -> Schema | None:
-    """The registered schema of ``kind`` (importing its owner if needed); None if untyped."""
-    if kind not in _SCHEMAS and kind in _OWNERS:
-        importlib.import_module(_OWNERS[kind])
+    """The registered schema of ``kind``; None if untyped (or its record's module is not
+    imported: ``register`` runs on import)."""
     return _SCHEMAS.get(kind)
 
 
@@ -493,6 +483,11 @@ def _migrated(data: dict[str, Any], path: Path) -> dict[str, Any]:
                 "recompute it (--overwrite)"
             ) from None
         version = data["format_version"]
+    if schema is None and isinstance(version, int) and version > FORMAT_VERSION:
+        raise ResultError(
+            f"{path} is a typed {data['kind']!r} result (format_version {version}) read before "
+            "its record class was imported; read it with read_record(path, <its class>)"
+        )
     if version != current:
         raise ResultError(
             f"{path} has format_version={version!r}; this ropekit reads {current}: recompute "

@@ -64,28 +64,27 @@ def test_the_plan_of_a_race_says_so_and_counts_the_most_it_can_run(base, tmp_pat
     assert main([*_argv(base / "base", tmp_path / "out"), "--plan-only"]) == 0
     line = capsys.readouterr().out
     assert "6 probe prefills" in line and "3 scored models" in line
-    assert "raced in 3 rounds (at most the above" in line
+    assert "raced in 6 rounds (at most the above" in line  # 3 spans x 2 domains
 
 
 def test_a_collapsed_method_stops_after_round_one_and_is_never_probed(raced):
     out = raced / "on"
     data = _record(out)
-    assert data.race is not None and (data.race.rounds, data.race.decided) == (3, 3)
+    assert data.race is not None and (data.race.rounds, data.race.decided) == (6, 6)
     assert set(data.race.stops) == {COLLAPSED}
     stop = data.race.stops[COLLAPSED]
     assert stop.round == 1 and stop.reason == "collapsed"
-    # its score so far is its one window per domain at N, the last quarter's mean NLL
-    windows = [
-        w for d in data.domains for w in data.table[COLLAPSED][d][128].last_quarter_windows[0]
-    ]
-    assert len(windows) == 2 and stop.score == pytest.approx(sum(windows) / 2)
+    # its score so far is round 1's one window (of the first domain) at N, the last quarter's
+    # mean NLL: one window is all it cost
+    assert set(data.table[COLLAPSED]) == {"shakespeare"}
+    windows = data.table[COLLAPSED]["shakespeare"][128].last_quarter_windows[0]
+    assert len(windows) == 1 and stop.score == pytest.approx(windows[0])
     folder = out / "eval" / "sinusoidal-scale30" / "s0"
-    assert sorted(p.name for p in folder.glob("*/*")) == ["round-1", "round-1"]
+    assert [p.relative_to(folder).as_posix() for p in folder.glob("*/*")] == ["shakespeare/round-1"]
     assert not (folder / "probes").exists() and COLLAPSED not in data.retrieval
     jobs = [t.job for t in data.times]
     assert [j for j in jobs if "sinusoidal" in j and j.startswith("eval")] == [
         "eval eval/sinusoidal-scale30/s0/shakespeare/round-1",
-        "eval eval/sinusoidal-scale30/s0/kjv/round-1",
     ]
     assert sum(j.startswith("probes") for j in jobs) == 2  # the two that finished the race
     assert data.verdict is not None and COLLAPSED not in data.verdict.scores
@@ -129,7 +128,8 @@ def test_the_methods_that_finish_the_race_have_the_numbers_of_the_exhaustive_run
 
 def test_a_race_killed_mid_round_resumes_recomputing_nothing(raced, tmp_path, monkeypatch):
     """Killed at its first round-2 job, the rerun scores no window of round 1 again, decides
-    the same stops and ends with the uninterrupted race's numbers."""
+    the same stops and ends with the uninterrupted race's numbers (round r: span (r - 1) // 2
+    of shakespeare, then of kjv)."""
     out = tmp_path / "out"
     real_score = compare_run.RUNNERS["perplexity"]
 
@@ -145,7 +145,7 @@ def test_a_race_killed_mid_round_resumes_recomputing_nothing(raced, tmp_path, mo
         assert main(_argv(raced / "base", out)) != 0
         monkeypatch.undo()
         round_1 = {p: p.read_bytes() for p in out.glob("eval/**/round-1/ppl.json")}
-        assert len(round_1) == 3 * 2 and not list(out.glob("eval/**/round-2/ppl.json"))
+        assert len(round_1) == 3 and not list(out.glob("eval/**/round-2/ppl.json"))
         parts = []
         real_evaluate = perplexity.evaluate_perplexity
 
@@ -157,7 +157,9 @@ def test_a_race_killed_mid_round_resumes_recomputing_nothing(raced, tmp_path, mo
         assert main(_argv(raced / "base", out)) == 0
     finally:
         torch.set_num_threads(threads)
-    assert sorted(parts) == [1] * 4 + [2] * 4  # rope and yarn, two domains, rounds 2 and 3
+    # rope and yarn (the collapsed method stopped in round 1): kjv's span 0 (round 2), then
+    # spans 1 and 2 of both domains (rounds 3 to 6)
+    assert sorted(parts) == [0] * 2 + [1] * 4 + [2] * 4
     assert {p: p.read_bytes() for p in round_1} == round_1
     again, first = _record(out), _record(raced / "on")
     assert again.race == first.race and again.table == first.table

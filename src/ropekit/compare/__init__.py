@@ -8,8 +8,12 @@ and judged by one stated rule with its uncertainty.
 - ``config``: ``CompareConfig`` (the question), ``from_file``.
 - ``plan``: the methods resolved once, the one list of jobs (``jobs``) and their cost.
 - ``ledger``: ``Ledger``, jobs claimed, timed and reused in a folder shared by processes.
-- ``run``: ``run_compare`` (the plan run through the ledger), ``plan_compare``
-  (what a run would do, and the compute it would take, without running it).
+- ``comparison``: ``Comparison``, one comparison as the runner holds it, and the runners of
+  each kind of job.
+- ``run``: ``run_compare`` (the plan run through the ledger, in this process or as Ray
+  tasks), ``plan_compare`` (what a run would do, and the compute it would take, without
+  running it).
+- ``remote``: the jobs as Ray tasks (``--executor ray``, the ``ropekit[ray]`` extra).
 - ``assemble``: finished jobs into compare.json and the report.
 - ``verdict``: the statistics and the recommendation (pure functions).
 - ``report``: report.md and report.html from compare.json.

@@ -76,7 +76,7 @@ class CompareConfig:
     min_difference: float = 0.005
     seed: int = 0  # picks the evaluation spans and the retrieval haystacks and needles
     dtype: str = "float32"  # the compute dtype every method is scored in (training: float32)
-    # on: score the windows in rounds (span r of every domain in round r) and stop spending
+    # on: score the windows in rounds (one window at N of one domain a round) and stop spending
     # perplexity and probes on a method once it is resolvably out of the verdict's reach
     # (collapsed, over the margin at L0, or behind the leader: ropekit.compare.race); off:
     # score every window of every method (a comparison that needs every contrast)

@@ -9,8 +9,9 @@ one list of names:
 - ``selection`` ``select <label> lr <lr>``: a trained method's candidate rate scored on unseen
   training-split samples at the first seed (only where there are several rates);
 - ``perplexity`` ``eval eval/<label>/s<seed>/<domain>``: one run on one held-out domain;
-  raced (``CompareConfig.race``), ``eval eval/<label>/s<seed>/<domain>/round-<r>``: its span r,
-  planned only for the methods still in the race after round r - 1 (`rounds.Rounds`);
+  raced (``CompareConfig.race``), ``eval eval/<label>/s<seed>/<domain>/round-<r>``: round r's
+  window (`race_cells`: one span of one domain), planned only for the methods still in the
+  race after round r - 1 (`rounds.Rounds`);
 - ``probes``    ``probes eval/<label>/s<seed>/probes``: one run's retrieval probes.
 
 A trained method's later seeds run at the rate its selections choose; until they have chosen,
@@ -22,7 +23,7 @@ selection's forwards, a perplexity's windows (those read in a longer window's re
 nothing, except for an encoding that follows the length) and the probes' prefills (less the
 filler a later haystack keeps).
 
-Holds: BASELINE, KINDS, ResolvedMethod, resolve_methods, Job, jobs, selection_key,
+Holds: BASELINE, KINDS, ResolvedMethod, resolve_methods, Job, jobs, race_cells, selection_key,
 chosen_rates, ppl_config, CostModel, run_folder, eval_folder, slug.
 """
 
@@ -108,7 +109,8 @@ class Job:
     folder: Path | None  # where its result is written (None: a selection)
     domain: str | None = None  # perplexity: the held-out domain
     after: tuple[str, ...] = ()  # the jobs whose results it needs
-    round: int | None = None  # a raced perplexity: its round (span round - 1 of the domain)
+    round: int | None = None  # a raced perplexity: its round
+    part: int | None = None  # a raced perplexity: the span of the domain it scores (0-based)
 
     @property
     def result(self) -> Path | None:
@@ -128,7 +130,7 @@ def jobs(
     chosen: Mapping[str, float],
     probed: bool,
     entrants: Callable[[int], Collection[str] | None] | None = None,
-    rounds: int = 0,
+    cells: Sequence[tuple[int, str]] = (),
 ) -> Iterator[Job]:
     """Every job of the comparison, cheapest stage first (the module docstring): the methods
     that train nothing, attached and scored; the trained ones, their rate chosen, each seed
@@ -136,8 +138,9 @@ def jobs(
     each held-out domain is scored at (none: not scored there); ``chosen``: each trained
     method's chosen rate, read as the jobs are generated, so a runner that fills it in as
     selections finish gets the later seeds at that rate. A raced comparison (``entrants``:
-    the methods in round r, None while undecided) scores in ``rounds`` rounds after every
-    run (`_raced`), and probes only the methods that finished the race."""
+    the methods in round r, None while undecided) scores its rounds (``cells``: round r + 1
+    scores span ``cells[r][0]`` of domain ``cells[r][1]``) after every run (`_raced`), and
+    probes only the methods that finished the race."""
     out = Path(out)
 
     def training(m: ResolvedMethod, seed: int, lr: float, after: tuple[str, ...] = ()) -> Job:
@@ -179,7 +182,7 @@ def jobs(
             yield from scored(m, run)
     left: Collection[str] | None = [m.label for m in methods]
     if entrants is not None:
-        left = yield from _raced(out, methods, runs, domains, entrants, rounds)
+        left = yield from _raced(out, methods, runs, entrants, cells)
     if probed and left is not None:
         for m in (m for m in methods if m.label in left):
             for run in runs[m.label][: len(config.probed_seeds(m.trained))]:
@@ -189,34 +192,42 @@ def jobs(
                 yield Job("probes", name, m, run.seed, run.lr, folder, after=after)
 
 
+def race_cells(spans: int, domains: Sequence[str]) -> tuple[tuple[int, str], ...]:
+    """The rounds of a raced comparison: round r + 1 scores ``cells[r]`` = (span, domain), one
+    window at N of one domain, span by span and each span over every domain in order. A round
+    per window rather than per span: a method that is out is seen so after its first window
+    (collapsed, or behind by more than its blocks' error allows), and it stops having cost one
+    window of one domain, not one of each (experiment E: 28% of its compute against 50%,
+    experiments/smollm2_32k/race.md)."""
+    return tuple((span, domain) for span in range(spans) for domain in domains)
+
+
 def _raced(
     out: Path,
     methods: Sequence[ResolvedMethod],
     runs: Mapping[str, Sequence[Job]],
-    domains: Mapping[str, tuple[int, ...]],
     entrants: Callable[[int], Collection[str] | None],
-    rounds: int,
+    cells: Sequence[tuple[int, str]],
 ) -> Generator[Job, None, Collection[str] | None]:
-    """The perplexity jobs of a raced comparison, round by round: span r of every domain at
-    every run of each method in round r, each after every job of the round before (the
-    race decides on all of them); returns the methods that finished the race (None: a round
-    is not decided yet, and nothing after it is planned)."""
+    """The perplexity jobs of a raced comparison, round by round: round r's window
+    (``cells[r - 1]``) at every run of each method in round r, each after every job of the
+    round before (the race decides on all of them); returns the methods that finished the
+    race (None: a round is not decided yet, and nothing after it is planned)."""
     before: tuple[str, ...] = ()
-    for r in range(1, rounds + 1):
+    for r, (span, domain) in enumerate(cells, 1):
         scored = entrants(r)
         if scored is None:
             return None
         names = []
         for m in (m for m in methods if m.label in scored):
             for run in runs[m.label]:
-                for domain in (d for d, lengths in domains.items() if lengths):
-                    folder = eval_folder(out, m.label, run.seed, domain) / f"round-{r}"
-                    name, after = _named("perplexity", out, folder), (run.name, *run.after)
-                    names.append(name)
-                    yield Job("perplexity", name, m, run.seed, run.lr, folder, domain,
-                              (*after, *before), r)  # fmt: skip
+                folder = eval_folder(out, m.label, run.seed, domain) / f"round-{r}"
+                name, after = _named("perplexity", out, folder), (run.name, *run.after)
+                names.append(name)
+                yield Job("perplexity", name, m, run.seed, run.lr, folder, domain,
+                          (*after, *before), r, span)  # fmt: skip
         before = tuple(names)
-    return entrants(rounds + 1)
+    return entrants(len(cells) + 1)
 
 
 def selection_key(config: CompareConfig, method: ResolvedMethod, lr: float) -> str:
@@ -251,14 +262,14 @@ def chosen_rates(
 
 
 def ppl_config(
-    config: CompareConfig, lengths: tuple[int, ...], round: int | None = None
+    config: CompareConfig, lengths: tuple[int, ...], part: int | None = None
 ) -> PerplexityConfig:
     """The perplexity every model is scored with on a domain held at ``lengths``: the same
-    spans x N targets at every length, the same windows for every method; a raced
-    ``round``, span round - 1 of them."""
+    spans x N targets at every length, the same windows for every method; a raced round's
+    ``part``, that span of them."""
     return PerplexityConfig(
         lengths, n_tokens=config.spans * config.target_length, seed=config.seed,
-        single_documents=config.single_documents, part=None if round is None else round - 1,
+        single_documents=config.single_documents, part=part,
     )  # fmt: skip
 
 
@@ -287,7 +298,7 @@ class CostModel:
             return c.selection_samples * seconds(c.target_length)
         if job.kind == "perplexity":
             assert job.domain is not None
-            ppl = ppl_config(c, self.domains[job.domain], job.round)
+            ppl = ppl_config(c, self.domains[job.domain], job.part)
             read = windows_read(ppl, not job.method.dynamic)
             return sum(k * seconds(n) for n, k in read.items())
         return sum(  # probes: each length's first prefill, then what a later one adds

@@ -6,8 +6,11 @@ first 32k window, several others were resolvably behind after a few). Racing, as
 do it (successive halving, Ray Tune's ASHA), scores the windows in rounds and stops a method
 when the numbers so far already say it is out, with the rule stated:
 
-- **Rounds.** Round r holds span r of every held-out domain (one window at N per domain), at
-  every seed of a trained method; K = the spans per domain rounds are planned.
+- **Rounds.** Round r holds one window at N of one held-out domain (``plan.race_cells``: span
+  1 of each domain in turn, then span 2, ...), at every seed of a trained method; K = spans x
+  domains rounds are planned. A round per window, not per span of every domain: a method that
+  is out is resolvably so after its first window (collapsed, or behind by more than the error
+  of that window's blocks allows), and then it has cost one window, not one per domain.
 - **Leader.** After each round, the method with the lowest score so far (the verdict's score:
   last-quarter NLL at N over the windows scored) among those whose cost at L0 so far is
   within the margin (the verdict's eligibility, on the windows so far).

@@ -32,10 +32,10 @@ from ropekit.encodings import PositionEncoding
 from ropekit.results import read_record, write_result
 from ropekit.train.extend import resolve_method
 
+from .assemble import COMPARE_JSON, engine_answers
 from .config import CompareConfig
 from .record import CompareResult, EngineAnswer, Method
 from .report import write_report
-from .run import COMPARE_JSON, engine_answers
 from .verdict import per_engine
 
 

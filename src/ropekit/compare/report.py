@@ -405,7 +405,7 @@ def _race_table(data: CompareResult) -> list[Block]:
 
 
 def _time_table(data: CompareResult) -> list[Block]:
-    """Each job's wall time (times.jsonl, ``compare.run._Comparison._timed``) and their sum."""
+    """Each job's wall time (times.jsonl, ``compare.ledger.Ledger``) and their sum."""
     rows = [[t.job, f"{t.seconds / 60:.1f} min"] for t in data.times]
     total = sum(t.seconds for t in data.times) / 3600
     caption = f"On {data.meta['machine']}; {len(rows)} jobs, {total:.1f} h in all."

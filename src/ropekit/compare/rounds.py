@@ -1,8 +1,9 @@
 """A raced comparison's rounds: what each method scored in each round, and the race on them.
 
-With ``CompareConfig.race`` on, round r scores span r of every held-out domain (its
-``ppl.json`` in ``eval/<label>/s<seed>/<domain>/round-<r>/``, `PerplexityConfig.part`), at
-every seed, for the methods still in. Once every method in round r has its round, the stopping
+With ``CompareConfig.race`` on, round r scores one window at N of one held-out domain
+(`plan.race_cells`: span by span, each span over every domain; its ``ppl.json`` in
+``eval/<label>/s<seed>/<domain>/round-<r>/``, `PerplexityConfig.part`), at every seed, for the
+methods still in. Once every method in round r has its round, the stopping
 rule (`race.race`, over rounds 1..r) decides who goes on; the plan (`plan.jobs`) reads
 ``entrants`` to yield the next round's jobs, and the probes of those who finished the race.
 A method's numbers so far are its rounds joined (`joined`): the windows and numbers a whole
@@ -24,7 +25,7 @@ from ropekit.evals.perplexity import LengthScore
 
 from .assemble import Scores, length_entries
 from .config import CompareConfig
-from .plan import BASELINE, ResolvedMethod
+from .plan import BASELINE, ResolvedMethod, race_cells
 from .race import RaceRule, race
 from .record import Race, Stop
 
@@ -32,10 +33,11 @@ from .record import Race, Stop
 def race_rule(
     config: CompareConfig, domains: Mapping[str, tuple[int, ...]], trained_at: int
 ) -> RaceRule:
-    """The rule a comparison of ``config`` races by, its rounds the spans per domain; a
-    domain whose windows do not come in spans of N tokens (lengths without N, the rule's
-    score, or one that does not divide it) refused in one line naming it. Without L0 among
-    the lengths no cost is known, and no method is stopped as over the margin."""
+    """The rule a comparison of ``config`` races by, its rounds the windows at N (spans x
+    scored domains: `plan.race_cells`); a domain whose windows do not come in spans of N
+    tokens (lengths without N, the rule's score, or one that does not divide it) refused in
+    one line naming it. Without L0 among the lengths no cost is known, and no method is
+    stopped as over the margin."""
     n = config.target_length
     for domain, lengths in domains.items():
         if lengths and (n not in lengths or math.lcm(*lengths) != n):
@@ -44,7 +46,8 @@ def race_rule(
                 f"racing needs N={n} among a domain's lengths, each dividing N (its rounds "
                 "are its spans of N tokens); use --race off"
             )
-    return RaceRule(config.spans, config.margin, config.min_difference)
+    scored = [d for d, lengths in domains.items() if lengths]
+    return RaceRule(config.spans * len(scored), config.margin, config.min_difference)
 
 
 class Rounds:
@@ -55,10 +58,11 @@ class Rounds:
         rule: RaceRule,
         baseline: str,
         seeds: Mapping[str, tuple[int, ...]],
-        domains: Sequence[str],
+        cells: Sequence[tuple[int, str]],
         lengths: tuple[int, int],
     ) -> None:
-        self.rule, self.baseline, self.seeds, self.domains = rule, baseline, seeds, domains
+        self.rule, self.baseline, self.seeds, self.cells = rule, baseline, seeds, tuple(cells)
+        self.domains = list(dict.fromkeys(d for _, d in cells))  # scored, in order
         self.trained_at, self.target = lengths
         self.results: dict[str, dict[int, dict[int, Scores]]] = {}  # label, round, seed, domain
         self.stops: dict[str, Stop] = {}
@@ -78,7 +82,8 @@ class Rounds:
         seeds = {m.label: config.seeds if m.trained else (0,) for m in methods}
         baseline = next(m.label for m in methods if m.spec == BASELINE)
         scored = [d for d, lengths in domains.items() if lengths]
-        return cls(rule, baseline, seeds, scored, (trained_at, config.target_length))
+        cells = race_cells(config.spans, scored)
+        return cls(rule, baseline, seeds, cells, (trained_at, config.target_length))
 
     def entrants(self, r: int) -> set[str] | None:
         """The methods scored in round ``r`` (r = rounds + 1: those who finished the race);
@@ -99,7 +104,7 @@ class Rounds:
         by_seed = self.results.setdefault(label, {}).setdefault(r, {})
         by_seed.setdefault(seed, {})[domain] = result
         before = self.decided
-        while self._complete(self.decided + 1):  # parts may finish out of order (--join)
+        while self._complete(self.decided + 1):  # rounds may finish out of order (--join)
             self.decided += 1
             self.stops = race(
                 list(self.seeds), self.baseline, self.target, self.rule, self._table,
@@ -111,43 +116,39 @@ class Rounds:
         entrants = self.entrants(r)
         if entrants is None or r > self.rule.rounds:
             return False
-        return all(
-            len(self.results.get(m, {}).get(r, {}).get(s, {})) == len(self.domains)
-            for m in entrants
-            for s in self.seeds[m]
-        )
+        return all(s in self.results.get(m, {}).get(r, {}) for m in entrants for s in self.seeds[m])
 
     def scores(self, label: str, rounds: int | None = None) -> dict[int, Scores]:
-        """seed -> domain -> ``label``'s rounds 1..``rounds`` (None: every decided round it
-        was scored in) joined."""
+        """seed -> domain -> ``label``'s windows of rounds 1..``rounds`` (None: every decided
+        round it was scored in) joined, for the domains it has a window of."""
         mine = self.results.get(label, {})
         last = min(self.decided if rounds is None else rounds, max(mine, default=0))
         return {
-            s: {d: joined([mine[r][s][d] for r in range(1, last + 1)]) for d in self.domains}
+            s: {
+                d: joined([mine[r][s][d] for r in range(1, last + 1) if self.cells[r - 1][1] == d])
+                for d in {domain for _, domain in self.cells[:last]}
+            }
             for s in self.seeds[label]
         }
 
     def _table(self, r: int) -> dict:
         """The table of rounds 1..r of the methods scored in round r (race.race's view)."""
         entrants = self.entrants(r) or set()
+        domains = [d for d in self.domains if d in {domain for _, domain in self.cells[:r]}]
         return {
-            m: {
-                d: length_entries([by[d] for by in self.scores(m, r).values()])
-                for d in self.domains
-            }
+            m: {d: length_entries([by[d] for by in self.scores(m, r).values()]) for d in domains}
             for m in self.seeds
             if m in entrants
         }
 
     def _l0(self, r: int) -> dict[str, list[float]]:
-        """label -> its whole-window NLL at L0 per round and domain of rounds 1..r, seeds
-        averaged (the methods scored in round r)."""
+        """label -> its whole-window NLL at L0 per round of rounds 1..r, seeds averaged (the
+        methods scored in round r)."""
         out = {}
         for m in self.entrants(r) or set():
             rows = [
                 [_row(self.results[m][k][s][d], self.trained_at) for s in self.seeds[m]]
-                for k in range(1, r + 1)
-                for d in self.domains
+                for k, (_, d) in enumerate(self.cells[:r], 1)
             ]
             out[m] = [statistics.fmean(x.nll for x in seeds) for seeds in rows if seeds[0]]
         return out
