@@ -254,11 +254,12 @@ def _retrieval_table(data: CompareResult, out: Path) -> list[Block]:
         }
         bins = sorted({key for by_bin in cells.values() for key in by_bin})
         columns = {(low, high): f"({low:,}, {high:,}]" for low, high in bins}
+        lengths = " and ".join(f"{n:,}" for n in settings.lengths)
         what = (
             f"per needle distance bin (tokens from the needle to the question, (low, high]): "
             f"task {settings.task}, {settings.needles} needle(s) (K) near the start of each "
-            f"of {settings.haystacks} haystacks (H) of {list(settings.lengths)} tokens per "
-            "run, each needle asked once from its own cut point"
+            f"of {settings.haystacks} haystacks (H) of {lengths} tokens per run, each needle "
+            "asked once from its own cut point"
         )
     labels = [m.label for m in data.methods if m.label in cells]
 
@@ -328,8 +329,8 @@ def _reach(data: CompareResult, labels: list[str], out: Path) -> list[Block]:
         "The reach: the farthest distance (tokens) up to which every distance bin, from the "
         f"nearest on, scores at least {reached.accuracy if reached else '-'} (point "
         "accuracies: as noisy as the bins above). Past the trained length: the probes of "
-        f"every bin from {past_from if past_from is not None else '-'} tokens on (the first "
-        f"bin edge at or past {data.trained_at}), pooled, each probe once."
+        f"every bin from {'-' if past_from is None else f'{past_from:,}'} tokens on (the "
+        f"first bin edge at or past {data.trained_at:,}), pooled, each probe once."
     )
     header = ["method", "reach (tokens)", f"past {data.trained_at:,} tokens"]
     figure = plot_accuracy_vs_distance(
