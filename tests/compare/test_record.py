@@ -47,6 +47,28 @@ def test_every_committed_comparison_reads_as_a_compare_result(path):
     assert record.verdict.sentence in text
 
 
+def test_a_comparison_written_before_distances_keeps_its_table_and_says_what_it_measured(
+    tmp_path,
+):
+    """Experiment E's compare.json (format version 5) probed one needle at depth 0.5 of each
+    haystack: it reads with its retrieval as written, per haystack length, and none by
+    distance; its report says a length there was not the needle's distance; written again at
+    this version, the table stays."""
+    record = read_record(RUNNING, CompareResult)
+    written = json.loads(RUNNING.read_text())["retrieval"]
+    assert record.retrieval == {} and set(record.length_retrieval) == set(written)
+    for label, by_length in written.items():
+        kept = record.length_retrieval[label]
+        assert {n: (e.correct, e.n) for n, e in kept.items()} == {
+            int(n): (e["correct"], e["n"]) for n, e in by_length.items()
+        }
+    text = to_markdown(report_blocks(record, tmp_path), tmp_path)
+    assert "| method | @16384 | @32768 |" in text
+    assert "(depth 0.5: about n / 2), so @n is not a distance of n" in text
+    again = read_record(write_result(tmp_path / "compare.json", "compare", record), CompareResult)
+    assert again.length_retrieval == record.length_retrieval
+
+
 def test_the_report_of_a_finished_comparison_is_the_committed_one_byte_for_byte(tmp_path):
     """The untyped layout (format_version 2, without held_out, blocks or collapsed) migrated
     and reported from attributes gives the report the dict reader wrote."""
@@ -149,7 +171,8 @@ def test_the_oldest_untyped_layout_reads_as_its_readers_took_it(tmp_path, counte
     """A format_version 2 file without any field later writers added (held_out, skipped,
     single_documents, probes, served, the blocks, the curves, collapsed, the verdict's
     retrieval note, the block errors, beyond_margin, the distractor counts) reads with the
-    value its readers assumed when it was absent; retrieval keys become int lengths."""
+    value its readers assumed when it was absent; retrieval keys become int lengths (kept per
+    length: they predate distances)."""
     data = json.loads(FINISHED.read_text())
     for key in ("held_out", "skipped", "single_documents", "probes", "served"):
         data.pop(key, None)
@@ -178,7 +201,8 @@ def test_the_oldest_untyped_layout_reads_as_its_readers_took_it(tmp_path, counte
         for rows in domains.values():
             for entry in rows.values():
                 assert entry.last_quarter_blocks == entry.position_nll == (None,) * len(entry.ppl)
-    pooled = record.retrieval[record.baseline][1024]
+    assert record.retrieval == {}
+    pooled = record.length_retrieval[record.baseline][1024]
     assert (pooled.correct, pooled.n, pooled.per_seed[0].seed) == (3, 4, 0)
     assert pooled.per_seed[0].other_needle == (1 if counted else None)
     text = to_markdown(report_blocks(record, tmp_path), tmp_path)

@@ -1,6 +1,7 @@
 """The comparison's report, from a committed compare.json with a few fields changed: retrieval
-counts answers naming another needle; a collapsed method does not flatten the perplexity
-figures."""
+by needle distance counts answers naming another needle; a comparison written before
+distances keeps its per-length table, saying what it measured; a collapsed method does not
+flatten the perplexity figures."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from ropekit.compare.record import (
     CompareResult,
     Method,
     ProbeSettings,
-    SeedAccuracy,
+    SeedBin,
     Stat,
     SummaryEntry,
 )
-from ropekit.compare.verdict import pooled_retrieval
+from ropekit.compare.verdict import method_retrieval, pooled_bin
 from ropekit.evals.intervals import accuracy_entry
 from ropekit.evals.probes import Accuracy
 from ropekit.results import read_record
@@ -23,38 +24,47 @@ from ropekit.results import read_record
 # The base the unit tests change a few fields of: experiment D's out-of-domain comparison as
 # first committed (format version 2; its serving answers predate the vLLM plugin's remaps).
 COMMITTED = Path(__file__).resolve().parent / "data/ood_v2/compare.json"
+EDGES = (0, 16, 32, 48, 64)  # distance bins of probes at 64 tokens, trained at 32
 
 
-def test_the_report_counts_answers_that_name_another_needle_when_a_haystack_holds_several():
+def _binned(*seeds: SeedBin) -> object:
+    """One method's retrieval: its seeds' probes, all in the bin (32, 48]."""
+    return method_retrieval([pooled_bin(seeds, 32, 48)], EDGES, 0.8, trained_at=32)
+
+
+def test_the_report_counts_answers_that_name_another_needle_when_a_haystack_holds_several(
+    tmp_path,
+):
     from ropekit.compare.report import _retrieval_table
 
-    seed = SeedAccuracy(
+    seed = SeedBin(
         correct=1, n=10, accuracy=0.1, low=0.0, high=0.4, confidence=0.95, other_needle=8,
-        nearest_needle=7, length=64, seed=0, substring=None,
+        nearest_needle=7, seed=0, substring=None, mean_distance=40.0,
     )  # fmt: skip
     data = dataclasses.replace(
         read_record(COMMITTED, CompareResult),
         methods=(Method("rope", "rope", False, "rope"),),
         probes=ProbeSettings(lengths=(64,), needles=5, haystacks=2, task="t", probes_per_run=10),
-        retrieval={"rope": {64: pooled_retrieval([seed])}},
+        retrieval={"rope": _binned(seed)},
     )
-    blocks = _retrieval_table(data)
+    blocks = _retrieval_table(data, tmp_path)
+    assert blocks[1].rows == [["rope", "0.10 [0.02, 0.40] (1/10)"]]  # one column: (32, 48]
     assert blocks[-1].rows == [["rope", "8 of 9 (7)"]]
     assert "probe_needles=1" in blocks[-1].caption
     one = dataclasses.replace(data, probes=dataclasses.replace(data.probes, needles=1))
-    assert len(_retrieval_table(one)) == 2  # the heading and the accuracies only
+    assert len(_retrieval_table(one, tmp_path)) == 4  # heading, accuracies, reach, figure
 
 
-def test_the_report_shows_the_substring_rule_where_it_differs_from_exact_match():
+def test_the_report_shows_the_substring_rule_where_it_differs_from_exact_match(tmp_path):
     """YaRN x4 at 32k in experiment E: 3/5 exact, 4/5 by RULER's rule ("7432144.0000"). The
     second table appears only where the rules differ somewhere; '?' where it was not counted."""
     from ropekit.compare.report import _retrieval_table
 
-    def seed(correct: int, substring: int | None, label_seed: int = 0) -> SeedAccuracy:
+    def seed(correct: int, substring: int | None, label_seed: int = 0) -> SeedBin:
         exact, by_rule = (accuracy_entry(k, 5) if k is not None else None
                           for k in (correct, substring))  # fmt: skip
-        return SeedAccuracy(
-            **exact, other_needle=0, nearest_needle=0, length=64, seed=label_seed,
+        return SeedBin(
+            **exact, other_needle=0, nearest_needle=0, seed=label_seed, mean_distance=40.0,
             substring=by_rule and Accuracy(**by_rule),
         )  # fmt: skip
 
@@ -62,14 +72,13 @@ def test_the_report_shows_the_substring_rule_where_it_differs_from_exact_match()
         read_record(COMMITTED, CompareResult),
         methods=(Method("rope", "rope", False, "rope"), Method("yarn", "yarn", False, "yarn")),
         probes=ProbeSettings(lengths=(64,), needles=1, haystacks=5, task="t", probes_per_run=5),
-        retrieval={"rope": {64: pooled_retrieval([seed(0, None)])},
-                   "yarn": {64: pooled_retrieval([seed(3, 4)])}},
-    )  # fmt: skip
-    blocks = _retrieval_table(data)
-    assert len(blocks) == 3 and "substring rule" in blocks[-1].caption
+        retrieval={"rope": _binned(seed(0, None)), "yarn": _binned(seed(3, 4))},
+    )
+    blocks = _retrieval_table(data, tmp_path)
+    assert len(blocks) == 5 and "substring rule" in blocks[-1].caption
     assert blocks[-1].rows == [["rope", "?"], ["yarn", "0.80 [0.38, 0.96] (4/5)"]]
-    same = {"yarn": {64: pooled_retrieval([seed(3, 3)])}}
-    assert len(_retrieval_table(dataclasses.replace(data, retrieval=same))) == 2
+    same = {"yarn": _binned(seed(3, 3))}
+    assert len(_retrieval_table(dataclasses.replace(data, retrieval=same), tmp_path)) == 4
 
 
 def test_a_collapsed_method_does_not_flatten_the_perplexity_figures(tmp_path):

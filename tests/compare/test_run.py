@@ -5,6 +5,7 @@ config: test_config.py; its report: test_report.py.)"""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -104,35 +105,56 @@ def test_compare_trains_scores_and_judges_every_method(compared):
     assert "| engine | best it serves |" in report and "| llama.cpp | none |" in report
 
 
-def test_compare_probes_every_run_and_pools_seeds(compared):
+def test_compare_probes_every_run_and_pools_seeds_per_distance(compared):
+    """compare.json's retrieval is per needle distance bin, not per haystack length: each bin
+    pools the seeds' probes (correct and n summed, one Wilson interval; every probe in one
+    bin), each method has its reach and its probes past L0 pooled, and the report's table is
+    by bin, with the accuracy-vs-distance figure and the verdict's note past L0."""
     root, _ = compared
     data = json.loads((root / "out" / "compare.json").read_text())
     assert data["probes"]["lengths"] == [96, 128] and data["probes"]["probes_per_run"] == 3
     retrieval = data["retrieval"]
     assert list(retrieval) == ["rope (unmodified)", "yarn", "adarope"]
-    for label, by_length in retrieval.items():
-        assert set(by_length) == {"96", "128"}
+    assert data["length_retrieval"] == {}
+    edges = probes.ProbeConfig((96, 128)).bin_edges  # 8 bins of 16 tokens up to 128
+    for label, method in retrieval.items():
         seeds = 2 if label == "adarope" else 1
-        for entry in by_length.values():
-            assert entry["n"] == 3 * seeds and len(entry["per_seed"]) == seeds
-            assert entry["correct"] == sum(e["correct"] for e in entry["per_seed"])
-            for key in ("other_needle", "nearest_needle"):  # pooled like the probes
-                assert entry[key] == sum(e[key] for e in entry["per_seed"])
-            assert entry["nearest_needle"] <= entry["other_needle"] <= entry["n"] - entry["correct"]
-            assert (entry["low"], entry["high"]) == wilson_interval(entry["correct"], entry["n"])
-    for seed in (0, 1):  # every seed of the trained method probes into its own folder
+        bins = method["by_distance"]
+        assert sum(b["n"] for b in bins) == 6 * seeds  # 3 haystacks x 2 lengths, each once
+        for b in bins:
+            assert b["n"] == sum(e["n"] for e in b["per_seed"]) and len(b["per_seed"]) <= seeds
+            assert b["correct"] == sum(e["correct"] for e in b["per_seed"])
+            assert (b["low"], b["high"]) == wilson_interval(b["correct"], b["n"])
+            assert b["low_distance"] < b["mean_distance"] <= b["high_distance"]
+            assert (b["low_distance"], b["high_distance"]) in itertools.pairwise(edges)
+        past = [b for b in bins if b["low_distance"] >= 32]  # L0 = 32 is an edge
+        assert method["past_from"] == 32
+        assert method["past"]["n"] == sum(b["n"] for b in past)
+        assert method["past"]["correct"] == sum(b["correct"] for b in past)
+        assert method["reach"] == probes.reach(bins, edges, 0.8)
+    for seed in (0, 1):  # every seed of the trained method probes into its own folder, and
+        # its bins are the pooled bins' entries of that seed
         summary = json.loads(
             (root / "out" / f"eval/adarope/s{seed}/probes/summary.json").read_text()
         )
         assert summary["kind"] == "probes" and summary["overall"]["n"] == 6
+        mine = {(e["low_distance"], e["correct"], e["n"]) for e in summary["by_distance"]}
+        pooled = {(b["low_distance"], e["correct"], e["n"])
+                  for b in retrieval["adarope"]["by_distance"]
+                  for e in b["per_seed"] if e["seed"] == seed}  # fmt: skip
+        assert mine == pooled
     report = (root / "out" / "report.md").read_text()
-    assert "## Retrieval" in report and "3 probes per cell per seed" in report
-    assert "another needle's value" not in report  # one needle per haystack: no distractor
-    cell = accuracy_text(
-        read_record(root / "out/compare.json", CompareResult).retrieval["adarope"][128]
+    assert "## Retrieval" in report and "per needle distance bin" in report
+    assert "@96" not in report and all(
+        f"({b['low_distance']}, {b['high_distance']}]" in report
+        for b in retrieval["adarope"]["by_distance"]
     )
-    assert cell.endswith(f"({retrieval['adarope']['128']['correct']}/6)") and cell in report
-    assert "beside the rule, not part of it" in data["verdict"]["retrieval"]
+    assert "another needle's value" not in report  # one needle per haystack: no distractor
+    record = read_record(root / "out/compare.json", CompareResult)
+    assert accuracy_text(record.retrieval["adarope"].past) in report
+    assert "](accuracy_vs_distance.png)" in report
+    assert (root / "out" / "accuracy_vs_distance.png").is_file()
+    assert "past the trained length" in data["verdict"]["retrieval"]
     assert data["verdict"]["retrieval"] in report
 
 

@@ -12,8 +12,14 @@ import pytest
 import torch
 
 from ropekit.compare import recommend
-from ropekit.compare.record import EngineAnswer, SeedAccuracy, TableEntry, Verdict
-from ropekit.compare.verdict import per_engine, pooled_accuracy, pooled_retrieval, retrieval_note
+from ropekit.compare.record import EngineAnswer, SeedBin, TableEntry, Verdict
+from ropekit.compare.verdict import (
+    method_retrieval,
+    per_engine,
+    pooled_accuracy,
+    pooled_bin,
+    retrieval_note,
+)
 from ropekit.evals import wilson_interval
 from ropekit.evals.intervals import accuracy_entry, difference_interval
 from ropekit.evals.probes import Accuracy
@@ -239,44 +245,49 @@ def _accuracy(correct, n, confidence=0.95) -> Accuracy:
     return Accuracy(**accuracy_entry(correct, n, confidence))
 
 
-def _seed(correct, n, seed, other=None, nearest=None, confidence=0.95, length=64, substring=None):
-    """One seed's probes at one length, its interval Wilson's at ``confidence``; ``substring``
-    correct by RULER's rule (None: not counted)."""
+def _seed(
+    correct, n, seed, other=None, nearest=None, confidence=0.95, substring=None, distance=40.0
+):
+    """One seed's probes in one distance bin, its interval Wilson's at ``confidence``;
+    ``substring`` correct by RULER's rule (None: not counted)."""
     low, high = wilson_interval(correct, n, confidence)
-    return SeedAccuracy(
+    return SeedBin(
         correct=correct, n=n, accuracy=correct / n, low=low, high=high, confidence=confidence,
-        other_needle=other, nearest_needle=nearest, length=length, seed=seed,
+        other_needle=other, nearest_needle=nearest, seed=seed, mean_distance=distance,
         substring=None if substring is None else _accuracy(substring, n, confidence),
     )  # fmt: skip
 
 
-def test_pooled_retrieval_sums_the_substring_rule_apart_and_refuses_a_partial_count():
+def test_a_pooled_bin_sums_the_substring_rule_apart_and_refuses_a_partial_count():
     """3/10 and 7/10 exact, 4/10 and 9/10 by the substring rule: 13/20 with its own Wilson
     interval. A seed whose summary did not count it leaves the pooled one unknown."""
-    pooled = pooled_retrieval([_seed(3, 10, 0, substring=4), _seed(7, 10, 1, substring=9)])
+    pooled = pooled_bin([_seed(3, 10, 0, substring=4), _seed(7, 10, 1, substring=9)], 32, 48)
     assert (pooled.correct, pooled.substring) == (10, _accuracy(13, 20))
-    partial = pooled_retrieval([_seed(3, 10, 0, substring=4), _seed(7, 10, 1)])
+    partial = pooled_bin([_seed(3, 10, 0, substring=4), _seed(7, 10, 1)], 32, 48)
     assert partial.substring is None and partial.correct == 10
 
 
-def test_pooled_retrieval_sums_the_probes_and_the_wrong_answers_naming_another_needle():
-    """3/10 and 7/10 pool to 10/20 with one Wilson interval; the wrong answers naming another
-    needle (and the nearest one) are summed like the probes, a seed's 0 counting as 0."""
-    seeds = [_seed(3, 10, 0, other=0, nearest=2), _seed(7, 10, 1, other=3, nearest=0)]
-    pooled = pooled_retrieval(seeds)
-    assert (pooled.correct, pooled.n, pooled.runs, pooled.accuracy) == (10, 20, 2, 0.5)
-    assert (pooled.low, pooled.high) == wilson_interval(10, 20) and pooled.confidence == 0.95
+def test_a_pooled_bin_sums_the_probes_and_the_wrong_answers_naming_another_needle():
+    """3/10 and 7/30 pool to 10/40 with one Wilson interval; the wrong answers naming another
+    needle (and the nearest one) are summed like the probes, a seed's 0 counting as 0; the
+    bin's mean distance is that of all its probes."""
+    seeds = [_seed(3, 10, 0, other=0, nearest=2, distance=36.0),
+             _seed(7, 30, 1, other=3, nearest=0, distance=44.0)]  # fmt: skip
+    pooled = pooled_bin(seeds, 32, 48)
+    assert (pooled.correct, pooled.n, pooled.runs, pooled.accuracy) == (10, 40, 2, 0.25)
+    assert (pooled.low, pooled.high) == wilson_interval(10, 40) and pooled.confidence == 0.95
     assert (pooled.other_needle, pooled.nearest_needle) == (3, 2)
+    assert (pooled.low_distance, pooled.high_distance, pooled.mean_distance) == (32, 48, 42.0)
     assert pooled.per_seed == tuple(seeds)
 
 
-def test_pooled_retrieval_keeps_the_seeds_level_and_refuses_a_partial_count():
+def test_a_pooled_bin_keeps_the_seeds_level_and_refuses_a_partial_count():
     """One seed at 90%: its interval stays at 90%. A seed whose summary did not count the
     wrong answers (None) leaves the pooled count unknown, not the other seeds' sum."""
-    one = pooled_retrieval([_seed(3, 10, 0, other=1, nearest=1, confidence=0.9)])
+    one = pooled_bin([_seed(3, 10, 0, other=1, nearest=1, confidence=0.9)], 32, 48)
     assert (one.low, one.high) == wilson_interval(3, 10, 0.9) and one.confidence == 0.9
     assert (one.runs, one.other_needle, one.nearest_needle) == (1, 1, 1)
-    partial = pooled_retrieval([_seed(3, 10, 0, other=2, nearest=1), _seed(7, 10, 1)])
+    partial = pooled_bin([_seed(3, 10, 0, other=2, nearest=1), _seed(7, 10, 1)], 32, 48)
     assert (partial.other_needle, partial.nearest_needle) == (None, None)
 
 
@@ -288,52 +299,64 @@ def _verdict(winner="a", runner_up="b", target=32) -> Verdict:
     )  # fmt: skip
 
 
-def _probed(correct: dict[int, int], confidence=0.95) -> dict:
-    """{length: pooled 10-probe retrieval with ``correct[length]`` right}."""
-    return {
-        n: pooled_retrieval([_seed(k, 10, 0, confidence=confidence)]) for n, k in correct.items()
-    }
+EDGES = (0, 8, 16, 24, 32)  # distance bins up to N = 32, trained at L0 = 8
 
 
-def _text(correct: int, confidence=0.95) -> str:
-    low, high = wilson_interval(correct, 10, confidence)
-    return f"{correct / 10:.2f} [{low:.2f}, {high:.2f}] ({correct}/10)"
+def _probed(correct: dict[int, int], confidence=0.95):
+    """A method's retrieval: {a bin's low edge: correct of its 10 probes}."""
+    bins = [
+        pooled_bin([_seed(k, 10, 0, confidence=confidence, distance=low + 4.0)], low, low + 8)
+        for low, k in sorted(correct.items())
+    ]
+    return method_retrieval(bins, EDGES, 0.8, trained_at=8)
 
 
-def test_the_retrieval_note_gives_winner_and_runner_up_at_the_target_length():
-    retrieval = {"a": _probed({16: 9, 32: 7, 64: 2}), "b": _probed({16: 8, 32: 3, 64: 1})}
-    low, high = difference_interval(7, 10, 3, 10)
+def _text(correct: int, n: int = 10, confidence=0.95) -> str:
+    low, high = wilson_interval(correct, n, confidence)
+    return f"{correct / n:.2f} [{low:.2f}, {high:.2f}] ({correct}/{n})"
+
+
+def test_a_method_pools_its_probes_past_the_trained_length_each_once_and_has_its_reach():
+    """Bins (0, 8] 10/10, (8, 16] 9/10, (16, 24] 7/10, (24, 32] 9/10: past L0 = 8 are the
+    last three, 25/30; the reach at 0.8 ends where the first bin below it starts, 16."""
+    method = _probed({0: 10, 8: 9, 16: 7, 24: 9})
+    assert method.past_from == 8 and method.past == _accuracy(25, 30)
+    assert (method.reach.distance, method.reach.accuracy) == (16, 0.8)
+    between = method_retrieval(method.by_distance, EDGES, 0.8, trained_at=12)
+    assert between.past_from == 16 and between.past == _accuracy(16, 20)  # the next edge
+    assert method_retrieval(method.by_distance, EDGES, 0.8, trained_at=33).past is None
+    empty = method_retrieval([], EDGES, 0.8, trained_at=8)
+    assert (empty.reach, empty.past) == (None, None)
+
+
+def test_the_retrieval_note_gives_winner_and_runner_up_past_the_trained_length():
+    retrieval = {"a": _probed({0: 10, 8: 7, 16: 2}), "b": _probed({0: 9, 8: 3, 16: 1})}
+    low, high = difference_interval(9, 20, 4, 20)
     assert retrieval_note(retrieval, _verdict()) == (
-        "Retrieval at 32 tokens (accuracy, 95% Wilson interval, correct/probes), beside the "
-        f"rule, not part of it: a {_text(7)}; b {_text(3)}; the difference +0.40 "
-        f"[{low:+.2f}, {high:+.2f}] (Newcombe's interval) does not tell them apart."
+        "Retrieval past the trained length (needles more than 8 tokens back: accuracy, 95% "
+        "Wilson interval, correct/probes; the reach: the farthest distance up to which every "
+        "bin scores the accuracy named), beside the rule, not part of it: a "
+        f"{_text(9, 20)}, reach 8 at 0.8; b {_text(4, 20)}, reach 8 at 0.8; the difference "
+        f"+0.25 [{low:+.2f}, {high:+.2f}] (Newcombe's interval) does not tell them apart."
     )
     assert low < 0 < high
-    apart = {"a": _probed({32: 10}), "b": _probed({32: 1})}
+    apart = {"a": _probed({8: 10, 16: 10}), "b": _probed({8: 1, 16: 0})}
     assert retrieval_note(apart, _verdict()).endswith(") tells them apart.")
 
 
-def test_the_retrieval_note_falls_back_to_the_longest_length_both_probed():
-    """Neither probed at the target (128): the longest length both hold, 32 (b lacks 64)."""
-    retrieval = {"a": _probed({16: 9, 32: 7, 64: 2}, 0.9), "b": _probed({16: 8, 32: 3}, 0.9)}
-    low, high = difference_interval(7, 10, 3, 10, 0.9)
-    assert retrieval_note(retrieval, _verdict(target=128)) == (
-        "Retrieval at 32 tokens (accuracy, 90% Wilson interval, correct/probes), beside the "
-        f"rule, not part of it: a {_text(7, 0.9)}; b {_text(3, 0.9)}; the difference +0.40 "
-        f"[{low:+.2f}, {high:+.2f}] (Newcombe's interval) tells them apart."
+def test_the_retrieval_note_names_only_the_methods_probed_past_the_trained_length():
+    alone = {"a": _probed({8: 7})}
+    assert retrieval_note(alone, _verdict()).endswith(
+        f"not part of it: a {_text(7)}, reach 0 at 0.8."
     )
-    assert low > 0  # at 90% 7/10 against 3/10 is told apart; at 95% it is not (above)
-
-
-def test_the_retrieval_note_names_only_the_methods_probed_and_is_none_without_numbers():
-    alone = {"a": _probed({32: 7})}
-    assert retrieval_note(alone, _verdict()).endswith(f"not part of it: a {_text(7)}.")
-    assert retrieval_note(alone, _verdict(runner_up=None)).endswith(f"it: a {_text(7)}.")
-    assert retrieval_note({"b": _probed({32: 3})}, _verdict()).endswith(f"it: b {_text(3)}.")
+    assert retrieval_note(alone, _verdict(runner_up=None)).endswith(
+        f"a {_text(7)}, reach 0 at 0.8."
+    )
+    near = {**alone, "b": _probed({0: 3})}  # b has no probe past L0
+    assert retrieval_note(near, _verdict()) == retrieval_note(alone, _verdict())
     assert retrieval_note(alone, _verdict(winner=None, runner_up=None)) is None
     assert retrieval_note({}, _verdict()) is None
-    disjoint = {"a": _probed({16: 7}), "b": _probed({32: 3})}  # no length both probed
-    assert retrieval_note(disjoint, _verdict()) is None
+    assert retrieval_note({"a": _probed({0: 7})}, _verdict()) is None  # none past L0
 
 
 def _entry(ppl=None, windows=None, blocks=None) -> TableEntry:

@@ -89,17 +89,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def trained_retriever(tmp_path_factory):
+def train_retriever(out):
     """A byte-level RoPE `Decoder` trained with the library's loop on the synthetic retrieval
-    mixture (`RETRIEVER_STAGES`), in eval mode; its training length is
-    ``config.context_length``. Seeded; trained once per test module that uses it (about 50 s
-    on one thread), into a tmp folder only."""
+    mixture (`RETRIEVER_STAGES`) into the folder ``out``, in eval mode; its training length is
+    ``config.context_length``. Seeded; about 50 s on one thread."""
     from ropekit.data import RetrievalConfig, make_train_dataset
     from ropekit.model import Decoder, DecoderConfig
     from ropekit.train import TrainConfig, train
 
-    out = tmp_path_factory.mktemp("trained_retriever")
     threads = torch.get_num_threads()  # module fixtures start before `one_thread`
     torch.set_num_threads(1)
     try:
@@ -129,3 +126,9 @@ def trained_retriever(tmp_path_factory):
     finally:
         torch.set_num_threads(threads)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def trained_retriever(tmp_path_factory):
+    """`train_retriever` once per test module that uses it, into a tmp folder only."""
+    return train_retriever(tmp_path_factory.mktemp("trained_retriever"))

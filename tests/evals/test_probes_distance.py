@@ -44,7 +44,7 @@ from ropekit.results import read_record, read_records
 
 from ..model.tiny import tiny_model as sharp_decoder
 from ..tiny import tiny_model as sharp_llama
-from .models import NearestNumberLM, SuffixCopyLM
+from .models import NearestNeedleLM, NearestNumberLM, SuffixCopyLM
 
 GRAIN = 32
 OPTIONS = {"progress": False}
@@ -331,3 +331,24 @@ def test_a_copier_that_reads_no_key_passes_the_noise_haystack_and_fails_the_essa
         accuracy[task] = result.overall.accuracy
     assert ProbeConfig((4096,)).task == "niah_single_2"
     assert accuracy["niah_single_1"] == 1.0 and accuracy["niah_single_2"] <= 0.25
+
+
+def test_a_copier_of_the_nearest_needle_passes_one_needle_a_haystack_and_fails_several(
+    tmp_path,
+):
+    """A model that answers with the value of the needle nearest the question, whatever the
+    key asked (SmolLM2-135M's way: NearestNeedleLM), passes the essays with one needle per
+    haystack (the nearest needle is the one asked) and fails them with K needles (compare's
+    default K = 12): every needle precedes every cut, so it is right only for the probe whose
+    needle is the nearest, 1 of K per haystack, and every wrong answer is the nearest needle's.
+    So for such a model the harder task is the distractors, and K = 1 is the only layout in
+    which its probes measure distance (issue 56's report: that layout cannot give 40 probes
+    past L0 for E's prefill budget)."""
+    results = {}
+    for needles in (1, 4):
+        config = ProbeConfig((4096,), needles=needles, haystacks=3, task="niah_single_2")
+        results[needles] = run_probes(NearestNeedleLM(), config, tmp_path / str(needles), **OPTIONS)
+    assert results[1].overall.accuracy == 1.0
+    several = results[4].by_length[0]
+    assert (several.correct, several.n) == (3, 12)  # one probe per haystack
+    assert several.other_needle == several.nearest_needle == 9  # every wrong answer

@@ -33,10 +33,10 @@ from .record import (
     JobTime,
     LrSearch,
     Method,
+    MethodRetrieval,
     ProbeSettings,
     Race,
-    Retrieval,
-    SeedAccuracy,
+    SeedBin,
     Skipped,
     Stat,
     Stretch,
@@ -44,7 +44,14 @@ from .record import (
     TableEntry,
 )
 from .report import write_report
-from .verdict import mean_std, per_engine, pooled_retrieval, recommend, retrieval_note
+from .verdict import (
+    mean_std,
+    method_retrieval,
+    per_engine,
+    pooled_bin,
+    recommend,
+    retrieval_note,
+)
 
 COMPARE_JSON = "compare.json"
 # table[label][domain][length]: the per-seed ppl results' rows gathered into one cell
@@ -83,7 +90,7 @@ class _Written(NamedTuple):
 
     table: Rows
     lr_search: dict[str, LrSearch]
-    retrieval: dict[str, dict[int, Retrieval]]
+    retrieval: dict[str, MethodRetrieval]
     served: dict[str, dict[str, EngineAnswer]]
     held_out: dict[str, tuple[Stretch, ...]]
     jobs: set[str]
@@ -95,7 +102,8 @@ def write(setting: Setting, finished: Finished, ledger: Ledger, stage: str) -> C
     c, s = setting.config, setting
     with ledger.waiting("write"):
         mine = _Written(
-            _table(c, finished.scores), dict(finished.searches), _retrieval(finished.probes),
+            _table(c, finished.scores), dict(finished.searches),
+            _retrieval(finished.probes, s.trained_at),
             dict(finished.served), _held_out(s, finished.scores), set(ledger.jobs),
         )  # fmt: skip
         written = _merged(_previous(s), mine, s.methods)
@@ -114,8 +122,8 @@ def write(setting: Setting, finished: Finished, ledger: Ledger, stage: str) -> C
             held_out=written.held_out, methods=s.methods, baseline=s.baseline,
             table=written.table, summary=_summary(written.table), lr_search=written.lr_search,
             verdict=_verdict(s, written, finished.race), retrieval=written.retrieval,
-            probes=settings, served=written.served, times=tuple(times), config=c.to_dict(),
-            race=finished.race,
+            length_retrieval={}, probes=settings, served=written.served, times=tuple(times),
+            config=c.to_dict(), race=finished.race,
         )  # fmt: skip
         write_result(s.out / COMPARE_JSON, "compare", record)
         write_report(record, s.out)
@@ -282,21 +290,26 @@ def _stretch(stream: TokenStream, start: int, n_tokens: int) -> tuple[Stretch, .
 
 
 def _needle_accuracy(entry: NeedleAccuracy) -> dict[str, Any]:
-    """The fields ``entry`` shares with every needle accuracy (a probes summary's by_length
-    entry carries its stage's own fields beside them)."""
+    """The fields ``entry`` shares with every needle accuracy (a probes summary's by_distance
+    entry carries its bin's own fields beside them)."""
     return {f.name: getattr(entry, f.name) for f in dataclasses.fields(NeedleAccuracy)}
 
 
-def _retrieval(probes: dict[str, dict[int, ProbesResult]]) -> dict[str, dict[int, Retrieval]]:
-    """label -> length -> accuracy pooled over the seeds' probes (correct and n summed, one
-    Wilson interval), with each seed's own entry beside it."""
+def _retrieval(
+    probes: dict[str, dict[int, ProbesResult]], trained_at: int
+) -> dict[str, MethodRetrieval]:
+    """label -> its probes by needle distance: each bin pooled over the seeds' probes (correct
+    and n summed, one Wilson interval) with each seed's own entry beside it, the reach of the
+    pooled bins, and the probes past the trained length pooled (`method_retrieval`)."""
     out = {}
     for label, by_seed in probes.items():
-        by_length: dict[int, list[SeedAccuracy]] = {}
+        bins: dict[tuple[int, int], list[SeedBin]] = {}
         for seed in sorted(by_seed):
-            for e in by_seed[seed].by_length:
-                by_length.setdefault(e.length, []).append(
-                    SeedAccuracy(**_needle_accuracy(e), length=e.length, seed=seed)
+            for e in by_seed[seed].by_distance:
+                bins.setdefault((e.low_distance, e.high_distance), []).append(
+                    SeedBin(**_needle_accuracy(e), seed=seed, mean_distance=e.mean_distance)
                 )
-        out[label] = {n: pooled_retrieval(es) for n, es in sorted(by_length.items())}
+        pooled = [pooled_bin(es, low, high) for (low, high), es in sorted(bins.items())]
+        config = by_seed[min(by_seed)].config  # every run of a comparison probes alike
+        out[label] = method_retrieval(pooled, config.bin_edges, config.reach_accuracy, trained_at)
     return out

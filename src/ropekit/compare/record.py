@@ -8,12 +8,14 @@ and learning rates are int and float keys here; ``ropekit.results`` converts the
 JSON boundary. Registered as the ``compare`` kind at ``VERSION``; ``_from_v2`` migrates the
 untyped layout (format_version 2), whose older files omit fields later writers added,
 ``_from_v3`` a verdict whose error did not yet have the seeds' spread, ``_from_v4`` retrieval
-before the substring rule, and ``_from_v5`` methods recorded as the user wrote them (now the
-canonical spec, the user's text kept as ``given``); a file before 7 was not raced.
+before the substring rule, ``_from_v5`` methods recorded as the user wrote them (now the
+canonical spec, the user's text kept as ``given``), ``_from_v7`` retrieval per haystack
+length (now per needle distance, the old table kept as ``length_retrieval``); a file before 7
+was not raced.
 
-Holds: VERSION, Method, Skipped, Stretch, TableEntry, Stat, SummaryEntry,
-LrSearch, SeedAccuracy, Retrieval, ProbeSettings, EngineAnswer, JobTime, Difference,
-BeyondMargin, EngineChoice, Verdict, Stop, Race, CompareResult.
+Holds: VERSION, Method, Skipped, Stretch, TableEntry, Stat, SummaryEntry, LrSearch,
+SeedAccuracy, Retrieval, SeedBin, DistanceRetrieval, MethodRetrieval, ProbeSettings,
+EngineAnswer, JobTime, Difference, BeyondMargin, EngineChoice, Verdict, Stop, Race, CompareResult.
 """
 
 from __future__ import annotations
@@ -23,17 +25,18 @@ from typing import Any
 
 from ropekit.encodings import Spec
 from ropekit.evals.perplexity import PositionCurve
-from ropekit.evals.probes import NeedleAccuracy
+from ropekit.evals.probes import Accuracy, NeedleAccuracy, Reach
 from ropekit.results import register
 from ropekit.train.extend import method_spec
 
 from .config import CompareConfig, spec_label
 
+# 8: retrieval per needle distance bin, with each method's reach (was per haystack length);
 # 7: the race (None: every window scored); 6: methods by their canonical spec, the user's
 # text as `given`; 5: retrieval by RULER's substring rule beside exact match; 4: the
 # verdict's error has the seeds' spread; 3: typed, every field written, none left out; 2: the
 # untyped layout
-VERSION = 7
+VERSION = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +106,8 @@ class LrSearch:
 
 @dataclasses.dataclass(frozen=True)
 class SeedAccuracy(NeedleAccuracy):
-    """One seed's probes at one length (a probes summary's by_length entry)."""
+    """One seed's probes at one length (a probes summary's by_length entry), in a comparison
+    written before distances (``length_retrieval``)."""
 
     length: int
     seed: int
@@ -111,12 +115,47 @@ class SeedAccuracy(NeedleAccuracy):
 
 @dataclasses.dataclass(frozen=True)
 class Retrieval(NeedleAccuracy):
-    """Accuracy at one length pooled over seeds (correct and n summed, one Wilson interval;
-    the wrong answers naming another needle and the substring rule's accuracy pooled too,
-    None when a seed did not count them)."""
+    """Accuracy at one haystack length pooled over seeds, in a comparison written before
+    distances (``length_retrieval``): correct and n summed, one Wilson interval; the wrong
+    answers naming another needle and the substring rule's accuracy pooled too, None when a
+    seed did not count them."""
 
     runs: int  # seeds pooled
     per_seed: tuple[SeedAccuracy, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedBin(NeedleAccuracy):
+    """One seed's probes in one distance bin (a probes summary's by_distance entry)."""
+
+    seed: int
+    mean_distance: float  # of its probes (tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistanceRetrieval(NeedleAccuracy):
+    """Accuracy in one needle distance bin, the probes whose question starts in (low, high]
+    tokens after their needle, pooled over seeds as `Retrieval` is (each probe counted once
+    per seed: every probe has its own needle, key and value)."""
+
+    low_distance: int
+    high_distance: int
+    mean_distance: float  # of its probes over the seeds (tokens)
+    runs: int  # seeds pooled
+    per_seed: tuple[SeedBin, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodRetrieval:
+    """One method's retrieval by needle distance (``compare.assemble``): its bins pooled over
+    seeds, its reach on them, and the probes past the trained length pooled, which the
+    verdict's retrieval note compares (Newcombe's interval over independent probes)."""
+
+    by_distance: tuple[DistanceRetrieval, ...]  # bins with probes, nearest first
+    reach: Reach | None  # evals.probes.reach of the pooled bins; None: no bins (probes of a
+    # summary written before distances)
+    past_from: int | None  # the first bin edge at or past L0; None: the bins end before L0
+    past: Accuracy | None  # the probes of the bins from past_from on, pooled; None: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +273,7 @@ class Race:
     "compare",
     VERSION,
     {2: lambda d: _from_v2(d), 3: lambda d: _from_v3(d), 4: lambda d: _from_v4(d),
-     5: lambda d: _from_v5(d), 6: lambda d: _from_v6(d)},
+     5: lambda d: _from_v5(d), 6: lambda d: _from_v6(d), 7: lambda d: _from_v7(d)},
 )  # fmt: skip
 @dataclasses.dataclass(frozen=True)
 class CompareResult:
@@ -256,7 +295,11 @@ class CompareResult:
     summary: dict[str, dict[str, dict[int, SummaryEntry]]]  # label -> domain -> length
     lr_search: dict[str, LrSearch]  # trained label -> its selection
     verdict: Verdict | None  # None until the baseline is scored
-    retrieval: dict[str, dict[int, Retrieval]]  # label -> probe length
+    retrieval: dict[str, MethodRetrieval]  # label -> its probes by needle distance
+    # label -> haystack length: a comparison written before distances (compare.json < 8), as
+    # it was written; {} since (a needle at depth d of n tokens asked from the end was
+    # (1 - d) n tokens back: depth 0.5, about n / 2, so "@n" there is not a distance of n)
+    length_retrieval: dict[str, dict[int, Retrieval]]
     probes: ProbeSettings | None  # None: not probed
     served: dict[str, dict[str, EngineAnswer]] | None  # label -> engine; None: never asked
     times: tuple[JobTime, ...]
@@ -349,3 +392,11 @@ def _from_v5(data: dict[str, Any]) -> dict[str, Any]:
 def _from_v6(data: dict[str, Any]) -> dict[str, Any]:
     """Before racing: every window of every method was scored (no race)."""
     return {**data, "race": None}
+
+
+def _from_v7(data: dict[str, Any]) -> dict[str, Any]:
+    """Before retrieval by distance: the per-length table stays as written, in
+    ``length_retrieval``, and ``retrieval`` by distance is empty (where its probes' summaries
+    hold distance bins, probes version 5, a rerun of the comparison in its folder reads them
+    without a model call and writes them)."""
+    return {**data, "retrieval": {}, "length_retrieval": data.get("retrieval", {})}

@@ -3,7 +3,8 @@ every number read from ``compare.json`` (a ``CompareResult``).
 
 Sections: what was compared; the verdict; perplexity at each length on whole windows and on
 the last quarter, per domain and averaged over domains; the cost at L0 against the gain at N;
-NLL against position at N; retrieval accuracy with Wilson intervals (when probed); learning
+NLL against position at N; retrieval accuracy per needle distance with Wilson intervals, each
+method's reach and the accuracy-vs-distance figure (when probed); learning
 rates chosen; training and evaluation time.
 
 Holds: write_report.
@@ -17,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ropekit.evals.probes import plot_accuracy_vs_distance
 from ropekit.figures import figure, plot_vs_length, save, style
 from ropekit.report.document import Block, Figure, Heading, Table, Text, to_html, to_markdown
 from ropekit.report.plots import plot_nll_vs_position
@@ -225,36 +227,61 @@ def _skipped(data: CompareResult) -> list[Block]:
     return lines
 
 
-def _retrieval_table(data: CompareResult) -> list[Block]:
-    """Accuracy per method and probe length, pooled over seeds, with its Wilson interval and
-    the probes behind each cell."""
-    settings, retrieval = data.probes, data.retrieval
-    if not settings or not retrieval:
+def _retrieval_table(data: CompareResult, out: Path) -> list[Block]:
+    """Accuracy per method and needle distance bin, pooled over seeds, with its Wilson
+    interval and the probes behind each cell, each method's reach and its probes past the
+    trained length, and the accuracy-vs-distance figure; a comparison written before
+    distances shows its per-length table as written, saying what its lengths measured."""
+    settings = data.probes
+    if not settings or not (data.retrieval or data.length_retrieval):
         return []
-    lengths = settings.lengths
-    labels = [m.label for m in data.methods if m.label in retrieval]
+    cells: dict[str, dict[Any, Any]]  # label -> column -> its pooled accuracy
+    if data.length_retrieval:
+        cells = dict(data.length_retrieval)
+        columns = {n: f"@{n}" for n in settings.lengths}
+        what = (
+            f"per haystack length, as written before retrieval was measured by distance: a "
+            f"needle at depth d of an n-token haystack, asked from its end, was (1 - d) n "
+            f"tokens back (depth 0.5: about n / 2), so @n is not a distance of n. Task "
+            f"{settings.task}, {settings.needles} needle(s) (K) in each of "
+            f"{settings.haystacks} haystacks (H) per length and run, so "
+            f"{settings.probes_per_run} probes per cell per seed"
+        )
+    else:
+        cells = {
+            label: {(b.low_distance, b.high_distance): b for b in r.by_distance}
+            for label, r in data.retrieval.items()
+        }
+        bins = sorted({key for by_bin in cells.values() for key in by_bin})
+        columns = {(low, high): f"({low:,}, {high:,}]" for low, high in bins}
+        lengths = " and ".join(f"{n:,}" for n in settings.lengths)
+        what = (
+            f"per needle distance bin (tokens from the needle to the question, (low, high]): "
+            f"task {settings.task}, {settings.needles} needle(s) (K) near the start of each "
+            f"of {settings.haystacks} haystacks (H) of {lengths} tokens per run, each needle "
+            "asked once from its own cut point"
+        )
+    labels = [m.label for m in data.methods if m.label in cells]
 
-    def rows(cell: Any) -> list[list[str]]:  # one row per method, one cell per probe length
+    def rows(cell: Any) -> list[list[str]]:  # one row per method, one cell per column
         return [
-            [label, *(cell(retrieval[label][n]) if n in retrieval[label] else "-" for n in lengths)]
+            [label, *(cell(cells[label][k]) if k in cells[label] else "-" for k in columns)]
             for label in labels
         ]
 
-    level = next(iter(retrieval[labels[0]].values())).confidence
+    header = ["method", *columns.values()]
+    level = next(iter(cells[labels[0]].values())).confidence
     caption = (
         f"Retrieval accuracy (exact match of the value) with its {level:.0%} Wilson interval "
-        f"and correct/probes per cell: task {settings.task}, {settings.needles} needle(s) "
-        f"(K) in each of {settings.haystacks} haystacks (H) per length and run, so "
-        f"{settings.probes_per_run} probes per cell per seed; a trained method's seeds are "
-        "pooled (correct and probes summed, then one interval). Beside the rule, not in it."
+        f"and correct/probes per cell, {what}; a trained method's seeds are pooled (correct "
+        "and probes summed, then one interval). Beside the rule, not in it."
     )
-    blocks: list[Block] = [
-        Heading("Retrieval", 2),
-        Table(["method", *(f"@{n}" for n in lengths)], rows(accuracy_text), caption),
-    ]
+    blocks: list[Block] = [Heading("Retrieval", 2), Table(header, rows(accuracy_text), caption)]
+    if data.retrieval and not data.length_retrieval:
+        blocks += _reach(data, labels, out)
     # RULER's rule counts an answer holding the value anywhere ("7432144.0000"): shown where
     # it differs from exact match somewhere, "?" where a summary did not count it
-    differs = [e for by_length in retrieval.values() for e in by_length.values()
+    differs = [e for by_key in cells.values() for e in by_key.values()
                if e.substring is not None and e.substring.correct != e.correct]  # fmt: skip
     if differs:
         caption = (
@@ -266,10 +293,10 @@ def _retrieval_table(data: CompareResult) -> list[Block]:
         def substring(e: Any) -> str:
             return "?" if e.substring is None else accuracy_text(e.substring)
 
-        blocks.append(Table(["method", *(f"@{n}" for n in lengths)], rows(substring), caption))
+        blocks.append(Table(header, rows(substring), caption))
     if settings.needles > 1:  # distractors: a model may copy a needle, not the asked one
 
-        def wrong(e: Any) -> str:  # a Retrieval; "?" where a seed did not count them
+        def wrong(e: Any) -> str:  # a pooled accuracy; "?" where a seed did not count them
             other, nearest = ("?" if v is None else v for v in (e.other_needle, e.nearest_needle))
             return f"{other} of {e.n - e.correct} ({nearest})"
 
@@ -280,8 +307,41 @@ def _retrieval_table(data: CompareResult) -> list[Block]:
             "model copies the latest needle), so this task cannot rank the methods: probe "
             "with one needle per haystack (probe_needles=1) instead."
         )
-        blocks.append(Table(["method", *(f"@{n}" for n in lengths)], rows(wrong), caption))
+        blocks.append(Table(header, rows(wrong), caption))
     return blocks
+
+
+def _reach(data: CompareResult, labels: list[str], out: Path) -> list[Block]:
+    """Each method's reach and its probes past the trained length, and the figure of
+    accuracy against distance (one line per method, the trained length marked)."""
+    retrieval = data.retrieval
+    rows = [
+        [
+            label,
+            "-" if (r := retrieval[label]).reach is None else f"{r.reach.distance:,}",
+            "-" if r.past is None else accuracy_text(r.past),
+        ]
+        for label in labels
+    ]
+    reached = next((r.reach for r in retrieval.values() if r.reach is not None), None)
+    past_from = next((r.past_from for r in retrieval.values() if r.past_from is not None), None)
+    caption = (
+        "The reach: the farthest distance (tokens) up to which every distance bin, from the "
+        f"nearest on, scores at least {reached.accuracy if reached else '-'} (point "
+        "accuracies: as noisy as the bins above). Past the trained length: the probes of "
+        f"every bin from {'-' if past_from is None else f'{past_from:,}'} tokens on (the "
+        f"first bin edge at or past {data.trained_at:,}), pooled, each probe once."
+    )
+    header = ["method", "reach (tokens)", f"past {data.trained_at:,} tokens"]
+    figure = plot_accuracy_vs_distance(
+        {label: retrieval[label].by_distance for label in labels},
+        out / "accuracy_vs_distance.png", data.trained_at,
+        reached.accuracy if reached else None, "retrieval by needle distance",
+    )  # fmt: skip
+    return [
+        Table(header, rows, caption),
+        Figure(figure.name, "Retrieval accuracy against needle distance, per method."),
+    ]
 
 
 def _serving_table(verdict: Verdict | None) -> list[Block]:
@@ -369,7 +429,7 @@ def report_blocks(data: CompareResult, out: Path) -> list[Block]:
             if item.strip():
                 text = " ".join(item.split()).replace("**", "").replace("``", "`")
                 blocks.append(Text("- " + text))
-    blocks += [Heading("Perplexity", 2), *_ppl_tables(data), *_retrieval_table(data)]
+    blocks += [Heading("Perplexity", 2), *_ppl_tables(data), *_retrieval_table(data, out)]
     blocks += [Heading("Figures", 2), *_figures(data, out)]
     if data.lr_search:
         rows = [

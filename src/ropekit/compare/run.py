@@ -13,8 +13,8 @@ are complete (`assemble.write`), so an interrupted comparison leaves honest part
    text the results are measured on), then the other seeds at that rate; each scored;
 3. retrieval probes of every method (every seed of a trained one, or its first
    ``probe_seeds``): K needles per haystack asked from the cached prefix (``ropekit eval
-   probes``), pooled over seeds into one accuracy per length with its Wilson interval,
-   reported beside the rule.
+   probes``), pooled over seeds into one accuracy per needle distance bin with its Wilson
+   interval, and each method's reach, reported beside the rule.
 
 Every job is a library run with its own provenance (extend, eval ppl, the probes), so a rerun
 of the same comparison recomputes nothing, and a change of model, adapter, spec or data in

@@ -47,8 +47,8 @@ Retrieval accuracy is reported beside it with Wilson score intervals
 (``ropekit.evals.intervals``, the one implementation), not folded into the rule: a method that
 wins on perplexity and loses retrieval is shown as such.
 
-Holds: mean_std, pooled_accuracy, pooled_retrieval, accuracy_text, retrieval_note, cost_at,
-score_at, paired_windows, paired_blocks, paired_seeds, block_error, paired_difference,
+Holds: mean_std, pooled_accuracy, pooled_bin, method_retrieval, accuracy_text, retrieval_note,
+cost_at, score_at, paired_windows, paired_blocks, paired_seeds, block_error, paired_difference,
 recommend, per_engine.
 """
 
@@ -63,15 +63,16 @@ import numpy as np
 
 from ropekit.evals.intervals import CONFIDENCE, accuracy_entry, difference_interval
 from ropekit.evals.perplexity import QUARTER_BLOCK
-from ropekit.evals.probes import Accuracy
+from ropekit.evals.probes import Accuracy, NeedleAccuracy, Reach, reach
 
 from .record import (
     BeyondMargin,
     Difference,
+    DistanceRetrieval,
     EngineAnswer,
     EngineChoice,
-    Retrieval,
-    SeedAccuracy,
+    MethodRetrieval,
+    SeedBin,
     TableEntry,
     Verdict,
 )
@@ -101,8 +102,8 @@ def pooled_accuracy(
     return {**accuracy_entry(correct, n, confidence), "runs": len(entries)}
 
 
-def pooled_retrieval(per_seed: Sequence[SeedAccuracy]) -> Retrieval:
-    """``pooled_accuracy`` of one length's seeds, with the wrong answers that name another
+def _pooled(per_seed: Sequence[NeedleAccuracy]) -> dict[str, Any]:
+    """``pooled_accuracy`` of several seeds' entries, with the wrong answers that name another
     needle and the substring rule's accuracy pooled like the probes (None when a seed's
     summary did not count them)."""
     pooled = pooled_accuracy(
@@ -111,12 +112,44 @@ def pooled_retrieval(per_seed: Sequence[SeedAccuracy]) -> Retrieval:
     others = [e.other_needle for e in per_seed]
     nearest = [e.nearest_needle for e in per_seed]
     substring = [e.substring for e in per_seed]
-    return Retrieval(
+    return {
         **pooled,
-        other_needle=None if None in others else sum(o or 0 for o in others),
-        nearest_needle=None if None in nearest else sum(o or 0 for o in nearest),
-        substring=None if None in substring else _summed(substring),
+        "other_needle": None if None in others else sum(o or 0 for o in others),
+        "nearest_needle": None if None in nearest else sum(o or 0 for o in nearest),
+        "substring": None if None in substring else _summed(substring),  # type: ignore[arg-type]
+    }
+
+
+def pooled_bin(per_seed: Sequence[SeedBin], low: int, high: int) -> DistanceRetrieval:
+    """One distance bin (low, high] pooled over its seeds (`_pooled`); its mean distance is
+    that of all their probes."""
+    mean = sum(e.mean_distance * e.n for e in per_seed) / sum(e.n for e in per_seed)
+    return DistanceRetrieval(
+        **_pooled(per_seed), low_distance=low, high_distance=high, mean_distance=mean,
         per_seed=tuple(per_seed),
+    )  # fmt: skip
+
+
+def method_retrieval(
+    by_distance: Sequence[DistanceRetrieval],
+    edges: Sequence[int],
+    accuracy: float,
+    trained_at: int,
+) -> MethodRetrieval:
+    """A method's pooled bins (``edges``: the probes' bin edges), their reach at ``accuracy``
+    (``evals.probes.reach``) and the probes of the bins from the first edge at or past the
+    trained length on, pooled: each probe is in one bin, so each is counted once."""
+    scored = [
+        {"low_distance": b.low_distance, "high_distance": b.high_distance, "accuracy": b.accuracy}
+        for b in by_distance
+    ]
+    past_from = next((e for e in edges if e >= trained_at), None)
+    past = [b for b in by_distance if past_from is not None and b.low_distance >= past_from]
+    return MethodRetrieval(
+        by_distance=tuple(by_distance),
+        reach=Reach(**reach(scored, edges, accuracy)) if by_distance else None,
+        past_from=past_from,
+        past=_summed(past) if past else None,
     )
 
 
@@ -131,26 +164,35 @@ def accuracy_text(entry: Accuracy) -> str:
     return f"{entry.accuracy:.2f} [{entry.low:.2f}, {entry.high:.2f}] ({entry.correct}/{entry.n})"
 
 
-def retrieval_note(
-    retrieval: Mapping[str, Mapping[int, Retrieval]], verdict: Verdict
-) -> str | None:
-    """The recommended method's and the runner-up's retrieval at the target length (or the
-    longest probed length both have), and the interval of their difference (Newcombe's), as
-    supporting numbers beside the rule; None without a winner or probes."""
-    names = [m for m in (verdict.winner, verdict.runner_up) if m in retrieval]
-    lengths = set.intersection(*(set(retrieval[m]) for m in names)) if names else set()
-    if not lengths:
+def retrieval_note(retrieval: Mapping[str, MethodRetrieval], verdict: Verdict) -> str | None:
+    """The recommended method's and the runner-up's retrieval past the trained length (their
+    probes at needle distances past it, pooled) with their reach, and the interval of their
+    difference (Newcombe's, over independent probes), as supporting numbers beside the rule;
+    None without a winner or probes that far."""
+    past = {
+        m: p
+        for m in (verdict.winner, verdict.runner_up)
+        if m in retrieval and (p := retrieval[m].past) is not None
+    }
+    if not past:
         return None
-    n = verdict.target_length if verdict.target_length in lengths else max(lengths)
-    parts = "; ".join(f"{m} {accuracy_text(retrieval[m][n])}" for m in names)
-    level = retrieval[names[0]][n].confidence
+
+    def text(m: str, accuracy: Accuracy) -> str:
+        found = retrieval[m].reach
+        reached = "" if found is None else f", reach {found.distance:,} at {found.accuracy:g}"
+        return f"{m} {accuracy_text(accuracy)}{reached}"
+
+    first = next(iter(past))
+    level = past[first].confidence
     note = (
-        f"Retrieval at {n} tokens (accuracy, {level:.0%} Wilson interval, correct/probes), "
-        f"beside the rule, not part of it: {parts}"
+        f"Retrieval past the trained length (needles more than {retrieval[first].past_from:,} "
+        f"tokens back: accuracy, {level:.0%} Wilson interval, correct/probes; the reach: the "
+        "farthest distance up to which every bin scores the accuracy named), beside the rule, "
+        f"not part of it: {'; '.join(text(m, p) for m, p in past.items())}"
     )
-    if len(names) < 2:
+    if len(past) < 2:
         return note + "."
-    a, b = (retrieval[m][n] for m in names)
+    a, b = past.values()
     low, high = difference_interval(a.correct, a.n, b.correct, b.n, level)
     told = "tells them apart" if low > 0 or high < 0 else "does not tell them apart"
     return (

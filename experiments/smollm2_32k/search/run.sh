@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Experiment E's factor search at 32k redone with LongRoPE2's needle-driven perplexity (issue
+# 56, must 6): the same search as search/ (the three seeds PI, NTK-aware and YaRN plus their
+# mutations, one generation) scored by the NLL of the answer tokens of needle documents instead
+# of every token's. Resumable: rerun it to continue (candidates.jsonl keeps every scored
+# candidate; a finished search makes no forward). Not run yet: see README.md here for its cost.
+# From the repo root:
+#   nohup experiments/smollm2_32k/search/run.sh > e-search-needle.log 2>&1 &
+# It runs the committed source (HEAD's src/, copied to a temporary folder), so src/ can be
+# edited while it runs.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+export OMP_NUM_THREADS=1
+OUT=experiments/smollm2_32k/search/needle-ppl
+flock "${TMPDIR:-/tmp}/ropekit-setup.lock" make -s setup
+.venv/bin/ropekit models install smollm2-135m
+SRC=$(mktemp -d "${TMPDIR:-/tmp}/ropekit-e-search.XXXXXX")
+git archive HEAD src | tar -x -C "$SRC"
+export PYTHONPATH="$SRC/src"
+echo "running ropekit from $SRC (HEAD $(git rev-parse --short HEAD))"
+# Fixed before any score is seen: 6 needle documents of 32,768 tokens (each its own passkey,
+# six independent probes; their needles 6.1k-31.1k tokens back, README.md) score each of 4
+# candidates (the three seeds and one mutation): a budget of 24 forwards at 32k.
+.venv/bin/ropekit search --model smollm2-135m --target-length 32768 --samples 6 --budget 24 \
+  --objective needle-ppl --out "$OUT"
+# Which factors it kept, and whether they reach: the kept adapter probed as retrieval/ probes
+# the methods of E's verdict (same probes, so the tables compare).
+.venv/bin/ropekit eval probes --model smollm2-135m --adapter "$OUT/adapter" \
+  --lengths 32768 --needles 12 --haystacks 5 --task niah_single_2 --bins 8 --seed 0 \
+  --out "$OUT/probes"
+echo "$(date -u +%FT%TZ) done"
