@@ -199,3 +199,38 @@ def test_a_second_install_while_one_runs_fails_at_once_naming_it(cache, monkeypa
     finally:
         child.kill()
         child.wait()
+
+
+# ----------------------------------------------------------------------------- bad configs
+def _edit_config(folder: Path, edit) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("family", "edit", "message"),
+    [
+        # a family the registry refuses, named with why (before any weight is read)
+        ("llama", lambda c: c.update(model_type="deepseek_v3"), "multi-head latent attention"),
+        # per-layer lists that do not cover the layers: the config class's, the registry's
+        ("gemma3_text", lambda c: c.update(layer_types=["full_attention"]), "layer_types"),
+        ("smollm3", lambda c: c.update(no_rope_layers=[1]), "one 0/1 flag per layer"),
+        ("gemma3_text", lambda c: c.update(layer_types=["full_attention", "weird"] * 2), "entries must"),
+    ],
+)
+def test_a_config_the_registry_cannot_take_is_one_line_exit_2_and_writes_nothing(
+    family, edit, message, tmp_path: Path, capsys
+) -> None:
+    from ropekit.cli import main
+    from tests.tiny import family_model
+
+    family_model(family).save_pretrained(tmp_path / "model")
+    _edit_config(tmp_path / "model", edit)
+    out = tmp_path / "out"
+    code = main(["export", "--model", str(tmp_path / "model"), "--spec", "linear:factor=2",
+                 "--out", str(out)])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and message in err, err
+    assert "its config cannot be used" in err
+    assert not out.exists()

@@ -240,7 +240,16 @@ class LayerInfo:
 
 
 def layer_infos(config: Any) -> tuple[LayerInfo, ...]:
+    """Each layer's LayerInfo; ValueError where the config's per-layer lists do not cover
+    its layers."""
     arch = arch_for(config)
+    n = config.num_hidden_layers
+    flags = getattr(config, "no_rope_layers", None)
+    if arch.rotation == "rope_flags" and (flags is None or len(flags) != n):
+        raise ValueError(
+            f"config.no_rope_layers={flags!r} is not allowed for this {config.model_type} "
+            f"config: it must hold one 0/1 flag per layer ({n})"
+        )
     out = []
     for i, kind in enumerate(layer_types(config)):
         attends = kind in (FULL, SLIDING, "chunked_attention")

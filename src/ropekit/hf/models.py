@@ -254,8 +254,11 @@ def load_model(
     if attn_implementation is not None:
         options["attn_implementation"] = attn_implementation
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per model is noise here
+    # The config first: a family ropekit cannot take, or a config its own class or the
+    # registry's rules refuse, is one line before any weight is read.
+    config = _config(path, trust_remote_code)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, **options, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, **options, **kwargs)
     except pickle.UnpicklingError as e:
         # torch.load(weights_only=True) refused to build an object: a pickle that would run
         # code (or simply holds more than tensors), refused, never loaded unsafely.
@@ -274,6 +277,34 @@ def load_model(
             )
         raise ValueError(f"{path}: the Hugging Face model could not be loaded: {reason}") from None
     return model.eval()
+
+
+def _config(path: Path, trust_remote_code: bool) -> Any:
+    """The folder's transformers config, checked against the architecture registry where it
+    names the family (refused, or per-layer lists that do not cover the layers; another
+    model_type loads, and ``patch`` says it is not supported); ValueError naming the folder
+    and the reason."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    from .archs import ARCHS, REFUSED, layer_infos
+
+    try:
+        config = AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+        if config.model_type in ARCHS or config.model_type in REFUSED:
+            layer_infos(config)  # arch_for refuses the family, or its per-layer lists
+    except (OSError, ValueError, KeyError, TypeError, StrictDataclassError) as e:
+        cause = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ else e
+        reason = " ".join(str(cause.args[0] if isinstance(cause, KeyError) else cause).split())
+        if "trust_remote_code" in reason:
+            reason = (
+                "it holds custom code, which runs only with trust_remote_code=True "
+                "(--trust-remote-code)"
+            )
+        raise ValueError(f"{path}: its config cannot be used: {reason[:300]}") from None
+    return config
 
 
 def load_tokenizer(path_or_name: str | os.PathLike[str], *, trust_remote_code: bool = False) -> Any:
