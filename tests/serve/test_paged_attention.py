@@ -101,7 +101,8 @@ def test_paged_attention_is_banded_attention_over_the_requests_keys(spec: str, h
     n_blocks = 40
     cache_k = torch.zeros(n_blocks, K, B, D, dtype=torch.float64)
     cache_v = torch.zeros_like(cache_k)
-    table = torch.randperm(n_blocks, generator=g).view(2, 20)
+    # Request 0's blocks in order (read in place), request 1's shuffled (copied).
+    table = torch.stack([torch.arange(20), 20 + torch.randperm(20, generator=g)])
     # (request, first, stop) per step: chunked prefill (request 1 joins while 0 is mid-way),
     # then one decoded token per request per step.
     schedule = [
