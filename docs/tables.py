@@ -777,8 +777,8 @@ def serving_floors(root: Path) -> str:
 
 def vllm_remaps(root: Path) -> str:
     """The distance remaps on vLLM with ropekit's plugin: agreement with ropekit's patched
-    model (chunked prefill, then tokens decoded from the prefix cache). No speed: the record's
-    ratios were against other runs' baselines and were removed (its "speed" says so)."""
+    model (chunked prefill, then tokens decoded from the prefix cache). Speed is its own table
+    (``vllm_remaps_speed``)."""
     data = _json(root, "docs/serving/vllm_remaps.json")
     lengths = [str(n) for n in data["lengths"]]
     return markdown(
@@ -789,6 +789,35 @@ def vllm_remaps(root: Path) -> str:
              *(_serving_cell(row[n]) for n in lengths),
              _serving_cell(row["decode"])]
             for row in data["rows"].values()
+        ),
+    )  # fmt: skip
+
+
+def vllm_remaps_speed(root: Path) -> str:
+    """The plugin's speed against stock vLLM serving YaRN x2, from one side-by-side run
+    (``benchmarks/serving.py``): tokens per second of CPU time and the ratio to stock per
+    prompt length, and the decoding step's largest ops (self CPU ms per step, 9216 tokens)."""
+    speed = _json(root, "docs/serving/vllm_remaps.json")["speed"]
+    if isinstance(speed, str):  # no side-by-side run recorded: the record says why
+        return markdown(["speed"], [[speed]])
+    rows = speed["rows"]
+    lengths = list(next(iter(rows.values()))["lengths"])
+
+    def cell(t: dict, what: str) -> str:
+        return f"{t[what + '_tok_s']:.{0 if what == 'prefill' else 2}f} ({t[what + '_ratio']:.2f}x)"
+
+    def ops(profile: dict) -> str:
+        top = sorted(profile["self_ms_per_step"].items(), key=lambda kv: -kv[1])[:4]
+        return ", ".join(f"{name.split('::')[-1]} {ms:.0f}" for name, ms in top)
+
+    return markdown(
+        ["engine", *(f"{what} tok/s @{n}" for n in lengths for what in ("prefill", "decode")),
+         "decoding step's largest ops @9216 (ms)", "load"],
+        (
+            [name, *(cell(row["lengths"][n], what) for n in lengths
+                     for what in ("prefill", "decode")),
+             ops(row["profile"]), f"{row['load_1m']:.1f}"]
+            for name, row in rows.items()
         ),
     )  # fmt: skip
 
@@ -935,6 +964,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "serving-run": serving_run,
     "serving-floors": serving_floors,
     "vllm-remaps": vllm_remaps,
+    "vllm-remaps-speed": vllm_remaps_speed,
     "mutation": mutation,
     "mutation-not-run": mutation_not_run,
     "extend-8x-all": _bpb_table(

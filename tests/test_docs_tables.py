@@ -84,6 +84,9 @@ E_TARGET = (
          lambda d: d["results"]["yarn"]["vllm"]["9216"], "max", "serving"),
         ("docs/serving/vllm_remaps.json",
          lambda d: d["rows"]["dca (chunkllama scale)"]["9216"], "max", "vllm-remaps"),
+        ("docs/serving/vllm_remaps.json",
+         lambda d: d["speed"]["rows"]["dca (chunkllama scale)"]["lengths"]["9216"],
+         "decode_ratio", "vllm-remaps-speed"),
         ("docs/mutation.json",
          lambda d: d["modules"]["ropekit.encodings.bands_fused"], "killed", "mutation"),
         # the experiments' READMEs

@@ -15,6 +15,8 @@ from ropekit.serve.paged_attention import (
     Step,
     gather_paged,
     paged_banded_attention,
+    rotate_for_cache,
+    rotations_compose,
     steps,
     write_paged,
 )
@@ -79,14 +81,18 @@ def _reference(encoding, q, k, v, first: int, length: int) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
+@pytest.mark.parametrize("held", [True, False], ids=["keys held rotated", "keys unrotated"])
 @pytest.mark.parametrize("spec", REMAPS)
-def test_paged_attention_is_banded_attention_over_the_requests_keys(spec: str) -> None:
+def test_paged_attention_is_banded_attention_over_the_requests_keys(spec: str, held: bool) -> None:
     """Two requests (150 and 97 tokens) in shuffled blocks: prompts in chunks of unequal size,
     both requests' chunks in one step, then decoded tokens; every step's output equals the
-    banded attention of its queries over the request's keys laid out contiguously. For the
-    remaps that do not follow the attended length that is also one forward over the whole
-    prompt (the positions of chunks and decoded tokens are their true ones)."""
+    banded attention of its queries over the request's keys laid out contiguously, with the
+    cache holding the keys rotated as the far band reads them (the plugin's, where rotations
+    compose: ``rotate_for_cache``) or unrotated. For the remaps that do not follow the
+    attended length that is also one forward over the whole prompt (the positions of chunks
+    and decoded tokens are their true ones)."""
     encoding = _encoding(spec)
+    assert rotations_compose(encoding, K, D, layers=1)
     g = torch.Generator().manual_seed(1)
     lengths = (150, 97)
     q = [torch.randn(n, H, D, generator=g, dtype=torch.float64) for n in lengths]
@@ -95,7 +101,8 @@ def test_paged_attention_is_banded_attention_over_the_requests_keys(spec: str) -
     n_blocks = 40
     cache_k = torch.zeros(n_blocks, K, B, D, dtype=torch.float64)
     cache_v = torch.zeros_like(cache_k)
-    table = torch.randperm(n_blocks, generator=g).view(2, 20)
+    # Request 0's blocks in order (read in place), request 1's shuffled (copied).
+    table = torch.stack([torch.arange(20), 20 + torch.randperm(20, generator=g)])
     # (request, first, stop) per step: chunked prefill (request 1 joins while 0 is mid-way),
     # then one decoded token per request per step.
     schedule = [
@@ -109,7 +116,11 @@ def test_paged_attention_is_banded_attention_over_the_requests_keys(spec: str) -
     full = [_reference(encoding, q[r], k[r], v[r], 0, n) for r, n in enumerate(lengths)]
     for step in schedule:
         rows = torch.cat([q[r][a:b] for r, a, b in step])  # (N, H, D)
-        keys = torch.cat([k[r][a:b] for r, a, b in step])
+        keys = torch.cat([k[r][a:b] for r, a, b in step])  # (N, K, D)
+        if held:  # as vLLM's cache gets them from the plugin's rotary
+            pos = torch.cat([torch.arange(a, b) for _, a, b in step])[None]  # (1, N)
+            keys = rotate_for_cache(encoding, keys.transpose(0, 1)[None], pos, 0)[0]
+            keys = keys.transpose(0, 1)
         values = torch.cat([v[r][a:b] for r, a, b in step])
         slots = torch.cat([table[r, torch.arange(a, b) // B] * B + torch.arange(a, b) % B
                            for r, a, b in step])  # fmt: skip
@@ -120,7 +131,7 @@ def test_paged_attention_is_banded_attention_over_the_requests_keys(spec: str) -
         step_table = table[[r for r, _, _ in step]]
         out = paged_banded_attention(
             rows, cache_k, cache_v, step_table, plan, encoding, 0, D**-0.5,
-            torch.empty_like(rows),
+            torch.empty_like(rows), keys_held=held,
         )  # fmt: skip
         for (r, a, b), s in zip(step, plan, strict=True):
             want = _reference(encoding, q[r][a:b], k[r], v[r], a, b)
@@ -163,3 +174,30 @@ def test_a_length_following_remaps_chunk_is_not_its_single_forward(spec: str) ->
     whole = _reference(encoding, q, k, v, 0, n)
     torch.testing.assert_close(served(n), whole, rtol=1e-10, atol=1e-10)
     assert (served(chunk) - whole[:chunk]).abs().max() > 1e-3
+
+
+class _WithAttentionFactor:
+    """An encoding whose rotation carries a factor (YaRN's mscale on its tables): rotating at
+    a then b is not rotating at a + b, so its keys cannot be held rotated."""
+
+    def __init__(self, encoding, factor: float) -> None:
+        self.encoding, self.factor = encoding, factor
+
+    def rotate_band(self, x, positions, query, layer=0):
+        return self.factor * self.encoding.rotate_band(x, positions, query, layer)
+
+
+def test_rotations_compose_for_every_remap_and_adarope_remap_not_with_a_factor() -> None:
+    """Every remap's and adarope-remap's (learned theta per layer) rotations compose, the
+    condition for the plugin's cache holding rotated keys; a rotation with a factor does not."""
+    for spec in REMAPS:
+        assert rotations_compose(_encoding(spec), K, D, layers=1), spec
+    ada = build(
+        "adarope-remap:remap=rerope,window=16,leaky=4", n_heads=H, n_kv_heads=K, head_dim=D,
+        n_layers=2, original_length=L0,
+    )  # fmt: skip
+    with torch.no_grad():
+        for p in ada.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # learned theta, other in each layer
+    assert rotations_compose(ada, K, D, layers=2)
+    assert not rotations_compose(_WithAttentionFactor(_encoding(REMAPS[0]), 1.1), K, D, 1)

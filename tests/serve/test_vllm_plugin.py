@@ -70,3 +70,25 @@ def test_length_following_remaps_refuse_chunked_prefill_and_prefix_caching(spec:
     check_scheduling(dynamic, chunked_prefill=False, prefix_caching=False)
     for static in ("rerope:window=8,leaky=4", "self-extend:group=4,window=8", "dca:scale=none"):
         check_scheduling(encoding(static), chunked_prefill=True, prefix_caching=True)
+
+
+@pytest.mark.parametrize("spec", ["rerope:window=8,leaky=4", "self-extend:group=4,window=8", "dca"])
+def test_held_rotary_hands_the_cache_keys_as_the_far_band_reads_them(spec: str) -> None:
+    """A remap's rotary on vLLM's flat rows: queries untouched (the attention rotates them per
+    band), keys rotated at the key positions of the band that reaches back to the first key
+    (Leaky ReRoPE's j / k, Self-Extend's floor(j / G), DCA's j mod c), any order of positions."""
+    from ropekit.encodings import build
+    from ropekit.serve.vllm_plugin import HeldRotary
+
+    n, heads, kv, d = 11, 4, 2, 16
+    encoding = build(spec, n_heads=heads, n_kv_heads=kv, head_dim=d, original_length=32)
+    g = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 200, (n,), generator=g)
+    q = torch.randn(n, heads * d, generator=g)
+    k = torch.randn(n, kv * d, generator=g)
+    got_q, got_k = HeldRotary(encoding, 0, d)(positions, q, k)
+    assert got_q is q
+    bands = encoding.bands(positions[None], positions[None])
+    far = next(band for band in bands if band.lo is None)
+    want = encoding.rotate_band(k.view(n, kv, d).transpose(0, 1)[None], far.k_positions, False)
+    torch.testing.assert_close(got_k, want[0].transpose(0, 1).reshape(n, -1), rtol=0, atol=0)

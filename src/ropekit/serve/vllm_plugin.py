@@ -25,15 +25,21 @@ rotary no sequence lengths.
 
 Distance remaps (``remaps_distance``: ReRoPE, Leaky ReRoPE, Self-Extend, DCA, STRING) need a
 different rotation of q and k for each band of distances, so one rotary call cannot express
-them. For those the layer's ``rotary_emb`` passes q and k through unrotated (``Unrotated``),
-so vLLM's KV cache holds *unrotated* keys in the slots it would give rotated ones (no extra
-cache memory), and the layer's attention backend (``attn.impl``, vLLM's CPU backend,
+them. For those the layer's ``rotary_emb`` (``HeldRotary``) passes q through unrotated and
+rotates k as the remap's far band reads it (``paged_attention.rotate_for_cache``: the band
+that reaches back to the first key; DCA's and STRING's only key rotation), so vLLM's KV cache
+holds those keys in the slots and dtype it gives stock's rotated keys (no extra cache memory:
+2 x K x D numbers per token and layer, keys and values, as stock), and the layer's attention
+backend (``attn.impl``, vLLM's CPU backend,
 ``vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackendImpl``) is given ropekit's
 attention in its place (``_banded_impl``): ``do_kv_cache_update`` stores each new key and
 value at its slot, and ``forward`` reads every request's keys and values back through the
 block table and computes ropekit's banded attention for its new queries
-(``ropekit.serve.paged_attention``): a whole prompt, a chunk of one whose earlier chunks are
-in the cache, prompt blocks found in the prefix cache, and decoding steps alike. A request's
+(``ropekit.serve.paged_attention``: the other bands' keys turned from the held ones, only
+over the keys those bands cover): a whole prompt, a chunk of one whose earlier chunks are in
+the cache, prompt blocks found in the prefix cache, and decoding steps alike. An encoding
+whose rotations do not compose (``paged_attention.rotations_compose``) keeps its keys
+unrotated (``Unrotated``) and has every band's keys rotated at use. A request's
 positions come from the step's metadata (``query_start_loc``, ``seq_lens``: its new tokens
 are the last of its keys). Length-following remaps (DCA's logit scale, STRING's shift of the
 attended length) take L = the request's keys at that step, as ropekit's cached decoding does.
@@ -48,8 +54,8 @@ as in ropekit's cached decoding.
 Needs vLLM and torch only (ropekit is installed into vLLM's environment with ``--no-deps``:
 vLLM pins another transformers than ropekit.hf supports, and nothing here imports it).
 
-Holds: register, RopekitLlamaForCausalLM, RopekitRotary, Unrotated, load_adapter_encoding,
-check_scheduling, ARCHITECTURE, ADAPTER_DIR.
+Holds: register, RopekitLlamaForCausalLM, RopekitRotary, HeldRotary, Unrotated,
+load_adapter_encoding, check_scheduling, ARCHITECTURE, ADAPTER_DIR.
 """
 
 from __future__ import annotations
@@ -147,9 +153,33 @@ class RopekitRotary(nn.Module):
         return query_out, k[0].transpose(0, 1).reshape(key.shape).to(key.dtype)
 
 
+class HeldRotary(nn.Module):
+    """vLLM's rotary call signature for a remap: q as it is (the attention rotates it per
+    band), k rotated as the remap's far band reads it, which the KV cache then holds
+    (``paged_attention.rotate_for_cache``; module docstring)."""
+
+    def __init__(self, encoding: nn.Module, layer: int, head_dim: int) -> None:
+        super().__init__()
+        self._encoding = (encoding,)  # owned by the model (RopekitRotary says why)
+        self.layer = layer
+        self.head_dim = head_dim
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from ropekit.serve.paged_attention import rotate_for_cache
+
+        if key is None:
+            return query, None
+        pos = positions.flatten()[None]  # (1, N)
+        k = key.view(pos.shape[1], -1, self.head_dim).transpose(0, 1)[None]  # (1, K, N, D)
+        k = rotate_for_cache(self._encoding[0], k, pos, self.layer)
+        return query, k[0].transpose(0, 1).reshape(key.shape).to(key.dtype)
+
+
 class Unrotated(nn.Module):
-    """vLLM's rotary call signature that leaves q and k as they are: a remap's attention
-    rotates them per band (``_banded_impl``), and the KV cache keeps the keys unrotated."""
+    """vLLM's rotary call signature that leaves q and k as they are: the KV cache keeps the
+    keys unrotated, for a remap whose rotations do not compose (module docstring)."""
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
@@ -170,7 +200,8 @@ def _split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _do_kv_cache_update(self, layer_module, key, value, kv_cache, slot_mapping) -> None:
-    """The banded backend's cache write: unrotated keys and values at their slots."""
+    """The banded backend's cache write: the keys as the rotary left them, and the values, at
+    their slots."""
     from ropekit.serve import paged_attention
 
     paged_attention.write_paged(*_split_cache(kv_cache), key, value, slot_mapping)
@@ -198,16 +229,20 @@ def _forward(
     paged_attention.paged_banded_attention(
         query[:n], key_cache, value_cache, attn_metadata.block_table, plan, encoding,
         self.ropekit_layer, self.scale, output[:n], positions=self.ropekit_positions,
+        keys_held=self.ropekit_keys_held,
     )  # fmt: skip
     return output
 
 
-def _banded_impl(impl: Any, encoding: nn.Module, layer: int, positions: Any) -> None:
+def _banded_impl(
+    impl: Any, encoding: nn.Module, layer: int, positions: Any, keys_held: bool
+) -> None:
     """Turn vLLM's CPU attention backend object ``impl`` of one layer into ropekit's banded
     attention over the same KV cache (module docstring), in place: its class becomes a
     subclass of its own (so vLLM's checks of the backend still hold) whose
     ``do_kv_cache_update`` and ``forward`` are ropekit's. ``positions``: the
-    ``StepPositions`` every layer shares (None: made on first use)."""
+    ``StepPositions`` every layer shares (None: made on first use); ``keys_held``: the rotary
+    hands the cache keys rotated as ``rotate_for_cache`` does (else unrotated)."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     if not isinstance(impl, CPUAttentionBackendImpl):
@@ -230,7 +265,7 @@ def _banded_impl(impl: Any, encoding: nn.Module, layer: int, positions: Any) -> 
         )
     impl.__class__ = _BANDED_CLASSES[cls]
     impl.ropekit_encoding, impl.ropekit_layer = encoding, layer
-    impl.ropekit_positions = positions
+    impl.ropekit_positions, impl.ropekit_keys_held = positions, keys_held
 
 
 def _model_class() -> type:
@@ -250,9 +285,9 @@ def _model_class() -> type:
             config = vllm_config.model_config.hf_config
             encoding = load_adapter_encoding(vllm_config.model_config.model, config)
             self.ropekit_encoding = encoding  # registered once, so .to(device) moves it
-            positions = None
+            positions, held = None, False
             if encoding.remaps_distance:
-                from ropekit.serve.paged_attention import StepPositions
+                from ropekit.serve.paged_attention import StepPositions, rotations_compose
 
                 check_scheduling(
                     encoding,
@@ -261,11 +296,16 @@ def _model_class() -> type:
                 )
 
                 positions = StepPositions()  # one step's position tensors, for every layer
+                head_dim = self.model.layers[self.model.start_layer].self_attn.head_dim
+                held = rotations_compose(
+                    encoding, config.num_key_value_heads, head_dim, config.num_hidden_layers
+                )
             for index in range(self.model.start_layer, self.model.end_layer):
                 attn = self.model.layers[index].self_attn
                 if encoding.remaps_distance:
-                    attn.rotary_emb = Unrotated()
-                    _banded_impl(attn.attn.impl, encoding, index, positions)
+                    rotary = HeldRotary(encoding, index, attn.head_dim) if held else Unrotated()
+                    attn.rotary_emb = rotary
+                    _banded_impl(attn.attn.impl, encoding, index, positions, held)
                 else:
                     attn.rotary_emb = RopekitRotary(encoding, index, attn.head_dim)
 

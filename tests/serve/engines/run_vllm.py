@@ -2,7 +2,7 @@
 
     python run_vllm.py MODEL_DIR IDS.npy:OUT.npy [IDS.npy:OUT.npy ...] [--max-model-len N]
                        [--decode N] [--compile] [--max-num-batched-tokens N] [--bench N]
-                       [--whole-prompts]
+                       [--bench-only] [--profile N] [--whole-prompts]
 
 For each prompt: feeds the token ids as they are (``TokensPrompt``), asks for
 ``prompt_logprobs=0`` (the log-probability of each prompt token only) and writes
@@ -17,10 +17,17 @@ blocks (the cached-token count is reported) and every decoding step reads the ca
 go to OUT.decode.npz (``tokens``, ``logprobs``). Eager mode unless ``--compile`` (compiling
 SmolLM2 adds about a minute to each start here). ``--max-num-batched-tokens`` sets vLLM's
 token budget per step, so a prompt's chunks are known. ``--bench N`` (with ``--decode``) times,
-after the rest, each prompt's prefill (prefix cache emptied, one token generated, no
-log-probabilities) and N greedy tokens decoded from its cached prompt (the time of 1 + N
-generated tokens minus that of 1), reported as tokens per second. ``--whole-prompts`` turns
-chunked prefill and prefix caching off (each prompt in one step; give
+after the rest, each prompt served as one request of 1 + N greedy tokens stepped through
+vLLM's engine (prefix cache emptied first, no log-probabilities): its prefill (until its first
+token) and each of its N decoding steps, reported as tokens per second (decoding: the median
+step), in CPU seconds of this process and in wall seconds. The engine then runs in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its CPU time is this process's: on a machine
+other jobs share, wall time follows their load and CPU time much less (the engines of a
+comparison run with one thread each and the same binding). ``--bench-only`` skips the
+log-probabilities and decoded tokens (speed only). ``--profile N`` (with ``--bench``): the
+first prompt's request then makes N more tokens, its decoding steps under torch's profiler,
+which reports each op's self CPU time per step (where the time goes). ``--whole-prompts``
+turns chunked prefill and prefix caching off (each prompt in one step; give
 ``--max-num-batched-tokens`` >= the longest prompt): how the plugin serves a remap that
 follows the attended length, and decoding then re-reads the prompt. Start-up runs under the
 ``__main__`` guard: vLLM starts worker processes. Prints one ``RESULT {json}`` line; an engine
@@ -45,11 +52,17 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--max-num-batched-tokens", type=int, default=0)
     parser.add_argument("--bench", type=int, default=0)
+    parser.add_argument("--bench-only", action="store_true")
+    parser.add_argument("--profile", type=int, default=0)
     parser.add_argument("--whole-prompts", action="store_true")
     args = parser.parse_args()
     if args.bench and not args.decode:
         parser.error("--bench decodes from the prefix cache: give --decode too")
+    if args.profile and not args.bench:
+        parser.error("--profile profiles the benchmark's decoding: give --bench too")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB
+    if args.bench:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -79,7 +92,7 @@ def main() -> int:
         "runs": [],
     }
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    for pair in args.prompts:
+    for pair in [] if args.bench_only else args.prompts:
         ids_path, out_path = pair.split(":")
         ids = [int(t) for t in np.load(ids_path)]
         t0 = time.perf_counter()
@@ -108,36 +121,81 @@ def main() -> int:
             run["cached_tokens"] = decoded.num_cached_tokens
         info["runs"].append(run)
     if args.bench:
-        info["bench"] = [_bench(llm, pair.split(":")[0], args.bench) for pair in args.prompts]
+        info["bench"] = [
+            _bench(llm, pair.split(":")[0], args.bench, args.profile * (i == 0))
+            for i, pair in enumerate(args.prompts)
+        ]
     print("RESULT " + json.dumps(info), flush=True)
     return 0
 
 
-def _bench(llm, ids_path: str, n: int) -> dict:
-    """Prefill and decoding speed of one prompt (module docstring), tokens per second."""
+def _stepped(llm, ids: list[int], n: int, between=None) -> tuple[np.ndarray, np.ndarray]:
+    """One request of 1 + n greedy tokens stepped through the engine: (its prefill, until its
+    first token; its n decoding steps (n, 2)), each as (CPU seconds of this process, wall
+    seconds). ``between(i)`` runs before decoding step i (the profiler's hooks)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=1 + n, min_tokens=1 + n, temperature=0.0)
+    engine.add_request("bench", TokensPrompt(prompt_token_ids=ids), params)
+    made, marks = 0, [(time.process_time(), time.perf_counter())]
+    while engine.has_unfinished_requests():
+        if between is not None and made >= 1:
+            between(made - 1)
+        outputs = engine.step()
+        now = (time.process_time(), time.perf_counter())
+        produced = max((len(o.outputs[0].token_ids) for o in outputs), default=made)
+        if produced > made:  # a step may make no token (a chunk of a chunked prefill)
+            marks.append(now)
+            made = produced
+    if made != 1 + n:
+        raise RuntimeError(f"the request made {made} tokens, not {1 + n}")
+    times = np.diff(np.array(marks), axis=0)  # (1 + n, 2)
+    return times[0], times[1:]
+
+
+def _bench(llm, ids_path: str, n: int, profiled: int = 0) -> dict:
+    """Prefill and decoding speed of one prompt (module docstring), tokens per second of CPU
+    time, and the wall seconds; ``profiled`` more decoding steps under torch's profiler: each
+    op's self CPU ms per step, the 15 largest."""
+    from torch.profiler import ProfilerActivity, profile
+
     ids = [int(t) for t in np.load(ids_path)]
-    prompt = TokensPrompt(prompt_token_ids=ids)
-
-    def timed(tokens: int) -> float:
-        params = SamplingParams(max_tokens=tokens, min_tokens=tokens, temperature=0.0)
-        t0 = time.perf_counter()
-        llm.generate([prompt], params, use_tqdm=False)
-        return time.perf_counter() - t0
-
     llm.reset_prefix_cache()
-    prefill = timed(1)  # the whole prompt, nothing cached
-    one, more = timed(1), timed(1 + n)  # both read the cached prompt
-    return {
+    prof = profile(activities=[ProfilerActivity.CPU])
+
+    def between(i: int) -> None:
+        if i == n:
+            prof.start()
+
+    prefill, steps = _stepped(llm, ids, n + profiled, between if profiled else None)
+    decode = steps[:n]
+    median = np.median(decode, axis=0)  # (cpu, wall)
+    out = {
         "ids": ids_path,
         "tokens": len(ids),
-        "prefill_s": round(prefill, 3),
-        "prefill_tok_s": len(ids) / prefill,
-        "decode_s": round(more - one, 3),
-        "decode_tok_s": n / (more - one),
+        "prefill_cpu_s": round(float(prefill[0]), 3),
+        "prefill_wall_s": round(float(prefill[1]), 3),
+        "prefill_tok_s": len(ids) / float(prefill[0]),
+        "decode_cpu_s": [round(float(t), 4) for t in decode[:, 0]],
+        "decode_wall_s": [round(float(t), 4) for t in decode[:, 1]],
+        "decode_s": round(float(median[0]), 4),  # the median step's CPU seconds
+        "decode_tok_s": 1 / float(median[0]),
+        "decode_wall_median_s": round(float(median[1]), 4),
     }
+    if profiled:
+        prof.stop()
+        ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        out["profile"] = {
+            "steps": profiled,
+            "context": len(ids) + n,
+            "step_cpu_ms": round(1e3 * float(np.median(steps[n:, 0])), 1),
+            "self_ms_per_step": {
+                e.key: round(e.self_cpu_time_total / 1e3 / profiled, 2) for e in ops[:15]
+            },
+        }
+    return out
 
 
 if __name__ == "__main__":
