@@ -228,6 +228,7 @@ def test_a_config_the_registry_cannot_take_is_one_line_exit_2_and_writes_nothing
     family_model(family).save_pretrained(tmp_path / "model")
     _edit_config(tmp_path / "model", edit)
     out = tmp_path / "out"
+    capsys.readouterr()  # save_pretrained's progress bar
     code = main(["export", "--model", str(tmp_path / "model"), "--spec", "linear:factor=2",
                  "--out", str(out)])  # fmt: skip
     err = capsys.readouterr().err.strip()
