@@ -465,12 +465,6 @@ def analyze_windows(
     layers = tuple(
         AnalysedLayer(index, kind) for index, kind in as_backbone(model).encoded_layers().items()
     )
-    if not layers:
-        raise ValueError(
-            f"{type(as_backbone(model).model).__name__}: no layer rotates with encoding "
-            f"{encoding.spec!r}, so there is nothing to analyse; allowed: a model with a "
-            "rotating layer type that the spec covers"
-        )
     skipped: dict[str, str] = {}
     effective, at_max, method = _effective_lengths(
         model, encoding, layers, windows, config, progress
