@@ -228,6 +228,7 @@ def test_analyze_a_patched_hugging_face_model_end_to_end(tmp_path: Path) -> None
     assert saved["capture"] == "encoding" and saved["model"]["patched_for_analysis"] is False
     assert saved["model"]["class_name"] == "LlamaForCausalLM" and "class" not in saved["model"]
     assert saved["model"]["n_kv_heads"] == 2 and saved["influence"]["windows"] == 1
+    assert saved["layers"] == [{"index": i, "kind": "full_attention"} for i in (0, 1)]
     assert saved["effective_length"]["betas"] == [2.0, "inf"]  # JSON has no infinity
     e2, e_inf = torch.tensor(saved["effective_length"]["window_mean"], dtype=torch.float64)
     assert bool((e_inf <= e2 + 1e-9).all())
