@@ -7,6 +7,7 @@ extends the global layers), SmolLM3 (layer 3 is NoPE) and Llama (every layer).""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from ropekit.backbone import as_backbone
 from ropekit.hf import patch, unpatch
 from ropekit.results import read_record
 
-from ..tiny import VOCAB, family_model
+from ..tiny import VOCAB, family_model, perturb
 from .tiny import tiny_decoder, tiny_llama, windows
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -105,3 +106,19 @@ def test_a_model_whose_layers_all_rotate_nothing_is_refused_in_one_line(tmp_path
     with pytest.raises(ValueError, match=r"^model_type='smollm3': no layer of this model rotates$"):
         analyze(model, CONFIG, tmp_path, data=windows(2, 32, vocab=VOCAB), progress=False)
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+@torch.no_grad()
+def test_adarope_influence_covers_the_analysed_layers_only() -> None:
+    model = family_model("gemma3_text")
+    perturb(
+        patch(model, "adarope")
+    )  # every layer's rows move, though layers 0 and 2 never read theirs
+    config = dataclasses.replace(CONFIG, influence=True, influence_windows=1)
+    result = analyze_windows(
+        model, as_backbone(model).encoding, windows(2, 32, vocab=VOCAB), config
+    )
+    assert [layer.index for layer in result.layers] == [1, 3]
+    for kind, section in result.influence.kinds().items():
+        assert {unit.layer for unit in section.units} == {1, 3}, kind
+        assert all(unit.computed for unit in section.units)

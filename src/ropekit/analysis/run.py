@@ -429,12 +429,13 @@ def _schedule(
 def _influence(
     model: Backbone | nn.Module,
     encoding: PositionEncoding,
+    layers: tuple[AnalysedLayer, ...],
     windows: Tensor,
     config: AnalysisConfig,
     progress: bool,
 ) -> Influence:
-    """Section 4 (AdaRoPE): delta NLL at the target length per head whose AdaFreq or
-    AdaScale parameters are reverted to init."""
+    """Section 4 (AdaRoPE): delta NLL at the target length per head of the analysed layers
+    (and per shared row) whose AdaFreq or AdaScale parameters are reverted to init."""
     T = config.influence_length
     n = config.influence_windows or config.n_windows
     sample = windows[:n, :T]
@@ -446,8 +447,9 @@ def _influence(
             kinds[kind] = None
             continue
         rows = head_influence(
-            model, encoding, sample, kind, batch_size=batch, baseline=baseline, progress=progress
-        )["units"]
+            model, encoding, sample, kind, batch_size=batch, baseline=baseline,
+            progress=progress, layers={layer.index for layer in layers},
+        )["units"]  # fmt: skip
         units = tuple(InfluenceUnit(**row) for row in rows)
         top = sorted(units, key=lambda u: u.delta_nll, reverse=True)[: config.top_k]
         kinds[kind] = InfluenceKind(units=units, top=tuple(top))
@@ -475,7 +477,7 @@ def analyze_windows(
     elif not any(influence_units(encoding, kind) for kind in INFLUENCE_KINDS):
         skipped["influence"] = f"encoding {encoding.spec!r} has no per-head learned parameters"
     else:  # before utilization: its distance profile shows the most influential head
-        influence = _influence(model, encoding, windows, config, progress)
+        influence = _influence(model, encoding, layers, windows, config, progress)
     utilization = None
     if rotary_layout(encoding) is None:
         skipped["utilization"] = f"encoding {encoding.spec!r} has no rotary pairs"
