@@ -1,11 +1,11 @@
 """Pictures of an analysis result (matplotlib on an explicit Agg canvas, written atomically).
 
-A layer is labelled by its index in the model and its type (``record.AnalysedLayer``): only
-the layers the encoding rotates are analysed. Each figure is drawn from the result of
-``analyze`` alone (an ``AnalysisResult``, or the
+Each figure is drawn from the result of ``analyze`` alone (an ``AnalysisResult``, or the
 ``Sections`` of ``analyze_windows``), so a saved ``analysis.json`` can be re-plotted from its
 record (``read_record``). Figures whose section is absent (a non-rotary encoding, no
 learned schedule, no influence run) are not drawn; ``planned_figures`` says which will be.
+Only the layers the encoding rotates are analysed, each labelled by its index in the model and
+its type (``record.AnalysedLayer``).
 
 - ``effective_length.png``: E_beta (window mean) against context length, one line per head, one
   panel per layer, log-log, with uniform causal attention ((L + 1) / 2) dashed (paper,

@@ -48,7 +48,7 @@ class AnalysedLayer:
 
     @property
     def label(self) -> str:
-        """ "L3 full_attention": how tables and figures name the layer."""
+        """How tables and figures name the layer, e.g. "L3 full_attention"."""
         return f"L{self.index} {self.kind}"
 
 

@@ -55,10 +55,10 @@ from ropekit.utils import warn_if_emulated
 # The compute dtypes a model can be scored in (``Backbone.cast``; ``--dtype`` on the command line).
 # How many backbone weights an adapter records of its model (Backbone.weights_sample).
 WEIGHTS_SAMPLE = 64
-# The type of a layer that attends to every earlier token (transformers' name): every layer of a
-# model whose layers are all alike.
-FULL_ATTENTION = "full_attention"
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The type of a layer that attends to every earlier token (transformers' name): every layer of a
+# model whose layers are all alike (``Backbone.encoded_layers``).
+FULL_ATTENTION = "full_attention"
 
 
 def parameter_digest(tensors: Mapping[str, Tensor]) -> str:
