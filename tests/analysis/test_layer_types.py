@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ropekit.analysis import AnalysisConfig, AnalysisResult, analyze, analyze_windows
+from ropekit.analysis.plots import write_figures
 from ropekit.analysis.record import AnalysedLayer
 from ropekit.backbone import as_backbone
 from ropekit.hf import patch, unpatch
@@ -122,3 +123,34 @@ def test_adarope_influence_covers_the_analysed_layers_only() -> None:
     for kind, section in result.influence.kinds().items():
         assert {unit.layer for unit in section.units} == {1, 3}, kind
         assert all(unit.computed for unit in section.units)
+
+
+@torch.no_grad()
+def test_figures_label_the_analysed_layers_by_index_and_type(monkeypatch, tmp_path: Path) -> None:
+    model = family_model("gemma3_text")
+    patch(model, "rope")  # the family's recipe: layers 1 and 3 (global)
+    result = analyze_windows(
+        model, as_backbone(model).encoding, windows(2, 32, vocab=VOCAB), CONFIG
+    )
+    texts: dict[str, list[str]] = {}
+
+    def keep(fig, path: Path) -> Path:  # the figure's titles and tick labels instead of a PNG
+        axes = fig.axes
+        labels = [t.get_text() for ax in axes for t in ax.get_xticklabels() + ax.get_yticklabels()]
+        texts[path.stem] = [ax.get_title() for ax in axes] + labels
+        return path
+
+    monkeypatch.setattr("ropekit.analysis.plots.save", keep)
+    write_figures(result, tmp_path)
+    labels = ["L1 full_attention", "L3 full_attention"]
+    assert [t for t in texts["effective_length"] if t.startswith("layer")] == [
+        "layer 1 (full_attention)",
+        "layer 3 (full_attention)",
+    ]
+    assert all(label in texts["utilization"] for label in labels)
+    assert all(label in texts["effective_base"] for label in labels)
+    assert all(
+        t.startswith(("layer 1 (full_attention)", "layer 3 (full_attention)"))
+        for t in texts["distance_profile"]
+        if t.startswith("layer")
+    )
