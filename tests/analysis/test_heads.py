@@ -15,7 +15,7 @@ from ropekit.encodings import build
 
 def _stats(length: int, *, heads: int = 4, kv: int = 2, layout=None, **kwargs) -> HeadStatistics:
     return HeadStatistics(
-        n_layers=1,
+        layers=(0,),
         n_heads=heads,
         n_kv_heads=kv,
         length=length,
@@ -134,7 +134,7 @@ def test_fft_distance_profile_matches_a_direct_loop_over_queries(pairing: str) -
 
 
 def test_update_refuses_mismatched_shapes_and_reports_missing_layers() -> None:
-    stats = HeadStatistics(n_layers=2, n_heads=4, n_kv_heads=2, length=8, betas=(2.0,))
+    stats = HeadStatistics(layers=(0, 1), n_heads=4, n_kv_heads=2, length=8, betas=(2.0,))
     stats.begin_batch(1)
     with pytest.raises(ValueError, match="do not match"):
         stats.update(0, torch.zeros(1, 4, 9, 8), torch.zeros(1, 2, 9, 8))

@@ -12,7 +12,7 @@ import pytest
 
 from ropekit.analysis import AnalysisResult, summary_lines
 from ropekit.analysis.plots import planned_figures, write_figures
-from ropekit.analysis.record import VERSION, nested
+from ropekit.analysis.record import VERSION, AnalysedLayer, nested
 from ropekit.results import ResultError, encode, read_record, result_kind, schema_of, write_result
 
 from ..records import assert_refused
@@ -78,6 +78,16 @@ def test_the_migration_fills_what_each_old_layout_left_out():
     assert list(alibi.skipped) == ["utilization", "schedule", "influence"]
     assert set(adarope.influence.kinds()) == {"freq", "scale"}
     assert adarope.effective_length.betas == (2.0, "inf")  # JSON has no infinity
+
+
+def test_a_file_from_before_layer_types_reads_as_every_layer_of_full_attention(tmp_path: Path):
+    path, data = _current(tmp_path)
+    n_layers = data["model"]["n_layers"]
+    del data["layers"]
+    path.write_text(json.dumps({**data, "format_version": 3}))
+    record = read_record(path, AnalysisResult)
+    assert record.layers == tuple(AnalysedLayer(i, "full_attention") for i in range(n_layers))
+    assert [layer.label for layer in record.layers] == ["L0 full_attention", "L1 full_attention"]
 
 
 def test_a_committed_file_still_draws_every_figure(tmp_path: Path):

@@ -143,13 +143,13 @@ def _strict_json(path: Path) -> dict:
 
 def _check_outputs(run: AnalysisRun, out: Path, expected_figures: set[str]) -> dict:
     saved = _strict_json(out / "analysis.json")
-    assert saved["format_version"] == 3
+    assert saved["format_version"] == 4
     # the file reads back as the record analyze returned (NaN compares unequal: via JSON)
     back = read_record(out / "analysis.json", AnalysisResult)
     assert json.dumps(encode(back)) == json.dumps(encode(run.result))
     assert run.json == out / "analysis.json" and run.reused is False
     assert saved["kind"] == "analysis"
-    for key in ("spec", "seed", "config", "data", "model", "provenance"):
+    for key in ("spec", "layers", "seed", "config", "data", "model", "provenance"):
         assert key in saved
     assert {"command", "spec", "seed", "versions"} <= set(saved["meta"])
     assert {"torch", "transformers", "ropekit"} <= set(saved["meta"]["versions"])
@@ -228,6 +228,7 @@ def test_analyze_a_patched_hugging_face_model_end_to_end(tmp_path: Path) -> None
     assert saved["capture"] == "encoding" and saved["model"]["patched_for_analysis"] is False
     assert saved["model"]["class_name"] == "LlamaForCausalLM" and "class" not in saved["model"]
     assert saved["model"]["n_kv_heads"] == 2 and saved["influence"]["windows"] == 1
+    assert saved["layers"] == [{"index": i, "kind": "full_attention"} for i in (0, 1)]
     assert saved["effective_length"]["betas"] == [2.0, "inf"]  # JSON has no infinity
     e2, e_inf = torch.tensor(saved["effective_length"]["window_mean"], dtype=torch.float64)
     assert bool((e_inf <= e2 + 1e-9).all())
@@ -239,16 +240,27 @@ def test_the_profiled_heads_are_the_extremes_of_cov_and_a_reader_of_the_top_adaf
     unit = InfluenceUnit(layer=0, head=1, label="L0/K1", delta_nll=0.3, computed=True)
     top = InfluenceKind(units=(unit,), top=(unit,))
     influence = Influence(target_length=8, windows=1, baseline_nll=2.0, freq=top, scale=None)
-    assert _profile_heads(cov, influence, group=2) == [
+    assert _profile_heads(cov, influence, group=2, layers=(0, 1)) == [
         (0, 1, "max CoV (concentrated)"),
         (1, 0, "min CoV (uniform)"),
         (0, 2, "top AdaFreq influence"),  # kv head 1's first query head
     ]
-    assert _profile_heads(cov, None, group=2) == _profile_heads(cov, influence, group=2)[:2]
+    assert (
+        _profile_heads(cov, None, group=2, layers=(0, 1))
+        == _profile_heads(cov, influence, group=2, layers=(0, 1))[:2]
+    )
     shared = dataclasses.replace(unit, layer=None)  # a row shared by every layer: no one head
     no_one = dataclasses.replace(influence, freq=InfluenceKind(units=(shared,), top=(shared,)))
-    assert len(_profile_heads(cov, no_one, group=2)) == 2
+    assert len(_profile_heads(cov, no_one, group=2, layers=(0, 1))) == 2
     repeat = dataclasses.replace(unit, head=0)  # the max-CoV head's reader: listed once
     once = InfluenceKind(units=(repeat,), top=(repeat,))
     cov[0, 0] = 3.0
-    assert len(_profile_heads(cov, dataclasses.replace(influence, freq=once), group=2)) == 2
+    assert (
+        len(_profile_heads(cov, dataclasses.replace(influence, freq=once), group=2, layers=(0, 1)))
+        == 2
+    )
+    # rows of cov are the analysed layers 1 and 3: picks name those; layer 0's top is not one
+    assert _profile_heads(cov, influence, group=2, layers=(1, 3)) == [
+        (1, 0, "max CoV (concentrated)"),
+        (3, 0, "min CoV (uniform)"),
+    ]

@@ -12,9 +12,11 @@ Two kinds of model carry a ropekit encoding, and two capture paths serve them:
   exactly what SDPA receives, with ``probe.layer`` naming the layer.
 - ``encoding``: any model whose attention calls ``encoding.rotate_q(q, positions, layer)`` and
   ``encoding.rotate_k(k, positions, layer)``, which is what ``ropekit.hf.patch`` makes of a
-  Hugging Face Llama-family model (and what the Decoder does too). The encoding's two methods
-  are wrapped on the instance for the duration; a layer is reported once both its q and its k
-  have passed, whatever the order.
+  Hugging Face model of a supported family (and what the Decoder does too). The encoding's two
+  methods are wrapped on the instance for the duration; a layer is reported once both its q
+  and its k have passed, whatever the order. Only the layers the spec covers call it (the
+  backbone's ``encoded_layers``): the layer types it leaves rotate with the model's own RoPE,
+  other encoding instances that are not wrapped, and NoPE layers call nothing.
 
 Either way the consumer ``on_layer(layer, q, k)`` runs inside the forward, one layer at a time,
 so statistics are reduced as they come and no layer's q, k or attention outlives its turn.
@@ -26,7 +28,9 @@ model is.
 
 What analysis recomputes from the captured q and k is causal attention with the logit scale
 1/sqrt(D) (Llama, Mistral, Qwen2/3 and the Decoder all use it) plus the encoding's score bias.
-A sliding-window layer (Mistral / Qwen2 configured with one) is measured without its window.
+A sliding-window layer (Mistral / Qwen2 configured with one, Gemma's local layers) is measured
+without its window; a family's other attention extras (Gemma's query_pre_attn_scalar, Gemma 2's
+logit softcap, GPT-OSS's sinks) are not recomputed either.
 
 Holds: CAPTURE_METHODS, model_encoding, own_encoding, capture_qk, forward_logits.
 """

@@ -1,8 +1,8 @@
 """Per-head statistics reduced layer by layer from captured rotated queries and keys.
 
-Shape legend: B windows in a batch · L layers · H query heads · K key/value heads · T queries =
-S keys (one window, no cache) · D head dim · F rotary pairs · P sampled query-key pairs ·
-R relative distances · n_b betas.
+Shape legend: B windows in a batch · L layers measured (``layers``, in that order) · H query
+heads · K key/value heads · T queries = S keys (one window, no cache) · D head dim · F rotary
+pairs · P sampled query-key pairs · R relative distances · n_b betas.
 
 ``HeadStatistics.update(layer, q, k)`` is the ``on_layer`` consumer of ``capture.capture_qk``:
 it runs inside the forward, one layer at a time, and keeps only running sums, so neither every
@@ -48,7 +48,7 @@ class HeadStatistics:
     def __init__(
         self,
         *,
-        n_layers: int,
+        layers: Sequence[int],
         n_heads: int,
         n_kv_heads: int,
         length: int,
@@ -60,7 +60,12 @@ class HeadStatistics:
         chunk_elements: int = 2**22,
         seed: int = 0,
     ) -> None:
-        self.n_layers, self.n_heads, self.n_kv_heads = n_layers, n_heads, n_kv_heads
+        # The model's layer indices whose q and k are reduced, row r of every sum holding
+        # layers[r]: the layers the encoding rotates (``Backbone.encoded_layers``).
+        self.layers = tuple(layers)
+        self._row = {layer: row for row, layer in enumerate(self.layers)}
+        n_layers = len(self.layers)
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.length, self.betas = length, tuple(float(b) for b in betas)
         self.bias = bias
         self.layout = layout  # None: effective length only (no rotary pairs to measure)
@@ -99,6 +104,11 @@ class HeadStatistics:
 
     def update(self, layer: int, q: Tensor, k: Tensor) -> None:
         """Reduce one layer's rotated q (B, H, T, D) and k (B, K, T, D) into the sums."""
+        if layer not in self._row:
+            raise ValueError(
+                f"layer {layer} is not allowed: these statistics measure layers "
+                f"{list(self.layers)} (those the encoding rotates)"
+            )
         H, T = q.shape[1], q.shape[2]
         if (H, k.shape[1], T) != (self.n_heads, self.n_kv_heads, self.length) or k.shape[2] != T:
             raise ValueError(
@@ -106,39 +116,40 @@ class HeadStatistics:
                 f"H={self.n_heads}, K={self.n_kv_heads}, T=S={self.length}"
             )
         self.seen.add(layer)
-        self._effective_length(layer, q, k)
+        row = self._row[layer]
+        self._effective_length(row, layer, q, k)
         if self.layout is not None:
             kv = self.kv_index.to(k.device)  # (H,)
             kh = k.float()[:, kv]  # (B, H, S, D): the key head each query head reads
-            self._utilization(layer, q.float(), kh)
-            self._profile(layer, q.float(), kh)
+            self._utilization(row, q.float(), kh)
+            self._profile(row, q.float(), kh)
 
     __call__ = update
 
-    def _effective_length(self, layer: int, q: Tensor, k: Tensor) -> None:
+    def _effective_length(self, row: int, layer: int, q: Tensor, k: Tensor) -> None:
         B, H = q.shape[:2]
         chunk = max(1, self.chunk_elements // (B * H * k.shape[2]))
         bias = self.bias(layer) if self.bias is not None else None
         for start, log_alpha in iter_log_attention(q, k, bias=bias, chunk=chunk):
             stop = start + log_alpha.shape[2]  # log_alpha (B, H, Tc, S_c)
             e = log_effective_lengths(log_alpha, self.betas).exp()  # (n_b, B, H, Tc)
-            self.e_sum[layer, :, :, start:stop] += e.sum(1).cpu()
-        self.e_windows[layer] += B
+            self.e_sum[row, :, :, start:stop] += e.sum(1).cpu()
+        self.e_windows[row] += B
 
     def _scale(self, q: Tensor) -> float:
         return q.shape[-1] ** -0.5  # contributions in logit units: q.k / sqrt(D)
 
-    def _utilization(self, layer: int, q: Tensor, kh: Tensor) -> None:
+    def _utilization(self, row: int, q: Tensor, kh: Tensor) -> None:
         assert self._pairs is not None and self.layout is not None, "call begin_batch first"
         B, H, _, D = q.shape
         qi, kj = (t.to(q.device) for t in self._pairs)  # (B, P)
         qs = q.gather(2, qi[:, None, :, None].expand(B, H, -1, D))  # (B, H, P, D)
         ks = kh.gather(2, kj[:, None, :, None].expand(B, H, -1, D))  # (B, H, P, D)
         c = pair_contributions(qs, ks, self.layout.n_pairs, self.layout.pairing)  # (B, H, P, F)
-        self.util_sum[layer] += (c.abs() * self._scale(q)).double().sum((0, 2)).cpu()
-        self.util_count[layer] += B * qi.shape[1]
+        self.util_sum[row] += (c.abs() * self._scale(q)).double().sum((0, 2)).cpu()
+        self.util_count[row] += B * qi.shape[1]
 
-    def _profile(self, layer: int, q: Tensor, kh: Tensor) -> None:
+    def _profile(self, row: int, q: Tensor, kh: Tensor) -> None:
         assert self.layout is not None
         B, _, T, _ = q.shape
         R = len(self.distances)
@@ -150,11 +161,11 @@ class HeadStatistics:
         corr = torch.fft.irfft(fq * fk.conj(), n=2 * T, dim=2)[:, :, :R]  # (B, H, R, D)
         # The pair sum is linear, so fold channels into pairs after summing over windows.
         c = fold_pairs(corr.sum(0), self.layout.n_pairs, self.layout.pairing)  # (H, R, F)
-        self.profile_sum[layer] += c.transpose(1, 2).cpu() * self._scale(q)
-        self.profile_count[layer] += B * (T - self.distances)  # (R,): queries i >= r
+        self.profile_sum[row] += c.transpose(1, 2).cpu() * self._scale(q)
+        self.profile_count[row] += B * (T - self.distances)  # (R,): queries i >= r
 
     def _check_complete(self, counts: Tensor, what: str) -> None:
-        missing = [layer for layer in range(self.n_layers) if int(counts[layer]) == 0]
+        missing = [layer for layer, n in zip(self.layers, counts.tolist(), strict=True) if n == 0]
         if missing:
             raise RuntimeError(f"no {what} was captured for layers {missing}")
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -125,14 +125,21 @@ def head_influence(
     baseline: float | None = None,
     skip_unchanged: bool = True,
     progress: bool = False,
+    layers: Collection[int] | None = None,
 ) -> dict[str, Any]:
     """delta NLL for every unit of ``kind`` (module docstring) on windows (N, T).
 
     Returns {"kind", "baseline_nll", "units": [{"layer", "head", "label", "delta_nll",
     "computed"}]} in parameter-row order (an encoding without such units gives an empty list).
-    ``baseline`` reuses an NLL already measured on the same windows.
+    ``baseline`` reuses an NLL already measured on the same windows. ``layers`` (None: all)
+    keeps the units of those layers and the shared ones: a layer the encoding does not rotate
+    (a layer type its spec leaves) never reads its rows.
     """
-    units = influence_units(encoding, kind)
+    units = [
+        unit
+        for unit in influence_units(encoding, kind)
+        if layers is None or unit.layer is None or unit.layer in layers
+    ]
     if baseline is None:
         baseline = mean_nll(model, windows, batch_size)
     rows = []

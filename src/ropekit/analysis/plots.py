@@ -4,6 +4,8 @@ Each figure is drawn from the result of ``analyze`` alone (an ``AnalysisResult``
 ``Sections`` of ``analyze_windows``), so a saved ``analysis.json`` can be re-plotted from its
 record (``read_record``). Figures whose section is absent (a non-rotary encoding, no
 learned schedule, no influence run) are not drawn; ``planned_figures`` says which will be.
+Only the layers the encoding rotates are analysed, each labelled by its index in the model and
+its type (``record.AnalysedLayer``).
 
 - ``effective_length.png``: E_beta (window mean) against context length, one line per head, one
   panel per layer, log-log, with uniform causal attention ((L + 1) / 2) dashed (paper,
@@ -80,7 +82,7 @@ def plot_effective_length(result: Drawn, path: Path) -> Path:
         _length_axis(ax, lengths)
         ax.set_yscale("log")
         _log_numbers(ax.yaxis)
-        ax.set_title(f"layer {layer}")
+        ax.set_title(f"layer {result.layers[layer].index} ({result.layers[layer].kind})")
         if layer % ncols == 0:
             ax.set_ylabel(f"E_{beta_label(betas[b])} (keys)")
         if layer // ncols == nrows - 1:
@@ -147,13 +149,17 @@ def plot_utilization(result: Drawn, path: Path) -> Path:
     _pair_ticks(ax_map, n_pairs)
     every = max(1, math.ceil(n_layers / 32))  # at most ~32 layer labels
     ticks = [layer * n_heads for layer in range(0, n_layers, every)]
-    ax_map.set_yticks(ticks, [f"L{layer}" for layer in range(0, n_layers, every)], fontsize=7)
+    labels = [result.layers[layer].label for layer in range(0, n_layers, every)]
+    ax_map.set_yticks(ticks, labels, fontsize=7)
     fig.colorbar(image, ax=ax_map, fraction=0.04)
     cov = _array(section.cov)  # (L, H)
     ax_box.boxplot([row[np.isfinite(row)] for row in cov], showmeans=True)
     every = max(1, math.ceil(n_layers / 16))
     ax_box.set_xticks(
-        range(1, n_layers + 1, every), [str(layer) for layer in range(0, n_layers, every)]
+        range(1, n_layers + 1, every),
+        [result.layers[layer].label for layer in range(0, n_layers, every)],
+        rotation=45,
+        fontsize=7,
     )
     ax_box.axhline(math.sqrt(n_pairs - 1), color="gray", ls=":", lw=1, label="one pair only")
     ax_box.set(
@@ -169,6 +175,7 @@ def plot_utilization(result: Drawn, path: Path) -> Path:
 def plot_distance_profile(result: Drawn, path: Path) -> Path:
     section = _present(result.utilization).distance_profile
     heads, distances = section.heads, section.distances
+    kinds = {layer.index: layer.kind for layer in result.layers}
     fig, axes = figure(4.6 * len(heads), 3.8, 1, len(heads), constrained=True)
     for ax, head in zip(axes[0], heads, strict=True):
         c = _array(head.contribution)  # (F, R)
@@ -185,7 +192,7 @@ def plot_distance_profile(result: Drawn, path: Path) -> Path:
         ax.set(
             xlabel="relative distance Δ (tokens)",
             ylabel="rotary pair f",
-            title=f"layer {head.layer} head {head.head}: {head.why}",
+            title=f"layer {head.layer} ({kinds[head.layer]}) head {head.head}: {head.why}",
         )
         ax.title.set_fontsize(8)
         _pair_ticks(ax, c.shape[0], axis="y")
@@ -198,7 +205,7 @@ def plot_effective_base(result: Drawn, path: Path) -> Path:
     schedule = _present(result.schedule)
     section = schedule.effective_base
     per_head, per_layer = _array(section.per_head), _array(section.per_layer)  # (L, K), (L,)
-    layers = np.arange(len(per_layer))
+    layers = np.arange(len(per_layer))  # positions; labelled with the layers' index and type
     fig, axes = figure(6, 4, constrained=True)
     ax = axes[0][0]
     for k in range(per_head.shape[1]):
@@ -220,7 +227,7 @@ def plot_effective_base(result: Drawn, path: Path) -> Path:
         ax.set_ylim(values.min() / 2, values.max() * 2)
     ax.set_yscale("log")
     ax.set(xlabel="layer", ylabel="effective base Θ", title=f"effective RoPE base, {result.spec}")
-    ax.set_xticks(layers)
+    ax.set_xticks(layers, [layer.label for layer in result.layers], rotation=45, fontsize=7)
     ax.legend(fontsize=7)
     return save(fig, path)
 

@@ -4,15 +4,16 @@ the figures read.
 ``AnalysisResult`` is one analysis: its four sections (``EffectiveLength``, ``Utilization``
 with its ``DistanceProfile``, ``Schedule`` with its ``EffectiveBase`` and ``Learned``
 parameters, ``Influence`` per ``InfluenceKind``), which were skipped and why, and what was
-analysed (``ModelShape``, ``Windows``, the config). ``Sections`` is the part ``analyze_windows``
-measures (no files, no provenance); figures draw from either. Tensors are nested tuples in the
-shapes the comments give (``run``'s shape legend); a non-finite number is NaN in memory and
-null in the file (``ropekit.results``). Registered as the ``analysis`` kind at ``VERSION``;
-``_from_v2`` migrates the untyped layout (format_version 2).
+analysed (``ModelShape``, each ``AnalysedLayer``, ``Windows``, the config). ``Sections`` is the
+part ``analyze_windows`` measures (no files, no provenance); figures draw from either. Tensors
+are nested tuples in the shapes the comments give (``run``'s shape legend); a non-finite number
+is NaN in memory and null in the file (``ropekit.results``); an axis L runs over the analysed
+layers, in ``layers``' order. Registered as the ``analysis`` kind at ``VERSION``; ``_from_v2``
+migrates the untyped layout (format_version 2), ``_from_v3`` a file from before layer types.
 
-Holds: VERSION, Row, Grid, Grid3, Grid4, EffectiveLength, ProfileHead, DistanceProfile,
-Utilization, EffectiveBase, Learned, Schedule, InfluenceUnit, InfluenceKind, Influence,
-ModelShape, Windows, Sections, AnalysisResult, nested.
+Holds: VERSION, AnalysedLayer, Row, Grid, Grid3, Grid4, EffectiveLength, ProfileHead,
+DistanceProfile, Utilization, EffectiveBase, Learned, Schedule, InfluenceUnit, InfluenceKind,
+Influence, ModelShape, Windows, Sections, AnalysisResult, nested.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any
 
 from ropekit.results import register
 
-VERSION = 3  # 3: typed; every field written, the model's class as class_name (2: untyped)
+# 4: the analysed layers and their types (3: every layer; 2: untyped, the class as "class")
+VERSION = 4
 
 Row = tuple[float, ...]
 Grid = tuple[Row, ...]
@@ -33,6 +35,21 @@ Grid4 = tuple[Grid3, ...]
 def nested(values: Any) -> Any:
     """Nested lists (``Tensor.tolist()``) as nested tuples, the records' immutable arrays."""
     return tuple(nested(v) for v in values) if isinstance(values, list | tuple) else values
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalysedLayer:
+    """One layer whose attention rotates with the analysed encoding (``Backbone.
+    encoded_layers``): a spec may cover only some layer types (Gemma 3's global layers), the
+    others keep the model's own RoPE or rotate nothing (NoPE) and are not analysed."""
+
+    index: int  # in the model's layers
+    kind: str  # the layer type, as the model's config names it ("full_attention", ...)
+
+    @property
+    def label(self) -> str:
+        """How tables and figures name the layer, e.g. "L3 full_attention"."""
+        return f"L{self.index} {self.kind}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +68,7 @@ class EffectiveLength:
 class ProfileHead:
     """One head's contribution by distance (paper, Figure 1)."""
 
-    layer: int
+    layer: int  # index in the model's layers
     head: int  # query head
     why: str  # why it was picked (max CoV, min CoV, top AdaFreq influence)
     contribution: Grid  # (F, R) mean logit contribution q_f.k_f / sqrt(D)
@@ -187,6 +204,7 @@ class Sections:
     why)."""
 
     spec: str  # the encoding analysed
+    layers: tuple[AnalysedLayer, ...]  # the L layers every section's layer axis runs over
     effective_length: EffectiveLength
     utilization: Utilization | None
     schedule: Schedule | None
@@ -211,7 +229,14 @@ def _from_v2(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-@register("analysis", VERSION, {2: _from_v2})
+def _from_v3(data: dict[str, Any]) -> dict[str, Any]:
+    """Before layer types every layer was analysed, and every model ropekit patched had layers
+    of one type (full attention)."""
+    layers = [{"index": i, "kind": "full_attention"} for i in range(data["model"]["n_layers"])]
+    return {**data, "layers": layers}
+
+
+@register("analysis", VERSION, {2: _from_v2, 3: _from_v3})
 @dataclasses.dataclass(frozen=True)
 class AnalysisResult:
     """analysis.json: ``Sections``' fields, and what was analysed on what."""
@@ -225,6 +250,7 @@ class AnalysisResult:
     capture: str
     skipped: dict[str, str]
     spec: str
+    layers: tuple[AnalysedLayer, ...]
     seed: int
     model: ModelShape
     data: Windows

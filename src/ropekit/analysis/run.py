@@ -1,7 +1,7 @@
 """``analyze``: held-out windows in, ``analysis.json`` and PNGs out (``ropekit analyze``).
 
-Shape legend: N windows · W window length · L layers · H query heads · K key/value heads ·
-F rotary pairs · R relative distances · n_L context lengths · n_b betas.
+Shape legend: N windows · W window length · L layers analysed · H query heads · K key/value
+heads · F rotary pairs · R relative distances · n_L context lengths · n_b betas.
 
 What it measures, in this order, on one set of N held-out windows of W = max(lengths,
 target_length) tokens drawn at seeded random places from the held-out stream:
@@ -21,8 +21,14 @@ target_length) tokens drawn at seeded random places from the held-out stream:
 4. Head influence (``influence``, AdaRoPE): delta NLL at target_length when one head's AdaFreq
    or AdaScale parameters are reverted to init, on the first ``influence_windows`` windows.
 
-The capture forwards stop once every layer has been seen (the LM head is never run), so no
-(B, W, V) logits tensor is made. Writes JSON first (spec, seed, versions, command, config,
+The layers analysed are those the encoding rotates (``Backbone.encoded_layers``): a spec may
+cover only some layer types (Gemma 3: its global layers), and the others (the model's own RoPE,
+NoPE) are neither captured nor reported; every section's layer axis runs over them, each
+labelled by its index and type (``record.AnalysedLayer``). An unpatched model runs its own RoPE
+on the layers of its family's default types.
+
+The capture forwards stop once every analysed layer has been seen (the LM head is never run),
+so no (B, W, V) logits tensor is made. Writes JSON first (spec, seed, versions, command, config,
 data), then the figures of ``plots``. The result is an ``AnalysisResult`` (``record``), read
 back by ``read_record``.
 
@@ -37,6 +43,7 @@ import functools
 import hashlib
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +73,7 @@ from .metrics import (
 )
 from .plots import beta_label, planned_figures, write_figures
 from .record import (
+    AnalysedLayer,
     AnalysisResult,
     DistanceProfile,
     EffectiveBase,
@@ -217,8 +225,8 @@ def held_out_windows(
 
 
 class _AllLayersSeen(Exception):
-    """Raised from the capture consumer once the last layer is reduced: the rest of the forward
-    (final norm, LM head, logits) is not needed."""
+    """Raised from the capture consumer once the last analysed layer is reduced: the rest of
+    the forward (final norm, LM head, logits) is not needed."""
 
 
 def _layer_bias(encoding: PositionEncoding, layer: int) -> BiasFn:
@@ -231,8 +239,9 @@ def _layer_bias(encoding: PositionEncoding, layer: int) -> BiasFn:
 def _collect(
     model: nn.Module, windows: Tensor, stats: HeadStatistics, config: AnalysisConfig, bar: tqdm
 ) -> str:
-    """Run windows (N, T) through the model in batches, reducing every layer into ``stats``."""
-    n_layers = stats.n_layers
+    """Run windows (N, T) through the model in batches, reducing each of ``stats.layers`` into
+    ``stats``."""
+    n_layers = len(stats.layers)
     device = as_backbone(model).device
     batch = max(1, config.batch_tokens // windows.shape[1])
 
@@ -249,8 +258,9 @@ def _collect(
                 forward_logits(model, ids)
             if len(stats.seen) != n_layers:
                 raise RuntimeError(
-                    f"captured layers {sorted(stats.seen)} of {n_layers}: the model's attention "
-                    "does not route every layer through its ropekit encoding"
+                    f"captured layers {sorted(stats.seen)} of {list(stats.layers)}: the model's "
+                    "attention does not route every layer its backbone names through the "
+                    "ropekit encoding"
                 )
             bar.update(ids.shape[0])
     return method
@@ -269,11 +279,12 @@ def _beta_json(beta: float) -> float | str:
 
 
 def _profile_heads(
-    cov: Tensor, influence: Influence | None, group: int
+    cov: Tensor, influence: Influence | None, group: int, layers: Sequence[int]
 ) -> list[tuple[int, int, str]]:
-    """The heads whose distance profile is kept: the most concentrated and the most uniform
-    utilization (paper, Figure 2 b vs a), and a reader of the most influential AdaFreq kv head
-    (Figure 10 right)."""
+    """The heads whose distance profile is kept, as (layer, query head, why), of the layers
+    ``cov``'s rows hold: the most concentrated and the most uniform utilization (paper,
+    Figure 2 b vs a), and a reader of the most influential AdaFreq kv head (Figure 10 right)
+    when its layer is one of them."""
     flat = torch.where(torch.isfinite(cov), cov, torch.nan).flatten()
     picks: list[tuple[int, int, str]] = []
     if bool(torch.isfinite(flat).any()):
@@ -282,9 +293,9 @@ def _profile_heads(
             (int(torch.nan_to_num(flat, nan=-math.inf).argmax()), "max CoV (concentrated)"),
             (int(torch.nan_to_num(flat, nan=math.inf).argmin()), "min CoV (uniform)"),
         ):
-            picks.append((index // n_heads, index % n_heads, why))
+            picks.append((layers[index // n_heads], index % n_heads, why))
     top = influence.freq.top if influence is not None and influence.freq is not None else ()
-    if top and top[0].layer is not None and top[0].head is not None:
+    if top and top[0].layer in layers and top[0].head is not None:
         picks.append((top[0].layer, top[0].head * group, "top AdaFreq influence"))
     seen, unique = set(), []
     for layer, head, why in picks:
@@ -297,13 +308,14 @@ def _profile_heads(
 def _effective_lengths(
     model: Backbone | nn.Module,
     encoding: PositionEncoding,
+    layers: tuple[AnalysedLayer, ...],
     windows: Tensor,
     config: AnalysisConfig,
     progress: bool,
 ) -> tuple[EffectiveLength, HeadStatistics, str]:
-    """Section 1: E_beta per layer and head against length; the statistics at max(lengths)
-    (utilization and the distance profile read them) and the capture path used."""
-    n_layers, H, K = encoding.n_layers, encoding.n_heads, encoding.n_kv_heads
+    """Section 1: E_beta per analysed layer and head against length; the statistics at
+    max(lengths) (utilization and the distance profile read them) and the capture path used."""
+    n_layers, H, K = len(layers), encoding.n_heads, encoding.n_kv_heads
     layout = rotary_layout(encoding)
     lengths, L_max = config.lengths, config.max_length
     # Causal attention: one forward at L_max serves every shorter length, unless the schedule
@@ -316,7 +328,7 @@ def _effective_lengths(
     bar = tqdm(total=total, desc="analysis", unit="window", disable=not progress)
     for run_length, served in runs:
         stats = HeadStatistics(
-            n_layers=n_layers,
+            layers=[layer.index for layer in layers],
             n_heads=H,
             n_kv_heads=K,
             length=run_length,
@@ -355,20 +367,21 @@ def _utilization(
     config: AnalysisConfig,
     influence: Influence | None,
 ) -> Utilization:
-    """Section 2 (rotary encodings): per-pair utilization at max(lengths), its CoV, and the
-    distance profile of the heads ``_profile_heads`` picks."""
-    n_layers, H, K = encoding.n_layers, encoding.n_heads, encoding.n_kv_heads
+    """Section 2 (rotary encodings): per-pair utilization of the analysed layers at
+    max(lengths), its CoV, and the distance profile of the heads ``_profile_heads`` picks."""
+    H, K = encoding.n_heads, encoding.n_kv_heads
     layout, L_max = rotary_layout(encoding), config.max_length
     u = at_max.utilization()  # (L, H, F)
     cov = coefficient_of_variation(u)  # (L, H)
     kv = kv_head_index(H, K)
     log_theta = torch.stack(
-        [head_log_frequencies(encoding, layer, L_max)[kv] for layer in range(n_layers)]
+        [head_log_frequencies(encoding, layer, L_max)[kv] for layer in at_max.layers]
     )  # (L, H, F)
     weighted_log = weighted_mean(log_theta, u)  # (L, H)
     mean_log = log_theta.mean(-1)  # (L, H)
     profile = at_max.distance_profile()  # (L, H, F, R)
-    heads = _profile_heads(cov, influence, encoding.n_heads // encoding.n_kv_heads)
+    group = encoding.n_heads // encoding.n_kv_heads
+    heads = _profile_heads(cov, influence, group, at_max.layers)
     return Utilization(
         length=L_max,
         pairing=layout.pairing,
@@ -385,16 +398,21 @@ def _utilization(
         distance_profile=DistanceProfile(
             distances=tuple(at_max.distances.tolist()),
             heads=tuple(
-                ProfileHead(layer, head, why, nested(profile[layer, head].tolist()))  # (F, R)
+                ProfileHead(
+                    layer, head, why, nested(profile[at_max.layers.index(layer), head].tolist())
+                )  # contribution (F, R)
                 for layer, head, why in heads
             ),
         ),
     )
 
 
-def _schedule(encoding: PositionEncoding, config: AnalysisConfig) -> Schedule | None:
-    """Section 3: effective base per layer and kv head; what AdaRoPE / tuned-yarn learned."""
-    bases = effective_bases(encoding, config.max_length)
+def _schedule(
+    encoding: PositionEncoding, layers: tuple[AnalysedLayer, ...], config: AnalysisConfig
+) -> Schedule | None:
+    """Section 3: effective base per analysed layer and kv head; what AdaRoPE / tuned-yarn
+    learned (its parameters as they are, every row)."""
+    bases = effective_bases(encoding, config.max_length, [layer.index for layer in layers])
     if bases is None:
         return None
     layout = rotary_layout(encoding)
@@ -411,12 +429,13 @@ def _schedule(encoding: PositionEncoding, config: AnalysisConfig) -> Schedule | 
 def _influence(
     model: Backbone | nn.Module,
     encoding: PositionEncoding,
+    layers: tuple[AnalysedLayer, ...],
     windows: Tensor,
     config: AnalysisConfig,
     progress: bool,
 ) -> Influence:
-    """Section 4 (AdaRoPE): delta NLL at the target length per head whose AdaFreq or
-    AdaScale parameters are reverted to init."""
+    """Section 4 (AdaRoPE): delta NLL at the target length per head of the analysed layers
+    (and per shared row) whose AdaFreq or AdaScale parameters are reverted to init."""
     T = config.influence_length
     n = config.influence_windows or config.n_windows
     sample = windows[:n, :T]
@@ -428,8 +447,9 @@ def _influence(
             kinds[kind] = None
             continue
         rows = head_influence(
-            model, encoding, sample, kind, batch_size=batch, baseline=baseline, progress=progress
-        )["units"]
+            model, encoding, sample, kind, batch_size=batch, baseline=baseline,
+            progress=progress, layers={layer.index for layer in layers},
+        )["units"]  # fmt: skip
         units = tuple(InfluenceUnit(**row) for row in rows)
         top = sorted(units, key=lambda u: u.delta_nll, reverse=True)[: config.top_k]
         kinds[kind] = InfluenceKind(units=units, top=tuple(top))
@@ -444,25 +464,31 @@ def analyze_windows(
     progress: bool = False,
 ) -> Sections:
     """The numbers of the analysis (module docstring) on windows (N, W); writes nothing."""
+    layers = tuple(
+        AnalysedLayer(index, kind) for index, kind in as_backbone(model).encoded_layers().items()
+    )
     skipped: dict[str, str] = {}
-    effective, at_max, method = _effective_lengths(model, encoding, windows, config, progress)
+    effective, at_max, method = _effective_lengths(
+        model, encoding, layers, windows, config, progress
+    )
     influence = None
     if not config.influence:
         skipped["influence"] = "influence=False"
     elif not any(influence_units(encoding, kind) for kind in INFLUENCE_KINDS):
         skipped["influence"] = f"encoding {encoding.spec!r} has no per-head learned parameters"
     else:  # before utilization: its distance profile shows the most influential head
-        influence = _influence(model, encoding, windows, config, progress)
+        influence = _influence(model, encoding, layers, windows, config, progress)
     utilization = None
     if rotary_layout(encoding) is None:
         skipped["utilization"] = f"encoding {encoding.spec!r} has no rotary pairs"
     else:
         utilization = _utilization(encoding, at_max, config, influence)
-    schedule = _schedule(encoding, config)
+    schedule = _schedule(encoding, layers, config)
     if schedule is None:
         skipped["schedule"] = f"encoding {encoding.spec!r} has no rotary frequencies"
     return Sections(
         spec=encoding.spec,
+        layers=layers,
         effective_length=effective,
         utilization=utilization,
         schedule=schedule,
@@ -598,7 +624,9 @@ def summary_lines(result: AnalysisResult) -> list[str]:
     lines = [
         f"{m.class_name} with {result.spec}: {m.n_layers} layers x {m.n_heads} heads "
         f"({m.n_kv_heads} kv); {data.n_windows} held-out windows of {data.window_length} "
-        f"tokens; capture via {result.capture}"
+        f"tokens; capture via {result.capture}",
+        f"analysed layers ({len(result.layers)} of {m.n_layers}, those the encoding rotates): "
+        + ", ".join(layer.label for layer in result.layers),
     ]
     el = result.effective_length
     b, lengths = el.primary_beta_index, el.lengths
@@ -623,7 +651,7 @@ def summary_lines(result: AnalysisResult) -> list[str]:
             f"min {lo:.2f}, max {hi:.2f} (one pair only: {util.max_cov:.2f})"
         )
     if result.schedule is not None:
-        lines += _schedule_lines(result.schedule)
+        lines += _schedule_lines(result.schedule, result.layers)
     influence = result.influence
     names = {"freq": "AdaFreq", "scale": "AdaScale"}
     for kind, section in (influence.kinds() if influence is not None else {}).items():
@@ -636,12 +664,12 @@ def summary_lines(result: AnalysisResult) -> list[str]:
     return lines
 
 
-def _schedule_lines(schedule: Schedule) -> list[str]:
+def _schedule_lines(schedule: Schedule, layers: tuple[AnalysedLayer, ...]) -> list[str]:
     per_layer = schedule.effective_base.per_layer
     initial = schedule.initial_base
     lines = [
         "effective base per layer: "
-        + ", ".join(f"{v:.3g}" for v in per_layer)
+        + ", ".join(f"L{layer.index} {v:.3g}" for layer, v in zip(layers, per_layer, strict=True))
         + (f" (initial {initial:.3g})" if initial else "")
     ]
     learned = schedule.learned

@@ -20,6 +20,7 @@ Holds: RotaryLayout, rotary_layout, head_log_frequencies, effective_bases, learn
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -59,15 +60,19 @@ def head_log_frequencies(
     return log_theta.cpu().expand(encoding.n_kv_heads, -1)  # (K, F)
 
 
-def effective_bases(encoding: PositionEncoding, length: int | None = None) -> dict[str, Any] | None:
-    """Effective RoPE base per layer and key head (module docstring); None for encodings that
-    do not rotate. Values: ``per_head`` (L, K), ``per_layer`` (L,), ``intercept`` (L, K),
-    ``fit_rms`` (L, K) residual of the fit in ln theta units."""
+def effective_bases(
+    encoding: PositionEncoding, length: int | None = None, layers: Sequence[int] | None = None
+) -> dict[str, Any] | None:
+    """Effective RoPE base per layer and key head (module docstring) of ``layers`` (None: every
+    layer of the encoding); None for encodings that do not rotate. Values: ``per_head`` (L, K),
+    ``per_layer`` (L,), ``intercept`` (L, K), ``fit_rms`` (L, K) residual of the fit in
+    ln theta units."""
     layout = rotary_layout(encoding)
     if layout is None or layout.n_pairs < 2:
         return None
+    layers = range(encoding.n_layers) if layers is None else layers
     log_theta = torch.stack(
-        [head_log_frequencies(encoding, layer, length) for layer in range(encoding.n_layers)]
+        [head_log_frequencies(encoding, layer, length) for layer in layers]
     )  # (L, K, F)
     base, intercept, rms = fit_effective_base(log_theta, layout.rotary_dim)  # 3 x (L, K)
     per_layer = base.log().mean(-1).exp()  # (L,): geometric mean = pooled fit

@@ -9,7 +9,8 @@ supported architecture, PEFT-wrapped or not). Everything that differs between th
 behind these methods:
 
 - the encoding: ``encoding``, ``set_encoding(spec)``, ``own_encoding()`` (an unpatched model's
-  own RoPE as a ropekit encoding, for analysis), ``training_length``;
+  own RoPE as a ropekit encoding, for analysis), ``encoded_layers()`` (the layers that encoding
+  rotates, with their types), ``training_length``;
 - identity: ``fingerprint()`` (what an adapter must match: architecture, heads, base, L0) and
   ``identity()`` (what a result's provenance records: that plus a digest of every weight),
   ``weights_sample()`` (a few weights, which an adapter records to refuse another model of
@@ -28,7 +29,7 @@ behind these methods:
 Adapters (positional parameters and LoRA weights) are written and applied through the
 backbone in ``adapters.py``; models are opened in ``load.py``.
 
-Holds: Backbone, parameter_digest, COMPUTE_DTYPES, WEIGHTS_SAMPLE.
+Holds: Backbone, parameter_digest, COMPUTE_DTYPES, WEIGHTS_SAMPLE, FULL_ATTENTION.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ from ropekit.utils import warn_if_emulated
 # How many backbone weights an adapter records of its model (Backbone.weights_sample).
 WEIGHTS_SAMPLE = 64
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The type of a layer that attends to every earlier token (transformers' name): every layer of a
+# model whose layers are all alike (``Backbone.encoded_layers``).
+FULL_ATTENTION = "full_attention"
 
 
 def parameter_digest(tensors: Mapping[str, Tensor]) -> str:
@@ -113,6 +117,14 @@ class Backbone(abc.ABC):
     def own_encoding(self) -> contextlib.AbstractContextManager[tuple[PositionEncoding, bool]]:
         """A block in which the model runs through a ropekit encoding: yields (encoding,
         whether it was attached just for this block, and is removed on exit)."""
+
+    def encoded_layers(self) -> dict[int, str]:
+        """Layer index -> layer type, for the layers whose attention calls ``encoding`` (inside
+        ``own_encoding`` for a model that runs its own RoPE), in layer order. Here every layer
+        of the encoding, all of one type; a model whose spec covers only some layer types
+        (others on their own RoPE, or NoPE) names those."""
+        encoding = self.encoding
+        return dict.fromkeys(range(0 if encoding is None else encoding.n_layers), FULL_ATTENTION)
 
     @property
     @abc.abstractmethod

@@ -40,11 +40,14 @@ from ropekit.hf import build_for_model, encoding_of, patch, spec_from_config, un
 from ropekit.hf.archs import (
     arch_for,
     base_model,
+    covered_types,
+    layer_infos,
     model_dims,
     original_length,
     rope_context,
     unwrap,
 )
+from ropekit.hf.patching import encoded_layers as patched_layers
 
 from .base import Backbone
 
@@ -87,6 +90,16 @@ class HFBackbone(Backbone):
             yield encoding, True
         finally:
             unpatch(self.model)
+
+    def encoded_layers(self) -> dict[int, str]:
+        """From the patch (``hf.patching.encoded_layers``); unpatched, the layers
+        ``own_encoding`` would give its encoding: those of the family's default types."""
+        infos = layer_infos(self.config)
+        indices = patched_layers(self.model)
+        if indices is None:
+            kinds = covered_types(self.config, None)
+            indices = tuple(i.index for i in infos if i.rotates and i.kind in kinds)
+        return {index: infos[index].kind for index in indices}
 
     @property
     def training_length(self) -> int:

@@ -19,7 +19,8 @@ keeps them in the dtype they were built in when the model is cast (``model.to(bf
 would otherwise round learned frequency offsets and temperatures to 8-bit mantissas, a
 visible angle error at long positions); device moves pass through.
 
-Holds: patch, unpatch, is_patched, encoding_of, build_for_model, covered_types, ENCODING_ATTR.
+Holds: patch, unpatch, is_patched, encoding_of, encoded_layers, build_for_model, covered_types,
+ENCODING_ATTR.
 """
 
 from __future__ import annotations
@@ -193,6 +194,15 @@ def encoding_of(model: nn.Module) -> PositionEncoding | None:
     """The encoding a patched model uses, or None when it is not patched."""
     state = _state(model)
     return None if state is None else state.encoding
+
+
+def encoded_layers(model: nn.Module) -> tuple[int, ...] | None:
+    """The indices of the layers that rotate with the patch's encoding (not those left to the
+    model's own RoPE, nor NoPE layers), or None when the model is not patched."""
+    state = _state(model)
+    if state is None:
+        return None
+    return tuple(layer.index for layer in state.layers if layer.encoding is state.encoding)
 
 
 def patch(
