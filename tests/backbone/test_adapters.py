@@ -299,3 +299,31 @@ def test_a_damaged_run_record_beside_good_weights_is_said(tmp_path: Path, tiny_l
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_adapter(tiny_llama(), run)
+
+
+# ----------------------------------------------------------------------------- layer types
+def test_an_adapter_records_its_layers_and_refuses_a_spec_that_covers_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OLMo 3 (local and global layers, one base): AdaRoPE by the family's default covers
+    every layer and says so; if the default changed (a recipe of the global layers only), the
+    same spec would cover half of them, and loading says so instead of applying half."""
+    import dataclasses
+
+    from ropekit.hf.archs import ARCHS
+
+    from ..tiny import family_model
+
+    model = family_model("olmo3")
+    perturb(patch(model, "adarope:init=yarn,factor=2"))
+    save_adapter(model, tmp_path / "a")
+    meta = json.loads((tmp_path / "a" / "adapter.json").read_text())
+    kinds = ["sliding_attention", "full_attention"] * 2
+    assert meta["layers"] == [[i, kind] for i, kind in enumerate(kinds)]
+    expected = _logits(model)
+    fresh = family_model("olmo3")
+    load_adapter(fresh, tmp_path / "a")
+    assert torch.equal(_logits(fresh), expected)
+    monkeypatch.setitem(ARCHS, "olmo3", dataclasses.replace(ARCHS["olmo3"], recipe=(kinds[1],)))
+    with pytest.raises(AdapterError, match="trained on layers L0 sliding_attention.*covers L1"):
+        load_adapter(family_model("olmo3"), tmp_path / "a")

@@ -14,7 +14,8 @@ rename):
   copy of the model; files written before it have none), each
   parameter's shape and dtype, the sha256 of the weights file, the sha256 of all of these
   (``meta_sha256``: an edited spec or fingerprint is refused; files written before it have
-  none and load as they did) and the versions that wrote it.
+  none and load as they did), the layers the encoding covers (index and type: a spec whose
+  layers differ on load is refused) and the versions that wrote it.
 
 LoRA weights (an extension run's ``lora.safetensors``) carry the same check in ``lora.json``:
 rank, alpha, target modules, the model's fingerprint, every tensor's shape and the sha256 of
@@ -24,8 +25,8 @@ The weights are written first and the JSON last, so a crash between the two leav
 checksum no longer matches and loading says so instead of using stale numbers.
 
 Holds: AdapterError, save_adapter, write_adapter, read_adapter, load_adapter (an adapter folder
-or an extension run folder), check_weights, OTHER_WEIGHTS_ENV, add_lora, save_lora, load_lora,
-ADAPTER_WEIGHTS, ADAPTER_CONFIG, LORA_WEIGHTS, LORA_CONFIG.
+or an extension run folder), check_weights, check_layers, OTHER_WEIGHTS_ENV, add_lora,
+save_lora, load_lora, ADAPTER_WEIGHTS, ADAPTER_CONFIG, LORA_WEIGHTS, LORA_CONFIG.
 """
 
 from __future__ import annotations
@@ -215,10 +216,12 @@ def write_adapter(
     directory: str | Path,
     *,
     weights_sample: list[float],
+    layers: dict[int, str] | None = None,
 ) -> Path:
     """Write an adapter: the encoding's parameters (every one, frozen or not: a model frozen
-    for evaluation must still save what it learned), its spec, the model's fingerprint and
-    its ``Backbone.weights_sample``."""
+    for evaluation must still save what it learned), its spec, the model's fingerprint, its
+    ``Backbone.weights_sample`` and the layers the encoding covers
+    (``Backbone.encoded_layers``: index and type)."""
     directory = Path(directory)
     tensors = {n: p.detach().to("cpu").contiguous() for n, p in encoding.named_parameters()}
     meta = {
@@ -228,6 +231,8 @@ def write_adapter(
         "fingerprint": model_fingerprint,
         "weights_sample": weights_sample,
     }
+    if layers is not None:
+        meta["layers"] = [[index, kind] for index, kind in layers.items()]
     _write_checked(directory, ADAPTER_WEIGHTS, ADAPTER_CONFIG, tensors, meta)
     return directory
 
@@ -244,13 +249,33 @@ def save_adapter(model: Backbone | nn.Module, directory: str | Path) -> Path:
             "(ropekit.hf.patch(model, spec), or Backbone.set_encoding) before saving"
         )
     return write_adapter(
-        encoding, backbone.fingerprint(), directory, weights_sample=backbone.weights_sample()
-    )
+        encoding, backbone.fingerprint(), directory, weights_sample=backbone.weights_sample(),
+        layers=backbone.encoded_layers(),
+    )  # fmt: skip
 
 
 def read_adapter(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(metadata, tensors) of an adapter folder, checked for completeness and corruption."""
     return _read_checked(Path(directory), ADAPTER_WEIGHTS, ADAPTER_CONFIG, FORMAT, ("spec",))
+
+
+def check_layers(recorded: list | None, backbone: Backbone, directory: Path) -> None:
+    """AdapterError unless the spec, rebuilt on this model, covers the layers the adapter
+    was trained on (a family's default layer types could differ between versions); files
+    written before layers were recorded have none and load as they did."""
+    if recorded is None:
+        return
+    here = [[index, kind] for index, kind in backbone.encoded_layers().items()]
+    if [list(pair) for pair in recorded] != here:
+
+        def words(pairs: list) -> str:
+            return ", ".join(f"L{i} {kind}" for i, kind in pairs) or "none"
+
+        raise AdapterError(
+            f"{directory / ADAPTER_CONFIG} was trained on layers {words(recorded)}; its spec "
+            f"covers {words(here)} of this model: load it with a spec naming layers= as "
+            "trained, or retrain"
+        )
 
 
 def _apply_positional(backbone: Backbone, directory: Path) -> PositionEncoding:
@@ -266,6 +291,7 @@ def _apply_positional(backbone: Backbone, directory: Path) -> PositionEncoding:
             encoding = backbone.set_encoding(spec)
         except ValueError as e:
             raise AdapterError(f"{directory / ADAPTER_CONFIG}: {e}") from None
+    check_layers(meta.get("layers"), backbone, directory)
     params = dict(encoding.named_parameters())
     missing = sorted(set(params) - set(tensors))
     unexpected = sorted(set(tensors) - set(params))

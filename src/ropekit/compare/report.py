@@ -227,15 +227,11 @@ def _skipped(data: CompareResult) -> list[Block]:
     return lines
 
 
-def _retrieval_table(data: CompareResult, out: Path) -> list[Block]:
-    """Accuracy per method and needle distance bin, pooled over seeds, with its Wilson
-    interval and the probes behind each cell, each method's reach and its probes past the
-    trained length, and the accuracy-vs-distance figure; a comparison written before
-    distances shows its per-length table as written, saying what its lengths measured."""
+def _retrieval_cells(data: CompareResult) -> tuple[dict[str, dict[Any, Any]], dict, str]:
+    """(label -> column -> its pooled accuracy, column -> its header, what the columns
+    measured): per distance bin, or per haystack length for a comparison written before."""
     settings = data.probes
-    if not settings or not (data.retrieval or data.length_retrieval):
-        return []
-    cells: dict[str, dict[Any, Any]]  # label -> column -> its pooled accuracy
+    cells: dict[str, dict[Any, Any]]
     if data.length_retrieval:
         cells = dict(data.length_retrieval)
         columns = {n: f"@{n}" for n in settings.lengths}
@@ -261,6 +257,18 @@ def _retrieval_table(data: CompareResult, out: Path) -> list[Block]:
             f"of {settings.haystacks} haystacks (H) of {lengths} tokens per run, each needle "
             "asked once from its own cut point"
         )
+    return cells, columns, what
+
+
+def _retrieval_table(data: CompareResult, out: Path) -> list[Block]:
+    """Accuracy per method and needle distance bin, pooled over seeds, with its Wilson
+    interval and the probes behind each cell, each method's reach and its probes past the
+    trained length, and the accuracy-vs-distance figure; a comparison written before
+    distances shows its per-length table as written, saying what its lengths measured."""
+    settings = data.probes
+    if not settings or not (data.retrieval or data.length_retrieval):
+        return []
+    cells, columns, what = _retrieval_cells(data)
     labels = [m.label for m in data.methods if m.label in cells]
 
     def rows(cell: Any) -> list[list[str]]:  # one row per method, one cell per column

@@ -443,6 +443,18 @@ def _refuse_remaps_with_own_queries(encoding: PositionEncoding) -> None:
         )
 
 
+def _check_servable(model_config: Any, encoding: PositionEncoding, format: str) -> None:
+    """ExportRefused for what no engine of ``format`` serves, whatever its rope_parameters."""
+    if format == "vllm" and encoding.dynamic and not encoding.remaps_distance:
+        raise ExportRefused(
+            f"{encoding.spec!r} follows the sequence length; the vLLM plugin rotates by token "
+            "position only (vLLM gives the rotary no sequence lengths)"
+        )
+    _refuse_remaps_with_own_queries(encoding)
+    if format == "gguf":
+        check_writable(model_config)
+
+
 def served_config(
     model_config: Any,
     encoding: PositionEncoding,
@@ -455,14 +467,7 @@ def served_config(
     """The config the engines read from an export of ``encoding`` on a model of
     ``model_config`` in ``format`` (rope_parameters and every length field) and the export
     record (ropekit_export.json); nothing is written. ExportRefused says why there is none."""
-    if format == "vllm" and encoding.dynamic and not encoding.remaps_distance:
-        raise ExportRefused(
-            f"{encoding.spec!r} follows the sequence length; the vLLM plugin rotates by token "
-            "position only (vLLM gives the rotary no sequence lengths)"
-        )
-    _refuse_remaps_with_own_queries(encoding)
-    if format == "gguf":
-        check_writable(model_config)
+    _check_servable(model_config, encoding, format)
     recipe = None
     rope_encoding = encoding
     if encoding.remaps_distance:

@@ -438,7 +438,10 @@ def search(
     bar.close()
     spec = _spec(best["factors"], factor, trained_at)
     encoding = backbone.set_encoding(spec)
-    write_adapter(encoding, fingerprint, out / "adapter", weights_sample=backbone.weights_sample())
+    write_adapter(
+        encoding, fingerprint, out / "adapter", weights_sample=backbone.weights_sample(),
+        layers=backbone.encoded_layers(),
+    )  # fmt: skip
     record = SearchRecord(
         meta=run_metadata(command, spec=encoding.spec, seed=config.seed),
         provenance=json.loads(to_json(provenance)),  # as the file holds it
