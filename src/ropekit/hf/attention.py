@@ -140,11 +140,12 @@ def neutral_tables(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     angle zero (cos 1, sin 0; Llama 4's complex ``freqs_cis`` 1 + 0i), so its rotation is the
     identity and ropekit rotates instead. Same shapes and dtypes as the model's."""
     out = type(self).forward(self, *args, **kwargs)
+    # Broadcast scalars (stride 0): a table's shape and dtype without its memory.
     if isinstance(out, tuple) and len(out) == 2:
         cos, sin = out
-        return torch.ones_like(cos), torch.zeros_like(sin)
+        return cos.new_ones(()).expand_as(cos), sin.new_zeros(()).expand_as(sin)
     if isinstance(out, Tensor) and out.is_complex():
-        return torch.ones_like(out)
+        return out.new_ones(()).expand_as(out)
     raise TypeError(
         f"{type(self).__name__}.forward returned {type(out).__name__}; ropekit neutralises "
         "(cos, sin) tables or complex freqs_cis"

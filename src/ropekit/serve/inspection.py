@@ -302,8 +302,8 @@ def rope_disagreements(
 
 def _per_type(params: dict[str, Any]) -> dict[str | None, dict[str, Any]]:
     """rope_parameters by the layer type they rotate (None: one dict for every layer)."""
-    if not nested_by_type(params):
-        return {None: params}
+    if not isinstance(params, dict) or not nested_by_type(params):
+        return {None: params}  # not a dict: check_rope_config names it
     return {kind: p for kind, p in params.items() if isinstance(p, dict)}
 
 
