@@ -325,5 +325,5 @@ def test_an_adapter_records_its_layers_and_refuses_a_spec_that_covers_others(
     load_adapter(fresh, tmp_path / "a")
     assert torch.equal(_logits(fresh), expected)
     monkeypatch.setitem(ARCHS, "olmo3", dataclasses.replace(ARCHS["olmo3"], recipe=(kinds[1],)))
-    with pytest.raises(AdapterError, match="trained on layers L0 sliding_attention.*covers L1"):
+    with pytest.raises(AdapterError, match=r"trained on layers L0 sliding_attention.*covers L1"):
         load_adapter(family_model("olmo3"), tmp_path / "a")

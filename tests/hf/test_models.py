@@ -216,7 +216,11 @@ def _edit_config(folder: Path, edit) -> None:
         # per-layer lists that do not cover the layers: the config class's, the registry's
         ("gemma3_text", lambda c: c.update(layer_types=["full_attention"]), "layer_types"),
         ("smollm3", lambda c: c.update(no_rope_layers=[1]), "one 0/1 flag per layer"),
-        ("gemma3_text", lambda c: c.update(layer_types=["full_attention", "weird"] * 2), "entries must"),
+        (
+            "gemma3_text",
+            lambda c: c.update(layer_types=["full_attention", "weird"] * 2),
+            "entries must",
+        ),
     ],
 )
 def test_a_config_the_registry_cannot_take_is_one_line_exit_2_and_writes_nothing(
