@@ -169,3 +169,34 @@ def test_cast_keeps_the_encodings_parameters_in_their_dtype(hf_folder):
     assert torch.isfinite(backbone.token_nll(ids, 16)).all()
     with pytest.raises(ValueError, match=r"dtype=torch\.int8 is not allowed; allowed: float32"):
         backbone.cast(torch.int8)
+
+
+def test_extend_eval_and_export_follow_gemma3s_layer_types(tmp_path, capsys):
+    """Gemma 3 (local layers on 10k, global on 1M): extend trains AdaRoPE on the global
+    layers only (the family's recipe) and its adapter says so; eval loads it back; a yarn
+    run exports rope_parameters per layer type, the local layers' kept."""
+    from .tiny import bpe_tokenizer_folder, family_model
+
+    folder = bpe_tokenizer_folder(tmp_path / "gemma3", vocab_size=300, essays=2)
+    family_model(
+        "gemma3_text", vocab_size=300, max_position_embeddings=64, pad_token_id=None,
+        eos_token_id=0,
+    ).save_pretrained(folder)  # fmt: skip
+    model = ["--model", str(folder)]
+    train = ["--target-length", "128", "--samples", "2", "--data", "essays"]
+    ext = tmp_path / "ext"
+    assert main(["extend", *model, "--method", "adarope:init=yarn,factor=2", *train,
+                 "--out", str(ext)]) == 0  # fmt: skip
+    meta = json.loads((ext / "adapter" / "adapter.json").read_text())
+    assert meta["layers"] == [[1, "full_attention"], [3, "full_attention"]]
+    assert main(["eval", "ppl", *model, "--adapter", str(ext), "--lengths", "128",
+                 "--tokens", "128", "--out", str(tmp_path / "ppl")]) == 0  # fmt: skip
+    yarn = tmp_path / "yarn"
+    assert main(["extend", *model, "--method", "yarn:factor=2", "--target-length", "128",
+                 "--out", str(yarn)]) == 0  # fmt: skip
+    out = tmp_path / "exported"
+    assert main(["export", *model, "--adapter", str(yarn / "adapter"), "--out", str(out)]) == 0
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert rope["full_attention"]["rope_type"] == "yarn"
+    assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+    capsys.readouterr()
