@@ -199,4 +199,15 @@ def test_extend_eval_and_export_follow_gemma3s_layer_types(tmp_path, capsys):
     rope = json.loads((out / "config.json").read_text())["rope_parameters"]
     assert rope["full_attention"]["rope_type"] == "yarn"
     assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+    # compare: a spec naming the local layers beside the recipe's default (the global ones)
+    assert main(["compare", *model, "--target-length", "128",
+                 "--methods", "yarn:factor=2,yarn:factor=2,layers=local", "--names", "g,l",
+                 "--samples", "1", "--lrs", "0.01", "--eval-data", "shakespeare",
+                 "--lengths", "64,128", "--spans", "1", "--probe-lengths", "128",
+                 "--probe-needles", "1", "--probe-haystacks", "1",
+                 "--probe-task", "kv1_shakespeare", "--race", "off",
+                 "--out", str(tmp_path / "compare")]) == 0  # fmt: skip
+    record = json.loads((tmp_path / "compare" / "compare.json").read_text())
+    specs = {m["label"]: m["spec"] for m in record["methods"]}
+    assert "layers" not in specs["g"] and specs["l"].endswith("layers=local")
     capsys.readouterr()

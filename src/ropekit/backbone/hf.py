@@ -199,7 +199,11 @@ class HFBackbone(Backbone):
         return frozenset(ids)
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+        # Full layers for every layer type: a sliding-window layer's cache drops its oldest
+        # keys, so it could not be cropped back to a probe's cut point; the model's mask
+        # still applies the window (checked against uncached forwards on Gemma 2/3, Mistral,
+        # GPT-OSS, Cohere 2, Llama 4). It costs the window's memory on those layers.
+        return DynamicCache()
 
     def cache_length(self, cache: Cache) -> int:
         return int(cache.get_seq_length())

@@ -319,7 +319,9 @@ def layer_type_folders(folder: ServedFolder) -> dict[str | None, ServedFolder]:
             return {None: folder}
         by_type = [p for p in folder.rope_parameters.values() if isinstance(p, dict)]
         config = {**folder.config, "rope_parameters": dict(params), "ropekit_rope_by_type": by_type}
-        out[kind] = dataclasses.replace(folder, config=config, target=_target(config, folder.path))
+        # the export's target where ropekit wrote the folder, else what each type's params say
+        target = folder.target if folder.record is not None else _target(config, folder.path)
+        out[kind] = dataclasses.replace(folder, config=config, target=target)
     return out
 
 

@@ -25,7 +25,7 @@ from ropekit.hf.rope_config import ExportRefused
 
 from .engines import ENGINES, FORMATS, ServedFolder
 from .exporting import served_config
-from .inspection import lengths_checked, rope_disagreements
+from .inspection import layer_type_folders, lengths_checked, rope_disagreements
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,11 @@ def encoding_served_by(
             path=Path("<not written>"), config=config, hf_config=hf_config,
             target=int(record["target_length"]), record=record, encoding=encoding,
         )  # fmt: skip
-        found = rope_disagreements(folder, lengths_checked(folder))
+        found = [  # per layer type where rope_parameters nest by type
+            d
+            for part in layer_type_folders(folder).values()
+            for d in rope_disagreements(part, lengths_checked(part))
+        ]
         for name in names:
             mine = [d for d in found if d.engine == name]
             why = f"{mine[0].what} (at {mine[0].length})" if mine else ""
