@@ -480,10 +480,8 @@ def extend(
     # gathered them back into it, whole): the main one writes them, and every process returns
     # only once it has, so the files are then safe to read.
     if procs.is_main:
-        write_adapter(
-            encoding, fingerprint, out_dir / "adapter", weights_sample=sample,
-            layers=backbone.encoded_layers(),
-        )  # fmt: skip
+        write_adapter(encoding, fingerprint, out_dir / "adapter", weights_sample=sample,
+                      layers=backbone.encoded_layers())  # fmt: skip
         targets = lora_targets or config.lora_targets or backbone.lora_targets
         save_lora(backbone, out_dir, config.lora_rank, config.lora_alpha, tuple(targets))
         write_result(out_dir / EXTEND_JSON, "extend", record)
