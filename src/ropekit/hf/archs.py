@@ -76,6 +76,9 @@ class Architecture:
     # How stock vLLM 0.32 serves the family (VLLM_SERVES; its model registry,
     # vllm/model_executor/models/registry.py, read from the installed wheel).
     vllm: str = "native"
+    # vLLM 0.32 takes the family's max_position_embeddings as already scaled and applies no
+    # rope factor to its accepted length (vllm/config/model.py, _get_and_verify_max_len).
+    vllm_length_scaled: bool = False
 
     def __post_init__(self) -> None:
         if self.rotation not in ROTATION_RULES:
@@ -120,7 +123,14 @@ ARCHS: dict[str, Architecture] = {
         _row("qwen3_5_text", "qwen3_5", "Qwen3_5Attention"),  # linear-attention layers skipped
         _row("gemma", "gemma", "GemmaAttention"),
         _row("gemma2", "gemma2", "Gemma2Attention", extras=(_SOFTCAP,)),
-        _row("gemma3_text", "gemma3", "Gemma3Attention", recipe=(FULL,), extras=(_SOFTCAP,)),
+        _row(
+            "gemma3_text",
+            "gemma3",
+            "Gemma3Attention",
+            recipe=(FULL,),
+            extras=(_SOFTCAP,),
+            vllm_length_scaled=True,
+        ),
         _row(
             "gemma4_text",
             "gemma4",

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from ropekit.encodings import schedules
+from ropekit.hf.archs import ARCHS
 
 from .base import Engine, EngineRoPE, ServedFolder, original_length, rotary_dims
 from .transformers import transformers_rope
@@ -81,8 +82,6 @@ class Vllm(Engine):
         return view
 
     def refusal_fix(self, folder: ServedFolder) -> str:
-        from ropekit.hf.archs import ARCHS
-
         arch = ARCHS.get(folder.config.get("model_type"))
         if arch is not None and arch.vllm == "none":
             return "serve it with transformers (or ropekit.hf), or a vLLM whose registry has it"
@@ -148,8 +147,6 @@ def _as_family_is_served(folder: ServedFolder, view: EngineRoPE, length: int) ->
     """``view`` (get_rope's rule) as stock vLLM serves the folder's family
     (``ropekit.hf.archs.VLLM_SERVES``): its own model file (the rule), its Transformers backend
     (transformers' RoPE, vLLM's accepted length), or a refusal where its registry has none."""
-    from ropekit.hf.archs import ARCHS
-
     arch = ARCHS.get(folder.config.get("model_type"))
     if arch is None or arch.vllm == "native":
         return view
@@ -184,9 +181,11 @@ def vllm_max_length(
     if isinstance(limit, (int, float)) and limit < derived:
         derived, key = float(limit), "tokenizer model_max_length"
     # One factor for the whole model, from every layer type's rope_parameters (the last
-    # type's that is not yarn-like wins; Gemma 3's length is taken as already scaled).
+    # type's that is not yarn-like wins; a family's length may count as already scaled:
+    # Architecture.vllm_length_scaled).
     factor = 1.0
-    if "gemma3" not in str(config.get("model_type", "")):
+    arch = ARCHS.get(config.get("model_type"))
+    if arch is None or not arch.vllm_length_scaled:
         for p in config.get("ropekit_rope_by_type") or [config.get("rope_parameters") or {}]:
             if p.get("rope_type", "default") not in _VLLM_UNSCALED:
                 factor = float(p.get("factor") or factor)
