@@ -48,6 +48,9 @@ TINY = "--layers 1 --d-model 32 --heads 2 --batch-size 2 --warmup 1 --steps 2"
 # {ada_vllm} {ada} exported for the vLLM plugin, {se_gguf} Self-Extend (llama.cpp's mode) as
 # GGUF, {ood} a copy of experiment D's comparison, {out} a fresh folder)
 STAND_INS: dict[str, str] = {
+    "ropekit analyze": "analyze --help",
+    "ropekit compare --executor ray": "compare --help",  # ray is an extra: make test-ray
+    "ropekit compare --config c.json --out DIR --executor ray --job-cpus 2": "compare --help",
     "ropekit analyze --model M --adapter A --lengths 512,2048 --out DIR":
         "analyze --model {hf} --adapter {ada} --lengths 16,64 --out {out}",
     "ropekit compare --config experiments/smollm2_16k/ood.json":
@@ -69,8 +72,8 @@ STAND_INS: dict[str, str] = {
         "eval passkey --model {hf} --lengths 512,1024 --samples 1 --depths 2 --out {out}",
     "ropekit eval ruler --model M --lengths 512,1024,2048 --out DIR":
         "eval ruler --model {hf} --lengths 1024 --samples 1 --out {out}",
-    "ropekit eval probes --model M --lengths 8192,16384 --needles 5 --haystacks 4 --out DIR":
-        "eval probes --model {hf} --lengths 512,1024 --needles 5 --haystacks 4 --out {out}",
+    "ropekit eval probes --model M --lengths 32768 --needles 1 --haystacks 8 --out DIR":
+        "eval probes --model {hf} --lengths 512,1024 --needles 1 --haystacks 4 --out {out}",
     "ropekit export": "export --help",
     "ropekit export --model M --adapter A --format hf --out DIR":
         "export --model {hf} --adapter {shared} --format hf --out {out}",

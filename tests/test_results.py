@@ -358,7 +358,10 @@ def test_every_owner_registers_its_kind():
         assert schema is not None and schema.kind == kind and schema.cls is cls
         assert schema.version > results.FORMAT_VERSION
         assert set(range(results.FORMAT_VERSION, schema.version)) <= set(schema.migrations)
-    assert set(results._SCHEMAS) == set(OWNERS)  # every typed kind is listed here
+    # every typed kind of ropekit is listed here (benchmarks/ registers its own on import)
+    assert {
+        k for k, s in results._SCHEMAS.items() if s.cls.__module__.startswith("ropekit")
+    } == set(OWNERS)
     # the report reads every typed kind it shows as its class, never as a dict
     assert set(sections.RECORDS) == set(OWNERS) & set(sections.KINDS)
     assert all(sections.RECORDS[kind] is OWNERS[kind] for kind in sections.RECORDS)

@@ -128,10 +128,16 @@ def test_crop_out_of_range_is_one_line_value_error(length):
 
 
 @torch.no_grad()
-def test_a_full_sliding_window_is_refused():
+def test_a_windowed_model_crops_its_backbones_cache_and_refuses_a_full_sliding_one():
+    """The backbone's cache keeps every layer whole, so a sliding-window model crops back to
+    any prefix (the window is the mask's, and the continuation equals a fresh prefill past
+    the window); a sliding-window cache of the model's own that dropped the prefix cannot."""
+    from transformers import DynamicCache
+
     model = tiny_hf("mistral", sliding_window=8)
     backbone = as_backbone(model)
-    cache = backbone.new_cache()
+    _check_crop_equals_fresh_prefill(backbone, 20, VOCAB)
+    cache = DynamicCache(config=model.config)  # sliding layers that drop their oldest keys
     _fill(backbone, _ids(12, 7, VOCAB), cache)
     with pytest.raises(ValueError, match="sliding window of 8 tokens"):
         backbone.crop_cache(cache, 4)
