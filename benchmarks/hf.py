@@ -69,7 +69,7 @@ def run(device: str = "cpu", length: int = 4096) -> list[Result]:
 
         with torch.no_grad():
             diff = (forward(patched)() - forward(plain)()).abs().max().item()
-        t = compare({"patched": forward(patched), "plain": forward(plain)}, repeats=5)
+        t = compare({"patched": forward(patched), "plain": forward(plain)}, repeats=15)
         live = {name: [*m.parameters(), *m.buffers()] for name, m in (("p", patched), ("u", plain))}
         memory = {
             "patched": peak_memory(forward(patched), device, live["p"]),

@@ -155,9 +155,10 @@ def extend_8x_paired(root: Path) -> str:
     )
 
 
-def _seed_lq_ppl(entry: dict) -> list[float]:
-    """Per seed: exp of the mean last-quarter NLL over its windows (compare's summary)."""
-    return [math.exp(sum(w) / len(w)) for w in entry["last_quarter_windows"]]
+def _seed_lq_ppl(entry) -> list[float]:
+    """Per seed: exp of the mean last-quarter NLL over its windows (a comparison's
+    ``TableEntry``)."""
+    return [math.exp(sum(w) / len(w)) for w in entry.last_quarter_windows]
 
 
 def _range(values: list[float], digits: int) -> str:
@@ -169,45 +170,92 @@ def _range(values: list[float], digits: int) -> str:
     )
 
 
+def _comparison(root: Path, path: str):
+    """The committed compare.json ``path`` read as ropekit reads it (``read_record``: an older
+    format migrated, so a table reads one layout whatever version wrote the file)."""
+    from ropekit.compare.record import CompareResult
+    from ropekit.results import ResultError, read_record
+
+    if not (root / path).is_file():
+        raise SourceError(f"{path}: missing (a committed result file)")
+    try:
+        return read_record(root / path, CompareResult)
+    except (ResultError, OSError, ValueError) as e:
+        raise SourceError(f"{path}: not a comparison ropekit reads ({e})") from None
+
+
+def _retrieval_columns(data) -> tuple[list[str], Callable[[str], list[str]]]:
+    """A comparison's retrieval as table columns, each labelled with the distance it measured.
+    By needle distance (compare.json 8 on): the probes past the trained length, pooled, with
+    their Wilson interval, and the method's reach. Written before distances: the per-haystack
+    table, its column naming the haystack and, for one needle at depth 0.5 asked from the end,
+    the distance that needle sat back (about n / 2, not n)."""
+    if data.retrieval:
+        accuracy = next(
+            (r.reach.accuracy for r in data.retrieval.values() if r.reach is not None), None
+        )
+
+        def by_distance(label: str) -> list[str]:
+            r = data.retrieval.get(label)
+            if r is None:
+                return ["-", "-"]
+            past = "-" if r.past is None else (
+                f"{r.past.correct}/{r.past.n} [{r.past.low:.2f}, {r.past.high:.2f}]"
+            )  # fmt: skip
+            return [past, "-" if r.reach is None else f"{r.reach.distance}"]
+
+        reach = "reach" if accuracy is None else f"reach (bins >= {accuracy:.0%})"
+        return [f"passkey, needle > {data.trained_at} back", f"{reach}, tokens"], by_distance
+    lengths = sorted({n for by_length in data.length_retrieval.values() for n in by_length})
+    one_needle = data.probes is not None and data.probes.needles == 1
+
+    def label(n: int) -> str:
+        return f"passkey, needle ~{n // 2} back" if one_needle else f"passkey, haystack {n}"
+
+    def by_length(method: str) -> list[str]:
+        cells = data.length_retrieval.get(method, {})
+        return [f"{cells[n].correct}/{cells[n].n}" if n in cells else "-" for n in lengths]
+
+    return [label(n) for n in lengths], by_length
+
+
 def comparison(path: str) -> Callable[[Path], str]:
     """A `ropekit compare` result as one row per method, best far-position score first:
     last-quarter perplexity at the target length per domain (the seeds' range for trained
     methods), the cost at the trained length (whole-window perplexity against the unmodified
-    model's, averaged over domains) and, where probed, the passkey answers per length."""
+    model's, averaged over domains) and, where probed, the passkey answers labelled by the
+    needle distance they measured (``_retrieval_columns``)."""
 
     def render(root: Path) -> str:
-        data = _json(root, path)
-        verdict, target = data["verdict"], str(data["target_length"])
-        scores = verdict["scores"]
+        data = _comparison(root, path)
+        verdict, target = data.verdict, data.target_length
+        scores = verdict.scores
         labels = sorted(
-            (m["label"] for m in data["methods"]),
+            (m.label for m in data.methods),
             key=lambda label: (scores.get(label) is None, scores.get(label) or 0.0),
         )
-        trained = {m["label"]: m["trained"] for m in data["methods"]}
-        probed = sorted({int(n) for by_length in data["retrieval"].values() for n in by_length})
+        trained = {m.label: m.trained for m in data.methods}
+        probed, retrieval = _retrieval_columns(data)
         header = [
             "method",
             "trained",
-            *(f"LQ ppl @{target} {d}" for d in data["domains"]),
-            f"cost @{verdict['short_length']}",
-            *(f"passkey @{n}" for n in probed),
+            *(f"LQ ppl @{target} {d}" for d in data.domains),
+            f"cost @{verdict.short_length}",
+            *probed,
         ]
         rows = []
         for label in labels:
             cells = [
                 f"`{label}`",
-                f"{len(_seed_lq_ppl(data['table'][label][data['domains'][0]][target]))} seeds"
+                f"{len(_seed_lq_ppl(data.table[label][data.domains[0]][target]))} seeds"
                 if trained[label]
                 else "-",
             ]
-            for domain in data["domains"]:
-                cells.append(_range(_seed_lq_ppl(data["table"][label][domain][target]), 2))
-            cost = verdict["costs"].get(label)
-            cells.append("-" if label == data["baseline"] or cost is None else f"{cost:+.1%}")
-            for n in probed:
-                r = data["retrieval"].get(label, {}).get(str(n))
-                cells.append(f"{r['correct']}/{r['n']}" if r else "-")
-            rows.append(cells)
+            for domain in data.domains:
+                cells.append(_range(_seed_lq_ppl(data.table[label][domain][target]), 2))
+            cost = verdict.costs.get(label)
+            cells.append("-" if label == data.baseline or cost is None else f"{cost:+.1%}")
+            rows.append(cells + retrieval(label))
         return markdown(header, rows)
 
     return render
@@ -216,25 +264,25 @@ def comparison(path: str) -> Callable[[Path], str]:
 def headline(path: str) -> Callable[[Path], str]:
     """A comparison in one line per method: its far-position perplexity at the target (exp of
     the verdict's score, the mean last-quarter NLL over domains), its cost at the trained
-    length and its passkeys at the target."""
+    length and its passkeys at the farthest distance probed (``_retrieval_columns``)."""
 
     def render(root: Path) -> str:
-        data = _json(root, path)
-        verdict, target = data["verdict"], str(data["target_length"])
-        scores = verdict["scores"]
-        trained = {m["label"]: m["trained"] for m in data["methods"]}
+        data = _comparison(root, path)
+        verdict = data.verdict
+        scores = verdict.scores
+        trained = {m.label: m.trained for m in data.methods}
+        probed, retrieval = _retrieval_columns(data)
         rows = []
         for label in sorted(scores, key=lambda m: (scores[m] is None, scores[m] or 0.0)):
-            probe = data["retrieval"].get(label, {}).get(target)
-            cost = verdict["costs"].get(label)
+            cost = verdict.costs.get(label)
             rows.append(
                 [f"`{label}`", "yes" if trained[label] else "no", f"{math.exp(scores[label]):.1f}",
-                 "-" if label == data["baseline"] or cost is None else f"{cost:+.1%}",
-                 f"{probe['correct']}/{probe['n']}" if probe else "-"]
+                 "-" if label == data.baseline or cost is None else f"{cost:+.1%}",
+                 retrieval(label)[-1 if data.length_retrieval else 0]]
             )  # fmt: skip
         return markdown(
-            ["method", "trained", f"far-position ppl @{target}", f"cost @{data['trained_at']}",
-             f"passkey @{target}"],
+            ["method", "trained", f"far-position ppl @{data.target_length}",
+             f"cost @{data.trained_at}", probed[-1 if data.length_retrieval else 0]],
             rows,
         )  # fmt: skip
 

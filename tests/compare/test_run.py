@@ -834,3 +834,20 @@ def test_two_spellings_of_one_method_are_one_method(compared, tmp_path, monkeypa
     assert adarope["spec"] == "adarope:init=yarn,factor=4"
     assert adarope["given"] == "adarope:init=yarn,factor=4"
     assert data["config"]["methods"] == ["adarope:init=yarn,factor=4"]
+
+
+def test_the_docs_tables_of_a_comparison_by_distance_name_the_distance(compared):
+    """docs/tables.py reads compare.json as ropekit does (read_record), so a comparison written
+    by distance renders: its passkey column is the probes past L0 pooled, with the reach."""
+    from docs import tables
+
+    root, _ = compared
+    record = read_record(root / "out/compare.json", CompareResult)
+    for render in (tables.comparison("out/compare.json"), tables.headline("out/compare.json")):
+        rows = [[c.strip("| ") for c in line.split(" | ")] for line in render(root).splitlines()]
+        assert "passkey, needle > 32 back" in rows[0]
+        column = rows[0].index("passkey, needle > 32 back")
+        cells = {row[0].strip("`"): row[column] for row in rows[2:]}
+        for label, method in record.retrieval.items():
+            past = method.past
+            assert cells[label].startswith(f"{past.correct}/{past.n} [{past.low:.2f}"), cells
