@@ -31,7 +31,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks experiments docs
 	$(BIN)/ruff format --check src tests benchmarks experiments docs
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest -n 2 --durations=30
 
 # The documentation site (mkdocs-material, mkdocstrings; dev extras): the CLI reference from
 # the parser, every table of measured numbers from the committed files, then the site into

@@ -65,18 +65,54 @@ def compare_stats(
 ) -> dict[str, tuple[float, float]]:
     """(median, minimum) wall time (s) of each candidate, run round-robin as in ``compare``.
     The minimum is the run least disturbed by other jobs: a second view on a loaded machine."""
+    times = timed_rounds(candidates, repeats, warmup)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+
+
+def timed_rounds(
+    candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Wall time (s) of each candidate in each of ``repeats`` rounds; a round times every
+    candidate once. Every other round runs them in reverse order, so none always runs first
+    after another's caches (with a fixed order, the patched HF forward read 1.07x a Llama's
+    at 4k on a quiet machine, 2026-12-06, and 1.00x in pairs of alternating order)."""
     for _ in range(warmup):
         for fn in candidates.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, fn in candidates.items():
+    for r in range(repeats):
+        order = list(candidates.items())
+        for name, fn in order if r % 2 == 0 else reversed(order):
             sync()
             start = time.perf_counter()
             fn()
             sync()
             times[name].append(time.perf_counter() - start)
-    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+    return times
+
+
+@dataclass(frozen=True)
+class Paired:
+    """``a``'s time over ``b``'s, from rounds that time both back to back: the median of the
+    rounds' ratios, so load that drifts between rounds cancels within each (a ratio of the
+    two medians pairs no rounds: on a 9-s forward whose rounds spread ±8%, it read 1.05 where
+    the paired median read 1.00, GPT-OSS at 4k, 2026-12-06)."""
+
+    ratio: float  # median of the per-round ratios
+    quartiles: tuple[float, float]  # their first and third quartile
+    a: float  # median time of a (s)
+    b: float  # median time of b (s)
+
+
+def paired(a: Callable[[], object], b: Callable[[], object], repeats: int = 15) -> Paired:
+    """``a`` against ``b``, timed in ``repeats`` rounds of alternating order."""
+    times = timed_rounds({"a": a, "b": b}, repeats)
+    ratios = [x / y for x, y in zip(times["a"], times["b"], strict=True)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return Paired(
+        statistics.median(ratios), (q1, q3), statistics.median(times["a"]),
+        statistics.median(times["b"]),
+    )  # fmt: skip
 
 
 def sync() -> None:

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ropekit.hf import patch, spec_from_config
 
-from .common import Result, compare, mib, peak_memory
+from .common import Result, mib, paired, peak_memory
 
 SHAPE = {
     "vocab_size": 1024,
@@ -69,7 +69,7 @@ def run(device: str = "cpu", length: int = 4096) -> list[Result]:
 
         with torch.no_grad():
             diff = (forward(patched)() - forward(plain)()).abs().max().item()
-        t = compare({"patched": forward(patched), "plain": forward(plain)}, repeats=15)
+        t = paired(forward(patched), forward(plain), repeats=15)
         live = {name: [*m.parameters(), *m.buffers()] for name, m in (("p", patched), ("u", plain))}
         memory = {
             "patched": peak_memory(forward(patched), device, live["p"]),
@@ -82,9 +82,10 @@ def run(device: str = "cpu", length: int = 4096) -> list[Result]:
         out += [
             Result(
                 f"patched HF forward vs unpatched, {family}",
-                t["patched"] / t["plain"],
+                t.ratio,
                 1.05,
-                f"{where}: {t['patched'] * 1e3:.0f} ms vs {t['plain'] * 1e3:.0f} ms; "
+                f"{where}: median of 15 paired rounds (quartiles {t.quartiles[0]:.3f}-"
+                f"{t.quartiles[1]:.3f}), {t.a * 1e3:.0f} ms vs {t.b * 1e3:.0f} ms; "
                 f"max |logit diff| {diff:.1e}",
             ),
             Result(

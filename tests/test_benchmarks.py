@@ -48,3 +48,29 @@ def test_the_committed_rows_read() -> None:
     names = [(r.name, r.device) for r in result.rows]
     assert len(names) == len(set(names))
     assert all(math.isfinite(r.ratio) and r.ratio > 0 for r in result.rows)
+
+
+def test_paired_rounds_alternate_order_and_cancel_load_that_drifts_between_rounds(monkeypatch):
+    """benchmarks.common.paired: each round times both back to back, every other round in
+    reverse order, and the ratio is the median of the rounds' ratios, so a load that changes
+    from round to round (the clock runs 1x, 2x, ... 5x as fast) cancels within each, and one
+    disturbed run moves one round's ratio, where it would move the ratio of the medians."""
+    from benchmarks import common
+
+    clock, calls = [0.0], []
+
+    def timed(name: str, cost: float):
+        def run():
+            calls.append(name)
+            load = max(1, (len(calls) - 1) // 2)  # the warm-up and round 1 at 1x, round r at rx
+            clock[0] += cost * load + (3.0 if len(calls) == 4 else 0.0)  # round 1's b disturbed
+
+        return run
+
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+    result = common.paired(timed("a", 2.0), timed("b", 1.0), repeats=5)
+    assert calls[:2] == ["a", "b"]  # the warm-up
+    assert calls[2:] == ["a", "b", "b", "a"] * 2 + ["a", "b"]  # alternating, round by round
+    assert result.ratio == 2.0 and result.quartiles[1] == 2.0
+    # the medians: a 2, 4, 6, 8, 10 -> 6; b 4 (disturbed), 2, 3, 4, 5 -> 4: their ratio 1.5
+    assert (result.a, result.b) == (6.0, 4.0)

@@ -93,6 +93,27 @@ def test_record_depth_is_uniform_over_the_sample():
     assert abs(starts.mean() / room - 0.5) < 0.05
 
 
+def test_records_kept_back_start_uniformly_over_what_is_left_and_too_far_is_refused():
+    """``weave(at_least_back=b)``: every record is followed by at least b filler tokens before
+    the query (what search's needle documents ask: needles past the trained length)."""
+    from ropekit.data.retrieval import draw_records, weave
+
+    filler = np.asarray(make_train_dataset("essays", "bytes", T, seed=0).sample(0)[0])
+    config = RetrievalConfig(ratio=1.0, kinds=("passkey",))
+    room = len(filler) - PASSKEY_BYTES  # filler tokens the sample keeps
+    starts = []
+    for k in range(400):
+        rng = np.random.default_rng(k)
+        _, _, info = weave(filler, draw_records(rng, config), BYTES, rng, at_least_back=150)
+        ((start, stop),) = info.record_spans
+        assert info.query_start - stop >= 150
+        starts.append(start)
+    assert min(starts) == 0 and max(starts) == room - 150  # both ends of what is left reached
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match=rf"at_least_back={room + 1} .* allowed: 0 to {room}"):
+        weave(filler, draw_records(rng, config), BYTES, rng, at_least_back=room + 1)
+
+
 def test_ratio_is_respected_over_many_samples():
     ds = _dataset(ratio=0.3)
     carried = [ds.retrieval_info(k) is not None for k in range(3000)]

@@ -173,12 +173,18 @@ def records_length(records: Records, tokenizer: Tokenizer) -> int:
 
 
 def weave(
-    filler: np.ndarray, records: Records, tokenizer: Tokenizer, rng: np.random.Generator
+    filler: np.ndarray,
+    records: Records,
+    tokenizer: Tokenizer,
+    rng: np.random.Generator,
+    at_least_back: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, RetrievalSample]:
     """Insert `records` into `filler` (L,) at uniform random depths and end with the query.
 
     Returns tokens (L,), roles (L,) and where everything went. The sample keeps length L: the
     filler is cut to leave room. Answer spans are label positions (token position - 1).
+    ``at_least_back``: every record is followed by at least this many filler tokens before
+    the query (its depth uniform over what is left), so its answer is at least that far back.
     """
     length = len(filler)
     encoded = [_encode(r, tokenizer) for r in records.records]
@@ -189,8 +195,14 @@ def weave(
             f"a {records.kind} sample needs {length - n_fill} tokens of records and query but "
             f"has {length}; allowed: a longer context, or fewer facts (n_facts)"
         )
+    if not 0 <= at_least_back <= n_fill:
+        raise ValueError(
+            f"at_least_back={at_least_back} is not allowed: a {records.kind} sample of "
+            f"{length} tokens has {n_fill} tokens of text to put between its records and the "
+            f"query; allowed: 0 to {n_fill}"
+        )
     # Independent uniform cut points in the filler: each record's depth is uniform.
-    cuts = sorted(int(c) for c in rng.integers(0, n_fill + 1, size=len(encoded)))
+    cuts = sorted(int(c) for c in rng.integers(0, n_fill - at_least_back + 1, size=len(encoded)))
     tokens, roles, spans = [], [], []
     position, previous = 0, 0
     for cut, (ids, piece_roles) in zip(cuts, encoded, strict=True):

@@ -34,10 +34,11 @@ The default score is perplexity, which can keep factors that do not retrieve: on
 32k (experiment E) the search kept NTK-aware's factors, which answered 0 of 5 passkeys at 32k
 (needles about 16k back) and 5 of 5 at 16k (8k back). ``objective="needle-ppl"`` scores
 LongRoPE2's needle-driven perplexity instead (Shang et al. 2025, arXiv:2502.20082, sec. 3.2):
-each scoring sample becomes a needle document, its own passkey woven into the text at a
-uniform depth and asked at its end (``data.retrieval``, as the retrieval mixture trains
-them), and the fitness is the mean NLL of the answer's tokens only, so a candidate that
-cannot reach the needle scores high whatever its text perplexity. NTK-aware's factors turn 11
+each scoring sample becomes a needle document, its own passkey woven into the text more than
+the trained length before its end (uniform over those depths) and asked there
+(``data.retrieval``, as the retrieval mixture trains them), and the fitness is the mean NLL
+of the answer's tokens only, so a candidate that cannot reach the needle scores high
+whatever its text perplexity. NTK-aware's factors turn 11
 slow pairs past every angle they saw in training at 32k and none at 16k
 (``schedules.unseen_rotations``); the search names such pairs in a warning and in its result
 (``unseen_pairs``). Check a result with ``ropekit eval probes`` or ``ropekit compare``.
@@ -258,7 +259,9 @@ class _Scorer:
         # (T,) the label positions each sample's fitness averages: all, or its answer's
         self.scored = [torch.ones(ids.shape[1] - 1, dtype=torch.bool) for ids in self.samples]
         if config.objective == "needle-ppl":
-            self.samples, self.scored = _needle_documents(first, backbone, config.seed)
+            self.samples, self.scored = _needle_documents(
+                first, backbone, config.seed, context["original_length"]
+            )
         self.backbone, self.config, self.path, self.stage = backbone, config, path, stage
         self.context = context
         self.records = [r for r in read_records(path) if r.get("stage") == stage]
@@ -291,20 +294,29 @@ class _Scorer:
 
 
 def _needle_documents(
-    samples: list[np.ndarray], backbone: Backbone, seed: int
+    samples: list[np.ndarray], backbone: Backbone, seed: int, trained: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """LongRoPE2's needle documents (Shang et al. 2025, sec. 3.2, "needle-driven
-    perplexity"): each training sample (T+1,) with its own passkey woven in at a uniform
-    depth and asked at its end ("What is the pass key? The pass key is 48213."), as
-    ``data.retrieval`` builds them for training; returns the documents (1, T+1) and, per
-    document, the label positions (T,) of its answer's tokens. Every document draws its own
-    passkey (seed, document index), so the scores are over independent probes."""
+    perplexity"): each training sample (T+1,) with its own passkey woven in and asked at its
+    end ("What is the pass key? The pass key is 48213."), as ``data.retrieval`` builds them
+    for training; returns the documents (1, T+1) and, per document, the label positions (T,)
+    of its answer's tokens. Every document draws its own passkey (seed, document index), so
+    the scores are over independent probes.
+
+    Every needle sits more than ``trained`` (L0) tokens before its question, at a uniform
+    depth of what is left: what the search must find is factors that reach past the window
+    the model was trained on. At uniform depths of the whole document, about L0 / T of the
+    needles lie inside that window, where the model's own RoPE already reads them: E's 32k
+    rerun drew 6 documents whose needles sat 6.1k-31.1k back, one of them past the 16.4k at
+    which NTK-aware's factors had failed E's probes."""
     tokenizer = backbone.require_tokenizer()
     config = RetrievalConfig(ratio=1.0, kinds=("passkey",))
     documents, answers = [], []
     for k, tokens in enumerate(samples):
         rng = np.random.default_rng([seed, k, 0x6E656564])  # "need"
-        woven, _, where = weave(np.asarray(tokens), draw_records(rng, config), tokenizer, rng)
+        woven, _, where = weave(
+            np.asarray(tokens), draw_records(rng, config), tokenizer, rng, at_least_back=trained
+        )
         answer = torch.zeros(len(woven) - 1, dtype=torch.bool)
         for start, stop in where.answer_spans:
             answer[start:stop] = True
@@ -421,6 +433,9 @@ def search(
     rope: PositionEncoding = backbone.build_encoding("rope")
     context = {"factor": factor, "original_length": trained_at}
     provenance = {"model": backbone.identity(), "config": config.to_dict()}
+    if config.objective == "needle-ppl":  # what its documents ask (candidates scored on needles
+        # at uniform depths of the whole document are not reused for these)
+        provenance["needles"] = f"each more than {trained_at} tokens before its question"
     if check_replaceable(out / SEARCH_JSON, "search", provenance, overwrite=overwrite):
         return _finished(backbone, config, out, log)
     if overwrite:
