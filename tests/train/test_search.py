@@ -700,8 +700,10 @@ def test_needle_ppl_scores_the_answer_tokens_of_needle_documents_each_its_own_pa
         # the labels scored are the answer's: the tokens of the key after the question
         assert tok.decode(ids[0, 1:][answer].tolist()).strip() == key
         assert ids.shape == text_ids.shape  # the document keeps the sample's length
-        # every needle more than the trained length before its answer (bytes: a token each)
-        assert int(answer.nonzero()[0]) - text.index("The pass key is") > CONTEXT
+        # every needle more than the trained length before its question: the text between
+        # them alone is that long (bytes: a token each)
+        text_between = text.index("\nWhat is the pass key?") - text.index(" Remember it.\n") - 14
+        assert text_between >= CONTEXT, text_between
         keys.append(key)
     assert len(set(keys)) == 3  # independent probes: every document its own passkey
     factors = initial_factors(16, 10000.0, TARGET / CONTEXT, CONTEXT)["yarn"]

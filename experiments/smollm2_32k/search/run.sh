@@ -19,7 +19,7 @@ git archive HEAD src | tar -x -C "$SRC"
 export PYTHONPATH="$SRC/src"
 echo "running ropekit from $SRC (HEAD $(git rev-parse --short HEAD))"
 # Fixed before any score is seen: 6 needle documents of 32,768 tokens (each its own passkey,
-# six independent probes; their needles 6.1k-31.1k tokens back, README.md) score each of 4
+# six independent probes; each needle more than 8,192 tokens back: 12.7k-31.5k, README.md) score each of 4
 # candidates (the three seeds and one mutation): a budget of 24 forwards at 32k.
 .venv/bin/ropekit search --model smollm2-135m --target-length 32768 --samples 6 --budget 24 \
   --objective needle-ppl --out "$OUT"

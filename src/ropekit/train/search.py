@@ -112,7 +112,8 @@ class SearchConfig:
     chunk: int = 2048  # tokens per forward while scoring (memory only; the numbers are exact)
     # the fitness: "ppl", the mean NLL of every token of the samples; "needle-ppl", LongRoPE2's
     # needle-driven perplexity: the mean NLL of the answer tokens only, each sample a needle
-    # document (its own passkey woven into it, asked at its end)
+    # document (its own passkey woven into it more than the trained length before its end,
+    # asked there)
     objective: str = "ppl"
 
     def __post_init__(self) -> None:
