@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ropekit.encodings import build
 from ropekit.encodings.bands import banded_attention
@@ -138,6 +140,49 @@ def test_paged_attention_is_banded_attention_over_the_requests_keys(spec: str, h
             torch.testing.assert_close(out[s.start : s.stop], want, rtol=1e-10, atol=1e-10)
             if static:
                 torch.testing.assert_close(out[s.start : s.stop], full[r][a:b])
+
+
+class _LargestNew(TorchDispatchMode):
+    """The most elements of any tensor an op makes (views and in-place results are not new)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if all(r.alias_info is None for r in func._schema.returns):
+            sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.most = max([self.most, *sizes])
+        return out
+
+
+@pytest.mark.parametrize("spec", REMAPS)
+def test_a_decoding_step_reads_the_cache_in_place(spec: str) -> None:
+    """A decoded token over 601 keys held rotated in consecutive blocks (as vLLM hands out a
+    request's blocks): the banded attention of its query, made without any tensor as large as
+    the request's keys (the cache read where it holds them, not copied into token order; the
+    few keys another band turns are copied)."""
+    encoding = _encoding(spec)
+    g = torch.Generator().manual_seed(3)
+    n = 601  # the last block holds one key: its other rows are never read
+    q = torch.randn(1, H, D, generator=g, dtype=torch.float64)
+    k = torch.randn(n, K, D, generator=g, dtype=torch.float64)
+    v = torch.randn(n, K, D, generator=g, dtype=torch.float64)
+    cache_k = torch.full((n // B + 3, K, B, D), float("nan"), dtype=torch.float64)
+    cache_v = torch.full_like(cache_k, float("nan"))  # rows past the last key: never read
+    pos = torch.arange(n)[None]
+    held = rotate_for_cache(encoding, k.transpose(0, 1)[None], pos, 0)[0].transpose(0, 1)
+    write_paged(cache_k, cache_v, held, v, torch.arange(n) + B)  # from block 1 on
+    table = torch.arange(1, n // B + 3)[None]
+    plan = steps(torch.tensor([0, 1]), torch.tensor([n]), 1)
+    with _LargestNew() as largest:
+        out = paged_banded_attention(
+            q, cache_k, cache_v, table, plan, encoding, 0, D**-0.5, torch.empty_like(q),
+            keys_held=True,
+        )  # fmt: skip
+    torch.testing.assert_close(out, _reference(encoding, q, k, v, n - 1, n), rtol=1e-10, atol=1e-10)
+    assert largest.most < n * K * D // 2, (largest.most, n * K * D)
 
 
 @pytest.mark.parametrize("spec", [s for s in REMAPS if _encoding(s).dynamic])
