@@ -15,6 +15,7 @@ from ropekit.encodings import build
 from ropekit.encodings.bands import banded_attention
 from ropekit.serve.paged_attention import (
     Step,
+    _pieces,
     gather_paged,
     paged_banded_attention,
     rotate_for_cache,
@@ -140,6 +141,19 @@ def test_paged_attention_is_banded_attention_over_the_requests_keys(spec: str, h
             torch.testing.assert_close(out[s.start : s.stop], want, rtol=1e-10, atol=1e-10)
             if static:
                 torch.testing.assert_close(out[s.start : s.stop], full[r][a:b])
+
+
+def test_pieces_cover_a_bands_keys_once_in_their_blocks() -> None:
+    """A decoded token's band over keys [a, c) is read as rows of cache blocks (``_pieces``):
+    every key once, each piece's rows inside its blocks, whatever a, c and the block size."""
+    for b in (1, 3, 8):
+        for a in range(40):
+            for c in range(a + 1, 41):
+                pieces = _pieces(a, c, b)
+                assert all(0 <= r0 < r1 <= b and lo < hi for lo, hi, r0, r1 in pieces), pieces
+                keys = [x * b + r for lo, hi, r0, r1 in pieces for x in range(lo, hi)
+                        for r in range(r0, r1)]  # fmt: skip
+                assert sorted(keys) == list(range(a, c)), (a, c, b, pieces)
 
 
 class _LargestNew(TorchDispatchMode):
