@@ -171,13 +171,17 @@ class _LargestNew(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("spec", REMAPS)
+@pytest.mark.parametrize("spec", [*REMAPS, "adarope-remap:remap=rerope,window=16,leaky=4"])
 def test_a_decoding_step_reads_the_cache_in_place(spec: str) -> None:
     """A decoded token over 601 keys held rotated in consecutive blocks (as vLLM hands out a
     request's blocks): the banded attention of its query, made without any tensor as large as
     the request's keys (the cache read where it holds them, not copied into token order; the
-    few keys another band turns are copied)."""
+    few keys another band turns are copied). adarope-remap: learned theta and a temperature
+    per query head in every band's factor."""
     encoding = _encoding(spec)
+    with torch.no_grad():
+        for p in encoding.parameters():  # learned (none for the plain remaps)
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(4)))
     g = torch.Generator().manual_seed(3)
     n = 601  # the last block holds one key: its other rows are never read
     q = torch.randn(1, H, D, generator=g, dtype=torch.float64)
