@@ -156,6 +156,18 @@ def test_pieces_cover_a_bands_keys_once_in_their_blocks() -> None:
                 assert sorted(keys) == list(range(a, c)), (a, c, b, pieces)
 
 
+@pytest.mark.parametrize("spec", REMAPS)
+def test_the_rotarys_bands_leave_a_decoding_steps_bands_cached(spec: str) -> None:
+    """vLLM calls the plugin's rotary (``rotate_for_cache``: the new key's bands) before each
+    layer's attention (the step's bands): the next layer's attention finds the very same
+    bands again, so its layout and rotation tables are made once per step, not per layer."""
+    encoding = _encoding(spec)
+    q_pos, k_pos = torch.arange(140, 141)[None], torch.arange(141)[None]
+    step = encoding.bands(q_pos, k_pos)
+    rotate_for_cache(encoding, torch.randn(1, K, 1, D), q_pos.clone(), 1)  # the next layer's
+    assert encoding.bands(q_pos, k_pos) is step
+
+
 class _LargestNew(TorchDispatchMode):
     """The most elements of any tensor an op makes (views and in-place results are not new)."""
 
