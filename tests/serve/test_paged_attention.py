@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ropekit.encodings import build
 from ropekit.encodings.bands import banded_attention
 from ropekit.serve.paged_attention import (
     Step,
+    _pieces,
     gather_paged,
     paged_banded_attention,
     rotate_for_cache,
@@ -138,6 +141,78 @@ def test_paged_attention_is_banded_attention_over_the_requests_keys(spec: str, h
             torch.testing.assert_close(out[s.start : s.stop], want, rtol=1e-10, atol=1e-10)
             if static:
                 torch.testing.assert_close(out[s.start : s.stop], full[r][a:b])
+
+
+def test_pieces_cover_a_bands_keys_once_in_their_blocks() -> None:
+    """A decoded token's band over keys [a, c) is read as rows of cache blocks (``_pieces``):
+    every key once, each piece's rows inside its blocks, whatever a, c and the block size."""
+    for b in (1, 3, 8):
+        for a in range(40):
+            for c in range(a + 1, 41):
+                pieces = _pieces(a, c, b)
+                assert all(0 <= r0 < r1 <= b and lo < hi for lo, hi, r0, r1 in pieces), pieces
+                keys = [x * b + r for lo, hi, r0, r1 in pieces for x in range(lo, hi)
+                        for r in range(r0, r1)]  # fmt: skip
+                assert sorted(keys) == list(range(a, c)), (a, c, b, pieces)
+
+
+@pytest.mark.parametrize("spec", REMAPS)
+def test_the_rotarys_bands_leave_a_decoding_steps_bands_cached(spec: str) -> None:
+    """vLLM calls the plugin's rotary (``rotate_for_cache``: the new key's bands) before each
+    layer's attention (the step's bands): the next layer's attention finds the very same
+    bands again, so its layout and rotation tables are made once per step, not per layer."""
+    encoding = _encoding(spec)
+    q_pos, k_pos = torch.arange(140, 141)[None], torch.arange(141)[None]
+    step = encoding.bands(q_pos, k_pos)
+    rotate_for_cache(encoding, torch.randn(1, K, 1, D), q_pos.clone(), 1)  # the next layer's
+    assert encoding.bands(q_pos, k_pos) is step
+
+
+class _LargestNew(TorchDispatchMode):
+    """The most elements of any tensor an op makes (views and in-place results are not new)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if all(r.alias_info is None for r in func._schema.returns):
+            sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.most = max([self.most, *sizes])
+        return out
+
+
+@pytest.mark.parametrize("spec", [*REMAPS, "adarope-remap:remap=rerope,window=16,leaky=4"])
+def test_a_decoding_step_reads_the_cache_in_place(spec: str) -> None:
+    """A decoded token over 601 keys held rotated in consecutive blocks (as vLLM hands out a
+    request's blocks): the banded attention of its query, made without any tensor as large as
+    the request's keys (the cache read where it holds them, not copied into token order; the
+    few keys another band turns are copied). adarope-remap: learned theta and a temperature
+    per query head in every band's factor."""
+    encoding = _encoding(spec)
+    with torch.no_grad():
+        for p in encoding.parameters():  # learned (none for the plain remaps)
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(4)))
+    g = torch.Generator().manual_seed(3)
+    n = 601  # the last block holds one key: its other rows are never read
+    q = torch.randn(1, H, D, generator=g, dtype=torch.float64)
+    k = torch.randn(n, K, D, generator=g, dtype=torch.float64)
+    v = torch.randn(n, K, D, generator=g, dtype=torch.float64)
+    cache_k = torch.full((n // B + 3, K, B, D), float("nan"), dtype=torch.float64)
+    cache_v = torch.full_like(cache_k, float("nan"))  # rows past the last key: never read
+    pos = torch.arange(n)[None]
+    held = rotate_for_cache(encoding, k.transpose(0, 1)[None], pos, 0)[0].transpose(0, 1)
+    write_paged(cache_k, cache_v, held, v, torch.arange(n) + B)  # from block 1 on
+    table = torch.arange(1, n // B + 3)[None]
+    plan = steps(torch.tensor([0, 1]), torch.tensor([n]), 1)
+    with _LargestNew() as largest:
+        out = paged_banded_attention(
+            q, cache_k, cache_v, table, plan, encoding, 0, D**-0.5, torch.empty_like(q),
+            keys_held=True,
+        )  # fmt: skip
+    torch.testing.assert_close(out, _reference(encoding, q, k, v, n - 1, n), rtol=1e-10, atol=1e-10)
+    assert largest.most < n * K * D // 2, (largest.most, n * K * D)
 
 
 @pytest.mark.parametrize("spec", [s for s in REMAPS if _encoding(s).dynamic])

@@ -309,6 +309,10 @@ class DCAConfig(RemapConfig):
 # STRING's shift S when no ``shift`` is given: int(shift_ratio x L) with L the length of the
 # sequence attended (the authors' scripts: S = int(0.33 x test length), HKUNLP/STRING
 # niah/test_niah_llama.py and ruler/test_ruler_llama.py) or L0 (ropekit's first STRING).
+# Bands kept per encoding: two, so that a layer that asks for its keys' bands (vLLM's rotary
+# holding keys rotated: ``serve.paged_attention.rotate_for_cache``) and then for its
+# attention's finds both again in the next layer (one entry made every layer recompute both).
+BANDS_KEPT = 2
 STRING_SHIFTS = ("length", "original")
 # STRING's scale: the authors' Llama and Qwen2 code multiplies cos and sin by 0.1 ln 2 + 1
 # (HKUNLP/STRING string_for_llama.py, replace_with_string: attention_factor), so every logit
@@ -388,7 +392,7 @@ class RemapEncoding(PositionEncoding):
     def __init__(self, config: RemapConfig, **dims: int) -> None:
         super().__init__(config, **dims)
         self.inner = RotaryEncoding(config.schedule, **dims)
-        self._band_cache: tuple[PositionsKey, PositionsKey, list[Band]] | None = None
+        self._band_cache: list[tuple[PositionsKey, PositionsKey, list[Band]]] = []
         # The bands follow the length of the sequence attended (STRING's shift, DCA's scale):
         # cached decoding is then exact per layer, as for dynamic schedules (model.cache).
         self.dynamic = config.length_following
@@ -418,15 +422,16 @@ class RemapEncoding(PositionEncoding):
     def bands(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> list[Band]:
         """The bands (``bands.Band``) for queries at q_pos (B|1, T) over keys at k_pos (B|1, S).
 
-        The same for every layer, so one forward computes them once: the last call's bands
-        are returned again for the same positions tensors at the same versions (as the tables
-        cache matches them, ``PositionsKey``), and with them their positions tensors, whose
-        rotation tables every layer then finds in the base schedule's cache."""
-        cached = self._band_cache
-        if cached is not None and cached[0].matches(q_pos) and cached[1].matches(k_pos):
-            return cached[2]
+        The same for every layer, so one forward computes them once: the last calls' bands
+        (``BANDS_KEPT``) are returned again for the same positions tensors at the same versions
+        (as the tables cache matches them, ``PositionsKey``), and with them their positions
+        tensors, whose rotation tables every layer then finds in the base schedule's cache."""
+        for q_key, k_key, bands in self._band_cache:
+            if q_key.matches(q_pos) and k_key.matches(k_pos):
+                return bands
         bands = self._bands(q_pos, k_pos)
-        self._band_cache = (PositionsKey(q_pos), PositionsKey(k_pos), bands)
+        entry = (PositionsKey(q_pos), PositionsKey(k_pos), bands)
+        self._band_cache = [entry, *self._band_cache[: BANDS_KEPT - 1]]
         return bands
 
     def _bands(self, q_pos: Tensor, k_pos: Tensor) -> list[Band]:
