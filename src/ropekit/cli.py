@@ -958,7 +958,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "demo": (
         "the main job on an embedded default: train a small byte model at L, extend it to "
-        "8L with every method, evaluate, analyze, report (under 15 min on 2 cores)",
+        "8L with every method, evaluate, analyze, report (timed in the README)",
         add_demo,
     ),
     "encodings": ("list every encoding with its options and defaults", add_encodings),

@@ -645,6 +645,7 @@ def test_the_report_names_the_held_out_documents_and_times_only_its_own_jobs(
     assert "stopped-method" not in report
 
 
+@pytest.mark.slow  # 105 s of make test's 731 (fresh clone, 2026-12-06): make test-slow
 def test_two_processes_share_one_comparison_each_job_run_once(compared, tmp_path):
     """A second process started with --join beside a running comparison takes the jobs the
     first does not hold: every result file is written by exactly one of them, both do some of
