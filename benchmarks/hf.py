@@ -38,6 +38,8 @@ FAMILIES = {
     },
 }
 
+ROUNDS = 15  # paired rounds per family (GPT-OSS's rounds spread about ±8%)
+
 
 def _model(family: str, device: str) -> torch.nn.Module:
     config = AutoConfig.for_model(family, **SHAPE, **FAMILIES[family])
@@ -69,7 +71,7 @@ def run(device: str = "cpu", length: int = 4096) -> list[Result]:
 
         with torch.no_grad():
             diff = (forward(patched)() - forward(plain)()).abs().max().item()
-        t = paired(forward(patched), forward(plain), repeats=15)
+        t = paired(forward(patched), forward(plain), repeats=ROUNDS)
         live = {name: [*m.parameters(), *m.buffers()] for name, m in (("p", patched), ("u", plain))}
         memory = {
             "patched": peak_memory(forward(patched), device, live["p"]),
@@ -84,7 +86,7 @@ def run(device: str = "cpu", length: int = 4096) -> list[Result]:
                 f"patched HF forward vs unpatched, {family}",
                 t.ratio,
                 1.05,
-                f"{where}: median of 15 paired rounds (quartiles {t.quartiles[0]:.3f}-"
+                f"{where}: median of {ROUNDS} paired rounds (quartiles {t.quartiles[0]:.3f}-"
                 f"{t.quartiles[1]:.3f}), {t.a * 1e3:.0f} ms vs {t.b * 1e3:.0f} ms; "
                 f"max |logit diff| {diff:.1e}",
             ),

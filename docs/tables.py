@@ -184,6 +184,11 @@ def _comparison(root: Path, path: str):
         raise SourceError(f"{path}: not a comparison ropekit reads ({e})") from None
 
 
+def _correct_of(e) -> str:
+    """``7/12 [0.32, 0.81]``: correct of probes and the Wilson interval of an ``Accuracy``."""
+    return f"{e.correct}/{e.n} [{e.low:.2f}, {e.high:.2f}]"
+
+
 def _retrieval_columns(data) -> tuple[list[str], Callable[[str], list[str]]]:
     """A comparison's retrieval as table columns, each labelled with the distance it measured.
     By needle distance (compare.json 8 on): the probes past the trained length, pooled, with
@@ -199,9 +204,7 @@ def _retrieval_columns(data) -> tuple[list[str], Callable[[str], list[str]]]:
             r = data.retrieval.get(label)
             if r is None:
                 return ["-", "-"]
-            past = "-" if r.past is None else (
-                f"{r.past.correct}/{r.past.n} [{r.past.low:.2f}, {r.past.high:.2f}]"
-            )  # fmt: skip
+            past = "-" if r.past is None else _correct_of(r.past)
             return [past, "-" if r.reach is None else f"{r.reach.distance}"]
 
         reach = "reach" if accuracy is None else f"reach (bins >= {accuracy:.0%})"
@@ -697,7 +700,7 @@ def e_retrieval(root: Path) -> str:
     def cell(e) -> str:
         if e is None:
             return "-"
-        text = f"{e.correct}/{e.n} [{e.low:.2f}, {e.high:.2f}]"
+        text = _correct_of(e)
         if e.substring is not None and e.substring.correct != e.correct:
             text += f" ({e.substring.correct}/{e.n} by substring)"
         return text
