@@ -16,7 +16,7 @@ def model_dir(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("cli_probes") / "run"
-    tiny = "--context 32 --layers 1 --d-model 32 --heads 2 --batch-size 2 --warmup 1 --steps 2"
+    tiny = "--context 64 --layers 1 --d-model 32 --heads 2 --batch-size 2 --warmup 1 --steps 2"
     try:
         assert main(["pretrain", "--out", str(out), *tiny.split()]) == 0
     finally:
@@ -48,6 +48,32 @@ def test_eval_probes(model_dir, tmp_path, capsys):
     assert summary["trained_length"] > 0  # the pretrained decoder's context
     assert str(out / "summary.json") in printed
     assert str(out / "accuracy_vs_distance.png") in printed
+
+
+def test_eval_probes_gives_the_trained_window_and_warns_where_the_model_misses_it(
+    model_dir, tmp_path, capsys
+):
+    """The tiny decoder (two training steps, trained at 64 tokens) answers no probe: the
+    probes of the bins within its 64 tokens are pooled and printed, and the warning that its
+    reach cannot measure its positions goes to stderr, naming fewer needles."""
+    out = tmp_path / "probes"
+    command = (
+        f"eval probes --model {model_dir} --lengths 256 --needles 3 --haystacks 2 --bins 8 "
+        f"--task kv1_shakespeare --seed 4 --out {out}"
+    )
+    assert main(command.split()) == 0
+    printed = capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trained_length"] == 64
+    inside = [e for e in summary["by_distance"] if e["high_distance"] <= 64]
+    n, correct = sum(e["n"] for e in inside), sum(e["correct"] for e in inside)
+    assert n > 0 and correct == 0
+    assert f"inside the trained window (needles up to {inside[-1]['high_distance']} tokens " in (
+        printed.out
+    )
+    assert f"(0/{n})" in printed.out
+    assert "\nwarning: inside the trained window" in printed.err
+    assert "fewer needles per haystack" in printed.err
 
 
 def test_eval_probes_bad_needles_is_one_line(model_dir, tmp_path, capsys):

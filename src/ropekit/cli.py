@@ -387,7 +387,13 @@ def add_eval_probes(kinds: argparse._SubParsersAction) -> None:
 
 
 def cmd_eval_probes(args: argparse.Namespace) -> int:
-    from ropekit.evals.probes import ProbeConfig, run_probes
+    from ropekit.evals.probes import (
+        ProbeConfig,
+        accuracy_text,
+        floor_note,
+        run_probes,
+        trained_window,
+    )
 
     config = from_args(ProbeConfig, args, args.fields)
     backbone = _load(args)
@@ -424,6 +430,15 @@ def cmd_eval_probes(args: argparse.Namespace) -> int:
             f">= {result.reach.accuracy:g}; {result.overall.n} probes, "
             f"{sum(e.haystacks for e in result.by_length)} prefills)"
         )
+    window = trained_window(result.by_distance, result.trained_length)
+    if window is not None:
+        print(
+            f"inside the trained window (needles up to {window.up_to:,} tokens back): accuracy "
+            f"{accuracy_text(window.accuracy)}"
+        )
+    note = floor_note(window, config.reach_accuracy, config.needles)
+    if note is not None:
+        print(f"warning: {note}", file=sys.stderr)
     paths = result.paths
     print(f"wrote {paths['summary']} and {paths['accuracy_vs_distance']}")
     return 0

@@ -43,6 +43,7 @@ def test_the_report_counts_answers_that_name_another_needle_when_a_haystack_hold
     )  # fmt: skip
     data = dataclasses.replace(
         read_record(COMMITTED, CompareResult),
+        trained_at=32,
         methods=(Method("rope", "rope", False, "rope"),),
         probes=ProbeSettings(lengths=(64,), needles=5, haystacks=2, task="t", probes_per_run=10),
         retrieval={"rope": _binned(seed)},
@@ -70,6 +71,7 @@ def test_the_report_shows_the_substring_rule_where_it_differs_from_exact_match(t
 
     data = dataclasses.replace(
         read_record(COMMITTED, CompareResult),
+        trained_at=32,
         methods=(Method("rope", "rope", False, "rope"), Method("yarn", "yarn", False, "yarn")),
         probes=ProbeSettings(lengths=(64,), needles=1, haystacks=5, task="t", probes_per_run=5),
         retrieval={"rope": _binned(seed(0, None)), "yarn": _binned(seed(3, 4))},
@@ -131,3 +133,45 @@ def test_the_serving_table_gives_a_reason_several_engines_share_once_under_it():
     alone = {"vllm": verdict.serving["vllm"]}
     (one,) = _serving_table(dataclasses.replace(verdict, serving=alone))
     assert one.rows[0][5] == verdict.serving["vllm"].why_not_best and "(1)" not in one.caption
+
+
+def test_the_reach_table_shows_the_trained_window_and_warns_where_the_baseline_misses_it(
+    tmp_path,
+):
+    """Within the trained 32 tokens the unmodified model answers 2 of 20 (experiment E's
+    12-needle check read 5/24): the reach table gives every method's accuracy there, and a
+    warning under it says the reach cannot measure positions on this task; at 19 of 20
+    there is no warning."""
+    from ropekit.compare.report import _retrieval_table
+    from ropekit.report.document import Table, Text
+
+    def method(near: int, far: int) -> object:
+        bins = [
+            pooled_bin([SeedBin(**accuracy_entry(k, 10), other_needle=0, nearest_needle=0,
+                                seed=0, substring=None, mean_distance=low + 8.0)], low, low + 16)
+            for low, k in ((0, near // 2), (16, near - near // 2), (32, far))
+        ]  # fmt: skip
+        return method_retrieval(bins, EDGES, 0.8, trained_at=32)
+
+    data = dataclasses.replace(
+        read_record(COMMITTED, CompareResult),
+        trained_at=32,
+        methods=(Method("rope", "rope", False, "rope"), Method("yarn", "yarn", False, "yarn")),
+        probes=ProbeSettings(lengths=(64,), needles=5, haystacks=2, task="t", probes_per_run=10),
+        retrieval={"rope": method(2, 0), "yarn": method(4, 1)},
+    )
+    assert data.baseline == "rope"
+    blocks = _retrieval_table(data, tmp_path)
+    reach = next(b for b in blocks if isinstance(b, Table) and b.headers[1] == "reach (tokens)")
+    assert reach.headers[2:] == ["within 32", "past 32 tokens"]
+    assert [row[2] for row in reach.rows] == [
+        "0.10 [0.03, 0.30] (2/20)",
+        "0.20 [0.08, 0.42] (4/20)",
+    ]
+    warning = blocks[blocks.index(reach) + 1]
+    assert isinstance(warning, Text) and warning.text.startswith(
+        "Warning (rope): inside the trained window (needles up to 32 tokens back)"
+    )
+    assert "fewer needles per haystack" in warning.text
+    fine = dataclasses.replace(data, retrieval={"rope": method(19, 0), "yarn": method(4, 1)})
+    assert not any(isinstance(b, Text) for b in _retrieval_table(fine, tmp_path))

@@ -31,11 +31,13 @@ from ropekit.evals.probes import (
     answer_probes,
     answer_separately,
     build_haystack,
+    floor_note,
     plot_accuracy_vs_distance,
     probe_task,
     reach,
     run_probes,
     summarize_records,
+    trained_window,
 )
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.tasks import TaskDoesNotFit
@@ -243,6 +245,49 @@ def test_the_reach_is_the_end_of_the_run_of_bins_at_or_above_the_accuracy():
     assert reach(bins(1.0, None, 1.0, 1.0), edges, 0.8)["distance"] == 10  # unmeasured too
     assert reach(bins(0.5, 1.0, 1.0, 1.0), edges, 0.8)["distance"] == 0
     assert reach(bins(1.0, 0.79, 1.0, 1.0), edges, 0.8)["distance"] == 10
+
+
+def test_the_trained_window_pools_the_bins_that_end_within_it_each_probe_once():
+    """Bins (0, 10] 3/4, (10, 20] 1/4, (20, 30] 4/4: within 20 (or 25: a bin that crosses
+    the trained length is not within it) the first two, 4/8; none within 5."""
+    records = [_record(d, ok) for d, ok in
+               [(5, True)] * 3 + [(5, False)] + [(15, True)] + [(15, False)] * 3
+               + [(25, True)] * 4]  # fmt: skip
+    bins = [_typed_bin(e) for e in summarize_records(records, [0, 10, 20, 30], 0.8)["by_distance"]]
+    for trained in (20, 25):
+        window = trained_window(bins, trained)
+        assert window.up_to == 20 and (window.accuracy.correct, window.accuracy.n) == (4, 8)
+        assert (window.accuracy.low, window.accuracy.high) == wilson_interval(4, 8)
+    assert trained_window(bins, 30).accuracy.n == 12
+    assert trained_window(bins, 5) is None and trained_window(bins, None) is None
+
+
+def test_the_floor_note_warns_only_where_the_trained_window_is_resolvably_below_the_reach():
+    """5/24 within the window (experiment E's 12-needle check) is resolvably below 0.8: the
+    note names the window and the remedies, fewer needles only where there are several;
+    12/12 is not, and neither is 6/8 (0.75, but its interval reaches 0.8)."""
+
+    def window(correct, n):
+        by_distance = summarize_records(
+            [_record(1, i < correct) for i in range(n)], [0, 8, 16], 0.8
+        )["by_distance"]
+        return trained_window([_typed_bin(e) for e in by_distance], 8)
+
+    note = floor_note(window(5, 24), 0.8, needles=12)
+    low, high = wilson_interval(5, 24)
+    assert note.startswith(
+        f"inside the trained window (needles up to 8 tokens back) the probes score 0.21 "
+        f"[{low:.2f}, {high:.2f}] (5/24), resolvably below the reach's 0.8"
+    )
+    assert "fewer needles per haystack" in note
+    assert "fewer needles" not in floor_note(window(5, 24), 0.8, needles=1)
+    assert floor_note(window(12, 12), 0.8, needles=12) is None
+    assert floor_note(window(6, 8), 0.8, needles=12) is None
+    assert floor_note(None, 0.8, needles=12) is None
+
+
+def _typed_bin(entry):
+    return DistanceAccuracy(**{**entry, "substring": None})
 
 
 CONFIG = ProbeConfig((480, 960), needles=4, haystacks=3, seed=1, grain=GRAIN, bins=6)

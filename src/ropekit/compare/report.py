@@ -18,14 +18,18 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ropekit.evals.probes import plot_accuracy_vs_distance
+from ropekit.evals.probes import (
+    accuracy_text,
+    floor_note,
+    plot_accuracy_vs_distance,
+    trained_window,
+)
 from ropekit.figures import figure, plot_vs_length, save, style
 from ropekit.report.document import Block, Figure, Heading, Table, Text, to_html, to_markdown
 from ropekit.report.plots import plot_nll_vs_position
 from ropekit.utils import atomic_write_text
 
 from .record import BeyondMargin, CompareResult, EngineChoice, Stat, SummaryEntry, Verdict
-from .verdict import accuracy_text
 
 # The two perplexities of a summary cell, each read by its own accessor (a renamed field of
 # SummaryEntry then fails here, not in a string key): (name in figures, accessor, what).
@@ -323,10 +327,13 @@ def _reach(data: CompareResult, labels: list[str], out: Path) -> list[Block]:
     """Each method's reach and its probes past the trained length, and the figure of
     accuracy against distance (one line per method, the trained length marked)."""
     retrieval = data.retrieval
+    windows = {label: trained_window(retrieval[label].by_distance, data.trained_at)
+               for label in labels}  # fmt: skip
     rows = [
         [
             label,
             "-" if (r := retrieval[label]).reach is None else f"{r.reach.distance:,}",
+            "-" if (w := windows[label]) is None else accuracy_text(w.accuracy),
             "-" if r.past is None else accuracy_text(r.past),
         ]
         for label in labels
@@ -338,16 +345,23 @@ def _reach(data: CompareResult, labels: list[str], out: Path) -> list[Block]:
         f"nearest on, scores at least {reached.accuracy if reached else '-'} (point "
         "accuracies: as noisy as the bins above). Past the trained length: the probes of "
         f"every bin from {'-' if past_from is None else f'{past_from:,}'} tokens on (the "
-        f"first bin edge at or past {data.trained_at:,}), pooled, each probe once."
+        f"first bin edge at or past {data.trained_at:,}), pooled, each probe once; within it: "
+        "the bins that end by then, pooled (the unmodified model's: its retrieval where its "
+        "positions are trained)."
     )
-    header = ["method", "reach (tokens)", f"past {data.trained_at:,} tokens"]
+    header = ["method", "reach (tokens)", f"within {data.trained_at:,}",
+              f"past {data.trained_at:,} tokens"]  # fmt: skip
     figure = plot_accuracy_vs_distance(
         {label: retrieval[label].by_distance for label in labels},
         out / "accuracy_vs_distance.png", data.trained_at,
         reached.accuracy if reached else None, "retrieval by needle distance",
     )  # fmt: skip
+    # the task judged where the unmodified model's positions are trained (floor_note)
+    window = windows.get(data.baseline)
+    note = floor_note(window, reached.accuracy, data.probes.needles) if reached else None
     return [
         Table(header, rows, caption),
+        *([Text(f"Warning ({data.baseline}): {note}.")] if note else []),
         Figure(figure.name, "Retrieval accuracy against needle distance, per method."),
     ]
 

@@ -47,7 +47,7 @@ Retrieval accuracy is reported beside it with Wilson score intervals
 (``ropekit.evals.intervals``, the one implementation), not folded into the rule: a method that
 wins on perplexity and loses retrieval is shown as such.
 
-Holds: mean_std, pooled_accuracy, pooled_bin, method_retrieval, accuracy_text, retrieval_note,
+Holds: mean_std, pooled_accuracy, pooled_bin, method_retrieval, retrieval_note,
 cost_at, score_at, paired_windows, paired_blocks, paired_seeds, block_error, paired_difference,
 recommend, per_engine.
 """
@@ -63,7 +63,7 @@ import numpy as np
 
 from ropekit.evals.intervals import CONFIDENCE, accuracy_entry, difference_interval
 from ropekit.evals.perplexity import QUARTER_BLOCK
-from ropekit.evals.probes import Accuracy, NeedleAccuracy, Reach, reach
+from ropekit.evals.probes import Accuracy, NeedleAccuracy, Reach, accuracy_text, reach
 
 from .record import (
     BeyondMargin,
@@ -157,11 +157,6 @@ def _summed(accuracies: Sequence[Accuracy]) -> Accuracy:
     """One accuracy of several: correct and n summed, one interval (as pooled_accuracy)."""
     correct, n = sum(a.correct for a in accuracies), sum(a.n for a in accuracies)
     return Accuracy(**accuracy_entry(correct, n, accuracies[0].confidence))
-
-
-def accuracy_text(entry: Accuracy) -> str:
-    """``0.70 [0.48, 0.85] (14/20)``: an accuracy, its interval and its probes."""
-    return f"{entry.accuracy:.2f} [{entry.low:.2f}, {entry.high:.2f}] ({entry.correct}/{entry.n})"
 
 
 def retrieval_note(retrieval: Mapping[str, MethodRetrieval], verdict: Verdict) -> str | None:

@@ -13,6 +13,8 @@ Holds:
 - `exact_match(prediction, value)`: the score of one probe.
 - `summarize_records`, `reach`: accuracy per distance bin with Wilson intervals over
   independent probes, and the farthest distance up to which every bin holds.
+- `trained_window`, `floor_note`: the probes within the trained length pooled, and the
+  warning that the task is beyond the model where its positions are trained.
 - `plot_accuracy_vs_distance`: accuracy against distance, one line per method, the trained
   length marked.
 - `run_probes(model, config, out_dir, ...)`: the staged, resumable evaluation
@@ -809,6 +811,45 @@ def reach(
     return {"distance": farthest, "accuracy": accuracy}
 
 
+def trained_window(by_distance: Sequence[Any], trained_length: int | None) -> TrainedWindow | None:
+    """The probes of the distance bins (``DistanceAccuracy`` or compare's pooled bins) that
+    end within ``trained_length``, pooled, each probe once; None without a trained length or
+    without such a bin. Where the model's positions are trained, its retrieval is what an
+    extension of them sets out to keep past that length: when even these probes score
+    resolvably below the reach's accuracy, the task (its needles, its haystack) is beyond the
+    model, and a reach measures that, not the positions (``floor_note``)."""
+    if trained_length is None:
+        return None
+    inside = [b for b in by_distance if b.high_distance <= trained_length]
+    if not inside:
+        return None
+    correct, n = sum(b.correct for b in inside), sum(b.n for b in inside)
+    return TrainedWindow(
+        up_to=max(b.high_distance for b in inside),
+        accuracy=Accuracy(**accuracy_entry(correct, n, inside[0].confidence)),
+    )
+
+
+def floor_note(window: TrainedWindow | None, reach_accuracy: float, needles: int) -> str | None:
+    """What a reader must know when the probes inside the trained window score resolvably
+    below the reach's accuracy (the upper end of their interval under it), else None: the
+    model misses the task where its positions are trained, so a reach at that accuracy
+    cannot measure how far the positions hold (experiment E's redo: SmolLM2-135M scored 5/24
+    within its 8k window with 12 needles per essay haystack)."""
+    if window is None or window.accuracy.high >= reach_accuracy:
+        return None
+    remedies = "a lower reach accuracy or an easier task"
+    if needles > 1:
+        remedies = f"fewer needles per haystack (1: no distractors to bind among), {remedies}"
+    return (
+        f"inside the trained window (needles up to {window.up_to:,} tokens back) the probes "
+        f"score {accuracy_text(window.accuracy)}, resolvably below the reach's "
+        f"{reach_accuracy:g}: the model misses this task where its positions are trained, so "
+        "its reach says nothing about them; read the accuracy past that length against this "
+        f"one, or probe with {remedies}"
+    )
+
+
 # ----------------------------------------------------------------------------- the record
 @dataclass(frozen=True)
 class Accuracy:
@@ -820,6 +861,19 @@ class Accuracy:
     low: float
     high: float
     confidence: float
+
+
+def accuracy_text(entry: Accuracy) -> str:
+    """``0.70 [0.48, 0.85] (14/20)``: an accuracy, its interval and its probes."""
+    return f"{entry.accuracy:.2f} [{entry.low:.2f}, {entry.high:.2f}] ({entry.correct}/{entry.n})"
+
+
+@dataclass(frozen=True)
+class TrainedWindow:
+    """The probes at distances within the trained length, pooled (`trained_window`)."""
+
+    up_to: int  # the upper edge of the last bin they fill (tokens)
+    accuracy: Accuracy
 
 
 @dataclass(frozen=True)
