@@ -247,6 +247,7 @@ def test_a_gguf_of_a_family_the_writer_cannot_write_names_llama_cpps_converter(t
     with pytest.raises(ExportRefused, match=r"convert_hf_to_gguf\.py") as info:
         export(model, None, tmp_path / "out", format="gguf")
     assert "\n" not in str(info.value) and "gemma3_text" in str(info.value)
+    assert "GGUF writer handles llama, mistral (llama.cpp's llama graph" in str(info.value)
     assert not (tmp_path / "out").exists()
 
 

@@ -79,6 +79,9 @@ class Architecture:
     # vLLM 0.32 takes the family's max_position_embeddings as already scaled and applies no
     # rope factor to its accepted length (vllm/config/model.py, _get_and_verify_max_len).
     vllm_length_scaled: bool = False
+    # ropekit's own GGUF writer writes the family: llama.cpp's llama graph, no q/k norms and
+    # no attention biases (``serve.gguf_file``); others go through llama.cpp's converter.
+    gguf: bool = False
 
     def __post_init__(self) -> None:
         if self.rotation not in ROTATION_RULES:
@@ -113,8 +116,8 @@ _SOFTCAP = ("logit softcap", "attn_logit_softcapping")
 ARCHS: dict[str, Architecture] = {
     a.model_type: a
     for a in (
-        _row("llama", "llama", "LlamaAttention"),
-        _row("mistral", "mistral", "MistralAttention"),
+        _row("llama", "llama", "LlamaAttention", gguf=True),
+        _row("mistral", "mistral", "MistralAttention", gguf=True),
         _row("ministral", "ministral", "MinistralAttention", vllm="none"),
         _row("mixtral", "mixtral", "MixtralAttention"),
         _row("qwen2", "qwen2", "Qwen2Attention"),

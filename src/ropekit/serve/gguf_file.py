@@ -59,13 +59,12 @@ import torch
 from torch import nn
 
 from ropekit.encodings import schedules
-from ropekit.hf.archs import base_model, original_length
+from ropekit.hf.archs import ARCHS, base_model, original_length
 from ropekit.hf.models import INSTALL_RECORD, resolve_model
 from ropekit.hf.rope_config import ExportRefused
 
 GGUF_NAME = "model.gguf"
 ARCH = "llama"
-_SUPPORTED = ("llama", "mistral")  # the llama graph of llama.cpp: no q/k norms, no biases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,8 +347,10 @@ def _bpe_tokenizer(writer: Any, tokenizer: Any, config: Any) -> None:
 
 
 def writable(model_type: str | None) -> bool:
-    """Whether ropekit's writer writes this family (llama.cpp's llama graph)."""
-    return model_type in _SUPPORTED
+    """Whether ropekit's writer writes this family (llama.cpp's llama graph: the registry's
+    ``Architecture.gguf``)."""
+    arch = ARCHS.get(model_type) if model_type is not None else None
+    return arch is not None and arch.gguf
 
 
 def check_writable(config: Any) -> None:
@@ -357,8 +358,9 @@ def check_writable(config: Any) -> None:
     if not writable(config.model_type):
         raise ExportRefused(
             f"model_type={config.model_type!r}: ropekit's GGUF writer handles "
-            f"{', '.join(_SUPPORTED)} (llama.cpp's llama graph: no q/k norms, no attention "
-            "biases); export --format hf and convert that folder with llama.cpp's own "
+            f"{', '.join(a.model_type for a in ARCHS.values() if a.gguf)} (llama.cpp's llama "
+            "graph: no q/k norms, no attention biases); export --format hf and convert that "
+            "folder with llama.cpp's own "
             "convert_hf_to_gguf.py, which knows this family's graph"
         )
 
