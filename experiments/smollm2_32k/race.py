@@ -27,7 +27,7 @@ from typing import Any
 from ropekit.compare.plan import race_cells
 from ropekit.compare.race import RaceRule, Stop, race
 from ropekit.compare.record import CompareResult, TableEntry
-from ropekit.compare.verdict import recommend
+from ropekit.compare.verdict import out_of_race, recommend
 from ropekit.evals.perplexity import PerplexityResult
 from ropekit.results import read_record, read_records
 
@@ -120,11 +120,11 @@ def replay(folder: Path, design: str = "a round per window") -> dict[str, Any]:
 
     stops = race(methods, record.baseline, n, rule, table_after, l0_after)
     left = [m for m in methods if m not in stops]
-    verdict = recommend(
+    verdict = out_of_race(recommend(
         {m: record.table[m] for m in left}, left, record.baseline, record.trained_at, n,
         config.margin, min_difference=config.min_difference,
         trained=[m.label for m in record.methods if m.trained],
-    )  # fmt: skip
+    ), stops)  # fmt: skip
     spent, total, finishers = _seconds(folder, stops, lambda r: _scored(rounds, r), config.spans)
     return {
         "design": design, "rule": rule, "stops": stops, "left": left, "verdict": verdict,

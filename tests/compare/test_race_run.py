@@ -88,6 +88,10 @@ def test_a_collapsed_method_stops_after_round_one_and_is_never_probed(raced):
     ]
     assert sum(j.startswith("probes") for j in jobs) == 2  # the two that finished the race
     assert data.verdict is not None and COLLAPSED not in data.verdict.scores
+    # the verdict's sentence names it, so "every other method" reads as the methods still in
+    assert data.verdict.sentence.endswith(
+        f" Out of the race, so not candidates: {COLLAPSED} after round 1 (collapsed)."
+    )
     report = (out / "report.md").read_text()
     assert "## Race" in report and f"| {COLLAPSED} | 1 | {stop.score:.4f} | collapsed |" in report
     assert "| yarn factor4 | - |  | finished the race |" in report

@@ -47,6 +47,7 @@ from .report import write_report
 from .verdict import (
     mean_std,
     method_retrieval,
+    out_of_race,
     per_engine,
     pooled_bin,
     recommend,
@@ -145,7 +146,7 @@ def _verdict(s: Setting, written: _Written, race: Race | None) -> Any:
         trained=[m.label for m in s.methods if m.trained],
     )  # fmt: skip
     return dataclasses.replace(
-        verdict,
+        out_of_race(verdict, out),
         retrieval=retrieval_note(written.retrieval, verdict),
         serving=per_engine(verdict, written.served),
     )

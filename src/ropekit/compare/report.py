@@ -477,10 +477,10 @@ def _race_table(data: CompareResult) -> list[Block]:
         if m.label not in race.stops
     ]
     caption = (
-        f"Racing: {race.decided} of {race.rounds} rounds decided (round r: span r of every "
-        f"domain); each look one-sided at alpha {race.alpha:g} / {race.rounds} (z = "
-        f"{race.z:.3f}); the score is the last-quarter NLL at N over the windows so far. The "
-        "rule: ropekit.compare.race."
+        f"Racing: {race.decided} of {race.rounds} rounds decided (a round: one window at N of "
+        f"one domain, span by span); each look one-sided at alpha {race.alpha:g} / "
+        f"{race.rounds} (z = {race.z:.3f}); the score is the last-quarter NLL at N over the "
+        "windows so far. The rule: ropekit.compare.race."
     )
     header = ["method", "stopped after round", "score so far (nats)", "why"]
     return [Heading("Race", 2), Table(header, rows, caption)]

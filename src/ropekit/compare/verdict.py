@@ -47,7 +47,7 @@ Retrieval accuracy is reported beside it with Wilson score intervals
 (``ropekit.evals.intervals``, the one implementation), not folded into the rule: a method that
 wins on perplexity and loses retrieval is shown as such.
 
-Holds: mean_std, pooled_accuracy, pooled_bin, method_retrieval, retrieval_note,
+Holds: mean_std, pooled_accuracy, pooled_bin, method_retrieval, out_of_race, retrieval_note,
 cost_at, score_at, paired_windows, paired_blocks, paired_seeds, block_error, paired_difference,
 recommend, per_engine.
 """
@@ -73,6 +73,7 @@ from .record import (
     EngineChoice,
     MethodRetrieval,
     SeedBin,
+    Stop,
     TableEntry,
     Verdict,
 )
@@ -157,6 +158,17 @@ def _summed(accuracies: Sequence[Accuracy]) -> Accuracy:
     """One accuracy of several: correct and n summed, one interval (as pooled_accuracy)."""
     correct, n = sum(a.correct for a in accuracies), sum(a.n for a in accuracies)
     return Accuracy(**accuracy_entry(correct, n, accuracies[0].confidence))
+
+
+def out_of_race(verdict: Verdict, stops: Mapping[str, Stop]) -> Verdict:
+    """``verdict``, made on the methods still in the race, with its sentence naming those that
+    left it and why: they were not candidates, so without them "every other method ...
+    collapses" would read as a statement about every method compared."""
+    if not stops:
+        return verdict
+    gone = "; ".join(f"{m} after round {s.round} ({s.reason})" for m, s in stops.items())
+    sentence = f"{verdict.sentence} Out of the race, so not candidates: {gone}."
+    return dataclasses.replace(verdict, sentence=sentence)
 
 
 def retrieval_note(retrieval: Mapping[str, MethodRetrieval], verdict: Verdict) -> str | None:
