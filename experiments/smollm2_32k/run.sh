@@ -11,15 +11,9 @@
 # folder), so src/ can be edited while it runs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export OMP_NUM_THREADS=1
 E=experiments/smollm2_32k
 case "${1:-final}" in final | join | stage2) ;; *) echo "usage: $0 [final|join|stage2]" >&2; exit 2 ;; esac
-flock "${TMPDIR:-/tmp}/ropekit-setup.lock" make -s setup  # both stages may start at once
-.venv/bin/ropekit models install smollm2-135m
-SRC=$(mktemp -d "${TMPDIR:-/tmp}/ropekit-e-src.XXXXXX")
-git archive HEAD src | tar -x -C "$SRC"
-export PYTHONPATH="$SRC/src"
-echo "running ropekit from $SRC (HEAD $(git rev-parse --short HEAD))"
+source experiments/committed_source.sh
 case "${1:-final}" in
   final) exec .venv/bin/ropekit compare --config "$E/compare.json" --out "$E/final" ;;
   join) exec .venv/bin/ropekit compare --config "$E/compare.json" --out "$E/final" --join ;;

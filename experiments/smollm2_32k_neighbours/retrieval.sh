@@ -8,17 +8,10 @@
 # It runs the committed source (HEAD's src/, copied to a temporary folder).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export OMP_NUM_THREADS=1
 N=experiments/smollm2_32k_neighbours
 OUT=$N/retrieval
-flock "${TMPDIR:-/tmp}/ropekit-setup.lock" make -s setup
-.venv/bin/ropekit models install smollm2-135m
-SRC=$(mktemp -d "${TMPDIR:-/tmp}/ropekit-n-retrieval.XXXXXX")
-git archive HEAD src | tar -x -C "$SRC"
-export PYTHONPATH="$SRC/src"
-echo "running ropekit from $SRC (HEAD $(git rev-parse --short HEAD))"
-# E's redo's probes, exactly (experiments/smollm2_32k/retrieval/run.sh)
-PROBES=(--lengths 32768 --needles 1 --haystacks 56 --task niah_single_2 --bins 8 --seed 0)
+source experiments/committed_source.sh
+source experiments/smollm2_32k/retrieval/probes.sh  # PROBES: E's redo's probes, exactly
 # the methods in the order fixed before starting, each read from the comparison's own
 # extension run (final/methods/<label>/s0; a trained one at the rate it chose: lr-<rate>/s0)
 run_of() {

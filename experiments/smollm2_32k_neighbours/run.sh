@@ -8,21 +8,15 @@
 # to a temporary folder), so src/ can be edited while it runs.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export OMP_NUM_THREADS=1
 N=experiments/smollm2_32k_neighbours
 E=experiments/smollm2_32k
 case "${1:-final}" in final | join) ;; *) echo "usage: $0 [final|join]" >&2; exit 2 ;; esac
-flock "${TMPDIR:-/tmp}/ropekit-setup.lock" make -s setup
-.venv/bin/ropekit models install smollm2-135m
 mkdir -p "$N/final/methods" "$N/final/eval"
 for m in rope yarn-x4 leaky-rerope adarope adarope-global; do
   [ -e "$N/final/methods/$m" ] || cp -r "$E/final/methods/$m" "$N/final/methods/"
   [ -e "$N/final/eval/$m" ] || cp -r "$E/final/eval/$m" "$N/final/eval/"
 done
-SRC=$(mktemp -d "${TMPDIR:-/tmp}/ropekit-n-src.XXXXXX")
-git archive HEAD src | tar -x -C "$SRC"
-export PYTHONPATH="$SRC/src"
-echo "running ropekit from $SRC (HEAD $(git rev-parse --short HEAD))"
+source experiments/committed_source.sh
 case "${1:-final}" in
   final) exec .venv/bin/ropekit compare --config "$N/compare.json" --out "$N/final" ;;
   join) exec .venv/bin/ropekit compare --config "$N/compare.json" --out "$N/final" --join ;;

@@ -9,21 +9,10 @@
 # E scored; the trained methods at the rate E chose, 0.02).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-export OMP_NUM_THREADS=1
 E=experiments/smollm2_32k
 OUT=$E/retrieval
-flock "${TMPDIR:-/tmp}/ropekit-setup.lock" make -s setup
-.venv/bin/ropekit models install smollm2-135m
-SRC=$(mktemp -d "${TMPDIR:-/tmp}/ropekit-e-retrieval.XXXXXX")
-git archive HEAD src | tar -x -C "$SRC"
-export PYTHONPATH="$SRC/src"
-echo "running ropekit from $SRC (HEAD $(git rev-parse --short HEAD))"
-# The probes: one needle per haystack (the 12-needle design was tried and set aside before any
-# method but the floor was probed; README.md says why), at a seeded depth in the first 5% of
-# a haystack of 32k of RULER's essays (niah_single_2), asked from one seeded cut point: 56
-# haystacks a method, each read only up to its cut, about 42 of them past the trained 8,192;
-# 8 distance bins of 4k. Fixed before any answer was seen: no probes are added after looking.
-PROBES=(--lengths 32768 --needles 1 --haystacks 56 --task niah_single_2 --bins 8 --seed 0)
+source experiments/committed_source.sh
+source "$OUT/probes.sh"  # PROBES: the probes, fixed before any answer was seen
 # label and extension run: the verdict's pairs first (the leader first), the floor last, since
 # a run that stops between sessions has then measured what the verdict needs most
 METHODS=(

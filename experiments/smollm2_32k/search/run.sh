@@ -10,22 +10,16 @@
 # edited while it runs.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-export OMP_NUM_THREADS=1
 OUT=experiments/smollm2_32k/search/needle-ppl
-flock "${TMPDIR:-/tmp}/ropekit-setup.lock" make -s setup
-.venv/bin/ropekit models install smollm2-135m
-SRC=$(mktemp -d "${TMPDIR:-/tmp}/ropekit-e-search.XXXXXX")
-git archive HEAD src | tar -x -C "$SRC"
-export PYTHONPATH="$SRC/src"
-echo "running ropekit from $SRC (HEAD $(git rev-parse --short HEAD))"
+source experiments/committed_source.sh
 # Fixed before any score is seen: 6 needle documents of 32,768 tokens (each its own passkey,
 # six independent probes; each needle more than 8,192 tokens back: 12.7k-31.5k, README.md) score each of 4
 # candidates (the three seeds and one mutation): a budget of 24 forwards at 32k.
 .venv/bin/ropekit search --model smollm2-135m --target-length 32768 --samples 6 --budget 24 \
   --objective needle-ppl --out "$OUT"
 # Which factors it kept, and whether they reach: the kept adapter probed as retrieval/ probes
-# the methods of E's verdict (same probes, so the tables compare).
-.venv/bin/ropekit eval probes --model smollm2-135m --adapter "$OUT/adapter" \
-  --lengths 32768 --needles 12 --haystacks 5 --task niah_single_2 --bins 8 --seed 0 \
+# the methods of E's verdict (same haystacks, needles and cut points, so the tables compare).
+source experiments/smollm2_32k/retrieval/probes.sh  # PROBES
+.venv/bin/ropekit eval probes --model smollm2-135m --adapter "$OUT/adapter" "${PROBES[@]}" \
   --out "$OUT/probes"
 echo "$(date -u +%FT%TZ) done"
