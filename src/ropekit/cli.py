@@ -20,6 +20,7 @@ import io
 import os
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
@@ -397,8 +398,9 @@ def cmd_eval_probes(args: argparse.Namespace) -> int:
 
     config = from_args(ProbeConfig, args, args.fields)
     backbone = _load(args)
-    prefills = {n: config.haystacks for n in config.lengths}
-    _check_work(args, backbone, f"eval probes ({config.haystacks} prefills per length)", prefills)
+    prefills = Counter(read for n in config.lengths for read in config.expected_reads(n))
+    what = f"eval probes ({config.haystacks} prefills per length, each to its longest cut)"
+    _check_work(args, backbone, what, prefills)
     result = run_probes(
         backbone,
         config,

@@ -347,8 +347,9 @@ def test_the_plans_cost_model_grows_with_attentions_square(compared):
 
 def test_the_plans_estimate_leaves_out_what_is_read_once(compared, tmp_path, monkeypatch):
     """Perplexity windows read in a longer window's reading cost nothing for an encoding that
-    does not follow the length, and all of their time for one that does; a later haystack
-    costs its prefill less the filler it keeps."""
+    does not follow the length, and all of their time for one that does; a haystack costs its
+    prefill up to its longest cut (one needle: its one cut), a later one less the filler it
+    keeps."""
     from ropekit.compare.run import Comparison
     from ropekit.evals.adapters import BackboneLM
 
@@ -366,10 +367,25 @@ def test_the_plans_estimate_leaves_out_what_is_read_once(compared, tmp_path, mon
     seconds = run.estimated_seconds()
     # One span of 16k: the first 8k window is read in the 16k window's reading.
     assert seconds["perplexity"] == 2 * (8192 + 16384) + (2 * 8192 + 16384)
-    kept = run.kept[16384]
+    reads = run.reads[16384]
+    (_, first), *later = reads
+    kept = later[0][0]
     # the whole chunks before the needle, which sits in the first 5% of the haystack
-    assert kept % 1365 == 0 and kept <= 0.05 * 16384
-    assert seconds["probes"] == 3 * (16384 + 2 * (16384 - kept))
+    assert kept % 1365 == 0 and kept <= 0.05 * 16384 and all(k == kept for k, _ in later)
+    # the cut of each haystack's one probe: somewhere past its needle, not the whole length
+    cuts = [max(p.cut for p in hay.probes) for hay in _haystacks(run, 16384)]
+    assert [to for _, to in reads] == cuts and min(cuts) < 16384 - 512
+    assert seconds["probes"] == 3 * (first + sum(to - kept for _, to in later))
+
+
+def _haystacks(run, length: int) -> list:
+    """The comparison's haystacks of ``length``, built as its probes build them."""
+    from ropekit.evals.probes import build_haystack, probe_task
+    from ropekit.evals.prompts import PromptFormat
+
+    probes = run.config.probe_config(run.trained_at)
+    task, fmt = probe_task(probes.task), PromptFormat(run.tokenizer)
+    return [build_haystack(task, fmt, probes, length, h) for h in range(probes.haystacks)]
 
 
 def _copied(compared, tmp_path: Path) -> tuple[Path, CompareConfig]:
@@ -417,7 +433,7 @@ def test_the_plan_says_what_is_left_of_a_resumed_comparison(compared, tmp_path):
     assert every["perplexity"] == 2 * 4 * per_domain  # 2 domains x (rope, yarn, 2 seeds)
     assert every["training"] == 3 * 2 * 3 * 128  # 3 runs x 2 samples x 3 forwards of 128 (no PoSE)
     assert every["selection"] == 2 * 128  # one sample at the target length per rate
-    probes = sum(n + 2 * (n - run.kept.get(n, 0)) for n in (96, 128))
+    probes = sum(to - start for n in (96, 128) for start, to in run.reads[n])
     assert every["probes"] == 4 * probes  # rope, yarn, adarope at both seeds
     assert run.estimated_seconds(left=True) == dict.fromkeys(every, 0.0)
     assert "; left (a job in progress counted whole): none (rough" in _estimate(run)

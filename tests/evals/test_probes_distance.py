@@ -247,6 +247,27 @@ def test_the_reach_is_the_end_of_the_run_of_bins_at_or_above_the_accuracy():
     assert reach(bins(1.0, 0.79, 1.0, 1.0), edges, 0.8)["distance"] == 10
 
 
+@pytest.mark.parametrize("needles", [1, 4])
+def test_the_expected_reads_follow_the_haystacks_longest_cuts(byte_tok, needles):
+    """What the plan prices before building the haystacks (``expected_reads``) is what they
+    read once built: each is read to its longest cut, anywhere past its needle with one
+    needle (about half the length on average), near the end with four."""
+    config = ProbeConfig((960,), needles=needles, haystacks=64, grain=8, seed=3)
+    task, fmt = probe_task(config.task), PromptFormat(byte_tok)
+    built = sorted(
+        max(p.cut for p in build_haystack(task, fmt, config, 960, h).probes) for h in range(64)
+    )
+    expected = config.expected_reads(960)
+    assert len(expected) == 64 and list(expected) == sorted(expected)
+    assert np.mean(built) == pytest.approx(np.mean(expected), rel=0.1)
+    # the cost's quadratic term: the mean square read, within 15%
+    assert np.mean(np.square(built)) == pytest.approx(np.mean(np.square(expected)), rel=0.15)
+    if needles == 1:
+        assert min(built) < 960 / 3 and min(expected) < 960 / 3
+    else:
+        assert min(built) > 960 * 0.7 and min(expected) > 960 * 0.7
+
+
 def test_the_trained_window_pools_the_bins_that_end_within_it_each_probe_once():
     """Bins (0, 10] 3/4, (10, 20] 1/4, (20, 30] 4/4: within 20 (or 25: a bin that crosses
     the trained length is not within it) the first two, 4/8; none within 5."""

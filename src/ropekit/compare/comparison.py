@@ -81,9 +81,9 @@ class Comparison:
         self.tokenizer = probe.require_tokenizer()
         self.streams: dict[str, TokenStream] = {}  # held-out tokens, made once per domain
         self.skipped: list[Skipped] = []  # the lengths left out, with the reason
-        # probe length -> filler a later haystack keeps, and the needle distance of every probe
-        # a run asks (the plan counts them); probes that do not fit stop it here
-        self.kept, self.distances = _probes_fit(self.config, probe, self.trained_at)
+        # probe length -> the tokens each haystack's prefill reads, and the needle distance of
+        # every probe a run asks (the plan counts them); probes that do not fit stop it here
+        self.reads, self.distances = _probes_fit(self.config, probe, self.trained_at)
         probe.cast(COMPUTE_DTYPES[config.dtype])
         self.forward_seconds = forward_seconds(probe)  # for the plan's estimate
         # an unknown, empty or unreadable domain stops it here
@@ -121,7 +121,7 @@ class Comparison:
 
     def cost_model(self) -> CostModel:
         c, seconds = self.config, self.forward_seconds
-        return CostModel(c, self.trained_at, seconds, self.domains, self.kept)
+        return CostModel(c, self.trained_at, seconds, self.domains, self.reads)
 
     def job_costs(self) -> list[JobCost]:
         """Every job of the plan, costed, and whether its result is in the folder (a
@@ -338,21 +338,24 @@ def paces(ledger: Ledger, costs: list[JobCost]) -> dict[str, tuple[float, int]]:
 
 def _probes_fit(
     config: CompareConfig, probe: Backbone, trained_at: int
-) -> tuple[dict[int, int], list[int]]:
+) -> tuple[dict[int, tuple[tuple[int, int], ...]], list[int]]:
     """Check the probe sizes and build every haystack now: K needles that do not fit a length
     stop the comparison here (TaskDoesNotFit, a ValueError), not after every method trained.
-    Returns, per length, the tokens a later haystack keeps of the one before it (the whole
-    chunks of their shared filler), for the plan's estimate, and the needle distance of every
-    probe a run asks, for its plan line."""
+    Returns, per length, the tokens each haystack's prefill reads, (from, to): from the whole
+    chunks of filler it keeps of the haystack before it (0 for the first) to its longest cut
+    (a one-needle haystack is read to its one cut, about half the length on average), for
+    the plan's estimate; and the needle distance of every probe a run asks, for its plan line."""
     if not config.retrieval_lengths(trained_at):
         return {}, []
     probes, lm = config.probe_config(trained_at), as_language_model(probe)
     check_probe_sizes(probes, lm)
     task, fmt = probe_task(probes.task), PromptFormat(probe.require_tokenizer(), chat=probes.chat)
-    kept, distances = {}, []
+    reads, distances = {}, []
     for length in probes.lengths:
         hays = [build_haystack(task, fmt, probes, length, h) for h in range(probes.haystacks)]
-        if probes.haystacks > 1:
-            kept[length] = shared_chunks(hays[0].prefix, hays[1].prefix, lm.prefill_chunk)
+        kept = shared_chunks(hays[0].prefix, hays[1].prefix, lm.prefill_chunk) if hays[1:] else 0
+        reads[length] = tuple(
+            (kept if h else 0, max(p.cut for p in hay.probes)) for h, hay in enumerate(hays)
+        )
         distances += [p.distance for hay in hays for p in hay.probes]
-    return kept, distances
+    return reads, distances

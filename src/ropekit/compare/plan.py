@@ -20,8 +20,8 @@ they are planned (and named) at the first rate, after the selections.
 The cost model (``CostModel``) prices each job from one timed forward on this machine
 (``backbone.cost.forward_seconds``): a training step as three forwards per sample, a
 selection's forwards, a perplexity's windows (those read in a longer window's reading cost
-nothing, except for an encoding that follows the length) and the probes' prefills (less the
-filler a later haystack keeps).
+nothing, except for an encoding that follows the length) and the probes' prefills (each
+haystack read to its longest cut, less the filler it keeps of the one before).
 
 Holds: BASELINE, KINDS, ResolvedMethod, resolve_methods, Job, jobs, race_cells, selection_key,
 chosen_rates, ppl_config, CostModel, run_folder, eval_folder, slug.
@@ -282,10 +282,11 @@ class CostModel:
         trained_at: int,
         forward: Callable[[int], float],
         domains: Mapping[str, tuple[int, ...]],
-        kept: Mapping[int, int],
+        reads: Mapping[int, Sequence[tuple[int, int]]],
     ) -> None:
         self.config, self.trained_at, self.forward = config, trained_at, forward
-        self.domains, self.kept = domains, kept  # kept: probe length -> tokens a later one keeps
+        # reads: probe length -> (from, to) tokens of each haystack's prefill
+        self.domains, self.reads = domains, reads
 
     def __call__(self, job: Job) -> float:
         c, seconds = self.config, self.forward
@@ -301,7 +302,8 @@ class CostModel:
             ppl = ppl_config(c, self.domains[job.domain], job.part)
             read = windows_read(ppl, not job.method.dynamic)
             return sum(k * seconds(n) for n, k in read.items())
-        return sum(  # probes: each length's first prefill, then what a later one adds
-            seconds(n) + (c.probe_haystacks - 1) * (seconds(n) - seconds(self.kept.get(n, 0)))
+        return sum(  # probes: each haystack read to its longest cut, less what it keeps
+            seconds(to) - seconds(start)
             for n in c.retrieval_lengths(self.trained_at)
+            for start, to in self.reads[n]
         )

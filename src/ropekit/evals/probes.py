@@ -233,6 +233,17 @@ class ProbeConfig:
             return self.grain
         return 1 << max(0, (max(self.lengths) // GRAIN_SHARE).bit_length() - 1)
 
+    def expected_reads(self, length: int) -> tuple[int, ...]:
+        """The tokens each of the H haystacks of ``length`` can be expected to read, for the
+        cost said before the work starts (the haystacks are built later): a haystack is read
+        up to its longest cut, drawn in the top of K equal strata of the cut points behind its
+        needles (``_cut_points``), so spread evenly over that top 1/K: one needle reads about
+        half the haystack on average, 12 nearly all of it."""
+        start = self.needles_within * length  # the needles end about here at the latest
+        top = (length - start) / self.needles
+        return tuple(round(length - top + top * (i + 0.5) / self.haystacks)
+                     for i in range(self.haystacks))  # fmt: skip
+
     @property
     def bin_edges(self) -> tuple[int, ...]:
         """The distance bins' edges (tokens): bin i holds distances in (edge i, edge i + 1]."""
