@@ -101,9 +101,10 @@ def write_paged(
     slot s is block s // b, offset s % b; slots < 0 (padding) are skipped."""
     b = key_cache.shape[2]
     n = min(slot_mapping.shape[0], key.shape[0])
-    slots = slot_mapping[:n].long()
-    keep = slots >= 0
-    slots, key, value = slots[keep], key[:n][keep], value[:n][keep]
+    slots, key, value = slot_mapping[:n].long(), key[:n], value[:n]
+    if bool((slots < 0).any()):  # (three selections less per layer where there is none)
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
     blocks, offsets = torch.div(slots, b, rounding_mode="floor"), slots % b
     # Advanced indices on dims 0 and 2 around a slice: the indexed view is (n, K, D).
     key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
