@@ -60,10 +60,14 @@ def test_write_then_gather_returns_each_requests_tokens_in_order() -> None:
     table = torch.randperm(n_blocks, generator=g).view(2, 6)  # each request's blocks, shuffled
     lengths = (37, 20)
     tokens = [torch.randn(n, K, D, generator=g) for n in lengths]
+    written = torch.zeros(n_blocks * B, dtype=torch.bool)
     for r, (n, x) in enumerate(zip(lengths, tokens, strict=True)):
         slots = table[r, torch.arange(n) // B] * B + torch.arange(n) % B
         padded = torch.cat([slots, torch.tensor([-1])])  # a padding row writes nothing
         write_paged(cache_k, cache_v, torch.cat([x, x[:1]]), -torch.cat([x, x[:1]]), padded)
+        written[slots] = True
+    untouched = ~written.view(n_blocks, 1, B, 1).expand_as(cache_k)
+    assert not cache_k[untouched].any() and not cache_v[untouched].any()
     for r, (n, x) in enumerate(zip(lengths, tokens, strict=True)):
         got = gather_paged(cache_k, table[r], n)  # (1, K, S, D)
         torch.testing.assert_close(got[0].transpose(0, 1), x, rtol=0, atol=0)

