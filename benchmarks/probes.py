@@ -36,15 +36,9 @@ import torch
 
 from ropekit.evals import as_language_model
 from ropekit.evals.adapters import newline_ids
-from ropekit.evals.probes import (
-    ProbeConfig,
-    answer_haystacks,
-    answer_probes,
-    answer_separately,
-    build_haystack,
-    exact_match,
-    probe_task,
-)
+from ropekit.evals.probe_haystacks import ProbeConfig, build_haystack, probe_task
+from ropekit.evals.probe_summary import exact_match
+from ropekit.evals.probes import answer_haystacks, answer_probes, answer_separately
 from ropekit.evals.prompts import PromptFormat
 
 from .common import Result, installed_backbone

@@ -22,7 +22,7 @@ from ropekit import results
 from ropekit.analysis.record import AnalysisResult
 from ropekit.compare.record import CompareResult
 from ropekit.evals.perplexity import PerplexityResult
-from ropekit.evals.probes import ProbesResult
+from ropekit.evals.probe_summary import ProbesResult
 from ropekit.evals.runner import TasksResult
 from ropekit.report import sections
 from ropekit.report.demo_record import DemoResult

@@ -49,7 +49,7 @@ from ropekit.compare.record import Difference, TableEntry
 from ropekit.compare.verdict import cost_at, paired_difference, paired_seeds, score_at
 from ropekit.evals.intervals import difference_interval
 from ropekit.evals.perplexity import PerplexityResult
-from ropekit.evals.probes import LengthAccuracy, ProbesResult
+from ropekit.evals.probe_summary import LengthAccuracy, ProbesResult
 from ropekit.figures import figure as canvas
 from ropekit.figures import save
 from ropekit.results import read_record

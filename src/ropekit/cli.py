@@ -368,7 +368,7 @@ def add_eval(p: argparse.ArgumentParser) -> None:
 
 
 def add_eval_probes(kinds: argparse._SubParsersAction) -> None:
-    from ropekit.evals.probes import ProbeConfig
+    from ropekit.evals.probe_haystacks import ProbeConfig
 
     q = kinds.add_parser(
         "probes",
@@ -388,13 +388,9 @@ def add_eval_probes(kinds: argparse._SubParsersAction) -> None:
 
 
 def cmd_eval_probes(args: argparse.Namespace) -> int:
-    from ropekit.evals.probes import (
-        ProbeConfig,
-        accuracy_text,
-        floor_note,
-        run_probes,
-        trained_window,
-    )
+    from ropekit.evals.probe_haystacks import ProbeConfig
+    from ropekit.evals.probe_summary import accuracy_text, floor_note, trained_window
+    from ropekit.evals.probes import run_probes
 
     config = from_args(ProbeConfig, args, args.fields)
     backbone = _load(args)

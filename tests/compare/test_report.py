@@ -18,7 +18,7 @@ from ropekit.compare.record import (
 )
 from ropekit.compare.verdict import method_retrieval, pooled_bin
 from ropekit.evals.intervals import accuracy_entry
-from ropekit.evals.probes import Accuracy
+from ropekit.evals.probe_summary import Accuracy
 from ropekit.results import read_record
 
 # The base the unit tests change a few fields of: experiment D's out-of-domain comparison as

@@ -22,6 +22,8 @@ from ropekit.compare.record import (
 )
 from ropekit.compare.verdict import accuracy_text
 from ropekit.evals import PerplexityResult, probes, wilson_interval
+from ropekit.evals.probe_haystacks import ProbeConfig
+from ropekit.evals.probe_summary import reach
 from ropekit.results import read_record
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--batch-size", "4", "--warmup", "2"]
@@ -116,7 +118,7 @@ def test_compare_probes_every_run_and_pools_seeds_per_distance(compared):
     retrieval = data["retrieval"]
     assert list(retrieval) == ["rope (unmodified)", "yarn", "adarope"]
     assert data["length_retrieval"] == {}
-    edges = probes.ProbeConfig((96, 128)).bin_edges  # 8 bins of 16 tokens up to 128
+    edges = ProbeConfig((96, 128)).bin_edges  # 8 bins of 16 tokens up to 128
     for label, method in retrieval.items():
         seeds = 2 if label == "adarope" else 1
         bins = method["by_distance"]
@@ -131,7 +133,7 @@ def test_compare_probes_every_run_and_pools_seeds_per_distance(compared):
         assert method["past_from"] == 32
         assert method["past"]["n"] == sum(b["n"] for b in past)
         assert method["past"]["correct"] == sum(b["correct"] for b in past)
-        assert method["reach"] == probes.reach(bins, edges, 0.8)
+        assert method["reach"] == reach(bins, edges, 0.8)
     for seed in (0, 1):  # every seed of the trained method probes into its own folder, and
         # its bins are the pooled bins' entries of that seed
         summary = json.loads(
@@ -380,7 +382,7 @@ def test_the_plans_estimate_leaves_out_what_is_read_once(compared, tmp_path, mon
 
 def _haystacks(run, length: int) -> list:
     """The comparison's haystacks of ``length``, built as its probes build them."""
-    from ropekit.evals.probes import build_haystack, probe_task
+    from ropekit.evals.probe_haystacks import build_haystack, probe_task
     from ropekit.evals.prompts import PromptFormat
 
     probes = run.config.probe_config(run.trained_at)

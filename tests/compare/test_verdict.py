@@ -22,7 +22,7 @@ from ropekit.compare.verdict import (
 )
 from ropekit.evals import wilson_interval
 from ropekit.evals.intervals import accuracy_entry, difference_interval
-from ropekit.evals.probes import Accuracy
+from ropekit.evals.probe_summary import Accuracy
 from ropekit.results import encode
 from tests.runaway import cpu_limit
 

@@ -21,20 +21,15 @@ import torch
 from ropekit.evals import as_language_model
 from ropekit.evals.adapters import newline_ids, shared_chunks
 from ropekit.evals.intervals import wilson_interval
-from ropekit.evals.probes import (
+from ropekit.evals.probe_haystacks import ProbeConfig, build_haystack, probe_task
+from ropekit.evals.probe_summary import (
     VERSION,
-    ProbeConfig,
     ProbesResult,
-    answer_haystacks,
-    answer_probes,
-    answer_separately,
-    build_haystack,
     distractor_answers,
     exact_match,
-    probe_task,
-    run_probes,
     summarize_records,
 )
+from ropekit.evals.probes import answer_haystacks, answer_probes, answer_separately, run_probes
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.tasks import TaskDoesNotFit
 from ropekit.hf import patch

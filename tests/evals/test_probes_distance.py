@@ -23,22 +23,18 @@ import torch
 from ropekit.evals import as_language_model
 from ropekit.evals.adapters import chunk_dividing
 from ropekit.evals.intervals import wilson_interval
-from ropekit.evals.probes import (
+from ropekit.evals.probe_haystacks import ProbeConfig, build_haystack, probe_task
+from ropekit.evals.probe_summary import (
     VERSION,
     DistanceAccuracy,
-    ProbeConfig,
     ProbesResult,
-    answer_probes,
-    answer_separately,
-    build_haystack,
     floor_note,
     plot_accuracy_vs_distance,
-    probe_task,
     reach,
-    run_probes,
     summarize_records,
     trained_window,
 )
+from ropekit.evals.probes import answer_probes, answer_separately, run_probes
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.tasks import TaskDoesNotFit
 from ropekit.hf import patch
@@ -363,11 +359,11 @@ def test_a_summary_from_before_distances_still_reads(tmp_path, byte_tok):
 
 
 def test_the_figure_draws_one_line_per_method_and_marks_the_trained_length(tmp_path, monkeypatch):
-    from ropekit.evals import probes
+    from ropekit.evals import probe_summary
     from ropekit.evals.intervals import accuracy_entry
 
     drawn = []
-    monkeypatch.setattr(probes, "save", lambda fig, path: drawn.append(fig) or Path(path))
+    monkeypatch.setattr(probe_summary, "save", lambda fig, path: drawn.append(fig) or Path(path))
 
     def entry(low, high, correct):
         return DistanceAccuracy(

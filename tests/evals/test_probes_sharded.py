@@ -13,7 +13,8 @@ import pytest
 import ropekit.evals.probes as probes_module
 from ropekit.data import heldout_stream
 from ropekit.evals import PerplexityConfig, as_language_model, evaluate_perplexity
-from ropekit.evals.probes import ProbeConfig, run_probes
+from ropekit.evals.probe_haystacks import ProbeConfig
+from ropekit.evals.probes import run_probes
 from ropekit.results import read_records
 
 from ..processes import run_ranks

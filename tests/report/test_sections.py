@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from ropekit.evals.probes import ProbeConfig, run_probes
+from ropekit.evals.probe_haystacks import ProbeConfig
+from ropekit.evals.probes import run_probes
 from ropekit.report import build_report
 from ropekit.report.sections import discover
 

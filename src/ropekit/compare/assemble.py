@@ -21,7 +21,7 @@ from ropekit.data.streams import TokenStream
 from ropekit.encodings import PositionEncoding
 from ropekit.evals import PerplexityResult
 from ropekit.evals.perplexity import LengthScore
-from ropekit.evals.probes import NeedleAccuracy, ProbesResult
+from ropekit.evals.probe_summary import NeedleAccuracy, ProbesResult
 from ropekit.results import ResultError, read_record, run_metadata, write_result
 from ropekit.serve.serving import served_by
 

@@ -31,7 +31,9 @@ from ropekit.evals import (
     run_probes,
 )
 from ropekit.evals.adapters import shared_chunks
-from ropekit.evals.probes import ProbesResult, build_haystack, check_probe_sizes, probe_task
+from ropekit.evals.probe_haystacks import build_haystack, probe_task
+from ropekit.evals.probe_summary import ProbesResult
+from ropekit.evals.probes import check_probe_sizes
 from ropekit.results import digest
 from ropekit.train.extend import extend
 

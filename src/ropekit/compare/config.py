@@ -22,7 +22,7 @@ from typing import Any
 from ropekit.backbone import COMPUTE_DTYPES
 from ropekit.data import CORPORA
 from ropekit.encodings import Spec
-from ropekit.evals.probes import ProbeConfig, probe_task
+from ropekit.evals.probe_haystacks import ProbeConfig, probe_task
 from ropekit.train.extend import ExtendConfig, method_spec
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from ropekit.encodings import Spec
 from ropekit.evals.perplexity import PositionCurve
-from ropekit.evals.probes import Accuracy, NeedleAccuracy, Reach
+from ropekit.evals.probe_summary import Accuracy, NeedleAccuracy, Reach
 from ropekit.results import register
 from ropekit.train.extend import method_spec
 
@@ -152,7 +152,7 @@ class MethodRetrieval:
     verdict's retrieval note compares (Newcombe's interval over independent probes)."""
 
     by_distance: tuple[DistanceRetrieval, ...]  # bins with probes, nearest first
-    reach: Reach | None  # evals.probes.reach of the pooled bins; None: no bins (probes of a
+    reach: Reach | None  # evals.probe_summary.reach of the pooled bins; None: no bins (probes of a
     # summary written before distances)
     past_from: int | None  # the first bin edge at or past L0; None: the bins end before L0
     past: Accuracy | None  # the probes of the bins from past_from on, pooled; None: none

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ropekit.evals.probes import (
+from ropekit.evals.probe_summary import (
     accuracy_text,
     floor_note,
     plot_accuracy_vs_distance,

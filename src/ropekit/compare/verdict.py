@@ -63,7 +63,7 @@ import numpy as np
 
 from ropekit.evals.intervals import CONFIDENCE, accuracy_entry, difference_interval
 from ropekit.evals.perplexity import QUARTER_BLOCK
-from ropekit.evals.probes import Accuracy, NeedleAccuracy, Reach, accuracy_text, reach
+from ropekit.evals.probe_summary import Accuracy, NeedleAccuracy, Reach, accuracy_text, reach
 
 from .record import (
     BeyondMargin,
@@ -138,7 +138,7 @@ def method_retrieval(
     trained_at: int,
 ) -> MethodRetrieval:
     """A method's pooled bins (``edges``: the probes' bin edges), their reach at ``accuracy``
-    (``evals.probes.reach``) and the probes of the bins from the first edge at or past the
+    (``evals.probe_summary.reach``) and the probes of the bins from the first edge at or past the
     trained length on, pooled: each probe is in one bin, so each is counted once."""
     scored = [
         {"low_distance": b.low_distance, "high_distance": b.high_distance, "accuracy": b.accuracy}

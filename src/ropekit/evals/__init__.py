@@ -11,9 +11,10 @@ Modules:
   `check_single_documents` / `DocumentsTooShort` (do single-document spans fit?).
 - `runner`: `run_needle`, `run_passkey`, `run_ruler`, `run_tasks`: staged, resumable; each
   returns a `TasksResult` (summary.json's record).
-- `probes`: `ProbeConfig`, `run_probes` (`ropekit eval probes`; returns a `ProbesResult`):
-  retrieval accuracy against needle distance and the reach, many probes per long prefill:
-  needles near the start, each asked from its own cut point of the cached prefill.
+- `probes`: `run_probes` (`ropekit eval probes`): retrieval accuracy against needle
+  distance and the reach, many probes per long prefill: needles near the start of each
+  haystack (`probe_haystacks`: `ProbeConfig`), each asked from its own cut point of the
+  cached prefill; the summary (`probe_summary`: `ProbesResult`).
 - `intervals`: `wilson_interval`, `accuracy_entry` (Wilson score intervals of accuracies),
   `difference_interval` (Newcombe's interval for the difference of two).
 - `plots`: pictures (files go through `ropekit.results`).
@@ -35,7 +36,9 @@ from ropekit.evals.perplexity import (
     evaluate_perplexity,
     run_perplexity,
 )
-from ropekit.evals.probes import ProbeConfig, ProbesResult, run_probes
+from ropekit.evals.probe_haystacks import ProbeConfig
+from ropekit.evals.probe_summary import ProbesResult
+from ropekit.evals.probes import run_probes
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.runner import (
     EvalConfig,

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ropekit.analysis.record import AnalysisResult
 from ropekit.evals.perplexity import PerplexityResult
-from ropekit.evals.probes import ProbesResult
+from ropekit.evals.probe_summary import ProbesResult
 from ropekit.evals.runner import TasksResult
 from ropekit.results import ResultError, read_record, read_result, result_kind
 from ropekit.train.extend import ExtendRecord
@@ -39,7 +39,7 @@ from .demo_record import DemoResult
 from .document import Block, Details, Figure, Heading, Table, Text, figure_problem
 
 if TYPE_CHECKING:
-    from ropekit.evals.probes import Accuracy
+    from ropekit.evals.probe_summary import Accuracy
 
 # kind -> section title, in the order sections appear.
 KINDS: dict[str, str] = {
