@@ -79,12 +79,14 @@ def _yes(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _check_work(args: argparse.Namespace, backbone, what: str, forwards, training=False) -> None:
+def _check_work(
+    args: argparse.Namespace, backbone, what: str, forwards, training=False, reads_to=None
+) -> None:
     """Print the estimate of the command's forwards; refuse work that will not finish
     (ropekit.backbone.cost.check_work) unless --yes."""
     from ropekit.backbone.cost import Work, check_work
 
-    check_work(backbone, Work(what, dict(forwards), training), yes=args.yes)
+    check_work(backbone, Work(what, dict(forwards), training, reads_to), yes=args.yes)
 
 
 # --------------------------------------------------------------------------- encodings
@@ -396,7 +398,7 @@ def cmd_eval_probes(args: argparse.Namespace) -> int:
     backbone = _load(args)
     prefills = Counter(read for n in config.lengths for read in config.expected_reads(n))
     what = f"eval probes ({config.haystacks} prefills per length, each to its longest cut)"
-    _check_work(args, backbone, what, prefills)
+    _check_work(args, backbone, what, prefills, reads_to=max(config.lengths))
     result = run_probes(
         backbone,
         config,

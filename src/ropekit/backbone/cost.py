@@ -89,10 +89,13 @@ class Work:
     what: str  # the command's work in words, e.g. "eval probes: 2 prefills of 10,000,000 tokens"
     forwards: Mapping[int, int]
     training: bool = False
+    # the longest input it reads when its forwards are expected lengths below it (a probe's
+    # haystack is read to a cut point: its forwards are the cuts expected, this its length)
+    reads_to: int | None = None
 
     @property
     def longest(self) -> int:
-        return max(self.forwards, default=0)
+        return self.reads_to or max(self.forwards, default=0)
 
 
 def reach(backbone: Backbone) -> int:
