@@ -396,7 +396,9 @@ def cmd_eval_probes(args: argparse.Namespace) -> int:
 
     config = from_args(ProbeConfig, args, args.fields)
     backbone = _load(args)
-    prefills = Counter(read for n in config.lengths for read in config.expected_reads(n))
+    prefills: Counter[int] = Counter()
+    for n in config.lengths:
+        prefills.update(config.expected_reads(n))
     what = f"eval probes ({config.haystacks} prefills per length, each to its longest cut)"
     _check_work(args, backbone, what, prefills, reads_to=max(config.lengths))
     result = run_probes(

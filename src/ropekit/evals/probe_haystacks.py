@@ -77,6 +77,7 @@ from ropekit.evals.tasks import (
 PROBES_VERSION = 2  # 2: needles near the start, each asked from its own cut point
 # The default grain of cut points: a 64th of the longest length, so K needles fit K cuts.
 GRAIN_SHARE = 64
+READ_QUANTILES = 64  # the most distinct reads ProbeConfig.expected_reads prices
 
 
 @dataclass(frozen=True)
@@ -154,16 +155,23 @@ class ProbeConfig:
             return self.grain
         return 1 << max(0, (max(self.lengths) // GRAIN_SHARE).bit_length() - 1)
 
-    def expected_reads(self, length: int) -> tuple[int, ...]:
-        """The tokens each of the H haystacks of ``length`` can be expected to read, for the
-        cost said before the work starts (the haystacks are built later): a haystack is read
-        up to its longest cut, drawn in the top of K equal strata of the cut points behind its
-        needles (``_cut_points``), so spread evenly over that top 1/K: one needle reads about
-        half the haystack on average, 12 nearly all of it."""
+    def expected_reads(self, length: int) -> dict[int, int]:
+        """Tokens read -> how many of the H haystacks of ``length`` can be expected to read
+        them, for the cost said before the work starts (the haystacks are built later): a
+        haystack is read up to its longest cut, drawn in the top of K equal strata of the cut
+        points behind its needles (``_cut_points``), so spread evenly over that top 1/K: one
+        needle reads about half the haystack on average, 12 nearly all of it. At most
+        ``READ_QUANTILES`` distinct reads (evenly spaced quantiles, the H haystacks dealt
+        among them), so an absurd H costs nothing to price."""
         start = self.needles_within * length  # the needles end about here at the latest
         top = (length - start) / self.needles
-        return tuple(round(length - top + top * (i + 0.5) / self.haystacks)
-                     for i in range(self.haystacks))  # fmt: skip
+        m = min(self.haystacks, READ_QUANTILES)
+        reads: dict[int, int] = {}
+        for i in range(m):
+            tokens = round(length - top + top * (i + 0.5) / m)
+            share = self.haystacks // m + (i < self.haystacks % m)
+            reads[tokens] = reads.get(tokens, 0) + share
+        return reads
 
     @property
     def bin_edges(self) -> tuple[int, ...]:
