@@ -2,26 +2,26 @@
 
 One run: stock vLLM serving SmolLM2-135M's YaRN x2 export (what a user serves without
 ropekit's plugin) and ropekit's plugin serving Leaky ReRoPE, Self-Extend and DCA
-(``export --format vllm``), the four engines started at once, each in vLLM's environment
-(``tests/serve/engines/run_vllm.py --bench``) with one thread and the same binding
-(``VLLM_CPU_OMP_THREADS_BIND``, default ``nobind``: the scheduler places each on either core),
-on the held-out plays' first 9216 and 16367 tokens (16367 + 1 + 16 tokens fill the
-16384-token context every export accepts). Each prompt is one request stepped through vLLM's
-engine with its prefix cache emptied: its prefill (until its first token) and the median of
-its 16 decoding steps, timed in CPU seconds of the engine's process (the engine runs in it)
-and in wall seconds; the 9216-token request then makes 4 more tokens under torch's profiler,
-each op's self time per step (where the time goes: stock's attention op against the plugin's
-gather ``aten::index``, rotation ``_Rotate``, kernel
-``_scaled_dot_product_flash_attention_for_cpu`` and merge). The machine is shared with other
-jobs: wall time follows their load, CPU time much less, and the engines run side by side, so
-each sees the same load; ratios are of CPU time and hold within one run. float32, eager mode,
-vLLM's CPU backend with chunks of 4096 tokens and prefix caching, as stock serves; DCA (its
-scale follows the attended length) with each prompt in one step, as the plugin requires
-(``vllm_plugin.check_scheduling``).
+(``export --format vllm``), each in vLLM's environment (``tests/serve/engines/run_vllm.py
+--bench``) with one thread and the same binding (``VLLM_CPU_OMP_THREADS_BIND``, default
+``nobind``: the scheduler places each on either core), one engine after another (``--at-once
+1``, the default: no engine shares the machine with another, whose memory traffic would slow
+the one that reads more) or several at once, on the held-out plays' first 9216 and 16367
+tokens (16367 + 1 + 16 tokens fill the 16384-token context every export accepts). Each prompt
+is one request stepped through vLLM's engine with its prefix cache emptied: its prefill (until
+its first token) and the median of its 16 decoding steps, timed in CPU seconds of the engine's
+process (the engine runs in it) and in wall seconds; the 9216-token request then makes 4 more
+tokens under torch's profiler, each op's self time per step (where the time goes: stock's
+attention op against the plugin's batched products ``bmm``, rotation ``_Rotate``, copies and
+its Python ``unified_attention_with_output``). The machine is shared with other jobs: wall
+time follows their load, CPU time much less; ratios are of CPU time within one run. float32,
+eager mode, vLLM's CPU backend with chunks of 4096 tokens and prefix caching, as stock serves;
+DCA (its scale follows the attended length) with each prompt in one step, as the plugin
+requires (``vllm_plugin.check_scheduling``).
 
-Run (after ``make serving-setup``; about 30 minutes on two busy cores):
+Run (after ``make serving-setup``; about 40 minutes one engine at a time beside one busy core):
 
-    .venv-serving/driver/bin/python -m benchmarks.serving [--out docs/serving/vllm_remaps.json]
+    .venv-serving/driver/bin/python -m benchmarks.serving [--at-once 1] [--out ...]
 
 Writes the ``speed`` record of the remap record (its parity rows, from ``make test-serving``,
 are kept) and prints the table; ``python -m docs.tables`` renders it.
@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths (a quick check)"
     )
+    parser.add_argument(
+        "--at-once", type=int, default=1, choices=range(1, 5), metavar="{1..4}",
+        help="engines running at the same time (default 1: one after another, none sharing "
+        "the machine with another engine; 4: all side by side, each under the others' load)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     if not lengths or max(lengths) + 1 + STEPS > CONTEXT:
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update(
         VLLM_CPU_OMP_THREADS_BIND=args.cpu, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="2"
     )
-    speed = run(work, args.cpu, lengths)
+    speed = run(work, args.cpu, lengths, args.at_once)
     record["speed"] = speed
     tmp = args.out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
@@ -89,8 +94,9 @@ def main(argv: list[str] | None = None) -> None:
         print(line)
 
 
-def run(work: Path, cpu: str, lengths: list[int]) -> dict:
-    """Every engine's speed and profile (module docstring), stock first."""
+def run(work: Path, cpu: str, lengths: list[int], at_once: int = 1) -> dict:
+    """Every engine's speed and profile (module docstring), stock first, ``at_once`` engines
+    at a time."""
     from tests.serve.engines.harness import MODEL, prompt_ids, python_version_of, run_engine
 
     from ropekit.hf import load_model, load_tokenizer, patch, unpatch
@@ -138,7 +144,7 @@ def run(work: Path, cpu: str, lengths: list[int]) -> dict:
         print(f"{name}: {json.dumps(row['lengths'])}", flush=True)
         return row
 
-    with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
         rows = dict(zip(engines, pool.map(serve, engines), strict=True))
     stock = rows[STOCK[0]]["lengths"]
     for row in rows.values():
@@ -150,7 +156,8 @@ def run(work: Path, cpu: str, lengths: list[int]) -> dict:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs",
         "threads": 1,
         "binding": f"VLLM_CPU_OMP_THREADS_BIND={cpu}, OMP_NUM_THREADS=1 (every engine)",
-        "timing": "CPU seconds of each engine's process; the four engines side by side",
+        "timing": "CPU seconds of each engine's process; "
+        + ("the engines one after another" if at_once == 1 else f"{at_once} engines at once"),
         "model": "SmolLM2-135M, float32, eager, prefix cache emptied per prompt",
         "decode_steps": STEPS,
         "chunk": CHUNK,

@@ -187,13 +187,15 @@ class _LargestNew(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("runs", [1, 3], ids=["consecutive blocks", "blocks in 3 runs"])
 @pytest.mark.parametrize("spec", [*REMAPS, "adarope-remap:remap=rerope,window=16,leaky=4"])
-def test_a_decoding_step_reads_the_cache_in_place(spec: str) -> None:
+def test_a_decoding_step_reads_the_cache_in_place(spec: str, runs: int) -> None:
     """A decoded token over 601 keys held rotated in consecutive blocks (as vLLM hands out a
-    request's blocks): the banded attention of its query, made without any tensor as large as
-    the request's keys (the cache read where it holds them, not copied into token order; the
-    few keys another band turns are copied). adarope-remap: learned theta and a temperature
-    per query head in every band's factor."""
+    lone request's blocks) or in 3 runs of consecutive blocks (as a cache that has recycled
+    blocks hands them out): the banded attention of its query, made without any tensor as
+    large as the request's keys (the cache read where it holds them, not copied into token
+    order; the few keys another band turns are copied). adarope-remap: learned theta and a
+    temperature per query head in every band's factor."""
     encoding = _encoding(spec)
     with torch.no_grad():
         for p in encoding.parameters():  # learned (none for the plain remaps)
@@ -207,8 +209,9 @@ def test_a_decoding_step_reads_the_cache_in_place(spec: str) -> None:
     cache_v = torch.full_like(cache_k, float("nan"))  # rows past the last key: never read
     pos = torch.arange(n)[None]
     held = rotate_for_cache(encoding, k.transpose(0, 1)[None], pos, 0)[0].transpose(0, 1)
-    write_paged(cache_k, cache_v, held, v, torch.arange(n) + B)  # from block 1 on
-    table = torch.arange(1, n // B + 3)[None]
+    table = torch.arange(1, n // B + 3)  # from block 1 on, cut in ``runs`` runs, last first
+    table = torch.cat(table.tensor_split(runs)[::-1])[None]
+    write_paged(cache_k, cache_v, held, v, table[0, pos[0] // B] * B + pos[0] % B)
     plan = steps(torch.tensor([0, 1]), torch.tensor([n]), 1)
     with _LargestNew() as largest:
         out = paged_banded_attention(

