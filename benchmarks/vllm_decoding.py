@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rounds < 4:
         parser.error(f"--rounds {args.rounds}: at least 4 (quartiles of the rounds' ratios)")
+    if args.layers < 1:
+        parser.error(f"--layers {args.layers}: at least 1 (each with its own cache)")
     torch.set_num_threads(1)
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{when}, one thread, load {os.getloadavg()[0]:.2f} (1 min) at the start")
