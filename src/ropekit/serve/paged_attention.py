@@ -136,12 +136,23 @@ def _blocks(cache: Tensor, blocks: Tensor | slice) -> Tensor:
 
 def _block_ids(blocks: Tensor, n: int) -> Tensor | slice:
     """A request's first ``n`` block ids: a slice where they are consecutive (vLLM hands out a
-    lone request's blocks in order), else the ids. (Read on the host, once for both caches: a
-    test on the tensor took four ops per cache and layer.)"""
+    lone request's blocks in order), else the ids."""
+    runs = _block_runs(blocks, n)
+    return runs[0][2] if runs is not None and len(runs) == 1 else blocks[:n].long()
+
+
+def _block_runs(blocks: Tensor, n: int) -> list[tuple[int, int, slice]] | None:
+    """A request's first ``n`` blocks as runs of consecutive ids: (lo, hi, the cache's blocks
+    of table entries [lo, hi)); None for more than ``MAX_RUNS`` runs. (Read on the host, once
+    for both caches: a test on the tensor took four ops per cache and layer.)"""
     ids = blocks[:n].tolist()
-    if ids == list(range(ids[0], ids[0] + n)):
-        return slice(ids[0], ids[0] + n)
-    return blocks[:n].long()
+    starts = [0, *(i for i in range(1, n) if ids[i] != ids[i - 1] + 1)]
+    if len(starts) > MAX_RUNS:
+        return None
+    return [
+        (lo, hi, slice(ids[lo], ids[lo] + hi - lo))
+        for lo, hi in zip(starts, [*starts[1:], n], strict=True)
+    ]
 
 
 # A decoded token's step reads a request's blocks where the cache holds them as long as they
@@ -165,16 +176,11 @@ def _runs(key_cache: Tensor, value_cache: Tensor, blocks: Tensor, n: int) -> lis
     """A request's first ``n`` blocks as runs of consecutive ids, each read where the cache
     holds it (a cache that has recycled blocks hands a request several runs); more than
     ``MAX_RUNS`` of them as one copy each of keys and values."""
-    ids = blocks[:n].tolist()
-    starts = [0, *(i for i in range(1, n) if ids[i] != ids[i - 1] + 1)]
-    if len(starts) > MAX_RUNS:
+    runs = _block_runs(blocks, n)
+    if runs is None:
         index = blocks[:n].long()
         return [_Run(0, n, key_cache.index_select(0, index), value_cache.index_select(0, index))]
-    out = []
-    for lo, hi in zip(starts, [*starts[1:], n], strict=True):
-        where = slice(ids[lo], ids[lo] + hi - lo)
-        out.append(_Run(lo, hi, key_cache[where], value_cache[where]))
-    return out
+    return [_Run(lo, hi, key_cache[where], value_cache[where]) for lo, hi, where in runs]
 
 
 def _overlaps(runs: Sequence[_Run], lo: int, hi: int):
