@@ -34,14 +34,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 
 from ropekit.encodings import build
 from ropekit.serve import paged_attention, vllm_plugin
 
-from .common import paired
+from .common import timed_rounds
 from .paged_decoding import LENGTHS, SHAPE, SPECS
 
 
@@ -96,7 +98,11 @@ def steps(spec: str, length: int, layers: int = 30) -> dict[str, Callable[[], ob
                 scheduler_metadata=metadata, s_aux=None,
             )  # fmt: skip
 
-    return {"stock": stock, "plugin": plugin}
+    def plugin_torch() -> None:  # the same, through the torch step
+        with mock.patch.object(paged_attention, "_kernel_arrays", lambda *_: None):
+            plugin()
+
+    return {"stock": stock, "plugin": plugin, "plugin (torch step)": plugin_torch}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,14 +122,18 @@ def main(argv: list[str] | None = None) -> None:
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{when}, one thread, load {os.getloadavg()[0]:.2f} (1 min) at the start")
     print(f"{args.layers} layers; ms per decoded token's attention")
-    print("| remap | keys | stock ms | plugin ms | plugin / stock [quartiles] |")
-    print("|---|---|---|---|---|")
+    print("| remap | keys | step | stock ms | plugin ms | plugin / stock [quartiles] |")
+    print("|---|---|---|---|---|---|")
     for spec in SPECS:
         for length in LENGTHS:
-            run = steps(spec, length, args.layers)
-            r = paired(run["plugin"], run["stock"], repeats=args.rounds)
-            print(f"| {spec} | {length} | {1e3 * r.b:.2f} | {1e3 * r.a:.2f} | {r.ratio:.2f} "
-                  f"[{r.quartiles[0]:.2f}, {r.quartiles[1]:.2f}] |", flush=True)  # fmt: skip
+            times = timed_rounds(steps(spec, length, args.layers), args.rounds)
+            stock = times.pop("stock")
+            for name, plugin in times.items():
+                ratios = [a / b for a, b in zip(plugin, stock, strict=True)]
+                q1, _, q3 = statistics.quantiles(ratios, n=4)
+                print(f"| {spec} | {length} | {name} | {1e3 * statistics.median(stock):.2f} | "
+                      f"{1e3 * statistics.median(plugin):.2f} | {statistics.median(ratios):.2f} "
+                      f"[{q1:.2f}, {q3:.2f}] |", flush=True)  # fmt: skip
     print(f"load {os.getloadavg()[0]:.2f} (1 min) at the end")
 
 

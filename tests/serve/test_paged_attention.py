@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from ropekit.encodings import build
 from ropekit.encodings.bands import banded_attention
+from ropekit.serve import paged_attention
 from ropekit.serve.paged_attention import (
     Step,
     _pieces,
@@ -187,39 +188,115 @@ class _LargestNew(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("runs", [1, 3], ids=["consecutive blocks", "blocks in 3 runs"])
-@pytest.mark.parametrize("spec", [*REMAPS, "adarope-remap:remap=rerope,window=16,leaky=4"])
-def test_a_decoding_step_reads_the_cache_in_place(spec: str, runs: int) -> None:
-    """A decoded token over 601 keys held rotated in consecutive blocks (as vLLM hands out a
-    lone request's blocks) or in 3 runs of consecutive blocks (as a cache that has recycled
-    blocks hands them out): the banded attention of its query, made without any tensor as
-    large as the request's keys (the cache read where it holds them, not copied into token
-    order; the few keys another band turns are copied). adarope-remap: learned theta and a
-    temperature per query head in every band's factor."""
+def _decoded_token(spec: str, runs: int, one_array: bool, dtype=torch.float64):
+    """A decoded token over 601 keys held rotated in blocks of B, in ``runs`` runs of
+    consecutive block ids (as a cache that has recycled blocks hands them out), the rows past
+    the last key NaN: (its query, the caches, the block table, the step, the encoding, and the
+    banded attention of the query over the keys held contiguously). ``one_array``: keys and
+    values are row ranges of one (P, K, 2 B, D) array, as in vLLM's CPU cache
+    (``vllm_plugin._split_cache``), else two arrays. Learned theta and temperatures get a
+    nudge from their initial values."""
     encoding = _encoding(spec)
     with torch.no_grad():
         for p in encoding.parameters():  # learned (none for the plain remaps)
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(4)))
     g = torch.Generator().manual_seed(3)
     n = 601  # the last block holds one key: its other rows are never read
-    q = torch.randn(1, H, D, generator=g, dtype=torch.float64)
-    k = torch.randn(n, K, D, generator=g, dtype=torch.float64)
-    v = torch.randn(n, K, D, generator=g, dtype=torch.float64)
-    cache_k = torch.full((n // B + 3, K, B, D), float("nan"), dtype=torch.float64)
-    cache_v = torch.full_like(cache_k, float("nan"))  # rows past the last key: never read
+    q = torch.randn(1, H, D, generator=g, dtype=dtype)
+    k = torch.randn(n, K, D, generator=g, dtype=dtype)
+    v = torch.randn(n, K, D, generator=g, dtype=dtype)
+    P = n // B + 3
+    if one_array:
+        cache_k, cache_v = torch.full((P, K, 2 * B, D), float("nan"), dtype=dtype).chunk(2, 2)
+    else:
+        cache_k = torch.full((P, K, B, D), float("nan"), dtype=dtype)
+        cache_v = torch.full_like(cache_k, float("nan"))  # rows past the last key: never read
     pos = torch.arange(n)[None]
-    held = rotate_for_cache(encoding, k.transpose(0, 1)[None], pos, 0)[0].transpose(0, 1)
+    with torch.no_grad():
+        held = rotate_for_cache(encoding, k.transpose(0, 1)[None], pos, 0)[0].transpose(0, 1)
     table = torch.arange(1, n // B + 3)  # from block 1 on, cut in ``runs`` runs, last first
     table = torch.cat(table.tensor_split(runs)[::-1])[None]
     write_paged(cache_k, cache_v, held, v, table[0, pos[0] // B] * B + pos[0] % B)
     plan = steps(torch.tensor([0, 1]), torch.tensor([n]), 1)
+    with torch.no_grad():
+        want = _reference(encoding, q.double(), k.double(), v.double(), n - 1, n)
+    return q, cache_k, cache_v, table, plan, encoding, want
+
+
+def _serve(q, cache_k, cache_v, table, plan, encoding) -> torch.Tensor:
+    return paged_banded_attention(
+        q, cache_k, cache_v, table, plan, encoding, 0, D**-0.5, torch.empty_like(q),
+        keys_held=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("runs", [1, 3], ids=["consecutive blocks", "blocks in 3 runs"])
+@pytest.mark.parametrize("spec", [*REMAPS, "adarope-remap:remap=rerope,window=16,leaky=4"])
+def test_a_decoding_step_reads_the_cache_in_place(spec: str, runs: int, monkeypatch) -> None:
+    """The torch step (what serves where the compiled pass does not run): a decoded token's
+    banded attention, made without any tensor as large as the request's keys (the cache read
+    where it holds them, not copied into token order; the few keys another band turns are
+    copied), blocks consecutive or in 3 runs. adarope-remap: learned theta and a temperature
+    per query head in every band's factor."""
+    monkeypatch.setattr(paged_attention, "_kernel_arrays", lambda *_: None)
+    q, cache_k, cache_v, table, plan, encoding, want = _decoded_token(spec, runs, False)
     with _LargestNew() as largest:
-        out = paged_banded_attention(
-            q, cache_k, cache_v, table, plan, encoding, 0, D**-0.5, torch.empty_like(q),
-            keys_held=True,
-        )  # fmt: skip
-    torch.testing.assert_close(out, _reference(encoding, q, k, v, n - 1, n), rtol=1e-10, atol=1e-10)
-    assert largest.most < n * K * D // 2, (largest.most, n * K * D)
+        out = _serve(q, cache_k, cache_v, table, plan, encoding)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    assert largest.most < 601 * K * D // 2, (largest.most, 601 * K * D)
+
+
+KERNEL_SPECS = (
+    *REMAPS,
+    "adarope-remap:remap=rerope,window=16,leaky=4",
+    "rerope:window=16,leaky=4,pairing=interleaved,fraction=0.5",  # other pairs, partial
+    "self-extend:group=4,window=16,proportion=0.5",
+)
+
+
+@pytest.mark.parametrize("one_array", [True, False], ids=["vLLM's one array", "two caches"])
+@pytest.mark.parametrize("spec", KERNEL_SPECS)
+def test_the_compiled_decoding_pass_is_the_banded_attention(
+    spec: str, one_array: bool, monkeypatch
+) -> None:
+    """The compiled pass (``serve.decoding_kernel``, what a decoded token runs on the CPU in
+    float32 and float64) gives the banded attention of its query, for every remap, AdaRoPE's
+    learned theta and temperatures, interleaved pairs and a partial rotation: each band's query
+    and a window's turned keys rotated in the kernel from the encoding's tables, over vLLM's
+    CPU cache layout (keys and values row ranges of one array) and two caches, blocks in 3
+    runs; the torch step never runs."""
+
+    def refused(*_):
+        raise AssertionError("the torch step ran")
+
+    monkeypatch.setattr(paged_attention, "_torch_decoding_step", refused)
+    q, cache_k, cache_v, table, plan, encoding, want = _decoded_token(spec, 3, one_array)
+    out = _serve(q, cache_k, cache_v, table, plan, encoding)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    q, cache_k, cache_v, table, plan, encoding, want = _decoded_token(
+        spec, 3, one_array, torch.float32
+    )
+    out = _serve(q, cache_k, cache_v, table, plan, encoding)
+    torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
+
+
+def test_what_the_compiled_pass_cannot_read_goes_to_the_torch_step(monkeypatch) -> None:
+    """bfloat16 caches (numba has no bfloat16) and a process without numba are served by the
+    torch step, with the same answer."""
+    spec = "rerope:window=16,leaky=4"
+    calls = []
+    torch_step = paged_attention._torch_decoding_step
+    monkeypatch.setattr(
+        paged_attention, "_torch_decoding_step", lambda *a: calls.append(1) or torch_step(*a)
+    )
+    q, cache_k, cache_v, table, plan, encoding, want = _decoded_token(spec, 1, True, torch.bfloat16)
+    out = _serve(q, cache_k, cache_v, table, plan, encoding)
+    torch.testing.assert_close(out.double(), want, rtol=0.05, atol=0.05)
+    assert calls == [1]
+    monkeypatch.setattr(paged_attention, "_attend", lambda: None)
+    q, cache_k, cache_v, table, plan, encoding, want = _decoded_token(spec, 1, True)
+    torch.testing.assert_close(_serve(q, cache_k, cache_v, table, plan, encoding), want)
+    assert calls == [1, 1]
 
 
 @pytest.mark.parametrize("spec", [s for s in REMAPS if _encoding(s).dynamic])

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from .adarope import AdaRoPE, AdaRoPEConfig
@@ -44,6 +45,7 @@ from .remap import (
     SelfExtend,
     SelfExtendConfig,
 )
+from .rotary import angles, tables
 
 # The remaps whose bands AdaRoPE can rotate: name -> (config, module). DCA and STRING are not
 # among them: their option ``scale`` (the authors' logit scale) would collide with AdaRoPE's
@@ -143,3 +145,16 @@ class AdaRemap(AdaRoPE):
         """x rotated at a band's positions (int or fractional) with the learned theta; the
         temperature is in the bands' ``q_scale``."""
         return self._rotate(x, positions, query, layer)
+
+    def band_tables(
+        self, positions: Tensor, query: bool, layer: int = 0, dtype: torch.dtype = torch.float32
+    ) -> tuple[Tensor, Tensor]:
+        """The tables ``rotate_band`` rotates with: (B|1, K|1, N, F) per key head, a query's
+        repeated over the g query heads of each key head (B|1, H|1, N, F)."""
+        theta, factor = self.inv_freq(layer)  # (K|1, F) float64
+        phi = angles(positions[:, None, :], theta.to(positions.device)[None])  # (B|1, K|1, N, F)
+        cos, sin = tables(phi, factor, dtype)
+        if query and cos.shape[1] > 1:
+            g = self.n_heads // cos.shape[1]
+            cos, sin = cos.repeat_interleave(g, 1), sin.repeat_interleave(g, 1)
+        return cos, sin

@@ -398,6 +398,16 @@ class PositionEncoding(nn.Module):
             return self.rotate_q(x, positions, layer)
         return self.rotate_k(x, positions, layer)
 
+    def band_tables(
+        self, positions: Tensor, query: bool, layer: int = 0, dtype: torch.dtype = torch.float32
+    ) -> tuple[Tensor, Tensor] | None:
+        """cos and sin (B|1, H|K|1, N, F) of the rotation ``rotate_band`` applies at
+        ``positions`` (B|1, N) (``rotary.rotate`` with this encoding's ``pairing``: its pairs
+        are the first 2 F dims), for a kernel that rotates on its own (the vLLM plugin's
+        decoding, ``serve.decoding_kernel``); None where ``rotate_band`` is not such a rotation
+        (the default)."""
+        return None
+
     # ------------------------------------------------------------------ the typed surface
     @property
     def base_schedule(self) -> EncodingConfig | None:

@@ -416,8 +416,15 @@ class RemapEncoding(PositionEncoding):
         """x (B, H|K, N, D) rotated at any positions (B|1, N), integer or fractional; queries
         and keys alike (the base schedules have no query-only factor)."""
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        cos, sin = self.inner.tables(positions, dtype)  # float64 angles from any real position
+        cos, sin = self.band_tables(positions, query, layer, dtype)
         return rotate(x, cos, sin, self.pairing)
+
+    def band_tables(
+        self, positions: Tensor, query: bool, layer: int = 0, dtype: torch.dtype = torch.float32
+    ) -> tuple[Tensor, Tensor]:
+        """The base schedule's tables (B|1, 1, N, F): float64 angles from any real position,
+        cached per positions tensor, so every layer of a step finds them made."""
+        return self.inner.tables(positions, dtype)
 
     def bands(self, q_pos: Tensor, k_pos: Tensor, layer: int = 0) -> list[Band]:
         """The bands (``bands.Band``) for queries at q_pos (B|1, T) over keys at k_pos (B|1, S).

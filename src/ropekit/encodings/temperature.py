@@ -249,6 +249,11 @@ class Temperature(PositionEncoding):
     def rotate_band(self, x: Tensor, positions: Tensor, query: bool, layer: int = 0) -> Tensor:
         return self.inner.rotate_band(x, positions, query, layer)  # t is in the bands' q_scale
 
+    def band_tables(
+        self, positions: Tensor, query: bool, layer: int = 0, dtype: torch.dtype = torch.float32
+    ) -> tuple[Tensor, Tensor] | None:
+        return self.inner.band_tables(positions, query, layer, dtype)
+
     # ------------------------------------------------------------------ the typed surface
     def inv_freq(self, layer: int = 0, length: int | None = None) -> tuple[Tensor, Any]:
         return self.inner.inv_freq(layer, length)

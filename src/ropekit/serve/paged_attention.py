@@ -49,6 +49,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -209,12 +210,21 @@ class _BandKeys:
 class _DecodingLayout:
     """A decoded token's bands, the same in every layer of a step (``_decoding_layout``): the
     query's factor per band (n_bands, H|1, 1, 1) (its ``q_scale`` times the attention's scale)
-    and position per band (n_bands, 1), so that one rotation makes every band's query; and
-    each band's keys (``_BandKeys``), None for a band that covers none."""
+    and position per band (n_bands, 1), so that one rotation makes every band's query; each
+    band's keys (``_BandKeys``), None for a band that covers none; and the segments the
+    compiled step reads (``decoding_kernel.attend``): the bands' key ranges [starts, stops)
+    in key order, each one's band, and where a segment's keys are turned, its first row in
+    ``turns`` (else -1), int64 arrays; ``turns`` (1, N_t): the turn of every turned key, the
+    segments one after another."""
 
     q_factors: Tensor
     q_positions: Tensor
     keys: tuple[_BandKeys | None, ...]
+    starts: np.ndarray
+    stops: np.ndarray
+    bands: np.ndarray
+    turned_at: np.ndarray
+    turns: Tensor
 
 
 _last_decoding = LastCall()
@@ -243,8 +253,9 @@ def _decoding_layout(
         return layout
     length = k_pos.shape[-1]
     first, stop = bands_fused.index_bounds(bands, k_pos, 1, length - 1)  # (n_bands, 1, 1)
+    firsts, stops = first.flatten().tolist(), stop.flatten().tolist()
     parts = []
-    for band, a, c in zip(bands, first.flatten().tolist(), stop.flatten().tolist(), strict=True):
+    for band, a, c in zip(bands, firsts, stops, strict=True):
         lo, hi = a // block, -(-c // block)
         turn = None
         if band.k_positions is not held:
@@ -258,11 +269,27 @@ def _decoding_layout(
         for band in bands
     ])  # fmt: skip
     positions = torch.cat([band.q_positions.double() for band in bands])  # (n_bands, 1)
-    return _last_decoding.put(key, bands, k_pos, _DecodingLayout(factors, positions, tuple(parts)))
+    segments = sorted(
+        (a, c, i) for i, (a, c) in enumerate(zip(firsts, stops, strict=True)) if c > a
+    )
+    turned_at, turns, n_turned = [], [], 0
+    for a, c, i in segments:
+        part = parts[i]
+        turned_at.append(-1 if part.turn is None else n_turned)
+        if part.turn is not None:  # the turns of keys [a, c), from its blocks' rows
+            turns.append(part.turn.flatten()[a - part.lo * block : c - part.lo * block])
+            n_turned += c - a
+    layout = _DecodingLayout(
+        factors, positions, tuple(parts),
+        *np.array([s[:3] for s in segments], dtype=np.int64).reshape(-1, 3).T.copy(),
+        np.array(turned_at, dtype=np.int64),
+        torch.cat(turns)[None] if turns else k_pos.new_zeros((1, 0), dtype=torch.float64),
+    )  # fmt: skip
+    return _last_decoding.put(key, bands, k_pos, layout)
 
 
 @torch.no_grad()  # serving only: autograd refuses the products written into the table (out=)
-def _decoding_step(
+def _torch_decoding_step(
     q: Tensor,
     key_cache: Tensor,
     value_cache: Tensor,
@@ -319,7 +346,8 @@ def _decoding_step(
                 # (m K, g, D) @ (m K, D, r): blocks x kv heads as one batch, views of the cache
                 keys_t = run.keys[a - run.lo : c - run.lo, :, r0:r1].flatten(0, 1).transpose(1, 2)
                 query_rows = query.expand(c - a, K, g, D).flatten(0, 1)
-                if r1 - r0 == b:  # whole blocks: written where the table holds them, no copy
+                if r1 - r0 == b and logits.dtype == q.dtype:  # whole blocks, no copy: the
+                    # products written where the table holds them (bf16/fp16: cast on copy)
                     torch.bmm(query_rows, keys_t, out=logits[a:c].view(-1, g, b))
                 else:
                     scores = torch.bmm(query_rows, keys_t)
@@ -342,6 +370,130 @@ def _decoding_step(
         out = out + weights[n, :, :, :tail] @ run.values[n - run.lo, :, :tail]
     out = out / total.to(out.dtype)
     return out.reshape(1, H, 1, D)
+
+
+def _decoding_step(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    blocks: Tensor,
+    length: int,
+    bands: Sequence[Any],
+    k_pos: Tensor,
+    held: Tensor,
+    encoding: Any,
+    layer: int,
+    scale: float,
+) -> Tensor:
+    """One decoded token's banded attention (1, H, 1, D) over keys held rotated: the compiled
+    pass (``decoding_kernel``) where it runs (``_kernel_arrays``: numba, the CPU, float32 or
+    float64, an encoding whose rotation is tables, ``band_tables``), else the torch step
+    (``_torch_decoding_step``). Both are held to ``banded_attention`` in float64
+    (tests/serve/test_paged_attention.py)."""
+    arrays = _kernel_arrays(q, key_cache, value_cache, blocks, encoding)
+    if arrays is not None:
+        out = _compiled_decoding_step(
+            q, key_cache, value_cache, blocks, length, bands, k_pos, held, encoding, layer,
+            scale, arrays,
+        )  # fmt: skip
+        if out is not None:
+            return out
+    rotate = functools.partial(encoding.rotate_band, layer=layer)
+    return _torch_decoding_step(
+        q, key_cache, value_cache, blocks, length, bands, k_pos, held, rotate, scale
+    )
+
+
+@functools.cache
+def _attend() -> Any:
+    """``decoding_kernel.attend``, or None where numba is not installed (vLLM's environment
+    has it: vLLM requires it)."""
+    try:
+        from ropekit.serve import decoding_kernel
+    except ImportError:
+        return None
+    return decoding_kernel.attend
+
+
+def _kernel_arrays(
+    q: Tensor, key_cache: Tensor, value_cache: Tensor, blocks: Tensor, encoding: Any
+) -> tuple[Tensor, int, Tensor, int] | None:
+    """(keys, key_row, values, value_row) as ``decoding_kernel.attend`` reads them, C-contiguous
+    (P, K, R, D) arrays and the first of each block's b rows in them: the caches themselves
+    where they are contiguous, else the one array both are row ranges of (vLLM's CPU cache:
+    each block's keys, then its values, ``vllm_plugin._split_cache``). None where the compiled
+    step does not run: no numba, not the CPU, not float32 or float64, another layout, or an
+    encoding without a pairing the kernel knows."""
+    kinds = (torch.float32, torch.float64)
+    if (
+        _attend() is None
+        or getattr(encoding, "pairing", None) not in ("half", "interleaved")
+        or key_cache.device.type != "cpu"
+        or key_cache.dtype not in kinds
+        or q.dtype != key_cache.dtype
+        or value_cache.dtype != key_cache.dtype
+        or blocks.device.type != "cpu"
+    ):
+        return None
+    if key_cache.is_contiguous() and value_cache.is_contiguous():
+        return key_cache, 0, value_cache, 0
+    P, K, b, D = key_cache.shape
+    s0, s1, s2, s3 = key_cache.stride()
+    rows = s1 // D
+    gap = value_cache.storage_offset() - key_cache.storage_offset()
+    if (
+        (s2, s3) != (D, 1)
+        or value_cache.stride() != key_cache.stride()
+        or s1 != rows * D
+        or s0 != K * s1
+        or value_cache.untyped_storage().data_ptr() != key_cache.untyped_storage().data_ptr()
+        or gap % D
+        or not b <= gap // D <= rows - b
+    ):
+        return None
+    parent = key_cache.as_strided((P, K, rows, D), (s0, s1, D, 1))
+    return parent, 0, parent, gap // D
+
+
+@torch.no_grad()  # learned frequencies: their tables leave autograd for numpy
+def _compiled_decoding_step(
+    q: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    blocks: Tensor,
+    length: int,
+    bands: Sequence[Any],
+    k_pos: Tensor,
+    held: Tensor,
+    encoding: Any,
+    layer: int,
+    scale: float,
+    arrays: tuple[Tensor, int, Tensor, int],
+) -> Tensor | None:
+    """``_torch_decoding_step`` (same result) as one call of ``decoding_kernel.attend`` over the
+    cache's ``arrays`` (``_kernel_arrays``), which also rotates every band's query and turns a
+    window's keys, by the encoding's tables (``band_tables``: made once per step for a schedule
+    whose tables do not depend on the layer, the same positions tensors every layer). None
+    where the encoding's rotation is not tables."""
+    b, D = key_cache.shape[2:]
+    H = q.shape[1]
+    dtype = q.dtype
+    layout = _decoding_layout(bands, k_pos, held, b, scale)
+    q_tables = encoding.band_tables(layout.q_positions, True, layer, dtype)
+    if q_tables is None:  # not a table rotation: the torch step
+        return None
+    q_cos, q_sin = q_tables  # (n_bands, H|1, 1, F)
+    t_cos, t_sin = encoding.band_tables(layout.turns, False, layer, dtype)  # (1, K|1, N_t, F)
+    keys, key_row, values, value_row = arrays
+    out = q.new_empty(H, D, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    _attend()(
+        q[0, :, 0].contiguous().numpy(), layout.q_factors[:, :, 0, 0].numpy(),
+        q_cos[:, :, 0].numpy(), q_sin[:, :, 0].numpy(), keys.numpy(), key_row, values.numpy(),
+        value_row, b, blocks[: -(-length // b)].numpy(), layout.starts, layout.stops,
+        layout.bands, layout.turned_at, t_cos[0].numpy(), t_sin[0].numpy(),
+        encoding.pairing == "interleaved", out.numpy(),
+    )  # fmt: skip
+    return out.to(dtype).view(1, H, 1, D)
 
 
 def held_band(bands: Sequence[Any]) -> int:
@@ -462,8 +614,9 @@ def paged_banded_attention(
         held = bands[held_band(bands)].k_positions if keys_held else None
         if held is not None and q.shape[2] == 1:
             o = _decoding_step(
-                q, key_cache, value_cache, blocks, step.length, bands, k_pos, held, rotate, scale
-            )
+                q, key_cache, value_cache, blocks, step.length, bands, k_pos, held, encoding,
+                layer, scale,
+            )  # fmt: skip
         else:
             keys = gather_paged(key_cache, blocks, step.length)  # (1, K, S, D)
             values = gather_paged(value_cache, blocks, step.length)
