@@ -404,7 +404,7 @@ class PositionEncoding(nn.Module):
         """cos and sin (B|1, H|K|1, N, F) of the rotation ``rotate_band`` applies at
         ``positions`` (B|1, N) (``rotary.rotate`` with this encoding's ``pairing``: its pairs
         are the first 2 F dims), for a kernel that rotates on its own (the vLLM plugin's
-        decoding, ``serve.decoding_kernel``); None where ``rotate_band`` is not such a rotation
+        decoding, ``serve.paged_kernels``); None where ``rotate_band`` is not such a rotation
         (the default)."""
         return None
 
