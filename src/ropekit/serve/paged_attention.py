@@ -326,8 +326,9 @@ def _torch_decoding_step(
     blocks first. One softmax over the row (exact: each key's logit from the one band covering
     it), and the values summed block by block where the cache holds them. Every band's query
     comes from one rotation. What serves a decoded token where the compiled pass does not run
-    (``_decoding_step``): through 30 layers' caches it took 1.32-1.68x vLLM's own decoding
-    kernel, the compiled pass 1.04-1.24x (``benchmarks/vllm_decoding.py``, docs/serving)."""
+    (``_decoding_step``): through 30 layers' caches it took 1.32-1.75x vLLM's own decoding
+    kernel, the compiled pass 0.99-1.49x in the same runs (``benchmarks/vllm_decoding.py``;
+    the engine's record: docs/serving)."""
     _, K, b, D = key_cache.shape
     H = q.shape[1]
     g = H // K

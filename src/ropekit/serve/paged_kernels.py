@@ -8,13 +8,14 @@ Why compiled. The torch step (``paged_attention._torch_decoding_step``) computes
 logits in batched products of g query rows over b-key blocks, a softmax over the table, and
 a second pass of products over the values, with each band's query and a window's keys turned
 by torch ops first: about 100 torch calls a layer, 0.6-1.1 ms of fixed cost, and two sweeps
-of the cache's memory. Through 30 layers' caches it took 1.32-1.68x the time of vLLM's own
-decoding kernel; this pass took 1.04-1.24x (``benchmarks/vllm_decoding.py``; the record is in
-docs/serving/index.md, "Speed"). It reads each block's keys, then its values (vLLM's cache
-lays them out one after the other), once, keeps the softmax online (FlashAttention's running
-maximum and sum, Dao et al. 2022, sec. 3.1; one pass over the keys, as flash-decoding does),
-and makes every band's query and turned key itself from the encoding's rotation tables: one
-call a layer, no logit table, no copies.
+of the cache's memory. Through 30 layers' caches it took 1.32-1.75x the time of vLLM's own
+decoding kernel, this pass 0.99-1.49x in the same three runs (``benchmarks/vllm_decoding.py``),
+and vLLM serving the plugin decodes at 0.93-1.08x stock (docs/serving/index.md, "Speed"). It
+reads each block's keys, then its values (vLLM's cache lays them out one after the other),
+once, keeps the softmax online (FlashAttention's running maximum and sum, Dao et al. 2022,
+sec. 3.1; one pass over the keys, as flash-decoding does), and makes every band's query and
+turned key itself from the encoding's rotation tables: one call a layer, no logit table, no
+copies.
 
 The bands. A decoded token's keys [0, S) fall into segments, each scored by one band's query
 (``starts``, ``stops``, ``bands``) and read either as the cache holds them (rotated as the

@@ -51,8 +51,10 @@ prefill or prefix caching (``check_scheduling``): each prompt is then one step a
 length, as in the patched model's single forward, and each decoded token one step at L + 1,
 as in ropekit's cached decoding.
 
-Needs vLLM and torch only (ropekit is installed into vLLM's environment with ``--no-deps``:
-vLLM pins another transformers than ropekit.hf supports, and nothing here imports it).
+Needs vLLM, torch and numba only, all three in vLLM's environment (vLLM requires numba; the
+decoding step, the rotary for new keys and the cache write run as its compiled loops,
+``paged_kernels``). ropekit is installed there with ``--no-deps``: vLLM pins another
+transformers than ropekit.hf supports, and nothing here imports it.
 
 Holds: register, RopekitLlamaForCausalLM, RopekitRotary, HeldRotary, Unrotated,
 load_adapter_encoding, check_scheduling, ARCHITECTURE, ADAPTER_DIR.
