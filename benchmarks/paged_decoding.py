@@ -1,5 +1,5 @@
 """The vLLM plugin's decoding step for one layer: the compiled pass
-(``paged_attention._compiled_decoding_step``, ``serve.paged_kernels``) against the torch
+(``paged_attention._decoding_step``, ``serve.paged_kernels``) against the torch
 step (``_torch_decoding_step``, what runs where numba does not), without vLLM (issue 61, must
 1): paired rounds of alternating order (``common.paired``), one thread.
 
@@ -67,13 +67,10 @@ def case(
     rotate = functools.partial(encoding.rotate_band, layer=0)
     blocks = torch.arange(n_blocks)
     common = (q, key_cache, value_cache, blocks, length, bands, k_pos, held)
-    arrays = paged_attention._kernel_arrays(q, key_cache, value_cache, blocks, encoding)
-    if arrays is None:
+    if paged_attention._kernel_arrays(q, key_cache, value_cache, blocks, encoding) is None:
         raise RuntimeError("the compiled step does not run here (is numba installed?)")
     return {
-        "compiled": lambda: paged_attention._compiled_decoding_step(
-            *common, encoding, 0, D**-0.5, arrays
-        ),
+        "compiled": lambda: paged_attention._decoding_step(*common, encoding, 0, D**-0.5),
         "torch": lambda: paged_attention._torch_decoding_step(*common, rotate, D**-0.5),
     }
 

@@ -59,6 +59,7 @@ from torch import Tensor
 
 from ropekit.encodings import bands_fused
 from ropekit.encodings.positions import LastCall
+from ropekit.encodings.rotary import PAIRINGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,6 +381,7 @@ def _torch_decoding_step(
     return out.reshape(1, H, 1, D)
 
 
+@torch.no_grad()  # serving only; learned frequencies' tables leave autograd for numpy
 def _decoding_step(
     q: Tensor,
     key_cache: Tensor,
@@ -393,23 +395,42 @@ def _decoding_step(
     layer: int,
     scale: float,
 ) -> Tensor:
-    """One decoded token's banded attention (1, H, 1, D) over keys held rotated: the compiled
-    pass (``paged_kernels``) where it runs (``_kernel_arrays``: numba, the CPU, float32 or
-    float64, an encoding whose rotation is tables, ``band_tables``), else the torch step
+    """One decoded token's banded attention (1, H, 1, D) over keys held rotated: one call of
+    ``paged_kernels.attend`` where the compiled pass runs (``_kernel_arrays``: numba, the CPU,
+    float32 or float64, vLLM's cache layout or contiguous caches; and an encoding whose
+    rotation is tables, ``band_tables``), which also rotates every band's query and turns a
+    window's keys by those tables (made once per step for a schedule whose tables do not depend
+    on the layer: the same positions tensors every layer); else the torch step
     (``_torch_decoding_step``). Both are held to ``banded_attention`` in float64
     (tests/serve/test_paged_attention.py)."""
+    b, D = key_cache.shape[2:]
+    H = q.shape[1]
     arrays = _kernel_arrays(q, key_cache, value_cache, blocks, encoding)
+    layout = _decoding_layout(bands, k_pos, held, b, scale)
+    q_tables = None
     if arrays is not None:
-        out = _compiled_decoding_step(
-            q, key_cache, value_cache, blocks, length, bands, k_pos, held, encoding, layer,
-            scale, arrays,
-        )  # fmt: skip
-        if out is not None:
-            return out
-    rotate = functools.partial(encoding.rotate_band, layer=layer)
-    return _torch_decoding_step(
-        q, key_cache, value_cache, blocks, length, bands, k_pos, held, rotate, scale
-    )
+        q_tables = encoding.band_tables(layout.q_positions, True, layer, q.dtype)
+    if q_tables is None:
+        rotate = functools.partial(encoding.rotate_band, layer=layer)
+        return _torch_decoding_step(
+            q, key_cache, value_cache, blocks, length, bands, k_pos, held, rotate, scale
+        )
+    t_cos, t_sin = encoding.band_tables(layout.turns, False, layer, q.dtype)  # (1, K|1, N_t, F)
+    q_cos, q_sin = q_tables  # (n_bands, H|1, 1, F)
+    keys, key_row, values, value_row = arrays
+    out = q.new_empty(H, D, dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    _kernels().attend(
+        q[0, :, 0].contiguous().numpy(), layout.q_factors[:, :, 0, 0].numpy(),
+        q_cos[:, :, 0].numpy(), q_sin[:, :, 0].numpy(), keys.numpy(), key_row, values.numpy(),
+        value_row, b, blocks[: -(-length // b)].numpy(), layout.starts, layout.stops,
+        layout.bands, layout.turned_at, t_cos[0].numpy(), t_sin[0].numpy(),
+        encoding.pairing == "interleaved", out.numpy(),
+    )  # fmt: skip
+    return out.to(q.dtype).view(1, H, 1, D)
+
+
+# What the compiled loops read (numba has no bfloat16 or float16).
+_COMPILED_DTYPES = (torch.float32, torch.float64)
 
 
 @functools.cache
@@ -429,13 +450,15 @@ def _kernel_arrays(
     """The caches as ``paged_kernels.attend`` reads them (``_cache_arrays``), or None where
     the compiled step does not run: not those caches, a query of another dtype or device, or
     an encoding without a pairing the kernel knows."""
-    if (
-        q.dtype != key_cache.dtype
-        or blocks.device.type != "cpu"
-        or getattr(encoding, "pairing", None) not in ("half", "interleaved")
-    ):
+    if q.dtype != key_cache.dtype or blocks.device.type != "cpu" or not _pairs_known(encoding):
         return None
     return _cache_arrays(key_cache, value_cache)
+
+
+def _pairs_known(encoding: Any) -> bool:
+    """Whether the compiled loops know the encoding's pairing (``paged_kernels._rotate_row``:
+    every pairing ``rotary.rotate`` has)."""
+    return getattr(encoding, "pairing", None) in PAIRINGS
 
 
 def _cache_arrays(key_cache: Tensor, value_cache: Tensor) -> tuple[Tensor, int, Tensor, int] | None:
@@ -448,7 +471,7 @@ def _cache_arrays(key_cache: Tensor, value_cache: Tensor) -> tuple[Tensor, int, 
     if (
         _kernels() is None
         or key_cache.device.type != "cpu"
-        or key_cache.dtype not in (torch.float32, torch.float64)
+        or key_cache.dtype not in _COMPILED_DTYPES
         or value_cache.dtype != key_cache.dtype
     ):
         return None
@@ -472,47 +495,6 @@ def _cache_arrays(key_cache: Tensor, value_cache: Tensor) -> tuple[Tensor, int, 
     return parent, 0, parent, gap // D
 
 
-@torch.no_grad()  # learned frequencies: their tables leave autograd for numpy
-def _compiled_decoding_step(
-    q: Tensor,
-    key_cache: Tensor,
-    value_cache: Tensor,
-    blocks: Tensor,
-    length: int,
-    bands: Sequence[Any],
-    k_pos: Tensor,
-    held: Tensor,
-    encoding: Any,
-    layer: int,
-    scale: float,
-    arrays: tuple[Tensor, int, Tensor, int],
-) -> Tensor | None:
-    """``_torch_decoding_step`` (same result) as one call of ``paged_kernels.attend`` over the
-    cache's ``arrays`` (``_kernel_arrays``), which also rotates every band's query and turns a
-    window's keys, by the encoding's tables (``band_tables``: made once per step for a schedule
-    whose tables do not depend on the layer, the same positions tensors every layer). None
-    where the encoding's rotation is not tables."""
-    b, D = key_cache.shape[2:]
-    H = q.shape[1]
-    dtype = q.dtype
-    layout = _decoding_layout(bands, k_pos, held, b, scale)
-    q_tables = encoding.band_tables(layout.q_positions, True, layer, dtype)
-    if q_tables is None:  # not a table rotation: the torch step
-        return None
-    q_cos, q_sin = q_tables  # (n_bands, H|1, 1, F)
-    t_cos, t_sin = encoding.band_tables(layout.turns, False, layer, dtype)  # (1, K|1, N_t, F)
-    keys, key_row, values, value_row = arrays
-    out = q.new_empty(H, D, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    _kernels().attend(
-        q[0, :, 0].contiguous().numpy(), layout.q_factors[:, :, 0, 0].numpy(),
-        q_cos[:, :, 0].numpy(), q_sin[:, :, 0].numpy(), keys.numpy(), key_row, values.numpy(),
-        value_row, b, blocks[: -(-length // b)].numpy(), layout.starts, layout.stops,
-        layout.bands, layout.turned_at, t_cos[0].numpy(), t_sin[0].numpy(),
-        encoding.pairing == "interleaved", out.numpy(),
-    )  # fmt: skip
-    return out.to(dtype).view(1, H, 1, D)
-
-
 def held_band(bands: Sequence[Any]) -> int:
     """The band whose key rotation the cache holds (module docstring): the one that reaches
     back to the first key (no lower bound), or the first band."""
@@ -533,8 +515,8 @@ def rotate_for_cache(encoding: Any, keys: Tensor, positions: Tensor, layer: int)
         and keys.shape[0] == 1
         and rows.is_contiguous()
         and keys.device.type == "cpu"
-        and keys.dtype in (torch.float32, torch.float64)
-        and getattr(encoding, "pairing", None) in ("half", "interleaved")
+        and keys.dtype in _COMPILED_DTYPES
+        and _pairs_known(encoding)
         and _kernels() is not None
     ):
         tables = encoding.band_tables(held, False, layer, keys.dtype)  # (1, K|1, N, F)
