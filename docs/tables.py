@@ -19,6 +19,7 @@ one line naming the file and what was expected, exit 2, and no document is writt
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -714,6 +715,85 @@ def e_retrieval(root: Path) -> str:
     )
 
 
+def _by_distance_module():
+    """experiments/smollm2_32k/by_distance.py, the script E's retrieval README names."""
+    from experiments.smollm2_32k import by_distance
+
+    return by_distance
+
+
+E_RETRIEVAL = "experiments/smollm2_32k/retrieval"
+
+
+def e_retrieval_progress(root: Path) -> str:
+    """E's retrieval redo: how far each method has got (haystacks answered, of them past the
+    trained length, their mean cut), from its answers."""
+    d = _by_distance_module()
+    return markdown(
+        ["method", "haystacks answered", f"past {d.L0:,}", "mean cut (tokens)"],
+        (
+            [m, f"{n} of {d.HAYSTACKS}", past, "-" if cut is None else f"{cut:,.0f}"]
+            for m, n, past, cut in d.progress(root / E_RETRIEVAL)
+        ),
+    )
+
+
+def _not_yet(d, folder: Path) -> str | None:
+    """The line that stands for a table of E's retrieval redo until every method has
+    answered every probe (by_distance.complete); None once they have."""
+    if d.complete(folder):
+        return None
+    finished = sum(n == d.HAYSTACKS for _, n, _, _ in d.progress(folder))
+    return (
+        f"Fills in once every method has answered all its probes ({finished} of "
+        f"{len(d.METHODS)} have; progress above).\n"
+    )
+
+
+def e_retrieval_by_distance(root: Path) -> str:
+    """E's retrieval redo per method: correct of probes per needle-distance bin, those past
+    the trained length pooled (Wilson 95%), and the reach (by_distance.by_method)."""
+    d, folder = _by_distance_module(), root / E_RETRIEVAL
+    if (line := _not_yet(d, folder)) is not None:
+        return line
+    bins = list(itertools.pairwise(d.CONFIG.bin_edges))
+    heads = [f"{lo // 1024}-{hi // 1024}k" for lo, hi in bins]
+
+    def row(method: str, r) -> list[str]:
+        at = {(b.low_distance, b.high_distance): b for b in r.by_distance}
+        cells = [f"{b.correct}/{b.n}" if (b := at.get(e)) else "-" for e in bins]
+        label = f"{method} (the floor)" if method == d.FLOOR else method
+        return [label, *cells, _correct_of(r.past), f"{r.reach.distance:,}"]
+
+    return markdown(
+        ["method", *heads, f"past {d.L0:,} (95%)", f"reach at {d.CONFIG.reach_accuracy:g}"],
+        (row(m, r) for m, r in d.by_method(folder).items()),
+    )
+
+
+def e_retrieval_distance_contrasts(root: Path) -> str:
+    """E's retrieval redo, the verdict's pairs past the trained length: a minus b with
+    Newcombe's paired 95% interval (the unpaired one beside it)."""
+    d, folder = _by_distance_module(), root / E_RETRIEVAL
+    if (line := _not_yet(d, folder)) is not None:
+        return line
+    rows = []
+    for a, b, p in d.contrasts(folder):
+        low, high = p.interval()
+        u_low, u_high = p.unpaired_interval()
+        told = "yes" if low > 0 or high < 0 else "no"
+        rows.append(
+            [a, b, f"{p.correct_a}/{p.n}", f"{p.correct_b}/{p.n}",
+             f"{p.both}, {p.only_a}, {p.only_b}, {p.neither}", f"{p.difference:+.2f}",
+             f"[{low:+.2f}, {high:+.2f}]", told, f"[{u_low:+.2f}, {u_high:+.2f}]"]
+        )  # fmt: skip
+    return markdown(
+        ["a", "b", "a right", "b right", "both, a only, b only, neither", "a - b",
+         "95% interval (paired)", "told apart", "unpaired interval"],
+        rows,
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------- benchmarks
 def _met(ratio: float, target: float | None) -> str:
     if target is None:
@@ -1049,6 +1129,9 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "32k-standing": e_standing,
     "32k-contrasts": e_contrasts,
     "32k-retrieval": e_retrieval,
+    "32k-retrieval-progress": e_retrieval_progress,
+    "32k-retrieval-by-distance": e_retrieval_by_distance,
+    "32k-retrieval-distance-contrasts": e_retrieval_distance_contrasts,
 }  # fmt: skip
 
 

@@ -644,3 +644,91 @@ def test_issue_58_config_builds_every_method_at_smollm2s_shape():
         "adarope-leaky-rerope",
     }
     assert trained["adarope-leaky-rerope"] == trained["adarope"] == 30 * 3 * 32 + 30 * 9 * 2
+
+
+def _probe_answers(folder: Path, method: str, correct: list[bool], distances: list[int]) -> None:
+    """A method's probes.jsonl as retrieval/run.sh leaves it: haystack i, one needle, its own
+    key and value (the same for every method), answered right or not."""
+    from ropekit.results import write_records
+
+    stage = folder / method / "32768"
+    stage.mkdir(parents=True, exist_ok=True)
+    records = [
+        {"haystack": i, "needle": 0, "key": f"key{i}", "value": str(7000000 + i),
+         "needle_position": 500, "cut": d + 700, "distance": d + 200, "correct": c,
+         "contains": c}
+        for i, (c, d) in enumerate(zip(correct, distances, strict=True))
+    ]  # fmt: skip
+    write_records(stage / "probes.jsonl", records)
+
+
+def test_smollm2_32k_retrieval_by_distance_tabulates_only_when_every_method_has_answered(
+    tmp_path,
+):
+    """E's retrieval redo (by_distance.py and its README tables): the progress counts each
+    method's answers; the tables stay a line until all seven methods answered all 56 probes;
+    then a method's bins and reach are what ``summarize_records`` gives its answers, its
+    probes past 8,192 are pooled once each, and each pair is joined probe by probe with
+    Newcombe's paired interval. The methods are run.sh's, the probes probes.sh's."""
+    from docs import tables
+    from experiments.smollm2_32k import by_distance as d
+
+    from ropekit.evals import paired_difference_interval
+
+    here = ROOT / "experiments" / "smollm2_32k" / "retrieval"
+    labels = [line.split()[0].strip('"') for line in (here / "run.sh").read_text().splitlines()
+              if line.startswith('  "')]  # fmt: skip
+    assert tuple(labels) == d.METHODS and {m for p in d.PAIRS for m in p} <= set(d.METHODS)
+    probes = (here / "probes.sh").read_text()
+    assert "--lengths 32768 --needles 1 --haystacks 56 " in probes and "--bins 8 --seed 0" in probes
+
+    folder = tmp_path / "experiments" / "smollm2_32k" / "retrieval"
+    rng = np.random.default_rng(0)
+    distances = [int(x) for x in rng.integers(1000, 32000, d.HAYSTACKS)]
+    chances = (0.9, 0.5, 0.6, 0.4, 0.3, 0.3, 0.1)
+    right = {m: [bool(x) for x in rng.random(d.HAYSTACKS) < p]
+             for m, p in zip(d.METHODS, chances, strict=True)}  # fmt: skip
+    for m in d.METHODS:
+        _probe_answers(folder, m, right[m][:-1], distances[:-1])  # one haystack short each
+    assert [n for _, n, _, _ in d.progress(folder)] == [d.HAYSTACKS - 1] * len(d.METHODS)
+    assert not d.complete(folder)
+    line = "Fills in once every method has answered all its probes (0 of 7 have"
+    assert tables.e_retrieval_by_distance(tmp_path).startswith(line)
+    assert tables.e_retrieval_distance_contrasts(tmp_path).startswith(line)
+
+    for m in d.METHODS:
+        _probe_answers(folder, m, right[m], distances)
+    assert d.complete(folder)
+    far = [i for i, x in enumerate(distances) if x + 200 > 8192]
+    (method, answered, past, cut), *_ = d.progress(folder)
+    assert (answered, past, cut) == (56, len(far), pytest.approx(np.mean(distances) + 700))
+    found = d.by_method(folder)
+    bins = {}  # by hand: (low, high] of 4,096 tokens each -> [correct, n]
+    for x, c in zip(distances, right[method], strict=True):
+        low = (x + 200 - 1) // 4096 * 4096
+        bins.setdefault((low, low + 4096), [0, 0])
+        bins[low, low + 4096][0] += c
+        bins[low, low + 4096][1] += 1
+    got = {(b.low_distance, b.high_distance): [b.correct, b.n] for b in found[method].by_distance}
+    assert got == bins
+    reached = 0
+    for low in range(0, 32768, 4096):
+        if (low, low + 4096) not in bins or bins[low, low + 4096][0] < 0.8 * bins[low, low + 4096][
+            1
+        ]:
+            break
+        reached = low + 4096
+    assert found[method].reach.distance == reached
+    assert (found[method].past.correct, found[method].past.n) == (
+        sum(right[method][i] for i in far), len(far))  # fmt: skip
+    for a, b, pairs in d.contrasts(folder):
+        both = sum(right[a][i] and right[b][i] for i in far)
+        only_a = sum(right[a][i] and not right[b][i] for i in far)
+        only_b = sum(right[b][i] and not right[a][i] for i in far)
+        counts = (both, only_a, only_b, len(far) - both - only_a - only_b)
+        assert (pairs.both, pairs.only_a, pairs.only_b, pairs.neither) == counts
+        assert pairs.interval() == paired_difference_interval(*counts)
+    text = tables.e_retrieval_by_distance(tmp_path)
+    assert text.count("\n") == 2 + len(d.METHODS) and "| rope (the floor) |" in text
+    assert tables.e_retrieval_distance_contrasts(tmp_path).count("\n") == 2 + len(d.PAIRS)
+    assert d.figure(folder, tmp_path / "f.png").stat().st_size > 0

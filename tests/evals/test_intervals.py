@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import re
 
 import pytest
 
-from ropekit.evals.intervals import accuracy_entry, difference_interval, wilson_interval
+from ropekit.evals.intervals import (
+    accuracy_entry,
+    difference_interval,
+    paired_difference_interval,
+    wilson_interval,
+)
 
 # Newcombe (1998), "Two-sided confidence intervals for the single proportion: comparison of
 # seven methods", Statistics in Medicine 17, Table II, method 3 (score, no continuity
@@ -143,3 +150,70 @@ def test_difference_interval_refuses_what_wilson_refuses():
         difference_interval(0, 0, 1, 5)
     with pytest.raises(ValueError, match="successes=6"):
         difference_interval(1, 5, 6, 5)
+
+
+# Newcombe's paired interval (1998, "Improved confidence intervals for the difference between
+# binomial proportions based on paired data", Statistics in Medicine 17, method 10), 95%, as
+# (both, only a, only b, neither, lower, upper): his worked example; Fagerland, Lydersen &
+# Laake 2014 (Statistics in Medicine 33, their airway example, 3 decimals); Tang, Li & Tang
+# 2010 (Statistical Methods in Medical Research 21, 4 decimals); Chang et al. 2024 (Journal of
+# Applied Statistics 51, 3 decimals). The first and third have a positive correlation that
+# Newcombe's correction shrinks, the second one it sets to 0.
+NEWCOMBE_PAIRED = [
+    (20, 12, 2, 16, 0.0562, 0.3292, 5e-5),
+    (1, 1, 7, 12, -0.507, -0.026, 5e-4),
+    (8, 3, 1, 2, -0.1574, 0.4136, 5e-5),
+    (7, 25, 2, 68, 0.133, 0.318, 5e-4),
+]
+
+
+@pytest.mark.parametrize(
+    ("both", "only_a", "only_b", "neither", "low", "high", "tol"), NEWCOMBE_PAIRED
+)
+def test_paired_difference_interval_published_values(both, only_a, only_b, neither, low, high, tol):
+    got = paired_difference_interval(both, only_a, only_b, neither)
+    assert got == pytest.approx((low, high), abs=tol)
+
+
+@pytest.mark.parametrize("n", [1, 4, 9])
+def test_paired_difference_interval_laws(n):
+    """Over every 2x2 table of n probes: it holds the difference, stays in [-1, 1], turns
+    over when a and b swap, widens with the confidence asked, and is the independent
+    samples' interval where the two methods' answers are uncorrelated (phi = 0) and no
+    wider than it where they go together."""
+    for both, only_a, only_b in itertools.product(range(n + 1), repeat=3):
+        neither = n - both - only_a - only_b
+        if neither < 0:
+            continue
+        a, b = both + only_a, both + only_b
+        low, high = paired_difference_interval(both, only_a, only_b, neither)
+        assert -1.0 <= low <= (a - b) / n <= high <= 1.0
+        swapped = paired_difference_interval(both, only_b, only_a, neither)
+        assert swapped == pytest.approx((-high, -low))
+        wider = paired_difference_interval(both, only_a, only_b, neither, confidence=0.99)
+        assert wider[0] <= low + 1e-12 and high <= wider[1] + 1e-12
+        unpaired = difference_interval(a, n, b, n)
+        if both * neither - only_a * only_b <= n / 2 and both * neither >= only_a * only_b:
+            assert (low, high) == pytest.approx(unpaired)  # the correction zeroes phi
+        if both * neither >= only_a * only_b:
+            assert unpaired[0] <= low + 1e-12 and high <= unpaired[1] + 1e-12
+
+
+def test_paired_difference_interval_is_narrower_for_methods_that_agree():
+    """30 probes, a right on 21 and b on 12, b only where a is too: the pairing narrows the
+    interval of the 0.3 difference (the unpaired one spans 0.46, the paired one 0.34)."""
+    low, high = paired_difference_interval(12, 9, 0, 9)
+    unpaired = difference_interval(21, 30, 12, 30)
+    assert 0 < low < 0.3 < high
+    assert high - low < 0.75 * (unpaired[1] - unpaired[0])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [((0, 0, 0, 0), "n=0"), ((1, -1, 0, 0), "only_a=-1"), ((1, 0, 0.5, 0), "only_b=0.5"),
+     ((True, 0, 0, 1), "both=True"), ((1, 0, 0, 1, 1.0), "confidence=1.0")],
+)  # fmt: skip
+def test_paired_difference_interval_bad_inputs(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        paired_difference_interval(*args)
+    assert "\n" not in str(info.value)

@@ -22,13 +22,14 @@ import torch
 
 from ropekit.evals import as_language_model
 from ropekit.evals.adapters import chunk_dividing
-from ropekit.evals.intervals import wilson_interval
+from ropekit.evals.intervals import paired_difference_interval, wilson_interval
 from ropekit.evals.probe_haystacks import ProbeConfig, build_haystack, probe_task
 from ropekit.evals.probe_summary import (
     VERSION,
     DistanceAccuracy,
     ProbesResult,
     floor_note,
+    paired_probes,
     plot_accuracy_vs_distance,
     reach,
     summarize_records,
@@ -423,3 +424,39 @@ def test_a_copier_of_the_nearest_needle_passes_one_needle_a_haystack_and_fails_s
     several = results[4].by_length[0]
     assert (several.correct, several.n) == (3, 12)  # one probe per haystack
     assert several.other_needle == several.nearest_needle == 9  # every wrong answer
+
+
+def _answered(correct: list[bool], distances: list[int], shift: int = 0) -> list[dict]:
+    """Probe records of haystacks 0..n-1, one needle each (keys and values from the index)."""
+    return [
+        {"haystack": i, "needle": 0, "key": f"k{i}", "value": str(1000 + i + shift),
+         "cut": d + 100, "distance": d, "correct": c}
+        for i, (c, d) in enumerate(zip(correct, distances, strict=True))
+    ]  # fmt: skip
+
+
+def test_two_runs_on_the_same_probes_are_paired_probe_by_probe():
+    """The 2x2 table joins each probe with itself (not the i-th answer of each), counts only
+    needles past ``beyond``, and its interval is the paired one of those counts."""
+    distances = [1000, 9000, 10000, 12000, 20000, 30000]
+    a = _answered([True, True, True, False, True, False], distances)
+    b = _answered([True, True, False, False, False, True], distances)
+    pairs = paired_probes(a, list(reversed(b)), beyond=8192)
+    assert (pairs.both, pairs.only_a, pairs.only_b, pairs.neither) == (1, 2, 1, 1)
+    assert (pairs.n, pairs.correct_a, pairs.correct_b) == (5, 3, 2)
+    assert pairs.difference == pytest.approx(0.2)
+    assert pairs.interval() == paired_difference_interval(1, 2, 1, 1)
+    swapped = paired_probes(b, a, beyond=8192)
+    assert (swapped.only_a, swapped.only_b) == (1, 2)
+    every = paired_probes(a, b)
+    assert (every.both, every.n) == (2, 6)
+
+
+def test_runs_asked_different_probes_are_not_paired():
+    a = _answered([True, False, True], [9000, 10000, 11000])
+    with pytest.raises(ValueError, match=r"\(None, 2, 0\) is answered by a only"):
+        paired_probes(a, a[:2])
+    with pytest.raises(ValueError, match=r"differs between the runs"):
+        paired_probes(a, _answered([True, False, True], [9000, 10000, 11000], shift=1))
+    with pytest.raises(ValueError, match="no probe has its needle more than 20000 tokens back"):
+        paired_probes(a, a, beyond=20000)

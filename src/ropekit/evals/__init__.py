@@ -16,7 +16,9 @@ Modules:
   haystack (`probe_haystacks`: `ProbeConfig`), each asked from its own cut point of the
   cached prefill; the summary (`probe_summary`: `ProbesResult`).
 - `intervals`: `wilson_interval`, `accuracy_entry` (Wilson score intervals of accuracies),
-  `difference_interval` (Newcombe's interval for the difference of two).
+  `difference_interval` (Newcombe's interval for the difference of two),
+  `paired_difference_interval` (the same for two runs asked the same probes;
+  `probe_summary.paired_probes` counts their 2x2 table).
 - `plots`: pictures (files go through `ropekit.results`).
 """
 
@@ -26,7 +28,12 @@ from ropekit.evals.adapters import (
     as_language_model,
     newline_ids,
 )
-from ropekit.evals.intervals import accuracy_entry, difference_interval, wilson_interval
+from ropekit.evals.intervals import (
+    accuracy_entry,
+    difference_interval,
+    paired_difference_interval,
+    wilson_interval,
+)
 from ropekit.evals.perplexity import (
     DocumentsTooShort,
     PerplexityConfig,
@@ -37,7 +44,7 @@ from ropekit.evals.perplexity import (
     run_perplexity,
 )
 from ropekit.evals.probe_haystacks import ProbeConfig
-from ropekit.evals.probe_summary import ProbesResult
+from ropekit.evals.probe_summary import PairedProbes, ProbesResult, paired_probes
 from ropekit.evals.probes import run_probes
 from ropekit.evals.prompts import PromptFormat
 from ropekit.evals.runner import (
@@ -75,6 +82,7 @@ __all__ = [
     "DocumentsTooShort",
     "EvalConfig",
     "LanguageModel",
+    "PairedProbes",
     "PerplexityConfig",
     "PerplexityResult",
     "PerplexityRun",
@@ -96,6 +104,8 @@ __all__ = [
     "match_all",
     "match_part",
     "newline_ids",
+    "paired_difference_interval",
+    "paired_probes",
     "register_task",
     "run_needle",
     "run_passkey",

@@ -7,6 +7,8 @@ Holds:
   independent probes, and the farthest distance up to which every bin holds;
   `distractor_answers`: the wrong answers that name another needle's value.
 - `exact_match(prediction, value)`: the score of one probe.
+- `paired_probes`, `PairedProbes`: two runs' answers to the same probes as a 2x2 table, and
+  the interval of their difference that uses the pairing.
 - `trained_window`, `floor_note`: the probes within the trained length pooled, and the
   warning that the task is beyond the model where its positions are trained.
 - `Accuracy`, `NeedleAccuracy`, `LengthAccuracy`, `DistanceAccuracy`, `Reach`,
@@ -37,7 +39,12 @@ from typing import Any
 
 import numpy as np
 
-from ropekit.evals.intervals import CONFIDENCE, accuracy_entry
+from ropekit.evals.intervals import (
+    CONFIDENCE,
+    accuracy_entry,
+    difference_interval,
+    paired_difference_interval,
+)
 from ropekit.evals.probe_haystacks import ProbeConfig
 from ropekit.evals.tasks import TaskRecord
 from ropekit.figures import figure, save
@@ -141,6 +148,87 @@ def summarize_records(
         "by_distance": by_distance,
         "reach": reach(by_distance, edges, reach_accuracy),
     }
+
+
+@dataclass(frozen=True)
+class PairedProbes:
+    """Two runs' answers to the same probes, as a 2x2 table (`paired_probes`): right in both,
+    in a only, in b only, in neither."""
+
+    both: int
+    only_a: int
+    only_b: int
+    neither: int
+    confidence: float
+
+    @property
+    def n(self) -> int:
+        return self.both + self.only_a + self.only_b + self.neither
+
+    @property
+    def correct_a(self) -> int:
+        return self.both + self.only_a
+
+    @property
+    def correct_b(self) -> int:
+        return self.both + self.only_b
+
+    @property
+    def difference(self) -> float:
+        """a's accuracy minus b's."""
+        return (self.only_a - self.only_b) / self.n
+
+    def interval(self) -> tuple[float, float]:
+        """The difference's interval over the pairs (Newcombe's for paired data)."""
+        counts = (self.both, self.only_a, self.only_b, self.neither)
+        return paired_difference_interval(*counts, self.confidence)
+
+    def unpaired_interval(self) -> tuple[float, float]:
+        """The interval as if a and b had been asked different probes (Newcombe's for two
+        independent samples): the wider one where their answers go together."""
+        return difference_interval(self.correct_a, self.n, self.correct_b, self.n, self.confidence)
+
+
+def paired_probes(
+    a: Sequence[dict[str, Any]],
+    b: Sequence[dict[str, Any]],
+    beyond: int = 0,
+    confidence: float = CONFIDENCE,
+) -> PairedProbes:
+    """Two runs' answered probes (their probes.jsonl records) whose needle lies more than
+    ``beyond`` tokens before its question, joined probe by probe on (length, haystack,
+    needle). They must be the same probes: the same key, value and cut in both (the same
+    probe settings and tokenizer), and every probe of one answered in the other; ValueError
+    naming the first that is not."""
+
+    def keyed(records: Sequence[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
+        return {(r.get("length"), r["haystack"], r["needle"]): r for r in records}
+
+    mine, theirs = keyed(a), keyed(b)
+    if mine.keys() != theirs.keys():
+        (key, side), *_ = [(k, "a") for k in mine.keys() - theirs.keys()] + [
+            (k, "b") for k in theirs.keys() - mine.keys()
+        ]
+        raise ValueError(
+            f"probe (length, haystack, needle) {key} is answered by {side} only; allowed: two "
+            "runs asked the same probes, each finished"
+        )
+    counts = {(True, True): 0, (True, False): 0, (False, True): 0, (False, False): 0}
+    for key, r in mine.items():
+        s = theirs[key]
+        if (r["key"], r["value"], r["cut"]) != (s["key"], s["value"], s["cut"]):
+            raise ValueError(
+                f"probe {key} differs between the runs (key, value or cut); allowed: runs "
+                "probed with the same settings and tokenizer"
+            )
+        if r["distance"] > beyond:
+            counts[bool(r["correct"]), bool(s["correct"])] += 1
+    if not any(counts.values()):
+        raise ValueError(f"no probe has its needle more than {beyond} tokens back")
+    return PairedProbes(
+        both=counts[True, True], only_a=counts[True, False], only_b=counts[False, True],
+        neither=counts[False, False], confidence=confidence,
+    )  # fmt: skip
 
 
 def reach(

@@ -1,0 +1,150 @@
+"""Experiment E's retrieval by needle distance (issue 56), from the answers ``retrieval/run.sh``
+commits: each method's accuracy per distance bin with its Wilson interval and its reach, and
+for the pairs E's verdict asks about the difference of their accuracies past the trained
+length, paired probe by probe.
+
+    python -m experiments.smollm2_32k.by_distance [--retrieval DIR] [--figure PNG]
+
+The probes (``retrieval/probes.sh``) were fixed before any answer was read: 56 haystacks of
+32,768 tokens of essays a method, one needle each at a seeded depth in the first 5%, asked
+from one seeded cut point. Every method answers the same 56 probes (the same keys, values and
+cut points), so two methods' answers form pairs, and their difference's interval is
+Newcombe's for paired data (`ropekit.evals.paired_probes`); the interval for independent
+samples, the one the plan first named, is printed beside it.
+
+The tables and the figure fill in once every method of ``METHODS`` has answered all its
+probes, not before (``complete``): the README promised the answers would be tabulated only
+then. Until that, ``progress`` says how far each method has got, from the same files.
+
+Holds: LENGTH, HAYSTACKS, METHODS, FLOOR, PAIRS, CONFIG, answers, progress, complete,
+by_method, contrasts, figure, main.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ropekit.evals.intervals import accuracy_entry
+from ropekit.evals.probe_haystacks import ProbeConfig
+from ropekit.evals.probe_summary import (
+    Accuracy,
+    DistanceAccuracy,
+    PairedProbes,
+    Reach,
+    paired_probes,
+    plot_accuracy_vs_distance,
+    summarize_records,
+    typed_entry,
+)
+from ropekit.results import read_records
+
+from .contrasts import L0
+
+HERE = Path(__file__).parent
+RETRIEVAL = HERE / "retrieval"
+LENGTH = 32768  # the haystacks' length: E's target
+HAYSTACKS = 56  # a method's probes (one needle a haystack): probes.sh
+# run.sh's labels, in its order (test_experiments checks the two agree); the floor last
+METHODS = ("leaky-rerope", "dca", "self-extend", "yarn-x4", "adarope", "adarope-global", "rope")
+FLOOR = "rope"  # the unmodified model: what an extension has to beat past L0
+# The differences E's verdict asks about, fixed with the probes: the training-free leader
+# against the two other remaps; YaRN x4 (where every trained method starts) against AdaRoPE;
+# AdaRoPE's head-wise structure against its global control.
+PAIRS = (
+    ("leaky-rerope", "self-extend"),
+    ("leaky-rerope", "dca"),
+    ("adarope", "yarn-x4"),
+    ("adarope", "adarope-global"),
+)
+# what probes.sh asks for, as the summary reads it: its bins and its reach's accuracy
+CONFIG = ProbeConfig(lengths=(LENGTH,), needles=1, haystacks=HAYSTACKS, bins=8, seed=0)
+
+
+def answers(folder: Path, method: str) -> list[dict[str, Any]]:
+    """The method's answered probes (its probes.jsonl; [] before its first answer)."""
+    path = folder / method / str(LENGTH) / "probes.jsonl"
+    return read_records(path) if path.exists() else []
+
+
+def progress(folder: Path) -> list[tuple[str, int, int, float | None]]:
+    """Each method: haystacks answered, of them past L0, and their mean cut (None for none)."""
+    out = []
+    for method in METHODS:
+        done = answers(folder, method)
+        cuts = [r["cut"] for r in done]
+        past = sum(r["distance"] > L0 for r in done)
+        out.append((method, len(done), past, sum(cuts) / len(cuts) if cuts else None))
+    return out
+
+
+def complete(folder: Path) -> bool:
+    """Whether every method has answered every probe (the tables fill in then)."""
+    return all(answered == HAYSTACKS for _, answered, _, _ in progress(folder))
+
+
+@dataclass(frozen=True)
+class MethodRetrieval:
+    """One method's probes summed up as ``ropekit eval probes`` sums them (`by_method`)."""
+
+    by_distance: tuple[DistanceAccuracy, ...]
+    reach: Reach
+    past: Accuracy  # its probes past L0, pooled: each in one bin, so each counted once
+
+
+def by_method(folder: Path) -> dict[str, MethodRetrieval]:
+    """Each method's accuracy per distance bin (the bins of probes.sh) and reach at
+    ``CONFIG.reach_accuracy``, from its answers (``summarize_records``, the function its
+    summary.json is written with), and its probes past L0 pooled."""
+    out = {}
+    for method in METHODS:
+        records = [{**r, "length": LENGTH} for r in answers(folder, method)]
+        far = [r for r in records if r["distance"] > L0]
+        summary = summarize_records(records, CONFIG.bin_edges, CONFIG.reach_accuracy)
+        out[method] = MethodRetrieval(
+            by_distance=tuple(typed_entry(DistanceAccuracy, e) for e in summary["by_distance"]),
+            reach=Reach(**summary["reach"]),
+            past=Accuracy(**accuracy_entry(sum(r["correct"] for r in far), len(far))),
+        )
+    return out
+
+
+def contrasts(folder: Path) -> list[tuple[str, str, PairedProbes]]:
+    """For each pair of ``PAIRS``: a, b, and their answers past L0 paired probe by probe."""
+    return [
+        (a, b, paired_probes(answers(folder, a), answers(folder, b), beyond=L0)) for a, b in PAIRS
+    ]
+
+
+def figure(folder: Path, path: Path) -> Path:
+    """Accuracy against needle distance, one line per method, the trained length marked."""
+    runs = {m: r.by_distance for m, r in by_method(folder).items()}
+    title = f"SmolLM2-135M at {LENGTH:,}: one needle per essay haystack, {HAYSTACKS} a method"
+    return plot_accuracy_vs_distance(runs, path, L0, CONFIG.reach_accuracy, title)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--retrieval", type=Path, default=RETRIEVAL, help="run.sh's folder")
+    parser.add_argument("--figure", type=Path, help="also draw accuracy vs distance here (PNG)")
+    args = parser.parse_args(argv)
+    for method, answered, past, cut in progress(args.retrieval):
+        mean = "-" if cut is None else f"{cut:,.0f}"
+        print(f"{method}: {answered} of {HAYSTACKS} answered, {past} past {L0}, mean cut {mean}")
+    if not complete(args.retrieval):
+        print("Not every method has answered every probe: no table yet.")
+        return
+    for method, r in by_method(args.retrieval).items():
+        bins = ", ".join(f"{b.correct}/{b.n}" for b in r.by_distance)
+        print(f"{method}: {bins}; past {L0} {r.past.correct}/{r.past.n}; reach {r.reach.distance}")
+    for a, b, p in contrasts(args.retrieval):
+        low, high = p.interval()
+        print(f"{a} - {b} past {L0}: {p.difference:+.3f} [{low:+.3f}, {high:+.3f}]")
+    if args.figure is not None:
+        print(f"Figure: {figure(args.retrieval, args.figure)}")
+
+
+if __name__ == "__main__":
+    main()
