@@ -50,6 +50,32 @@ def test_eval_probes(model_dir, tmp_path, capsys):
     assert str(out / "accuracy_vs_distance.png") in printed
 
 
+def test_a_resumed_eval_probes_prices_the_haystacks_left(model_dir, tmp_path, capsys):
+    """A rerun into a folder whose answers hold some haystacks says how many are left and
+    prices those (fewer prefills, so a shorter estimate); one whose answers hold all of them
+    reads nothing and prints no plan; --overwrite prices them all again."""
+    out = tmp_path / "probes"
+    command = (
+        f"eval probes --model {model_dir} --lengths 300 --needles 2 --haystacks 3 "
+        f"--task kv1_shakespeare --seed 4 --out {out}"
+    ).split()
+    assert main(command) == 0
+    first = capsys.readouterr().out
+    assert "eval probes (3 prefills per length, each to its longest cut): about" in first
+    assert main(command) == 0
+    assert "eval probes (" not in capsys.readouterr().out  # every haystack answered
+    answers = out / "300" / "probes.jsonl"
+    lines = answers.read_text().splitlines()
+    kept = [line for line in lines if json.loads(line)["haystack"] == 0]
+    kept += [line for line in lines if json.loads(line)["haystack"] == 1][:1]  # one needle of 2
+    answers.write_text("\n".join(kept) + "\n")
+    assert main(command) == 0
+    plan = "eval probes (3 prefills per length, each to its longest cut; 2 left, the others "
+    assert f"{plan}answered in {out}): about" in capsys.readouterr().out
+    assert main([*command, "--overwrite"]) == 0
+    assert "(3 prefills per length, each to its longest cut): about" in capsys.readouterr().out
+
+
 def test_eval_probes_gives_the_trained_window_and_warns_where_the_model_misses_it(
     model_dir, tmp_path, capsys
 ):

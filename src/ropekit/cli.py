@@ -392,14 +392,19 @@ def add_eval_probes(kinds: argparse._SubParsersAction) -> None:
 def cmd_eval_probes(args: argparse.Namespace) -> int:
     from ropekit.evals.probe_haystacks import ProbeConfig
     from ropekit.evals.probe_summary import accuracy_text, floor_note, trained_window
-    from ropekit.evals.probes import run_probes
+    from ropekit.evals.probes import answered_haystacks, run_probes
 
     config = from_args(ProbeConfig, args, args.fields)
     backbone = _load(args)
+    answered = answered_haystacks(config, args.out, args.overwrite)
     prefills: Counter[int] = Counter()
     for n in config.lengths:
-        prefills.update(config.expected_reads(n))
-    what = f"eval probes ({config.haystacks} prefills per length, each to its longest cut)"
+        prefills.update(config.expected_reads(n, answered[n]))
+    left = sum(config.haystacks - k for k in answered.values())
+    what = f"eval probes ({config.haystacks} prefills per length, each to its longest cut"
+    if left < config.haystacks * len(config.lengths):  # a resumed run prices what is left
+        what += f"; {left} left, the others answered in {args.out}"
+    what += ")"
     _check_work(args, backbone, what, prefills, reads_to=max(config.lengths))
     result = run_probes(
         backbone,

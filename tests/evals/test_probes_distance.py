@@ -272,6 +272,8 @@ def test_an_absurd_number_of_haystacks_is_priced_in_a_few_reads():
     reads = ProbeConfig((128,), haystacks=10**9).expected_reads(128)
     assert len(reads) <= 64 and sum(reads.values()) == 10**9
     assert sum(ProbeConfig((128,), haystacks=3).expected_reads(128).values()) == 3
+    assert sum(ProbeConfig((128,), haystacks=3).expected_reads(128, answered=2).values()) == 1
+    assert ProbeConfig((128,), haystacks=3).expected_reads(128, answered=3) == {}
 
 
 def test_the_trained_window_pools_the_bins_that_end_within_it_each_probe_once():

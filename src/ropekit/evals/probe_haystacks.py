@@ -155,21 +155,24 @@ class ProbeConfig:
             return self.grain
         return 1 << max(0, (max(self.lengths) // GRAIN_SHARE).bit_length() - 1)
 
-    def expected_reads(self, length: int) -> dict[int, int]:
+    def expected_reads(self, length: int, answered: int = 0) -> dict[int, int]:
         """Tokens read -> how many of the H haystacks of ``length`` can be expected to read
         them, for the cost said before the work starts (the haystacks are built later): a
         haystack is read up to its longest cut, drawn in the top of K equal strata of the cut
         points behind its needles (``_cut_points``), so spread evenly over that top 1/K: one
         needle reads about half the haystack on average, 12 nearly all of it. At most
-        ``READ_QUANTILES`` distinct reads (evenly spaced quantiles, the H haystacks dealt
-        among them), so an absurd H costs nothing to price."""
+        ``READ_QUANTILES`` distinct reads (evenly spaced quantiles, the haystacks dealt
+        among them), so an absurd H costs nothing to price. ``answered``: haystacks a
+        resumed run finds answered (``probes.answered_haystacks``), which it does not read
+        again; the rest are priced alike, their own cuts being unknown until they are built."""
+        left = max(0, self.haystacks - answered)
         start = self.needles_within * length  # the needles end about here at the latest
         top = (length - start) / self.needles
-        m = min(self.haystacks, READ_QUANTILES)
+        m = min(left, READ_QUANTILES)
         reads: dict[int, int] = {}
         for i in range(m):
             tokens = round(length - top + top * (i + 0.5) / m)
-            share = self.haystacks // m + (i < self.haystacks % m)
+            share = left // m + (i < left % m)
             reads[tokens] = reads.get(tokens, 0) + share
         return reads
 

@@ -305,6 +305,25 @@ def _run_stage(
         bar.update(sum(len(h.probes) for h in pending[first : first + procs.world]))
 
 
+def answered_haystacks(
+    config: ProbeConfig, out_dir: str | os.PathLike[str], overwrite: bool = False
+) -> dict[int, int]:
+    """Per length of ``config``, how many haystacks a run into ``out_dir`` finds with every
+    probe answered (its stage's probes.jsonl), so the cost said before a resumed run is that
+    of the haystacks left (``ProbeConfig.expected_reads``); none under ``overwrite``, which
+    recomputes them. Read before the haystacks are built, so the answers are not checked
+    here: a stage whose answers do not match its settings is refused when the run loads it
+    (`_prepare`), before any model call."""
+    out = {}
+    for n in config.lengths:
+        records = [] if overwrite else read_records(Path(out_dir) / str(n) / "probes.jsonl")
+        needles: dict[Any, int] = {}
+        for r in records:
+            needles[r["haystack"]] = needles.get(r["haystack"], 0) + 1
+        out[n] = sum(count >= config.needles for count in needles.values())
+    return out
+
+
 def run_probes(
     model: Any,
     config: ProbeConfig,
