@@ -752,21 +752,22 @@ def _not_yet(d, folder: Path) -> str | None:
 
 def e_retrieval_by_distance(root: Path) -> str:
     """E's retrieval redo per method: correct of probes per needle-distance bin, those past
-    the trained length pooled (Wilson 95%), and the reach (by_distance.by_method)."""
+    the trained length pooled (Wilson 95%), and the reaches (by_distance.by_method)."""
     d, folder = _by_distance_module(), root / E_RETRIEVAL
     if (line := _not_yet(d, folder)) is not None:
         return line
     bins = list(itertools.pairwise(d.CONFIG.bin_edges))
     heads = [f"{lo // 1024}-{hi // 1024}k" for lo, hi in bins]
+    heads += [f"past {d.L0:,} (95%)", *(f"reach at {a:g}" for a in d.REACH_ACCURACIES)]
 
     def row(method: str, r) -> list[str]:
         at = {(b.low_distance, b.high_distance): b for b in r.by_distance}
         cells = [f"{b.correct}/{b.n}" if (b := at.get(e)) else "-" for e in bins]
         label = f"{method} (the floor)" if method == d.FLOOR else method
-        return [label, *cells, _correct_of(r.past), f"{r.reach.distance:,}"]
+        return [label, *cells, _correct_of(r.past), *(f"{x.distance:,}" for x in r.reaches)]
 
     return markdown(
-        ["method", *heads, f"past {d.L0:,} (95%)", f"reach at {d.CONFIG.reach_accuracy:g}"],
+        ["method", *heads],
         (row(m, r) for m, r in d.by_method(folder).items()),
     )
 
