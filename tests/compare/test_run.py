@@ -20,7 +20,7 @@ from ropekit.compare import run as compare_run
 from ropekit.compare.record import (
     CompareResult,
 )
-from ropekit.compare.verdict import accuracy_text
+from ropekit.compare.verdict import accuracy_text, retrieval_note
 from ropekit.evals import PerplexityResult, probes, wilson_interval
 from ropekit.evals.probe_haystacks import ProbeConfig
 from ropekit.evals.probe_summary import reach
@@ -158,6 +158,45 @@ def test_compare_probes_every_run_and_pools_seeds_per_distance(compared):
     assert (root / "out" / "accuracy_vs_distance.png").is_file()
     assert "past the trained length" in data["verdict"]["retrieval"]
     assert data["verdict"]["retrieval"] in report
+
+
+def test_the_verdicts_retrieval_note_pairs_two_methods_probed_once_on_the_same_probes(compared):
+    """Two methods each probed at one seed answered the same probes: their answers past L0
+    are joined probe by probe from the probes.jsonl files (the 2x2 table counted here by
+    hand) and the note's interval is the paired one; a method probed at two seeds (adarope)
+    is not paired, and the note compares pooled accuracies as before."""
+    import types
+
+    from ropekit.compare.assemble import _paired_past
+    from ropekit.evals import paired_difference_interval
+
+    root, _ = compared
+    record = read_record(root / "out/compare.json", CompareResult)
+    setting = types.SimpleNamespace(
+        out=root / "out", config=CompareConfig.from_dict(record.config), trained_at=32
+    )
+    written = types.SimpleNamespace(retrieval=record.retrieval)
+
+    def answers(label: str) -> dict:
+        folder = root / "out" / "eval" / label / "s0" / "probes"
+        return {(n, r["haystack"]): r["correct"] for n in (96, 128)
+                for r in map(json.loads, (folder / str(n) / "probes.jsonl").open())
+                if r["distance"] > 32}  # fmt: skip
+
+    a, b = answers("rope--unmodified"), answers("yarn")
+    assert a.keys() == b.keys() and len(a) == record.retrieval["yarn"].past.n
+    table = [sum(a[k] == x and b[k] == y for k in a) for x, y in
+             [(True, True), (True, False), (False, True), (False, False)]]  # fmt: skip
+    verdict = types.SimpleNamespace(winner="rope (unmodified)", runner_up="yarn")
+    pairs = _paired_past(setting, written, verdict)
+    assert [pairs.both, pairs.only_a, pairs.only_b, pairs.neither] == table
+    note = retrieval_note(record.retrieval, dataclasses.replace(
+        record.verdict, winner="rope (unmodified)", runner_up="yarn"), pairs)  # fmt: skip
+    low, high = paired_difference_interval(*table)
+    assert f"[{low:+.2f}, {high:+.2f}] (Newcombe's interval for paired probes: both answered " \
+        f"the same {sum(table)})" in note  # fmt: skip
+    verdict = types.SimpleNamespace(winner="yarn", runner_up="adarope")
+    assert _paired_past(setting, written, verdict) is None  # adarope: two seeds probed
 
 
 def test_a_rerun_recomputes_nothing_and_other_probes_are_refused(compared, capsys, monkeypatch):

@@ -21,8 +21,8 @@ from ropekit.compare.verdict import (
     retrieval_note,
 )
 from ropekit.evals import wilson_interval
-from ropekit.evals.intervals import accuracy_entry, difference_interval
-from ropekit.evals.probe_summary import Accuracy
+from ropekit.evals.intervals import accuracy_entry, difference_interval, paired_difference_interval
+from ropekit.evals.probe_summary import Accuracy, PairedProbes
 from ropekit.results import encode
 from tests.runaway import cpu_limit
 
@@ -342,6 +342,20 @@ def test_the_retrieval_note_gives_winner_and_runner_up_past_the_trained_length()
     assert low < 0 < high
     apart = {"a": _probed({8: 10, 16: 10}), "b": _probed({8: 1, 16: 0})}
     assert retrieval_note(apart, _verdict()).endswith(") tells them apart.")
+
+
+def test_the_retrieval_note_uses_the_paired_interval_where_the_answers_are_paired():
+    """The same accuracies (9/20 against 4/20) with their 2x2 table: b right only where a is
+    too, so the pairing tells them apart where the unpaired interval does not."""
+    retrieval = {"a": _probed({0: 10, 8: 7, 16: 2}), "b": _probed({0: 9, 8: 3, 16: 1})}
+    pairs = PairedProbes(both=4, only_a=5, only_b=0, neither=11, confidence=0.95)
+    low, high = paired_difference_interval(4, 5, 0, 11)
+    note = retrieval_note(retrieval, _verdict(), pairs)
+    assert note.endswith(
+        f"the difference +0.25 [{low:+.2f}, {high:+.2f}] (Newcombe's interval for paired "
+        "probes: both answered the same 20) tells them apart."
+    )
+    assert low > 0 and retrieval_note(retrieval, _verdict()).endswith("does not tell them apart.")
 
 
 def test_the_retrieval_note_names_only_the_methods_probed_past_the_trained_length():

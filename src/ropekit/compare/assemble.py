@@ -21,12 +21,13 @@ from ropekit.data.streams import TokenStream
 from ropekit.encodings import PositionEncoding
 from ropekit.evals import PerplexityResult
 from ropekit.evals.perplexity import LengthScore
-from ropekit.evals.probe_summary import NeedleAccuracy, ProbesResult
-from ropekit.results import ResultError, read_record, run_metadata, write_result
+from ropekit.evals.probe_summary import NeedleAccuracy, PairedProbes, ProbesResult, paired_probes
+from ropekit.results import ResultError, read_record, read_records, run_metadata, write_result
 from ropekit.serve.serving import served_by
 
 from .config import CompareConfig
 from .ledger import Ledger
+from .plan import eval_folder
 from .record import (
     CompareResult,
     EngineAnswer,
@@ -147,9 +148,37 @@ def _verdict(s: Setting, written: _Written, race: Race | None) -> Any:
     )  # fmt: skip
     return dataclasses.replace(
         out_of_race(verdict, out),
-        retrieval=retrieval_note(written.retrieval, verdict),
+        retrieval=retrieval_note(written.retrieval, verdict, _paired_past(s, written, verdict)),
         serving=per_engine(verdict, written.served),
     )
+
+
+def _paired_past(s: Setting, written: _Written, verdict: Any) -> PairedProbes | None:
+    """The recommended method's and the runner-up's answers past the trained length, joined
+    probe by probe, where each was probed at one seed (compare's default: a trained method's
+    first seed, an untrained method's one run) on the same probes (a comparison probes every
+    run alike); None otherwise, and the note then compares their pooled accuracies as two
+    independent samples."""
+    pair = [verdict.winner, verdict.runner_up]
+    found = [written.retrieval.get(m) for m in pair if m is not None]
+    if len(found) != 2 or any(r is None or r.past is None or r.past_from is None for r in found):
+        return None
+    answers = []
+    for label, retrieval in zip(pair, found, strict=True):
+        seeds = {e.seed for b in retrieval.by_distance for e in b.per_seed}
+        if len(seeds) != 1:
+            return None
+        folder = eval_folder(s.out, label, seeds.pop(), "probes")
+        answers.append([
+            {**r, "length": n}
+            for n in s.config.retrieval_lengths(s.trained_at)
+            for r in read_records(folder / str(n) / "probes.jsonl")
+        ])  # fmt: skip
+    first = found[0]
+    try:
+        return paired_probes(*answers, first.past_from, first.past.confidence)
+    except ValueError:  # answers missing or of other probes: not pairs
+        return None
 
 
 def _previous(s: Setting) -> CompareResult | None:

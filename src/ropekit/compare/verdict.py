@@ -63,7 +63,14 @@ import numpy as np
 
 from ropekit.evals.intervals import CONFIDENCE, accuracy_entry, difference_interval
 from ropekit.evals.perplexity import QUARTER_BLOCK
-from ropekit.evals.probe_summary import Accuracy, NeedleAccuracy, Reach, accuracy_text, reach
+from ropekit.evals.probe_summary import (
+    Accuracy,
+    NeedleAccuracy,
+    PairedProbes,
+    Reach,
+    accuracy_text,
+    reach,
+)
 
 from .record import (
     BeyondMargin,
@@ -171,11 +178,16 @@ def out_of_race(verdict: Verdict, stops: Mapping[str, Stop]) -> Verdict:
     return dataclasses.replace(verdict, sentence=sentence)
 
 
-def retrieval_note(retrieval: Mapping[str, MethodRetrieval], verdict: Verdict) -> str | None:
+def retrieval_note(
+    retrieval: Mapping[str, MethodRetrieval], verdict: Verdict, paired: PairedProbes | None = None
+) -> str | None:
     """The recommended method's and the runner-up's retrieval past the trained length (their
     probes at needle distances past it, pooled) with their reach, and the interval of their
-    difference (Newcombe's, over independent probes), as supporting numbers beside the rule;
-    None without a winner or probes that far."""
+    difference, as supporting numbers beside the rule; None without a winner or probes that
+    far. ``paired``: the two methods' answers past the trained length joined probe by probe
+    (``compare.assemble`` reads them where each was probed once, on the same probes), whose
+    interval is Newcombe's for paired data; without it, Newcombe's for two independent samples
+    of the pooled accuracies (the wider one where their answers go together)."""
     past = {
         m: p
         for m in (verdict.winner, verdict.runner_up)
@@ -201,10 +213,14 @@ def retrieval_note(retrieval: Mapping[str, MethodRetrieval], verdict: Verdict) -
         return note + "."
     a, b = past.values()
     low, high = difference_interval(a.correct, a.n, b.correct, b.n, level)
+    how = "Newcombe's interval"
+    if paired is not None:
+        low, high = paired.interval()
+        how = f"Newcombe's interval for paired probes: both answered the same {paired.n}"
     told = "tells them apart" if low > 0 or high < 0 else "does not tell them apart"
     return (
         f"{note}; the difference {a.accuracy - b.accuracy:+.2f} [{low:+.2f}, {high:+.2f}] "
-        f"(Newcombe's interval) {told}."
+        f"({how}) {told}."
     )
 
 
