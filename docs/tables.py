@@ -727,15 +727,29 @@ E_RETRIEVAL = "experiments/smollm2_32k/retrieval"
 
 def e_retrieval_progress(root: Path) -> str:
     """E's retrieval redo: how far each method has got (haystacks answered, of them past the
-    trained length, their mean cut), from its answers."""
+    trained length, their mean cut) and the wall time they took, from its answers; the hours
+    left priced at its median haystack so far (a method not started: at the median of the
+    started methods' medians)."""
     d = _by_distance_module()
+    rows = d.progress(root / E_RETRIEVAL)
+    every = [p.median_seconds for p in rows if p.median_seconds is not None]
+    pace = sorted(every)[len(every) // 2] if every else None
+
+    def row(p) -> list[str]:
+        median = p.median_seconds if p.median_seconds is not None else pace
+        left = "-" if median is None else f"{(d.HAYSTACKS - p.answered) * median / 3600:.1f}"
+        return [
+            p.method, f"{p.answered} of {d.HAYSTACKS}", p.past,
+            "-" if p.mean_cut is None else f"{p.mean_cut:,.0f}",
+            "-" if p.median_seconds is None else f"{p.median_seconds:,.0f}",
+            f"{p.total_seconds / 3600:.1f}", left,
+        ]  # fmt: skip
+
     return markdown(
-        ["method", "haystacks answered", f"past {d.L0:,}", "mean cut (tokens)"],
-        (
-            [m, f"{n} of {d.HAYSTACKS}", past, "-" if cut is None else f"{cut:,.0f}"]
-            for m, n, past, cut in d.progress(root / E_RETRIEVAL)
-        ),
-    )
+        ["method", "haystacks answered", f"past {d.L0:,}", "mean cut (tokens)",
+         "median wall time a haystack (s)", "wall time so far (h)", "hours left, estimated"],
+        (row(p) for p in rows),
+    )  # fmt: skip
 
 
 def _not_yet(d, folder: Path) -> str | None:
@@ -743,7 +757,7 @@ def _not_yet(d, folder: Path) -> str | None:
     answered every probe (by_distance.complete); None once they have."""
     if d.complete(folder):
         return None
-    finished = sum(n == d.HAYSTACKS for _, n, _, _ in d.progress(folder))
+    finished = sum(p.answered == d.HAYSTACKS for p in d.progress(folder))
     return (
         f"Fills in once every method has answered all its probes ({finished} of "
         f"{len(d.METHODS)} have; progress above).\n"

@@ -656,7 +656,7 @@ def _probe_answers(folder: Path, method: str, correct: list[bool], distances: li
     records = [
         {"haystack": i, "needle": 0, "key": f"key{i}", "value": str(7000000 + i),
          "needle_position": 500, "cut": d + 700, "distance": d + 200, "correct": c,
-         "contains": c}
+         "contains": c, "haystack_seconds": float(i)}
         for i, (c, d) in enumerate(zip(correct, distances, strict=True))
     ]  # fmt: skip
     write_records(stage / "probes.jsonl", records)
@@ -690,7 +690,7 @@ def test_smollm2_32k_retrieval_by_distance_tabulates_only_when_every_method_has_
              for m, p in zip(d.METHODS, chances, strict=True)}  # fmt: skip
     for m in d.METHODS:
         _probe_answers(folder, m, right[m][:-1], distances[:-1])  # one haystack short each
-    assert [n for _, n, _, _ in d.progress(folder)] == [d.HAYSTACKS - 1] * len(d.METHODS)
+    assert [p.answered for p in d.progress(folder)] == [d.HAYSTACKS - 1] * len(d.METHODS)
     assert not d.complete(folder)
     line = "Fills in once every method has answered all its probes (0 of 7 have"
     assert tables.e_retrieval_by_distance(tmp_path).startswith(line)
@@ -700,8 +700,11 @@ def test_smollm2_32k_retrieval_by_distance_tabulates_only_when_every_method_has_
         _probe_answers(folder, m, right[m], distances)
     assert d.complete(folder)
     far = [i for i, x in enumerate(distances) if x + 200 > 8192]
-    (method, answered, past, cut), *_ = d.progress(folder)
-    assert (answered, past, cut) == (56, len(far), pytest.approx(np.mean(distances) + 700))
+    first, *_ = d.progress(folder)
+    method = first.method
+    assert (first.answered, first.past) == (56, len(far))
+    assert first.mean_cut == pytest.approx(np.mean(distances) + 700)
+    assert (first.median_seconds, first.total_seconds) == (np.median(range(56)), sum(range(56)))
     found = d.by_method(folder)
     bins = {}  # by hand: (low, high] of 4,096 tokens each -> [correct, n]
     for x, c in zip(distances, right[method], strict=True):

@@ -16,13 +16,14 @@ The tables and the figure fill in once every method of ``METHODS`` has answered 
 probes, not before (``complete``): the README promised the answers would be tabulated only
 then. Until that, ``progress`` says how far each method has got, from the same files.
 
-Holds: LENGTH, HAYSTACKS, METHODS, FLOOR, PAIRS, CONFIG, REACH_ACCURACIES, answers, progress,
-complete, by_method, contrasts, figure, main.
+Holds: LENGTH, HAYSTACKS, METHODS, FLOOR, PAIRS, CONFIG, REACH_ACCURACIES, answers, Progress,
+progress, complete, by_method, contrasts, figure, main.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,20 +78,38 @@ def answers(folder: Path, method: str) -> list[dict[str, Any]]:
     return read_records(path) if path.exists() else []
 
 
-def progress(folder: Path) -> list[tuple[str, int, int, float | None]]:
-    """Each method: haystacks answered, of them past L0, and their mean cut (None for none)."""
+@dataclass(frozen=True)
+class Progress:
+    """How far one method has got (`progress`)."""
+
+    method: str
+    answered: int  # haystacks (one probe each)
+    past: int  # of them, needles more than L0 back
+    mean_cut: float | None  # tokens read per haystack, on average (None: none answered)
+    median_seconds: float | None  # wall time a haystack took (its prefill and answer)
+    total_seconds: float  # all its haystacks' wall time
+
+
+def progress(folder: Path) -> list[Progress]:
+    """Each method's answers so far, with the wall time they took as recorded with each
+    (``haystack_seconds``: one thread, under whatever else ran; a haystack read across a
+    pause counts the pause, so the median is the pace to quote)."""
     out = []
     for method in METHODS:
         done = answers(folder, method)
         cuts = [r["cut"] for r in done]
-        past = sum(r["distance"] > L0 for r in done)
-        out.append((method, len(done), past, sum(cuts) / len(cuts) if cuts else None))
+        seconds = [r["haystack_seconds"] for r in done]
+        out.append(Progress(
+            method, len(done), sum(r["distance"] > L0 for r in done),
+            statistics.mean(cuts) if cuts else None,
+            statistics.median(seconds) if seconds else None, sum(seconds),
+        ))  # fmt: skip
     return out
 
 
 def complete(folder: Path) -> bool:
     """Whether every method has answered every probe (the tables fill in then)."""
-    return all(answered == HAYSTACKS for _, answered, _, _ in progress(folder))
+    return all(p.answered == HAYSTACKS for p in progress(folder))
 
 
 @dataclass(frozen=True)
@@ -141,9 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--retrieval", type=Path, default=RETRIEVAL, help="run.sh's folder")
     parser.add_argument("--figure", type=Path, help="also draw accuracy vs distance here (PNG)")
     args = parser.parse_args(argv)
-    for method, answered, past, cut in progress(args.retrieval):
-        mean = "-" if cut is None else f"{cut:,.0f}"
-        print(f"{method}: {answered} of {HAYSTACKS} answered, {past} past {L0}, mean cut {mean}")
+    for p in progress(args.retrieval):
+        mean = "-" if p.mean_cut is None else f"{p.mean_cut:,.0f}"
+        print(
+            f"{p.method}: {p.answered} of {HAYSTACKS} answered, {p.past} past {L0}, mean cut {mean}"
+        )
     if not complete(args.retrieval):
         print("Not every method has answered every probe: no table yet.")
         return
