@@ -735,3 +735,46 @@ def test_smollm2_32k_retrieval_by_distance_tabulates_only_when_every_method_has_
     assert text.count("\n") == 2 + len(d.METHODS) and "| rope (the floor) |" in text
     assert tables.e_retrieval_distance_contrasts(tmp_path).count("\n") == 2 + len(d.PAIRS)
     assert d.figure(folder, tmp_path / "f.png").stat().st_size > 0
+
+
+def test_the_probe_queue_gives_each_start_the_first_method_neither_finished_nor_held(tmp_path):
+    """Two probing threads split one experiment's methods: each takes the first method in
+    order that has no summary.json and whose folder no live process holds; a lock left by a
+    dead process does not hold it. As the scripts call it: the label on stdout (nothing when
+    none is left), and ``--held`` exits 0 only for a folder a live process holds."""
+    import socket
+
+    from experiments import probe_queue
+
+    from ropekit.outdir import LOCK_FILE, hold_lock
+
+    out = tmp_path / "retrieval"
+    for label in ("done", "busy", "stale", "fresh"):
+        (out / label).mkdir(parents=True)
+    (out / "done" / "summary.json").write_text("{}")
+    lock = hold_lock(out / "busy" / LOCK_FILE, command="eval probes")  # this process: alive
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    record = {"pid": int(dead.stdout), "host": socket.gethostname(), "command": "x", "since": "t"}
+    (out / "stale" / LOCK_FILE).write_text(json.dumps(record))
+    labels = ["done", "busy", "stale", "fresh"]
+    try:
+        assert probe_queue.held(out / "busy") and not probe_queue.held(out / "stale")
+        assert probe_queue.next_label(out, labels) == "stale"
+        (out / "stale" / "summary.json").write_text("{}")
+        assert probe_queue.next_label(out, labels) == "fresh"
+        command = [sys.executable, "-m", "experiments.probe_queue"]
+        done = subprocess.run([*command, str(out), *labels], cwd=ROOT, capture_output=True,
+                              text=True)  # fmt: skip
+        assert (done.returncode, done.stdout) == (0, "fresh\n"), done.stderr
+        held = [subprocess.run([*command, "--held", str(out / m)], cwd=ROOT).returncode
+                for m in ("busy", "fresh")]  # fmt: skip
+        assert held == [0, 1]
+        (out / "fresh" / "summary.json").write_text("{}")
+        assert probe_queue.next_label(out, labels) is None  # busy is another start's
+        done = subprocess.run([*command, str(out), *labels], cwd=ROOT, capture_output=True)
+        assert (done.returncode, done.stdout) == (0, b"")
+        assert subprocess.run([*command, str(out)], cwd=ROOT, capture_output=True).returncode == 2
+    finally:
+        lock.release()
+    assert probe_queue.next_label(out, labels) == "busy"  # released: free for the next start
