@@ -199,7 +199,7 @@ def paired_probes(
     ``beyond`` tokens before its question, joined probe by probe on (length, haystack,
     needle). They must be the same probes: the same key, value and cut in both (the same
     probe settings and tokenizer), and every probe of one answered in the other; ValueError
-    naming the first that is not."""
+    naming a probe that is not."""
 
     def keyed(records: Sequence[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
         return {(r.get("length"), r["haystack"], r["needle"]): r for r in records}
