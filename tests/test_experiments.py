@@ -778,3 +778,22 @@ def test_the_probe_queue_gives_each_start_the_first_method_neither_finished_nor_
     finally:
         lock.release()
     assert probe_queue.next_label(out, labels) == "busy"  # released: free for the next start
+
+
+def test_resume_runs_each_long_experiments_script_in_issue_order():
+    """experiments/resume.sh (what a session starts once per core) parses, and every stage it
+    names is an executable script here, in the order of the issues (56's redo, 56's search,
+    58's comparison, 58's retrieval), each resumable and splitting its work between starts."""
+    script = ROOT / "experiments" / "resume.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    stages = ["$E/retrieval/run.sh", "$E/search/run.sh", "$N/run.sh", "$N/retrieval.sh"]
+    assert [text.index(f'stage "{s}"') for s in stages] == sorted(
+        text.index(f'stage "{s}"') for s in stages
+    )
+    where = {"$E": "experiments/smollm2_32k", "$N": "experiments/smollm2_32k_neighbours"}
+    for s in stages:
+        path = ROOT / s.replace(s[:2], where[s[:2]], 1)
+        assert path.is_file() and os.access(path, os.X_OK), path
+    for s in ("retrieval/run.sh", "../smollm2_32k_neighbours/retrieval.sh"):
+        assert "experiments.probe_queue" in (ROOT / "experiments/smollm2_32k" / s).read_text()
