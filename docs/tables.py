@@ -809,6 +809,27 @@ def e_retrieval_distance_contrasts(root: Path) -> str:
     )  # fmt: skip
 
 
+def e_retrieval_contrasts_by_bin(root: Path) -> str:
+    """E's retrieval redo, the verdict's pairs in each needle-distance bin: a minus b with
+    Newcombe's paired 95% interval (by_distance.contrasts_by_bin)."""
+    d, folder = _by_distance_module(), root / E_RETRIEVAL
+    if (line := _not_yet(d, folder)) is not None:
+        return line
+    bins = list(itertools.pairwise(d.CONFIG.bin_edges))
+
+    def cell(p) -> str:
+        if p is None:
+            return "-"
+        low, high = p.interval()
+        return f"{p.difference:+.2f} [{low:+.2f}, {high:+.2f}] ({p.n})"
+
+    return markdown(
+        ["a - b", *(f"{lo // 1024}-{hi // 1024}k" for lo, hi in bins)],
+        ([f"{a} - {b}", *(cell(per_bin.get(e)) for e in bins)]
+         for a, b, per_bin in d.contrasts_by_bin(folder)),
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------- benchmarks
 def _met(ratio: float, target: float | None) -> str:
     if target is None:
@@ -1147,6 +1168,7 @@ TABLES: dict[str, Callable[[Path], str]] = {
     "32k-retrieval-progress": e_retrieval_progress,
     "32k-retrieval-by-distance": e_retrieval_by_distance,
     "32k-retrieval-distance-contrasts": e_retrieval_distance_contrasts,
+    "32k-retrieval-contrasts-by-bin": e_retrieval_contrasts_by_bin,
 }  # fmt: skip
 
 

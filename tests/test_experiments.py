@@ -695,6 +695,7 @@ def test_smollm2_32k_retrieval_by_distance_tabulates_only_when_every_method_has_
     line = "Fills in once every method has answered all its probes (0 of 7 have"
     assert tables.e_retrieval_by_distance(tmp_path).startswith(line)
     assert tables.e_retrieval_distance_contrasts(tmp_path).startswith(line)
+    assert tables.e_retrieval_contrasts_by_bin(tmp_path).startswith(line)
 
     for m in d.METHODS:
         _probe_answers(folder, m, right[m], distances)
@@ -731,6 +732,15 @@ def test_smollm2_32k_retrieval_by_distance_tabulates_only_when_every_method_has_
         counts = (both, only_a, only_b, len(far) - both - only_a - only_b)
         assert (pairs.both, pairs.only_a, pairs.only_b, pairs.neither) == counts
         assert pairs.interval() == paired_difference_interval(*counts)
+    for a, b, per_bin in d.contrasts_by_bin(folder):
+        assert sum(p.n for p in per_bin.values()) == 56
+        for (low, high), pairs in per_bin.items():
+            inside = [i for i, x in enumerate(distances) if low < x + 200 <= high]
+            assert pairs.n == len(inside)
+            assert pairs.correct_a == sum(right[a][i] for i in inside)
+            assert pairs.correct_b == sum(right[b][i] for i in inside)
+            assert pairs.both == sum(right[a][i] and right[b][i] for i in inside)
+    assert tables.e_retrieval_contrasts_by_bin(tmp_path).count("\n") == 2 + len(d.PAIRS)
     text = tables.e_retrieval_by_distance(tmp_path)
     assert text.count("\n") == 2 + len(d.METHODS) and "| rope (the floor) |" in text
     assert tables.e_retrieval_distance_contrasts(tmp_path).count("\n") == 2 + len(d.PAIRS)

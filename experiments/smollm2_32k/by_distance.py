@@ -17,12 +17,13 @@ probes, not before (``complete``): the README promised the answers would be tabu
 then. Until that, ``progress`` says how far each method has got, from the same files.
 
 Holds: LENGTH, HAYSTACKS, METHODS, FLOOR, PAIRS, CONFIG, REACH_ACCURACIES, answers, Progress,
-progress, complete, by_method, contrasts, figure, main.
+progress, complete, by_method, contrasts, contrasts_by_bin, figure, main.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +147,24 @@ def contrasts(folder: Path) -> list[tuple[str, str, PairedProbes]]:
     return [
         (a, b, paired_probes(answers(folder, a), answers(folder, b), beyond=L0)) for a, b in PAIRS
     ]
+
+
+def contrasts_by_bin(folder: Path) -> list[tuple[str, str, dict[tuple[int, int], PairedProbes]]]:
+    """For each pair of ``PAIRS``: a, b, and their answers paired in each distance bin (low,
+    high] that holds probes (the plan asked for the pairs per bin as well as pooled; a bin
+    holds about 7 probes, so its interval is wide)."""
+    out = []
+    for a, b in PAIRS:
+        mine, theirs = answers(folder, a), answers(folder, b)
+        bins = {}
+        for low, high in itertools.pairwise(CONFIG.bin_edges):
+            inside = {(r["haystack"], r["needle"]) for r in mine if low < r["distance"] <= high}
+            if inside:
+                pick = [[r for r in rs if (r["haystack"], r["needle"]) in inside]
+                        for rs in (mine, theirs)]  # fmt: skip
+                bins[low, high] = paired_probes(*pick)
+        out.append((a, b, bins))
+    return out
 
 
 def figure(folder: Path, path: Path) -> Path:
