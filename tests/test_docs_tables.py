@@ -37,7 +37,7 @@ def _copy(root: Path) -> Path:
         ROOT / "experiments", root / "experiments",
         ignore=lambda d, names: [
             n for n in names
-            if (Path(d) / n).is_file() and not n.endswith((".json", "README.md", ".py"))
+            if (Path(d) / n).is_file() and not n.endswith((".json", ".jsonl", "README.md", ".py"))
         ],
     )  # fmt: skip
     (root / "benchmarks").mkdir()
