@@ -207,6 +207,8 @@ def test_a_rerun_recomputes_nothing_and_other_probes_are_refused(compared, capsy
     ppl = {p: p.read_bytes() for p in out.glob("eval/**/ppl.json")}
     answers = {p: p.read_bytes() for p in out.glob("eval/**/probes/**/probes.jsonl")}
     assert len(answers) == 4 * 2  # rope, yarn, adarope at two seeds; two lengths each
+    drawn = {p: p.stat().st_ino for p in out.glob("*.png")}  # a redrawn PNG is a new file
+    assert len(drawn) >= 6  # per domain: two perplexity figures and NLL vs position
 
     def no_model_call(*args, **kwargs):
         raise AssertionError("a finished probe stage asked the model again")
@@ -219,6 +221,7 @@ def test_a_rerun_recomputes_nothing_and_other_probes_are_refused(compared, capsy
         assert {p: p.stat().st_mtime_ns for p in adapters} == before
         assert {p: p.read_bytes() for p in out.glob("eval/**/ppl.json")} == ppl
         assert {p: p.read_bytes() for p in out.glob("eval/**/probes/**/probes.jsonl")} == answers
+        assert {p: p.stat().st_ino for p in out.glob("*.png")} == drawn  # nothing redrawn
         capsys.readouterr()
         # Another config in the same folder is refused before anything runs, naming the
         # field: nothing is mixed in and the finished comparison's files stay as they were.

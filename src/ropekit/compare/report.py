@@ -24,7 +24,7 @@ from ropekit.evals.probe_summary import (
     plot_accuracy_vs_distance,
     trained_window,
 )
-from ropekit.figures import figure, plot_vs_length, save, style
+from ropekit.figures import figure, plot_vs_length, redraw, save, style
 from ropekit.report.document import Block, Figure, Heading, Table, Text, to_html, to_markdown
 from ropekit.report.plots import plot_nll_vs_position
 from ropekit.utils import atomic_write_text
@@ -88,18 +88,35 @@ def _cost_gain(data: CompareResult, path: Path) -> Path | None:
     verdict = data.verdict
     if verdict is None:
         return None
+    order = [*verdict.eligible, *(m for m in verdict.costs if m not in verdict.eligible)]
+    points = {
+        label: (100 * verdict.costs[label], math.exp(verdict.scores[label]))
+        for label in order
+        if verdict.costs.get(label) is not None and verdict.scores.get(label) is not None
+    }
+    return redraw(
+        _plot_cost_gain, path, points=points, margin=100 * verdict.margin,
+        short_length=verdict.short_length, target_length=verdict.target_length,
+    )  # fmt: skip
+
+
+def _plot_cost_gain(
+    path: Path,
+    points: dict[str, tuple[float, float]],
+    margin: float,
+    short_length: int,
+    target_length: int,
+) -> Path:
+    """Each method at (its cost in %, its last-quarter perplexity at the target)."""
     fig, axes = figure(6.4, 4.4)
     ax = axes[0, 0]
-    for label in [*verdict.eligible, *(m for m in verdict.costs if m not in verdict.eligible)]:
-        cost, score = verdict.costs.get(label), verdict.scores.get(label)
-        if cost is None or score is None:
-            continue
-        ax.scatter([100 * cost], [math.exp(score)], s=30, color=style(label).get("color"))
-        ax.annotate(label, (100 * cost, math.exp(score)), fontsize=7)
-    ax.axvline(100 * verdict.margin, color="gray", ls=":", lw=1, label="margin")
+    for label, (cost, ppl) in points.items():
+        ax.scatter([cost], [ppl], s=30, color=style(label).get("color"))
+        ax.annotate(label, (cost, ppl), fontsize=7)
+    ax.axvline(margin, color="gray", ls=":", lw=1, label="margin")
     ax.set(
-        xlabel=f"cost at {verdict.short_length} tokens (% perplexity vs the unmodified model)",
-        ylabel=f"last-quarter perplexity at {verdict.target_length} (mean over domains)",
+        xlabel=f"cost at {short_length} tokens (% perplexity vs the unmodified model)",
+        ylabel=f"last-quarter perplexity at {target_length} (mean over domains)",
         title="Cost at the original length against the far positions at the target",
     )
     ax.grid(alpha=0.3)
@@ -129,9 +146,9 @@ def _nll_vs_position(data: CompareResult, domain: str, path: Path) -> Figure | N
              if a >= first]  # fmt: skip
     inside = [y for a, y in shown if a < data.trained_at]
     ylim = (0.95 * min(y for _, y in shown), 1.25 * max(inside)) if inside else None
-    plot_nll_vs_position(
-        curves, path, length=n, train_length=data.trained_at, xlim=(first, n), ylim=ylim,
-        title=f"{domain}: ",
+    redraw(
+        plot_nll_vs_position, path, curves=curves, length=n, train_length=data.trained_at,
+        xlim=(first, n), ylim=ylim, title=f"{domain}: ",
     )  # fmt: skip
     return Figure(
         path.name,
@@ -163,8 +180,9 @@ def _figures(data: CompareResult, out: Path) -> list[Figure]:
             clipped = sorted(
                 label for label, v in series.items() if any(top and x > top for x in v.values())
             )
-            plot_vs_length(
-                series, out / name, errors=errors, ylabel=f"perplexity ({what})",
+            redraw(
+                plot_vs_length, out / name, series=series, errors=errors,
+                ylabel=f"perplexity ({what})",
                 title=f"{domain}: {what}", train_length=data.trained_at,
                 ylim=(None, top) if clipped else None,
             )  # fmt: skip
@@ -351,10 +369,11 @@ def _reach(data: CompareResult, labels: list[str], out: Path) -> list[Block]:
     )
     header = ["method", "reach (tokens)", f"within {data.trained_at:,}",
               f"past {data.trained_at:,} tokens"]  # fmt: skip
-    figure = plot_accuracy_vs_distance(
-        {label: retrieval[label].by_distance for label in labels},
-        out / "accuracy_vs_distance.png", data.trained_at,
-        reached.accuracy if reached else None, "retrieval by needle distance",
+    figure = redraw(
+        plot_accuracy_vs_distance, out / "accuracy_vs_distance.png",
+        runs={label: retrieval[label].by_distance for label in labels},
+        trained_length=data.trained_at, reach_accuracy=reached.accuracy if reached else None,
+        title="retrieval by needle distance",
     )  # fmt: skip
     # the task judged where the unmodified model's positions are trained (floor_note)
     window = windows.get(data.baseline)
