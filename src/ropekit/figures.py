@@ -95,16 +95,18 @@ def redraw(plot: Callable[..., Path], path: str | Path, /, **inputs: Any) -> Pat
 def drawn_from(path: str | Path) -> str | None:
     """The inputs' digest `redraw` saved in the PNG at ``path`` (None: no such file, not a PNG,
     or drawn without `redraw`)."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
-    try:
+    try:  # PIL's "not an image" is an OSError; a damaged chunk can raise the other two
         with Image.open(path) as image:
             return image.info.get(INPUTS_KEY)
-    except (OSError, UnidentifiedImageError, SyntaxError, ValueError):
+    except (OSError, SyntaxError, ValueError):
         return None
 
 
 def _digest(plot: Callable[..., Path], inputs: Mapping[str, Any]) -> str:
+    """Not `results.digest`: that one writes NaN and infinity as null and anything else as its
+    str, so it would give two different figures one digest (`_canonical` refuses instead)."""
     import matplotlib
 
     what = {
