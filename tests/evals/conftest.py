@@ -128,7 +128,26 @@ def train_retriever(out):
     return model.eval()
 
 
+def shared_retriever(tmp_path_factory, worker_id: str):
+    """`train_retriever`, trained once per test session however many modules and xdist
+    workers ask: the first to ask trains it under a lock in the session's temporary folder
+    (the one xdist's workers share) and saves it; each call returns a fresh copy loaded from
+    there, so no test sees another's changes. Only this session can read the copy: the folder
+    is new each session, so a changed recipe is never served an older model."""
+    from filelock import FileLock
+
+    from ropekit.model import Decoder
+
+    base = tmp_path_factory.getbasetemp()
+    session = base if worker_id == "master" else base.parent  # pytest-N, above popen-gwK
+    saved = session / "trained_retriever"
+    with FileLock(f"{saved}.lock"):
+        if not (saved / "config.json").exists():  # written last, by `save`
+            train_retriever(tmp_path_factory.mktemp("trained_retriever")).save(saved)
+    return Decoder.load(saved).eval()
+
+
 @pytest.fixture(scope="module")
-def trained_retriever(tmp_path_factory):
-    """`train_retriever` once per test module that uses it, into a tmp folder only."""
-    return train_retriever(tmp_path_factory.mktemp("trained_retriever"))
+def trained_retriever(tmp_path_factory, worker_id):
+    """`shared_retriever`: a fresh copy per test module that uses it."""
+    return shared_retriever(tmp_path_factory, worker_id)

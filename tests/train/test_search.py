@@ -729,12 +729,13 @@ def test_the_objective_is_recorded_and_an_older_search_reads_as_perplexity(base_
 
 
 @pytest.fixture(scope="module")
-def retriever(tmp_path_factory):
+def retriever(tmp_path_factory, worker_id):
     """tests/evals' trained retriever: a byte-level RoPE decoder trained at 128 bytes on the
-    retrieval mixture, which reads a passkey from anywhere in its window (about 50 s)."""
-    from tests.evals.conftest import train_retriever
+    retrieval mixture, which reads a passkey from anywhere in its window (about 50 s, once a
+    session)."""
+    from tests.evals.conftest import shared_retriever
 
-    return train_retriever(tmp_path_factory.mktemp("retriever"))
+    return shared_retriever(tmp_path_factory, worker_id)
 
 
 @pytest.mark.slow
