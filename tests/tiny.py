@@ -173,6 +173,19 @@ FAMILY_LAYER_TYPES: dict[str, list[str] | None] = {
     "llama4_text": None,  # its default: chunked attention, NoPE in layer 4
 }
 
+# Sizes the common shape does not reach, where the family's default would build a large model
+# (Gemma 4's per-layer input embeddings, 262144 x 256 a layer: 270M parameters, 6 s to build;
+# Qwen3-MoE's 128 experts of 768: 76M). None of them touches the attention or its rotation.
+FAMILY_SIZES: dict[str, dict[str, Any]] = {
+    "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
+    "qwen3_moe": {"num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_5_text": {
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+    },
+}  # fmt: skip
+
 
 def family_config(model_type: str, **overrides: Any):
     """The tiny config of ``model_type`` (``family_model``'s); transformers' own class refuses
@@ -193,6 +206,7 @@ def family_config(model_type: str, **overrides: Any):
             sliding_window=8,
             use_sliding_window=True,  # Qwen2, Qwen3: the window applies only when this is set
         )
+    options.update(FAMILY_SIZES.get(model_type, {}))
     options.update(overrides)
     return AutoConfig.for_model(model_type, **options)
 
