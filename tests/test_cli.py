@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from ropekit.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_encodings_lists_every_encoding_with_options(capsys):
@@ -45,6 +48,33 @@ def test_help_lists_the_commands_without_loading_torch():
     assert out["codes"] == [0, 2] and out["loaded"] == []
     assert "invalid choice: 'extnd'" in done.stderr
     assert out["shown"] == out["full"] and "demo" in out["full"] and "report" in out["full"]
+
+
+def test_a_ropekit_decoder_is_trained_and_scored_without_loading_transformers(tmp_path):
+    """transformers takes about 4 s of CPU to import, twice torch: importing ropekit's packages,
+    `ropekit pretrain` and `ropekit eval ppl` on a ropekit Decoder never load it (the lazy names
+    of ropekit.hf and ropekit.backbone); a transformers model still gets its own backbone."""
+    run, scores = str(tmp_path / "run"), str(tmp_path / "scores")
+    pretrain = ["pretrain", "--out", run, "--layers", "1", "--d-model", "32", "--heads", "2",
+                "--batch-size", "2", "--warmup", "1", "--context", "32",
+                "--steps", "2"]  # fmt: skip
+    score = ["eval", "ppl", "--model", run, "--lengths", "32", "--out", scores]
+    code = (
+        "import json, sys\n"
+        "import ropekit.analysis, ropekit.backbone, ropekit.compare, ropekit.evals\n"
+        "import ropekit.hf, ropekit.serve, ropekit.train\n"
+        "from ropekit.cli import main\n"
+        f"codes = [main({pretrain!r}), main({score!r})]\n"
+        "loaded = 'transformers' in sys.modules\n"
+        "from tests.tiny import tiny_model\n"
+        "from ropekit.backbone import HFBackbone, as_backbone\n"
+        "hf = type(as_backbone(tiny_model('llama', small=True))).__name__\n"
+        "print(json.dumps({'codes': codes, 'loaded': loaded, 'hf': hf}))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out == {"codes": [0, 0], "loaded": False, "hf": "HFBackbone"}, out
 
 
 def test_each_command_parses_with_its_own_options_alone(capsys):

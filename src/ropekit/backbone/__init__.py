@@ -9,7 +9,16 @@ positional parameters, score it, analyse its heads) and which kind of model it i
 - ``load``: ``open_backbone`` (a folder or an installed model name).
 
 Everything above this package (train, evals, analysis, the CLI) talks to models through it.
+
+``HFBackbone`` loads on first use (``hf`` imports transformers, about 4 s of CPU), so a process
+that only ever holds a ropekit ``Decoder`` never imports transformers; ``kinds`` and ``load``
+reach for it only when a transformers model is in hand.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .adapters import (
     ADAPTER_CONFIG,
@@ -27,9 +36,11 @@ from .adapters import (
 )
 from .base import COMPUTE_DTYPES, Backbone, parameter_digest
 from .decoder import DecoderBackbone
-from .hf import HFBackbone
 from .kinds import as_backbone
 from .load import is_decoder_dir, open_backbone
+
+if TYPE_CHECKING:
+    from .hf import HFBackbone
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -53,3 +64,9 @@ __all__ = [
     "save_lora",
     "write_adapter",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name != "HFBackbone":
+        raise AttributeError(f"module 'ropekit.backbone' has no attribute {name!r}")
+    return importlib.import_module("ropekit.backbone.hf").HFBackbone

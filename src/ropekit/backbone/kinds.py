@@ -13,16 +13,15 @@ Holds: as_backbone.
 from __future__ import annotations
 
 import os
+import sys
 
 from torch import nn
-from transformers import PreTrainedModel
 
 from ropekit.data.tokenizers import Tokenizer, load_tokenizer
 from ropekit.hf.archs import unwrap
 
 from .base import Backbone
 from .decoder import DecoderBackbone
-from .hf import HFBackbone
 
 _ATTR = "_ropekit_backbone"  # where a module keeps its Backbone
 
@@ -42,11 +41,25 @@ def as_backbone(
     elif isinstance(model.__dict__.get(_ATTR), Backbone):
         backbone = model.__dict__[_ATTR]
     else:
-        cls = HFBackbone if isinstance(unwrap(model), PreTrainedModel) else DecoderBackbone
-        backbone = cls(model, None)
+        backbone = (_hf_backbone() if _is_transformers_model(model) else DecoderBackbone)(
+            model, None
+        )
         model.__dict__[_ATTR] = backbone  # a plain attribute: not a submodule, not state
     if tokenizer is not None:
         backbone.tokenizer = (
             tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
         )
     return backbone
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    # Where transformers was never imported no transformers model exists, and importing it
+    # to find that out would cost a Decoder-only process about 4 s (ropekit.backbone's doc).
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(unwrap(model), transformers.PreTrainedModel)
+
+
+def _hf_backbone() -> type[Backbone]:
+    from .hf import HFBackbone
+
+    return HFBackbone

@@ -14,7 +14,17 @@ Modules:
   the user cache), ``load_model`` / ``load_tokenizer`` (local folder or installed name, offline).
 
 Exporting to serving engines lives in ``ropekit.serve`` (it builds on this package).
+
+``patching``'s names load on first use: it imports transformers (about 4 s of CPU, twice
+torch's import), and ``archs``, ``models`` and ``rope_config`` do not, so a process that only
+reads an architecture's row, resolves an installed model or writes a rope config (a ropekit
+``Decoder`` run, ``ropekit models``, a table built from results) never pays for it.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .archs import ARCHS, model_dims, rope_context
 from .models import (
@@ -27,8 +37,15 @@ from .models import (
     load_tokenizer,
     model_dir,
 )
-from .patching import build_for_model, encoding_of, is_patched, patch, unpatch
 from .rope_config import ExportRefused, spec_from_config
+
+if TYPE_CHECKING:
+    from .patching import build_for_model, encoding_of, is_patched, patch, unpatch
+
+_LAZY = {
+    name: "patching"
+    for name in ("build_for_model", "encoding_of", "is_patched", "patch", "unpatch")
+}
 
 __all__ = [
     "ARCHS",
@@ -50,3 +67,9 @@ __all__ = [
     "spec_from_config",
     "unpatch",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'ropekit.hf' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"ropekit.hf.{_LAZY[name]}"), name)

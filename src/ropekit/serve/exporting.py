@@ -80,7 +80,6 @@ from ropekit.backbone import is_decoder_dir, load_adapter, save_adapter
 from ropekit.encodings import PositionEncoding, schedules
 from ropekit.hf.archs import base_model, covered_types, original_length, unwrap
 from ropekit.hf.models import load_model, load_tokenizer, resolve_model
-from ropekit.hf.patching import ENCODING_ATTR, encoding_of, patch
 from ropekit.hf.rope_config import (
     ExportRefused,
     check_exportable_shape,
@@ -305,6 +304,8 @@ def length_fields(
 
 
 def _backbone_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    from ropekit.hf.patching import ENCODING_ATTR  # imports transformers (ropekit.hf's doc)
+
     marker = f"{ENCODING_ATTR}."
     return {
         k: v
@@ -416,6 +417,8 @@ def _open(
 
 def _encoding(model: nn.Module, adapter: Any, spec: str | None) -> PositionEncoding:
     """The encoding exported: the adapter's, else the spec's, else the model's own patch."""
+    from ropekit.hf.patching import encoding_of, patch  # imports transformers (ropekit.hf's doc)
+
     if adapter is not None and spec is not None:
         raise ValueError("give an adapter or a spec, not both")
     if adapter is not None:
