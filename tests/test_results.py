@@ -255,6 +255,12 @@ def test_fields_with_defaults_may_be_absent_and_others_may_not():
         (tuple[int, ...], {"a": 1}, 'w is {"a": 1}, not a list'),
         (list[int], "ab", 'w is "ab", not a list'),
         (tuple[int, ...], [1, "b"], 'w[1] is "b", expected int'),
+        (list[int], [1, True], "w[1] is true, expected int"),
+        (list[int], [1, 2, 3.0], "w[2] is 3.0, expected int"),
+        (list[float], [1.0, 2, True], "w[2] is true, expected float"),
+        (list[float], [0.5, "1"], 'w[1] is "1", expected float'),
+        (list[str], ["a", None], "w[1] is null, expected str"),
+        (list[bool], [True, 0], "w[1] is 0, expected bool"),
         (tuple[int, str], [1, 2], "w[1] is 2, expected str"),
         (tuple[int, str], [1], "w has 1 items, expected 2"),
         (dict[int, int], [1], "w is [1], not an object"),
@@ -288,6 +294,30 @@ def test_a_record_its_own_checks_refuse_is_a_result_error_naming_where():
     with pytest.raises(ResultError) as error:
         decode(_Checked, {"n": 0}, "w")
     assert str(error.value) == "w is not a valid _Checked: n=0 is not allowed; it must be >= 1"
+
+
+def test_a_list_of_scalars_reads_as_item_by_item_would():
+    """Lists of JSON scalars take a fast path (results.py's `_plain_scalars`); what it gives
+    is what decoding each item gives, types included, and what it does not take (a numpy
+    float, not a JSON type) still reads item by item."""
+    import numpy as np
+
+    cases = [
+        (list[float], [1, None, 2.5, -0.0]),
+        (tuple[float, ...], [3, 1e300]),
+        (list[int], [1, -2, 10**20]),
+        (tuple[int, ...], []),
+        (list[str], ["a", ""]),
+        (list[bool], [True, False]),
+        (list[float], [np.float64(0.5), 1]),
+    ]
+    for kind, value in cases:
+        got = decode(kind, value, "w")
+        item = typing.get_args(kind)[0]
+        each = [decode(item, v, f"w[{i}]") for i, v in enumerate(value)]
+        assert type(got) is typing.get_origin(kind) and len(got) == len(each)
+        for a, b in zip(got, each, strict=True):
+            assert type(a) is type(b) and (a == b or (math.isnan(a) and math.isnan(b)))
 
 
 def test_decode_reads_the_plain_hints():

@@ -188,6 +188,29 @@ def _scalar(kind: type, value: Any, where: str) -> Any:
     raise ResultError(f"{where} is {json.dumps(value)[:40]}, expected {kind.__name__}")
 
 
+# The Python types ``json.loads`` gives that ``_scalar`` accepts for each kind unchanged
+# (a float also from an int, and null as NaN); an exact type check, so a bool is not an int.
+_JSON_SCALARS: dict[Any, tuple[type, ...]] = {
+    float: (float, int, type(None)),
+    int: (int,),
+    str: (str,),
+    bool: (bool,),
+}
+
+
+def _plain_scalars(kind: Any, values: list) -> list | None:
+    """``values`` read as a list of ``kind`` when every item is a JSON scalar ``_scalar`` takes
+    as it is, else None (then each item is decoded on its own, and the first it refuses is
+    named). Results hold long lists of numbers (every window's NLL, every probe's distance):
+    this reads them without building a path and inspecting the hint for each item."""
+    accepted = _JSON_SCALARS.get(kind)
+    if accepted is None or not all(type(v) in accepted for v in values):
+        return None
+    if kind is float:
+        return [math.nan if v is None else float(v) for v in values]
+    return list(values)
+
+
 def decode(kind: Any, value: Any, where: str) -> Any:
     """``value`` (JSON) as a value of type ``kind``: a dataclass from an object whose keys are
     exactly its fields (those with defaults may be absent), containers element by element (a
@@ -216,7 +239,9 @@ def decode(kind: Any, value: Any, where: str) -> Any:
             places = enumerate(zip(args, value, strict=True))
             return tuple(decode(a, v, f"{where}[{i}]") for i, (a, v) in places)
         item = args[0] if args else Any
-        items = [decode(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        items = _plain_scalars(item, value)
+        if items is None:
+            items = [decode(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin in (dict, Mapping) or kind is dict:
         if not isinstance(value, dict):
