@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -52,7 +53,6 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from ropekit.train.config import TrainConfig
 
@@ -222,13 +222,22 @@ class FullySharded:
         with torch.no_grad():
             for name, p in self.module.named_parameters():
                 if p.requires_grad:
-                    whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                    whole = p.full_tensor() if _is_dtensor(p) else p.detach()
                     self.original.get_parameter(name).copy_(whole)
 
     def close(self) -> None:
         if self._own_group:
             dist.destroy_process_group()
             self._own_group = False
+
+
+def _is_dtensor(tensor: Tensor) -> bool:
+    # torch.distributed.tensor is not imported up front: it took 1.7 s of ropekit.train's
+    # 4.6 s import (2026-12-07), paid by every process that only reads a TrainConfig (a
+    # training process loads it anyway: building torch's AdamW imports torch._dynamo). Where
+    # it was never imported no tensor can be a DTensor (fully_shard imports it).
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def parallel_for(
@@ -259,8 +268,8 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> Tensor:
     g <- g * min(1, max_norm / (||g|| + 1e-6)).
     """
     grads = [p.grad for p in params if p.grad is not None]
-    sharded = [g.to_local() for g in grads if isinstance(g, DTensor)]
-    whole = [g for g in grads if not isinstance(g, DTensor)]
+    sharded = [g.to_local() for g in grads if _is_dtensor(g)]
+    whole = [g for g in grads if not _is_dtensor(g)]
     device = grads[0].device if grads else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float64, device=device)
     for g in sharded:
