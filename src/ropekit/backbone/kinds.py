@@ -41,9 +41,12 @@ def as_backbone(
     elif isinstance(model.__dict__.get(_ATTR), Backbone):
         backbone = model.__dict__[_ATTR]
     else:
-        backbone = (_hf_backbone() if _is_transformers_model(model) else DecoderBackbone)(
-            model, None
-        )
+        cls = DecoderBackbone
+        if _is_transformers_model(model):
+            from .hf import HFBackbone  # imports transformers, here loaded already
+
+            cls = HFBackbone
+        backbone = cls(model, None)
         model.__dict__[_ATTR] = backbone  # a plain attribute: not a submodule, not state
     if tokenizer is not None:
         backbone.tokenizer = (
@@ -57,9 +60,3 @@ def _is_transformers_model(model: nn.Module) -> bool:
     # to find that out would cost a Decoder-only process about 4 s (ropekit.backbone's doc).
     transformers = sys.modules.get("transformers")
     return transformers is not None and isinstance(unwrap(model), transformers.PreTrainedModel)
-
-
-def _hf_backbone() -> type[Backbone]:
-    from .hf import HFBackbone
-
-    return HFBackbone

@@ -42,10 +42,7 @@ from .rope_config import ExportRefused, spec_from_config
 if TYPE_CHECKING:
     from .patching import build_for_model, encoding_of, is_patched, patch, unpatch
 
-_LAZY = {
-    name: "patching"
-    for name in ("build_for_model", "encoding_of", "is_patched", "patch", "unpatch")
-}
+_PATCHING = ("build_for_model", "encoding_of", "is_patched", "patch", "unpatch")
 
 __all__ = [
     "ARCHS",
@@ -70,6 +67,6 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
+    if name not in _PATCHING:
         raise AttributeError(f"module 'ropekit.hf' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"ropekit.hf.{_LAZY[name]}"), name)
+    return getattr(importlib.import_module("ropekit.hf.patching"), name)
