@@ -728,16 +728,15 @@ E_RETRIEVAL = "experiments/smollm2_32k/retrieval"
 def e_retrieval_progress(root: Path) -> str:
     """E's retrieval redo: how far each method has got (haystacks answered, of them past the
     trained length, their mean cut) and the wall time they took, from its answers; the hours
-    left priced at its median haystack so far (a method not started: at the median of the
-    started methods' medians)."""
+    left priced haystack by haystack from what the same haystacks took the other methods
+    (by_distance.seconds_left)."""
     d = _by_distance_module()
     rows = d.progress(root / E_RETRIEVAL)
-    every = [p.median_seconds for p in rows if p.median_seconds is not None]
-    pace = sorted(every)[len(every) // 2] if every else None
+    seconds_left = d.seconds_left(rows)
 
     def row(p) -> list[str]:
-        median = p.median_seconds if p.median_seconds is not None else pace
-        left = "-" if median is None else f"{(d.HAYSTACKS - p.answered) * median / 3600:.1f}"
+        left = seconds_left[p.method]
+        left = "-" if left is None else f"{left / 3600:.1f}"
         return [
             p.method, f"{p.answered} of {d.HAYSTACKS}", p.past,
             "-" if p.mean_cut is None else f"{p.mean_cut:,.0f}",

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -745,6 +746,23 @@ def test_smollm2_32k_retrieval_by_distance_tabulates_only_when_every_method_has_
     assert text.count("\n") == 2 + len(d.METHODS) and "| rope (the floor) |" in text
     assert tables.e_retrieval_distance_contrasts(tmp_path).count("\n") == 2 + len(d.PAIRS)
     assert d.figure(folder, tmp_path / "f.png").stat().st_size > 0
+
+
+def test_the_retrieval_hours_left_price_each_haystack_by_what_it_took_the_others():
+    """A method's remaining haystacks cost what they took the other methods (their median),
+    scaled by its pace on the haystacks both answered; unpriced ones take its own median."""
+    from experiments.smollm2_32k import by_distance as d
+
+    def row(method: str, seconds: dict[int, float]) -> d.Progress:
+        med = statistics.median(seconds.values()) if seconds else None
+        return d.Progress(method, len(seconds), 0, None, med, sum(seconds.values()), seconds)
+
+    rows = [row("fast", {0: 10.0, 1: 100.0}), row("slow", {0: 20.0}), row("new", {})]
+    left = d.seconds_left(rows)
+    rest = d.HAYSTACKS - 2  # haystacks 2.. that no one has answered
+    assert left["fast"] == pytest.approx(rest * 55.0)  # its own median, 55 s
+    assert left["slow"] == pytest.approx(2 * 100.0 + rest * 20.0)  # twice as slow as "fast"
+    assert left["new"] is None  # haystacks no one priced and no median of its own
 
 
 def test_the_probe_queue_gives_each_start_the_first_method_neither_finished_nor_held(tmp_path):

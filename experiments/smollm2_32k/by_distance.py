@@ -89,6 +89,7 @@ class Progress:
     mean_cut: float | None  # tokens read per haystack, on average (None: none answered)
     median_seconds: float | None  # wall time a haystack took (its prefill and answer)
     total_seconds: float  # all its haystacks' wall time
+    seconds: dict[int, float]  # each answered haystack's wall time, by haystack index
 
 
 def progress(folder: Path) -> list[Progress]:
@@ -104,7 +105,32 @@ def progress(folder: Path) -> list[Progress]:
             method, len(done), sum(r["distance"] > L0 for r in done),
             statistics.mean(cuts) if cuts else None,
             statistics.median(seconds) if seconds else None, sum(seconds),
+            {r["haystack"]: r["haystack_seconds"] for r in done},
         ))  # fmt: skip
+    return out
+
+
+def seconds_left(rows: list[Progress]) -> dict[str, float | None]:
+    """Each method's wall time still to come, priced haystack by haystack. Every method
+    reads the same seeded haystacks, so a haystack another method has answered says what
+    it costs (the median of theirs), scaled by this method's pace against those same
+    haystacks where it has answered some; a haystack no one has answered is priced at
+    the method's median (None: no price at all). A method's own median alone misleads
+    while its few answers are the long cuts."""
+    out: dict[str, float | None] = {}
+    for p in rows:
+
+        def price(h: int, p: Progress = p) -> float | None:
+            times = [q.seconds[h] for q in rows if q is not p and h in q.seconds]
+            return statistics.median(times) if times else None
+
+        shared = [(s, price(h)) for h, s in p.seconds.items() if price(h) is not None]
+        pace = sum(s for s, _ in shared) / sum(r for _, r in shared) if shared else 1.0
+        left = [price(h) for h in range(HAYSTACKS) if h not in p.seconds]
+        if any(r is None for r in left) and p.median_seconds is None:
+            out[p.method] = None
+            continue
+        out[p.method] = sum(pace * r if r is not None else p.median_seconds for r in left)
     return out
 
 
