@@ -87,9 +87,15 @@ class Progress:
     answered: int  # haystacks (one probe each)
     past: int  # of them, needles more than L0 back
     mean_cut: float | None  # tokens read per haystack, on average (None: none answered)
-    median_seconds: float | None  # wall time a haystack took (its prefill and answer)
-    total_seconds: float  # all its haystacks' wall time
-    seconds: dict[int, float]  # each answered haystack's wall time, by haystack index
+    seconds: dict[int, float]  # each answered haystack's wall time (prefill and answer), by index
+
+    @property
+    def median_seconds(self) -> float | None:
+        return statistics.median(self.seconds.values()) if self.seconds else None
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
 
 
 def progress(folder: Path) -> list[Progress]:
@@ -100,11 +106,9 @@ def progress(folder: Path) -> list[Progress]:
     for method in METHODS:
         done = answers(folder, method)
         cuts = [r["cut"] for r in done]
-        seconds = [r["haystack_seconds"] for r in done]
         out.append(Progress(
             method, len(done), sum(r["distance"] > L0 for r in done),
             statistics.mean(cuts) if cuts else None,
-            statistics.median(seconds) if seconds else None, sum(seconds),
             {r["haystack"]: r["haystack_seconds"] for r in done},
         ))  # fmt: skip
     return out
@@ -119,18 +123,18 @@ def seconds_left(rows: list[Progress]) -> dict[str, float | None]:
     while its few answers are the long cuts."""
     out: dict[str, float | None] = {}
     for p in rows:
-
-        def price(h: int, p: Progress = p) -> float | None:
-            times = [q.seconds[h] for q in rows if q is not p and h in q.seconds]
-            return statistics.median(times) if times else None
-
-        shared = [(s, price(h)) for h, s in p.seconds.items() if price(h) is not None]
-        pace = sum(s for s, _ in shared) / sum(r for _, r in shared) if shared else 1.0
-        left = [price(h) for h in range(HAYSTACKS) if h not in p.seconds]
-        if any(r is None for r in left) and p.median_seconds is None:
-            out[p.method] = None
-            continue
-        out[p.method] = sum(pace * r if r is not None else p.median_seconds for r in left)
+        others = [q.seconds for q in rows if q is not p]
+        price = {h: statistics.median(times) for h in range(HAYSTACKS)
+                 if (times := [o[h] for o in others if h in o])}  # fmt: skip
+        shared = [h for h in p.seconds if h in price]
+        pace = sum(p.seconds[h] for h in shared) / sum(price[h] for h in shared) if shared else 1.0
+        left = [h for h in range(HAYSTACKS) if h not in p.seconds]
+        priced = sum(price[h] for h in left if h in price)
+        unpriced = sum(h not in price for h in left)
+        own = p.median_seconds
+        out[p.method] = (
+            None if unpriced and own is None else pace * priced + unpriced * (own or 0.0)
+        )
     return out
 
 
