@@ -8,6 +8,7 @@ import itertools
 import re
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,7 +24,7 @@ from ropekit.evals import (
     register_task,
 )
 from ropekit.evals.haystack import NOISE
-from ropekit.evals.tasks import zipf_counts
+from ropekit.evals.tasks import _largest_fitting, zipf_counts
 
 # Lengths at which every task fits; the full-size cwe needs more.
 LENGTH = {"bytes": 1200, "test-bpe": 700}
@@ -160,6 +161,50 @@ def test_zipf_counts_sum_to_the_text_and_rank_the_top_strictly(n, alpha, n_top):
     top, rest = counts[:n_top], counts[n_top:]
     assert all(a > b for a, b in itertools.pairwise(top))
     assert not rest or top[-1] > max(rest)
+
+
+class _Counted:
+    """A prompt's token count after n units of text: ``costs[i]`` tokens for unit i (one
+    token a unit past them), over a fixed preamble; remembers how often it was asked."""
+
+    def __init__(self, preamble: int, costs: list[int]):
+        self.totals = list(itertools.accumulate(costs, initial=preamble))
+        self.calls = 0
+
+    def __call__(self, n: int) -> int:
+        self.calls += 1
+        last = len(self.totals) - 1
+        return self.totals[min(n, last)] + max(0, n - last)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    preamble=st.integers(0, 50),
+    costs=st.lists(st.integers(0, 9), max_size=300),
+    lo=st.integers(0, 40),
+    room=st.integers(0, 600),
+)
+def test_the_fitter_finds_the_largest_fitting_size_as_a_scan_does(preamble, costs, lo, room):
+    count = _Counted(preamble, costs)
+    budget = count(lo) + room
+    cap = lo + 64 * (budget + 1)
+    scan = max(n for n in range(lo, cap + 1) if count(n) <= budget)
+    assert _largest_fitting(count, lo, budget) == scan
+
+
+def test_the_fitter_stops_at_its_cap_when_units_cost_nothing():
+    # No unit of text costs less than 1/64 of a token: past 64 units a token, it stops.
+    assert _largest_fitting(lambda n: 5, 3, 10) == 3 + 64 * 11
+
+
+def test_the_fitter_counts_a_32k_prompt_a_handful_of_times():
+    # Essay-like: about 1.3 tokens a word, each word 1-2 tokens (seeded), the budget of a
+    # 32k probe: gallop-and-bisect counted 17 times here, each a tokenization of the prompt.
+    rng = np.random.default_rng(0)
+    count = _Counted(60, [int(c) for c in rng.choice([1, 2], 30_000, p=[0.7, 0.3])])
+    n = _largest_fitting(count, 0, 32_700)
+    assert count(n) <= 32_700 < count(n + 1)
+    assert count.calls - 2 <= 7  # the two counts above are the assertion's
 
 
 def test_samples_follow_the_seed_and_keep_their_needle_across_lengths(byte_tok):
