@@ -454,9 +454,7 @@ def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tm
     table = contrasts.pair_table(partial, seeds, "adarope-global", "tuned-yarn")
     assert len(table["tuned-yarn"]["kjv"][32768].ppl) == 1  # seed 0, which both have
     pairs = (*contrasts.PAIRS, ("adarope-global", "tuned-yarn"))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(contrasts, "PAIRS", pairs)
-        both = {(a, b): d for a, b, d in contrasts.contrasts(partial, 32768)}
+    both = {(a, b): d for a, b, d in contrasts.contrasts(partial, 32768, pairs)}
     assert both[("adarope-global", "tuned-yarn")].seeds == 1
     assert both[("adarope-global", "tuned-yarn")].se_seeds is None
     # As a user runs it: the table; a length not scored, or a folder that is not a
@@ -505,6 +503,31 @@ def test_smollm2_32k_contrasts_pair_every_scored_window_and_average_the_seeds(tm
                          (["--final", str(tmp_path)], "has no eval/")]:  # fmt: skip
         done = subprocess.run(command + bad, cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_smollm2_32k_neighbours_contrasts_pair_its_own_methods(tmp_path, capsys):
+    """Issue 58's contrasts name only methods of its comparison, and are read from the folder
+    they are given with E's reader: on a folder of Leaky ReRoPE, YaRN x4 and `cope` holding a
+    copy of YaRN x4's scored runs, cope's pair with YaRN x4 is the one contrast, a difference
+    of exactly 0 (E's pairs would give Leaky ReRoPE's, the best free method, instead)."""
+    from experiments.smollm2_32k import contrasts as e
+    from experiments.smollm2_32k_neighbours import contrasts
+
+    here = ROOT / "experiments" / "smollm2_32k_neighbours"
+    methods = json.loads((here / "compare.json").read_text())["methods"]
+    assert {m for pair in contrasts.PAIRS for m in pair} <= set(methods)
+    final = ROOT / "experiments" / "smollm2_32k" / "final"
+    partial = tmp_path / "final"
+    copies = [("yarn-x4", "yarn-x4"), ("cope", "yarn-x4"), ("leaky-rerope", "leaky-rerope")]
+    for method, source in copies:
+        shutil.copytree(final / "eval" / source / "s0", partial / "eval" / method / "s0",
+                        ignore=shutil.ignore_patterns("probes"))  # fmt: skip
+        (partial / "methods" / method / "s0").mkdir(parents=True)
+    (found,) = e.contrasts(partial, 32768, contrasts.PAIRS)
+    assert found[:2] == ("cope", "yarn-x4") and found[2].mean == 0.0
+    contrasts.main(["--final", str(partial)])
+    out = capsys.readouterr().out
+    assert "| cope | yarn-x4 | " in out and "| logn |" not in out
 
 
 def test_smollm2_32k_contrasts_also_read_a_second_folders_methods(tmp_path):

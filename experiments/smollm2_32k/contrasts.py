@@ -82,6 +82,7 @@ PAIRS = (
 MIN_DIFFERENCE = CompareConfig.min_difference
 
 Table = dict[str, dict[str, dict[int, TableEntry]]]
+Pairs = tuple[tuple[str, str], ...]  # (a, b): a minus b; BEST_FREE may stand for a method
 
 
 def scored_seeds(final: Path) -> dict[str, list[int]]:
@@ -170,15 +171,15 @@ def seed_scores(final: Path, seeds: dict[str, list[int]], length: int) -> dict[s
     return out
 
 
-def contrasts(final: Path, length: int) -> list[tuple[str, str, Difference]]:
-    """Each pair of PAIRS that both methods have been scored for: (a, b, a minus b), BEST_FREE
-    replaced by ``best_free`` (a pair that becomes a method against itself, or one listed
-    already, is left out); two trained methods with no seed in common are left out."""
+def contrasts(final: Path, length: int, pairs: Pairs = PAIRS) -> list[tuple[str, str, Difference]]:
+    """Each pair of ``pairs`` that both methods have been scored for: (a, b, a minus b),
+    BEST_FREE replaced by ``best_free`` (a pair that becomes a method against itself, or one
+    listed already, is left out); two trained methods with no seed in common are left out."""
     seeds = scored_seeds(final)
     free = best_free(final, seeds, length)
     out = []
-    pairs = dict.fromkeys(tuple(free if m == BEST_FREE else m for m in pair) for pair in PAIRS)
-    for a, b in (pair for pair in pairs if pair[0] != pair[1]):
+    named = dict.fromkeys(tuple(free if m == BEST_FREE else m for m in pair) for pair in pairs)
+    for a, b in (pair for pair in named if pair[0] != pair[1]):
         if a in seeds and b in seeds:
             table = pair_table(final, seeds, a, b)
             if table[a][DOMAINS[0]]:  # a seed in common
@@ -208,15 +209,15 @@ def retrieval(final: Path) -> dict[str, tuple[LengthAccuracy, ...]]:
 
 
 def retrieval_contrasts(
-    final: Path, length: int
+    final: Path, length: int, pairs: Pairs = PAIRS
 ) -> list[tuple[str, str, int, int, int, tuple[float, float]]]:
-    """For each pair (``BEST_FREE`` as at ``length`` in perplexity) whose probes both
+    """For each pair of ``pairs`` (``BEST_FREE`` as at ``length`` in perplexity) whose probes both
     finished: a, b, a's and b's correct answers pooled over the probe lengths, the probes
     each, and the 95% interval of the difference of the two accuracies (Newcombe's)."""
     probed = retrieval(final)
     free = best_free(final, scored_seeds(final), length)
     out = []
-    for a, b in PAIRS:
+    for a, b in pairs:
         a, b = (free if m == BEST_FREE else m for m in (a, b))
         if a in probed and b in probed and a != b:
             k_a, k_b = (sum(e.correct for e in probed[m]) for m in (a, b))
@@ -261,14 +262,15 @@ def union(folders: list[Path], into: Path) -> Path:
     return into
 
 
-def figure(final: Path, length: int, path: Path) -> Path:
-    """Two panels: each contrast (a minus b, the verdict's last-quarter NLL at ``length``)
-    with its interval of 2 standard errors, red where the verdict's rule resolves it, hollow
-    where a trained method has one seed, the band of MIN_DIFFERENCE around 0 grey; and each
-    method's score seed by seed (dots) with their mean (a bar), best at the top, trained
-    methods red, training-free ones blue; a score past the axis is written at its edge."""
+def figure(final: Path, length: int, path: Path, pairs: Pairs = PAIRS) -> Path:
+    """Two panels: each contrast of ``pairs`` (a minus b, the verdict's last-quarter NLL at
+    ``length``) with its interval of 2 standard errors, red where the verdict's rule resolves
+    it, hollow where a trained method has one seed, the band of MIN_DIFFERENCE around 0 grey;
+    and each method's score seed by seed (dots) with their mean (a bar), best at the top,
+    trained methods red, training-free ones blue; a score past the axis is written at its
+    edge."""
     seeds = scored_seeds(final)
-    rows = contrasts(final, length)
+    rows = contrasts(final, length, pairs)
     scores = seed_scores(final, seeds, length)
     fig, axes = canvas(11.0, 0.42 * max(len(rows), len(scores)) + 1.8, 1, 2)
     ax = axes[0, 0]
@@ -307,9 +309,16 @@ def figure(final: Path, length: int, path: Path) -> Path:
     return save(fig, path)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m experiments.smollm2_32k.contrasts")
-    parser.add_argument("--final", type=Path, default=HERE / "final",
+def main(
+    argv: list[str] | None = None,
+    pairs: Pairs = PAIRS,
+    final: Path = HERE / "final",
+    prog: str = "python -m experiments.smollm2_32k.contrasts",
+) -> None:
+    """The tables (and figure) of ``pairs`` for the comparison in ``final`` unless --final
+    names another: E's by default; another experiment on E's design passes its own."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--final", type=Path, default=final,
                         help="the comparison's folder (default: the committed one)")  # fmt: skip
     parser.add_argument("--also", type=Path, action="append", default=[],
                         help="another comparison's folder whose methods are read too (stage "
@@ -324,11 +333,11 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.also:
             args.final = union([args.final, *args.also], Path(tmp))
-        _print(parser, args)
+        _print(parser, args, pairs)
 
 
-def _print(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """main's tables, for the folder ``args.final``."""
+def _print(parser: argparse.ArgumentParser, args: argparse.Namespace, pairs: Pairs) -> None:
+    """main's tables of ``pairs``, for the folder ``args.final``."""
     seeds = scored_seeds(args.final)
     tables = [pair_table(args.final, seeds, m, m)[m] for m in seeds]
     scored = sorted({n for table in tables for rows in table.values() for n in rows})
@@ -348,7 +357,7 @@ def _print(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     print("| a | b | windows | seeds | a - b | s.e. | of it, seeds | ppl ratio | resolved | "
           "a - b per seed |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for a, b, d in contrasts(args.final, args.length):
+    for a, b, d in contrasts(args.final, args.length, pairs):
         table = pair_table(args.final, seeds, a, b)
         each = ", ".join(f"{x:+.4f}" for x in paired_seeds(table, a, b, args.length))
         se = f"{d.se:.4f}" if d.se is not None else "-"
@@ -380,16 +389,16 @@ def _print(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         values = [f"{cells[d][0]:.2f}" if d in cells else "-" for d in DOMAINS]
         values += [f"{cells[d][1]:.2f}" if d in cells else "-" for d in DOMAINS]
         print(f"| {method} | {seed} | {' | '.join(values)} |")
-    _print_retrieval(args.final, args.length)
+    _print_retrieval(args.final, args.length, pairs)
     print(f"\nScored: {', '.join(f'{m} (seeds {s})' for m, s in seeds.items())}")
     print(
         f"Best training-free method at {args.length}: {best_free(args.final, seeds, args.length)}"
     )
     if args.figure is not None:
-        print(f"Figure: {figure(args.final, args.length, args.figure)}")
+        print(f"Figure: {figure(args.final, args.length, args.figure, pairs)}")
 
 
-def _print_retrieval(final: Path, length: int) -> None:
+def _print_retrieval(final: Path, length: int, pairs: Pairs) -> None:
     """main's retrieval tables: accuracy per method and length, and the pairs' differences."""
     probed = retrieval(final)
     if not probed:
@@ -418,7 +427,7 @@ def _print_retrieval(final: Path, length: int) -> None:
     )
     print("| a | b | a | b | a - b | 95% interval | told apart |")
     print("|---|---|---|---|---|---|---|")
-    for a, b, k_a, k_b, n, (low, high) in retrieval_contrasts(final, length):
+    for a, b, k_a, k_b, n, (low, high) in retrieval_contrasts(final, length, pairs):
         apart = "yes" if low > 0 or high < 0 else "no"
         print(f"| {a} | {b} | {k_a}/{n} | {k_b}/{n} | {(k_a - k_b) / n:+.2f} | "
               f"[{low:+.2f}, {high:+.2f}] | {apart} |")  # fmt: skip
