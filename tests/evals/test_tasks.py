@@ -188,7 +188,7 @@ def test_the_fitter_finds_the_largest_fitting_size_as_a_scan_does(preamble, cost
     count = _Counted(preamble, costs)
     budget = count(lo) + room
     cap = lo + 64 * (budget + 1)
-    scan = max(n for n in range(lo, cap + 1) if count(n) <= budget)
+    scan = min(cap, next(n for n in itertools.count(lo) if count(n) > budget) - 1)
     assert _largest_fitting(count, lo, budget) == scan
 
 
