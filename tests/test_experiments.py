@@ -76,12 +76,13 @@ def finite(values) -> bool:
 
 
 def test_extend_8x_scores_every_method_on_every_seed(tmp_path):
+    # Three of the committed config's six trained methods: the ablations (per-layer, no-freq,
+    # no-scale) are more AdaRoPE specs down the same path, and cost 38% of the test's time
+    # (78 s against 48 s, 2026-12-08 beside two probe threads); the config tests read the
+    # committed config with all six.
     trained = {
         "tuned-yarn": "tuned-yarn:factor=2",
         "adarope-global": "adarope:init=yarn,factor=2,share_heads=true,share_layers=true",
-        "adarope-per-layer": "adarope:init=yarn,factor=2,share_heads=true",
-        "adarope-no-freq": "adarope:init=yarn,factor=2,freq=false",
-        "adarope-no-scale": "adarope:init=yarn,factor=2,scale=false",
         "adarope": "adarope:init=yarn,factor=2",
     }
     config = {
@@ -124,9 +125,8 @@ def test_two_stage_runs_every_recipe(tmp_path):
         "lora_lr_grid": [0.003],
         "selection_samples": 1,
         "seeds": [0, 1],
-        "recipes": {
+        "recipes": {  # each kind of the committed config's (tuned-yarn->lora trains as adarope's)
             "yarn->lora": "yarn:factor=2",
-            "tuned-yarn->lora": "tuned-yarn:factor=2",
             "adarope->lora": "adarope:init=yarn,factor=2",
             "adarope->joint": "adarope:init=yarn,factor=2",
         },
