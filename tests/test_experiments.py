@@ -13,6 +13,7 @@ import importlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -768,6 +769,41 @@ def test_smollm2_32k_retrieval_by_distance_tabulates_only_when_every_method_has_
     assert text.count("\n") == 2 + len(d.METHODS) and "| rope (the floor) |" in text
     assert tables.e_retrieval_distance_contrasts(tmp_path).count("\n") == 2 + len(d.PAIRS)
     assert d.figure(folder, tmp_path / "f.png").stat().st_size > 0
+
+
+def test_issue_58_retrieval_tabulates_a_pair_once_both_its_methods_have_answered(tmp_path, capsys):
+    """Issue 58's retrieval (its by_distance.py): its methods are retrieval.sh's, in its order,
+    each asked against one of E's redo's; a pair is tabulated, probe by probe with E's
+    reader, only once both methods have answered all 56 probes, and a method not finished is
+    only counted."""
+    from experiments.smollm2_32k import by_distance as e
+    from experiments.smollm2_32k_neighbours import by_distance as n
+
+    script = (ROOT / "experiments" / "smollm2_32k_neighbours" / "retrieval.sh").read_text()
+    labels = re.search(r"^LABELS=\(([^)]*)\)", script, re.MULTILINE).group(1).split()
+    assert tuple(labels) == n.METHODS == tuple(a for a, _ in n.PAIRS)
+    assert {b for _, b in n.PAIRS} <= set(e.METHODS)
+    rng = np.random.default_rng(1)
+    distances = [int(x) for x in rng.integers(1000, 32000, e.HAYSTACKS)]
+    right = {m: [bool(x) for x in rng.random(e.HAYSTACKS) < 0.5]
+             for m in ("cope", "yarn-x4", "logn", "adarope")}  # fmt: skip
+    mine, theirs, empty = tmp_path / "mine", tmp_path / "theirs", tmp_path / "empty"
+    _probe_answers(mine, "cope", right["cope"], distances)
+    _probe_answers(mine, "logn", right["logn"][:10], distances[:10])  # not finished
+    empty.mkdir()
+    n.main(["--retrieval", str(mine), "--e-retrieval", str(empty)])
+    assert "No new method and the method it is asked against" in capsys.readouterr().out
+    for method in ("yarn-x4", "adarope"):
+        _probe_answers(theirs, method, right[method], distances)
+    png = tmp_path / "f.png"
+    n.main(["--retrieval", str(mine), "--e-retrieval", str(theirs), "--figure", str(png)])
+    out = capsys.readouterr().out
+    assert "cope: 56 of 56 answered" in out and "logn: 10 of 56 answered" in out
+    ((_, _, pairs),) = e.contrasts(n.joined(tmp_path / "both", [mine, theirs]), n.PAIRS[1:2])
+    low, high = pairs.interval()
+    assert f"cope - yarn-x4 past 8192: {pairs.difference:+.3f} [{low:+.3f}, {high:+.3f}]" in out
+    assert "logn - adarope" not in out and "\nadarope: " not in out
+    assert png.read_bytes().startswith(b"\x89PNG")
 
 
 def test_the_retrieval_hours_left_price_each_haystack_by_what_it_took_the_others():

@@ -17,7 +17,8 @@ probes, not before (``complete``): the README promised the answers would be tabu
 then. Until that, ``progress`` says how far each method has got, from the same files.
 
 Holds: LENGTH, HAYSTACKS, METHODS, FLOOR, PAIRS, CONFIG, REACH_ACCURACIES, answers, Progress,
-progress, complete, by_method, contrasts, contrasts_by_bin, figure, main.
+progress, complete, by_method, contrasts, contrasts_by_bin, figure, main (print_progress and
+print_tables, its parts, which issue 58's retrieval reads with its own methods and pairs).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ CONFIG = ProbeConfig(lengths=(LENGTH,), needles=1, haystacks=HAYSTACKS, bins=8, 
 # positions are trained. Both read point accuracies of bins of about 7 probes: noisy, so the
 # pooled accuracy past L0 and the pairs' intervals are what the verdict reads.
 REACH_ACCURACIES = (CONFIG.reach_accuracy, 0.5)
+Pairs = tuple[tuple[str, str], ...]  # (a, b): a's accuracy minus b's
 
 
 def answers(folder: Path, method: str) -> list[dict[str, Any]]:
@@ -98,12 +100,12 @@ class Progress:
         return sum(self.seconds.values())
 
 
-def progress(folder: Path) -> list[Progress]:
+def progress(folder: Path, methods: tuple[str, ...] = METHODS) -> list[Progress]:
     """Each method's answers so far, with the wall time they took as recorded with each
     (``haystack_seconds``: one thread, under whatever else ran; a haystack read across a
     pause counts the pause, so the median is the pace to quote)."""
     out = []
-    for method in METHODS:
+    for method in methods:
         done = answers(folder, method)
         cuts = [r["cut"] for r in done]
         out.append(Progress(
@@ -138,9 +140,9 @@ def seconds_left(rows: list[Progress]) -> dict[str, float | None]:
     return out
 
 
-def complete(folder: Path) -> bool:
+def complete(folder: Path, methods: tuple[str, ...] = METHODS) -> bool:
     """Whether every method has answered every probe (the tables fill in then)."""
-    return all(p.answered == HAYSTACKS for p in progress(folder))
+    return all(p.answered == HAYSTACKS for p in progress(folder, methods))
 
 
 @dataclass(frozen=True)
@@ -152,12 +154,12 @@ class MethodRetrieval:
     past: Accuracy  # its probes past L0, pooled: each in one bin, so each counted once
 
 
-def by_method(folder: Path) -> dict[str, MethodRetrieval]:
+def by_method(folder: Path, methods: tuple[str, ...] = METHODS) -> dict[str, MethodRetrieval]:
     """Each method's accuracy per distance bin (the bins of probes.sh) and its reach at each
     of ``REACH_ACCURACIES``, from its answers (``summarize_records`` and ``reach``, what its
     summary.json is written with), and its probes past L0 pooled."""
     out = {}
-    for method in METHODS:
+    for method in methods:
         records = [{**r, "length": LENGTH} for r in answers(folder, method)]
         far = [r for r in records if r["distance"] > L0]
         summary = summarize_records(records, CONFIG.bin_edges, CONFIG.reach_accuracy)
@@ -172,19 +174,21 @@ def by_method(folder: Path) -> dict[str, MethodRetrieval]:
     return out
 
 
-def contrasts(folder: Path) -> list[tuple[str, str, PairedProbes]]:
-    """For each pair of ``PAIRS``: a, b, and their answers past L0 paired probe by probe."""
+def contrasts(folder: Path, pairs: Pairs = PAIRS) -> list[tuple[str, str, PairedProbes]]:
+    """For each pair of ``pairs``: a, b, and their answers past L0 paired probe by probe."""
     return [
-        (a, b, paired_probes(answers(folder, a), answers(folder, b), beyond=L0)) for a, b in PAIRS
+        (a, b, paired_probes(answers(folder, a), answers(folder, b), beyond=L0)) for a, b in pairs
     ]
 
 
-def contrasts_by_bin(folder: Path) -> list[tuple[str, str, dict[tuple[int, int], PairedProbes]]]:
-    """For each pair of ``PAIRS``: a, b, and their answers paired in each distance bin (low,
+def contrasts_by_bin(
+    folder: Path, pairs: Pairs = PAIRS
+) -> list[tuple[str, str, dict[tuple[int, int], PairedProbes]]]:
+    """For each pair of ``pairs``: a, b, and their answers paired in each distance bin (low,
     high] that holds probes (the plan asked for the pairs per bin as well as pooled; a bin
     holds about 7 probes, so its interval is wide)."""
     out = []
-    for a, b in PAIRS:
+    for a, b in pairs:
         mine, theirs = answers(folder, a), answers(folder, b)
         bins = {}
         for low, high in itertools.pairwise(CONFIG.bin_edges):
@@ -197,9 +201,9 @@ def contrasts_by_bin(folder: Path) -> list[tuple[str, str, dict[tuple[int, int],
     return out
 
 
-def figure(folder: Path, path: Path) -> Path:
+def figure(folder: Path, path: Path, methods: tuple[str, ...] = METHODS) -> Path:
     """Accuracy against needle distance, one line per method, the trained length marked."""
-    runs = {m: r.by_distance for m, r in by_method(folder).items()}
+    runs = {m: r.by_distance for m, r in by_method(folder, methods).items()}
     title = f"SmolLM2-135M at {LENGTH:,}: one needle per essay haystack, {HAYSTACKS} a method"
     return plot_accuracy_vs_distance(runs, path, L0, CONFIG.reach_accuracy, title)
 
@@ -209,23 +213,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--retrieval", type=Path, default=RETRIEVAL, help="run.sh's folder")
     parser.add_argument("--figure", type=Path, help="also draw accuracy vs distance here (PNG)")
     args = parser.parse_args(argv)
-    for p in progress(args.retrieval):
+    print_progress(args.retrieval, METHODS)
+    if not complete(args.retrieval):
+        print("Not every method has answered every probe: no table yet.")
+        return
+    print_tables(args.retrieval, METHODS, PAIRS)
+    if args.figure is not None:
+        print(f"Figure: {figure(args.retrieval, args.figure)}")
+
+
+def print_progress(folder: Path, methods: tuple[str, ...]) -> None:
+    """main's progress lines: each method's answers so far."""
+    for p in progress(folder, methods):
         mean = "-" if p.mean_cut is None else f"{p.mean_cut:,.0f}"
         print(
             f"{p.method}: {p.answered} of {HAYSTACKS} answered, {p.past} past {L0}, mean cut {mean}"
         )
-    if not complete(args.retrieval):
-        print("Not every method has answered every probe: no table yet.")
-        return
-    for method, r in by_method(args.retrieval).items():
+
+
+def print_tables(folder: Path, methods: tuple[str, ...], pairs: Pairs) -> None:
+    """main's tables: each method's bins, its probes past L0 and its reaches, then each pair's
+    difference past L0 with its paired interval."""
+    for method, r in by_method(folder, methods).items():
         bins = ", ".join(f"{b.correct}/{b.n}" for b in r.by_distance)
         reaches = ", ".join(f"{x.distance} at {x.accuracy:g}" for x in r.reaches)
         print(f"{method}: {bins}; past {L0} {r.past.correct}/{r.past.n}; reach {reaches}")
-    for a, b, p in contrasts(args.retrieval):
+    for a, b, p in contrasts(folder, pairs):
         low, high = p.interval()
         print(f"{a} - {b} past {L0}: {p.difference:+.3f} [{low:+.3f}, {high:+.3f}]")
-    if args.figure is not None:
-        print(f"Figure: {figure(args.retrieval, args.figure)}")
 
 
 if __name__ == "__main__":
