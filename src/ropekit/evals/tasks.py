@@ -598,11 +598,11 @@ def _largest_fitting(count: Callable[[int], int], lo: int, budget: int) -> int:
     fit. A count tokenizes a whole prompt (a fifth of a second at 32k tokens), so the search
     keeps a bracket (good fits, bad does not) and guesses where the straight line through what
     it has measured crosses the budget (false position): tokens grow almost linearly with
-    units of text, so it closes in within a few counts (six for an essay haystack of 32k,
-    where gallop-and-bisect took seventeen). Two guesses in a row that leave more than half
-    the bracket are followed by a bisection, so the worst case stays logarithmic. Every n it
-    returns was counted. No unit of text costs less than 1/64 of a token, which caps the
-    search."""
+    units of text, so it closes in within a few counts (seven on average for the essay
+    haystacks of 32k, where gallop-and-bisect took seventeen). Two guesses in a row that leave
+    more than half the bracket are followed by a bisection, so the worst case stays
+    logarithmic. Every n it returns was counted. No unit of text costs less than 1/64 of a
+    token, which caps the search."""
     t_lo = count(lo)
     good, t_good = lo, t_lo
     bad, t_bad = lo + 64 * (budget + 1) + 1, None  # None: not counted (past the cap)
