@@ -786,6 +786,7 @@ def test_issue_58_retrieval_tabulates_a_pair_once_both_its_methods_have_answered
     reader, only once both methods have answered all 56 probes, and a method not finished is
     only counted."""
     from experiments.smollm2_32k import by_distance as e
+    from experiments.smollm2_32k.contrasts import linked
     from experiments.smollm2_32k_neighbours import by_distance as n
 
     script = (ROOT / "experiments" / "smollm2_32k_neighbours" / "retrieval.sh").read_text()
@@ -808,7 +809,7 @@ def test_issue_58_retrieval_tabulates_a_pair_once_both_its_methods_have_answered
     n.main(["--retrieval", str(mine), "--e-retrieval", str(theirs), "--figure", str(png)])
     out = capsys.readouterr().out
     assert "cope: 56 of 56 answered" in out and "logn: 10 of 56 answered" in out
-    ((_, _, pairs),) = e.contrasts(n.joined(tmp_path / "both", [mine, theirs]), n.PAIRS[1:2])
+    ((_, _, pairs),) = e.contrasts(linked([mine, theirs], tmp_path / "both"), n.PAIRS[1:2])
     low, high = pairs.interval()
     assert f"cope - yarn-x4 past 8192: {pairs.difference:+.3f} [{low:+.3f}, {high:+.3f}]" in out
     assert "logn - adarope" not in out and "\nadarope: " not in out

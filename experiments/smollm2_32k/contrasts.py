@@ -32,7 +32,7 @@ seeds' spread that decides it are read at a glance.
 
 Holds: L0, BASELINE, BEST_FREE, PAIRS, MIN_DIFFERENCE, scored_seeds, pair_table, best_free,
 standing, seed_scores, contrasts, one_seed, resolved, retrieval, retrieval_contrasts, per_seed,
-union, figure, main.
+union, linked, figure, main.
 """
 
 from __future__ import annotations
@@ -254,11 +254,18 @@ def union(folders: list[Path], into: Path) -> Path:
     """A comparison's folder in ``into`` that holds every method of ``folders`` (links to their
     eval/ and methods/ entries), a method two folders hold taken from the first."""
     for sub in ("eval", "methods"):
-        (into / sub).mkdir(parents=True)
-        for folder in folders:
-            for entry in sorted((folder / sub).iterdir()) if (folder / sub).is_dir() else []:
-                if entry.is_dir() and not (into / sub / entry.name).exists():
-                    (into / sub / entry.name).symlink_to(entry.resolve(), target_is_directory=True)
+        linked([folder / sub for folder in folders], into / sub)
+    return into
+
+
+def linked(folders: list[Path], into: Path) -> Path:
+    """``into`` holding a link to every folder inside ``folders`` (those that exist), a name
+    two of them hold taken from the first."""
+    into.mkdir(parents=True, exist_ok=True)
+    for folder in folders:
+        for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
+            if entry.is_dir() and not (into / entry.name).exists():
+                (into / entry.name).symlink_to(entry.resolve(), target_is_directory=True)
     return into
 
 

@@ -11,7 +11,7 @@ answer (README, "Two decisions"), so one may finish sessions before the next: a 
 tabulated once it has answered all 56 probes and a pair once both of its methods have, never
 a part of either. What is tabulated was fixed before any answer was read (METHODS, PAIRS).
 
-Holds: METHODS, PAIRS, joined, finished, main.
+Holds: METHODS, PAIRS, finished, main.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from experiments.smollm2_32k import by_distance as e
+from experiments.smollm2_32k.contrasts import linked
 
 HERE = Path(__file__).parent
 RETRIEVAL = HERE / "retrieval"
@@ -50,17 +51,6 @@ PAIRS = (
 )
 
 
-def joined(into: Path, folders: list[Path]) -> Path:
-    """A retrieval folder in ``into`` holding every method of ``folders`` (links to their
-    method folders), a method two folders hold taken from the first."""
-    into.mkdir(parents=True, exist_ok=True)
-    for folder in folders:
-        for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
-            if entry.is_dir() and not (into / entry.name).exists():
-                (into / entry.name).symlink_to(entry.resolve(), target_is_directory=True)
-    return into
-
-
 def finished(folder: Path, methods: tuple[str, ...]) -> tuple[str, ...]:
     """The methods of ``methods`` that have answered all their probes, in their order."""
     return tuple(p.method for p in e.progress(folder, methods) if p.answered == e.HAYSTACKS)
@@ -74,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--figure", type=Path, help="also draw accuracy vs distance here (PNG)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = joined(Path(tmp), [args.retrieval, args.e_retrieval])
+        folder = linked([args.retrieval, args.e_retrieval], Path(tmp))
         e.print_progress(folder, METHODS)
         done = finished(folder, METHODS + tuple(dict.fromkeys(b for _, b in PAIRS)))
         pairs = tuple((a, b) for a, b in PAIRS if a in done and b in done)
